@@ -1,0 +1,66 @@
+"""The error tree. Every fleetmend error derives from `FleetmendError`; subclasses also derive
+from the stdlib type they resemble, so `except OSError` still catches a full spool.
+
+    FleetmendError
+    ├── ConfigError(ValueError)            bad or missing operator configuration
+    ├── CatalogError(ValueError)           fault catalog entry invalid (at load)
+    ├── ParseError(ValueError)             a text could not be decoded (kmsg, nvidia-smi, ...)
+    ├── InvalidEventError(ValueError)      a wire message can never become a FaultEvent
+    ├── SpoolFullError(OSError)            the agent's on-disk spool is at its bound
+    ├── SchedulerError(RuntimeError)       scontrol / API call failed
+    │   └── NodeNotFoundError(LookupError) scheduler does not know the node
+    ├── TicketError(RuntimeError)          ticket filing/reading failed
+    ├── DiagnosticsError(RuntimeError)     the node agent did not answer a diagnostics request
+    └── ServiceUnavailableError(ConnectionError)  NATS/Temporal not reachable (message says where)
+"""
+
+from __future__ import annotations
+
+
+class FleetmendError(Exception):
+    """Root of all fleetmend errors."""
+
+
+class ConfigError(FleetmendError, ValueError):
+    pass
+
+
+class CatalogError(FleetmendError, ValueError):
+    pass
+
+
+class ParseError(FleetmendError, ValueError):
+    pass
+
+
+class InvalidEventError(FleetmendError, ValueError):
+    """A message that can never be valid; the router dead-letters it with `reason`."""
+
+    def __init__(self, reason: str, *, subject: str | None = None) -> None:
+        super().__init__(f"{reason} (subject {subject})" if subject else reason)
+        self.reason = reason
+        self.subject = subject
+
+
+class SpoolFullError(FleetmendError, OSError):
+    pass
+
+
+class SchedulerError(FleetmendError, RuntimeError):
+    pass
+
+
+class NodeNotFoundError(SchedulerError, LookupError):
+    pass
+
+
+class TicketError(FleetmendError, RuntimeError):
+    pass
+
+
+class DiagnosticsError(FleetmendError, RuntimeError):
+    pass
+
+
+class ServiceUnavailableError(FleetmendError, ConnectionError):
+    pass

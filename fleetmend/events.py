@@ -1,0 +1,208 @@
+"""The one event shape that crosses every boundary: probe → JetStream → router → workflow.
+
+`FaultEvent` is built by probes, validated by the router and delivered to the node's
+`NodeRemediation` workflow as the signal payload. There is no second internal shape.
+
+Wire format: JSON (UTF-8), one object per NATS message, `schema_version` = `SCHEMA_VERSION`.
+Unknown fields from newer agents are ignored (forward compatible); a message whose
+`schema_version` is newer than this reader understands is rejected (dead-lettered) because its
+meaning may have changed.
+
+Imports only stdlib and pydantic (design rule: the contract never imports nats/temporalio).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+"""Current wire schema. Bump only for incompatible meaning changes; additive fields don't bump."""
+
+MAX_RAW_BYTES = 16 * 1024
+"""Longest `raw` text kept on an event (bytes of UTF-8). Longer evidence is truncated with a marker,
+so one runaway register dump cannot exceed the NATS max payload (1 MiB default)."""
+
+
+class Component(StrEnum):
+    """What part of the node a fault is about. Stable wire strings; never reuse a value."""
+
+    GPU = "gpu"
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+    IB = "ib"
+    NIC = "nic"
+    NVME = "nvme"
+    CPU = "cpu"
+    MEMORY = "memory"
+    KERNEL = "kernel"
+    AGENT = "agent"
+
+
+class Severity(StrEnum):
+    """How bad a reading is, from an operator's point of view.
+
+    - info: nothing to do (also used for clearing events),
+    - degraded: impaired but working, or the action is to restart the application,
+    - fatal: device lost or untrustworthy until reset, reboot or replacement.
+    """
+
+    INFO = "info"
+    DEGRADED = "degraded"
+    FATAL = "fatal"
+
+    @property
+    def rank(self) -> int:
+        """0 (info) < 1 (degraded) < 2 (fatal); for max() and ordering."""
+        return _SEVERITY_RANK[self]
+
+
+_SEVERITY_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
+
+
+class Source(StrEnum):
+    """Which probe (or tool) produced the event."""
+
+    KMSG = "kmsg"
+    NVML = "nvml"
+    UDEV = "udev"
+    SYSFS = "sysfs"
+    DCGM = "dcgm"
+    HEARTBEAT = "heartbeat"
+    INJECT = "inject"
+    NVIDIA_SMI = "nvidia-smi"
+
+
+class Device(BaseModel):
+    """The device a fault is about, as far as the text identifies it.
+
+    `pci_bus_id` is lower-case `dddd:bb:dd.f` (the driver's `PCI:0000:3b:00` becomes `0000:3b:00.0`).
+    `name` is a kernel name where there is no BDF (netdev `eth3`, `nvme2`, `mlx5_0`, `cpu7`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    index: int | None = None
+    pci_bus_id: str | None = None
+    uuid: str | None = None
+    serial: str | None = None
+    name: str | None = None
+    port: int | None = None
+
+
+def new_event_id(now_ns: int | None = None) -> str:
+    """A unique, time-ordered id: 16 hex digits of UTC nanoseconds + 8 random hex digits.
+
+    Lexicographic order equals time order (until the year 2554). Used as `Nats-Msg-Id`, so a
+    re-sent event is deduplicated by JetStream and again by the workflow.
+    """
+    ns = time.time_ns() if now_ns is None else now_ns
+    return f"{ns:016x}{os.urandom(4).hex()}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class FaultEvent(BaseModel):
+    """One observation about one node (a fault, or with `healthy=True` the clearing of one).
+
+    Fields:
+        event_id: unique, time-ordered (`new_event_id`); the JetStream `Nats-Msg-Id`.
+        schema_version: wire schema (`SCHEMA_VERSION`).
+        cluster, node: where it was observed; must match the subject it was published on.
+        component: `Component`.
+        device: `Device` (index, PCI bus id, UUID/serial, kernel name) where known.
+        kind: what was seen, snake_case and stable (`xid`, `gpu_fallen_off_bus`, `aer_fatal`,
+            `ib_port_down`, `hung_task`, ...). The catalog is keyed by `kind` (+ `code`).
+        code: numeric code where the kind has one (the XID number, SXid number).
+        severity: `Severity` as read by the agent; the router may reclassify by catalog/operator override.
+        healthy: True for a clearing event of an earlier unhealthy `kind` on the same device.
+        message: one readable line.
+        observed_at: UTC time the agent observed it (kernel timestamps are often relative).
+        source: `Source`.
+        raw: the original text (all lines of a multi-line record), at most `MAX_RAW_BYTES`.
+        agent_version: version of the agent that built the event.
+        pid: process the event is attributed to (XID `pid=`), None when unknown.
+        attrs: small extra decoded fields (e.g. NVLink5 `unit`, `rst`, `d_rst`), str/int/bool values.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore", use_enum_values=False)
+
+    event_id: str = Field(default_factory=new_event_id, min_length=8, max_length=64)
+    schema_version: int = SCHEMA_VERSION
+    cluster: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    node: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    component: Component
+    device: Device = Field(default_factory=Device)
+    kind: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    code: int | None = None
+    severity: Severity
+    healthy: bool = False
+    message: str = Field(default="", max_length=4096)
+    observed_at: datetime = Field(default_factory=utcnow)
+    source: Source
+    raw: str = ""
+    agent_version: str = "unknown"
+    pid: int | None = None
+    attrs: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("raw")
+    @classmethod
+    def _cap_raw(cls, v: str) -> str:
+        data = v.encode("utf-8", "replace")
+        if len(data) <= MAX_RAW_BYTES:
+            return v
+        return data[: MAX_RAW_BYTES - 32].decode("utf-8", "ignore") + "\n…[truncated by fleetmend]"
+
+    @field_validator("observed_at")
+    @classmethod
+    def _utc(cls, v: datetime) -> datetime:
+        if v.tzinfo is None:
+            return v.replace(tzinfo=timezone.utc)
+        return v.astimezone(timezone.utc)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, v: int) -> int:
+        if v < 1 or v > SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {v} is not understood by this reader (knows 1..{SCHEMA_VERSION}); "
+                "upgrade the router/worker before the agents"
+            )
+        return v
+
+    @property
+    def fault_key(self) -> str:
+        """Identity of the *condition* (not the occurrence): component/kind/code@device.
+
+        A clearing event (`healthy=True`) has the same key as the fault it clears.
+        """
+        dev = self.device.pci_bus_id or self.device.uuid or self.device.name
+        if dev is None and self.device.index is not None:
+            dev = f"#{self.device.index}"
+        code = "" if self.code is None else f":{self.code}"
+        return f"{self.component.value}/{self.kind}{code}@{dev or '-'}"
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=False).encode()
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes) -> "FaultEvent":
+        """Parse one wire message. Raises `pydantic.ValidationError` (or `UnicodeDecodeError`)."""
+        return cls.model_validate_json(data)
+
+    def summary(self) -> str:
+        code = f" {self.code}" if self.code is not None else ""
+        dev = self.device.pci_bus_id or self.device.name or self.device.uuid or ""
+        state = "cleared" if self.healthy else self.severity.value
+        return f"{self.kind}{code} {dev} ({state})".replace("  ", " ").strip()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-compatible dict (enums as strings, datetime ISO-8601)."""
+        return self.model_dump(mode="json")
