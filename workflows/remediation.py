@@ -1,0 +1,633 @@
+"""`NodeRemediation`: one durable incident per node, id `remediate/<cluster>/<node>`.
+
+    triage ─(drain-worthy fault)→ awaiting_permit → draining → diagnosing → recovering
+        → awaiting_repair ⇄ verifying → returning → closed
+    triage ─(only application-side faults; quiet for policy.close_after_idle_s)→ closed ("recorded")
+
+Started by the router with signal-with-start (`faults` signal); later faults of the same node join
+the open incident. Human commands are updates with validators, so bad input never reaches history:
+`mark_repaired`, `force_retest`, `abort`, `approve`. The `status` query answers `IncidentStatus`.
+
+Deterministic code only: every side effect is an activity (activities/), time is `workflow.now()`,
+logs go through `workflow.logger`. History stays bounded: after `MAX_HISTORY_EVENTS` (or when the
+server suggests it) the workflow continues-as-new at a waiting point, carrying its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributeKey
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.diagnostics import DiagActivityRequest
+    from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
+    from activities.tickets import TicketRef, TicketRequest, TicketUpdate
+    from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult
+    from fleetmend.events import FaultEvent, Severity
+
+MAX_HISTORY_EVENTS = 5_000
+"""Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
+MAX_FAULTS_KEPT = 100
+"""Fault records kept in state; older ones are summarised in `faults_dropped` (bounded history)."""
+MAX_SEEN_IDS = 2_000
+"""Event ids remembered for de-duplication of redelivered events (router retries, agent re-sends)."""
+
+KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
+KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
+KEY_PHASE = SearchAttributeKey.for_keyword("FleetPhase")
+KEY_FAULT_CLASS = SearchAttributeKey.for_keyword("FleetFaultClass")
+KEY_TICKET = SearchAttributeKey.for_keyword("FleetTicket")
+KEY_SEVERITY = SearchAttributeKey.for_keyword("FleetSeverity")
+KEY_DRAINED = SearchAttributeKey.for_bool("FleetDrained")
+
+ACTIVITY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coefficient=2.0,
+                             maximum_interval=timedelta(minutes=1), maximum_attempts=0,
+                             non_retryable_error_types=["NodeNotFound", "InvalidRequest"])
+"""Side effects retry until they succeed (drains and undrains must not be given up), bounded per
+attempt by start_to_close and overall by schedule_to_close where set."""
+DIAG_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30),
+                         maximum_attempts=5)
+"""Diagnostics give up after 5 attempts: a silent agent is itself evidence (result UNKNOWN)."""
+
+
+class Phase(StrEnum):
+    TRIAGE = "triage"
+    AWAITING_PERMIT = "awaiting_permit"
+    DRAINING = "draining"
+    DIAGNOSING = "diagnosing"
+    RECOVERING = "recovering"
+    AWAITING_REPAIR = "awaiting_repair"
+    VERIFYING = "verifying"
+    RETURNING = "returning"
+    CLOSED = "closed"
+
+
+class Outcome(StrEnum):
+    RETURNED = "returned_to_service"
+    RECORDED = "recorded"
+    """Only faults that need no drain (application-side); nothing was touched."""
+    OBSERVED = "observed"
+    """Observe-only mode: a drain would have happened; nothing was touched."""
+    ABORTED = "aborted"
+    OPERATOR_OWNED = "operator_owned"
+    """The node was already drained by an operator; fleetmend recorded and left it."""
+
+
+@dataclass
+class Verdict:
+    """The router's classification of one event (from the fault catalog), carried with it."""
+
+    severity: str
+    immediate_action: str
+    investigatory_action: str = ""
+    fault_class: str = ""
+    drain: bool = False
+    source: str = ""
+    description: str = ""
+
+
+@dataclass
+class RoutedFault:
+    event: FaultEvent
+    verdict: Verdict
+
+
+@dataclass
+class FaultBatch:
+    """Signal payload: one node's events coalesced by the router, oldest first."""
+
+    faults: list[RoutedFault]
+    routed_at: datetime | None = None
+
+
+@dataclass
+class PolicySnapshot:
+    """Policy values in force when the incident started (kept in history for replay)."""
+
+    observe_only: bool = False
+    repair_escalation_s: float = 3 * 24 * 3600.0
+    settle_s: float = 0.0
+    diag_timeout_s: float = 120.0
+    close_after_idle_s: float = 3600.0
+
+
+@dataclass
+class FaultRecord:
+    event_id: str
+    kind: str
+    code: int | None
+    severity: str
+    component: str
+    device: str | None
+    healthy: bool
+    raw: str
+    message: str
+    observed_at: str
+    fault_class: str
+    immediate_action: str
+    drain: bool
+    source: str
+    count: int = 1
+
+
+@dataclass
+class TimelineEntry:
+    at: str
+    phase: str
+    text: str
+    by: str | None = None
+
+
+@dataclass
+class IncidentState:
+    cluster: str
+    node: str
+    phase: str = Phase.TRIAGE.value
+    outcome: str | None = None
+    drained: bool = False
+    drain_owned: bool = False
+    operator_drained: bool = False
+    ticket: str | None = None
+    ticket_url: str | None = None
+    fault_class: str | None = None
+    severity: str = Severity.INFO.value
+    opened_at: str | None = None
+    closed_at: str | None = None
+    faults: list[FaultRecord] = field(default_factory=list)
+    faults_dropped: int = 0
+    duplicates: int = 0
+    seen_ids: list[str] = field(default_factory=list)
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    last_diag: dict[str, Any] | None = None
+    repair_attempts: int = 0
+    run: int = 1
+
+
+@dataclass
+class IncidentInput:
+    cluster: str
+    node: str
+    policy: PolicySnapshot = field(default_factory=PolicySnapshot)
+    carried: IncidentState | None = None
+    """State carried across continue-as-new."""
+    pending: list[RoutedFault] = field(default_factory=list)
+
+
+@dataclass
+class HumanCommand:
+    by: str
+    """Who sent it (CLI user@host); recorded in history for audit."""
+    note: str = ""
+    ticket: str | None = None
+    undrain: bool = False
+
+
+@dataclass
+class IncidentStatus:
+    workflow_id: str
+    node: str
+    cluster: str
+    phase: str
+    outcome: str | None
+    drained: bool
+    ticket: str | None
+    fault_class: str | None
+    severity: str
+    opened_at: str | None
+    closed_at: str | None
+    faults: list[dict[str, Any]]
+    faults_dropped: int
+    duplicates: int
+    timeline: list[dict[str, Any]]
+    last_diag: dict[str, Any] | None
+    operator_drained: bool
+
+
+@workflow.defn(name="NodeRemediation")
+class NodeRemediation:
+    def __init__(self) -> None:
+        self._s: IncidentState | None = None
+        self._pending: list[RoutedFault] = []
+        self._repaired: HumanCommand | None = None
+        self._retest: HumanCommand | None = None
+        self._abort: HumanCommand | None = None
+        self._approved: HumanCommand | None = None
+        self._policy = PolicySnapshot()
+
+    # ---------------------------------------------------------------- messages
+    @workflow.signal(name="faults")
+    def faults(self, batch: FaultBatch) -> None:
+        self._pending.extend(batch.faults)
+
+    @workflow.query(name="status")
+    def status(self) -> IncidentStatus:
+        s = self._state
+        return IncidentStatus(
+            workflow_id=workflow.info().workflow_id, node=s.node, cluster=s.cluster, phase=s.phase,
+            outcome=s.outcome, drained=s.drained, ticket=s.ticket, fault_class=s.fault_class,
+            severity=s.severity, opened_at=s.opened_at, closed_at=s.closed_at,
+            faults=[_record_dict(f) for f in s.faults], faults_dropped=s.faults_dropped,
+            duplicates=s.duplicates, timeline=[t.__dict__ for t in s.timeline[-50:]],
+            last_diag=s.last_diag, operator_drained=s.operator_drained)
+
+    @workflow.update(name="mark_repaired")
+    async def mark_repaired(self, cmd: HumanCommand) -> str:
+        self._repaired = cmd
+        self._note(f"marked repaired{' (ticket ' + cmd.ticket + ')' if cmd.ticket else ''}"
+                   f"{': ' + cmd.note if cmd.note else ''}", by=cmd.by)
+        return "repair recorded; verification will run"
+
+    @mark_repaired.validator
+    def _validate_repaired(self, cmd: HumanCommand) -> None:
+        self._require_by(cmd)
+        if self._state.phase != Phase.AWAITING_REPAIR.value:
+            raise ValueError(f"node {self._state.node} is in phase {self._state.phase}, not awaiting_repair; "
+                             "nothing to mark repaired")
+
+    @workflow.update(name="force_retest")
+    async def force_retest(self, cmd: HumanCommand) -> str:
+        self._retest = cmd
+        self._note("re-test requested", by=cmd.by)
+        return "re-test scheduled"
+
+    @force_retest.validator
+    def _validate_retest(self, cmd: HumanCommand) -> None:
+        self._require_by(cmd)
+        if self._state.phase not in (Phase.AWAITING_REPAIR.value, Phase.TRIAGE.value):
+            raise ValueError(f"node {self._state.node} is in phase {self._state.phase}; a re-test can be forced "
+                             "while awaiting_repair (or triage)")
+
+    @workflow.update(name="abort")
+    async def abort(self, cmd: HumanCommand) -> str:
+        self._abort = cmd
+        self._note(f"abort requested{': ' + cmd.note if cmd.note else ''}", by=cmd.by)
+        return "incident will close; " + ("node will be undrained" if cmd.undrain else "scheduler state left as is")
+
+    @abort.validator
+    def _validate_abort(self, cmd: HumanCommand) -> None:
+        self._require_by(cmd)
+        if self._state.phase == Phase.CLOSED.value:
+            raise ValueError(f"incident for {self._state.node} is already closed")
+
+    @workflow.update(name="approve")
+    async def approve(self, cmd: HumanCommand) -> str:
+        self._approved = cmd
+        self._note("approved", by=cmd.by)
+        return "approved"
+
+    @approve.validator
+    def _validate_approve(self, cmd: HumanCommand) -> None:
+        self._require_by(cmd)
+
+    # ---------------------------------------------------------------- main
+    @workflow.run
+    async def run(self, inp: IncidentInput) -> IncidentStatus:
+        self._policy = inp.policy
+        if inp.carried is not None:
+            self._s = inp.carried
+            self._s.run += 1
+        else:
+            self._s = IncidentState(cluster=inp.cluster, node=inp.node, opened_at=self._now())
+            self._note("incident opened")
+        self._pending = list(inp.pending) + self._pending
+        s = self._s
+
+        if s.phase == Phase.TRIAGE.value:
+            await self._triage()
+        if s.phase in (Phase.AWAITING_PERMIT.value, Phase.DRAINING.value):
+            await self._drain()
+        if s.phase in (Phase.DIAGNOSING.value, Phase.RECOVERING.value):
+            await self._diagnose_and_ticket()
+        while s.phase in (Phase.AWAITING_REPAIR.value, Phase.VERIFYING.value):
+            if s.phase == Phase.AWAITING_REPAIR.value:
+                await self._await_repair()
+            if s.phase == Phase.VERIFYING.value:
+                await self._verify()
+        if s.phase == Phase.RETURNING.value:
+            await self._return()
+        if self._abort is not None and s.phase != Phase.CLOSED.value:
+            await self._do_abort()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._pending:
+            # Faults that arrived as this incident closed open the node's next incident.
+            workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
+                                                   pending=self._pending))
+        return self.status()
+
+    # ---------------------------------------------------------------- phases
+    async def _triage(self) -> None:
+        s = self._state
+        while True:
+            self._absorb()
+            if self._abort is not None:
+                return
+            drainers = [f for f in s.faults if f.drain and not f.healthy and not self._cleared(f)]
+            if drainers:
+                worst = max(drainers, key=lambda f: Severity(f.severity).rank)
+                s.fault_class = worst.fault_class
+                self._note(f"drain-worthy fault {worst.fault_class} ({worst.immediate_action}): {worst.message}")
+                if self._policy.observe_only:
+                    self._note("observe-only: would drain; nothing touched")
+                    self._close(Outcome.OBSERVED)
+                    return
+                self._set_phase(Phase.AWAITING_PERMIT)
+                return
+            if self._retest is not None:
+                self._retest = None
+            self._details(f"triage: {len(s.faults)} fault(s) recorded, none needs a drain; closes after "
+                          f"{self._policy.close_after_idle_s:.0f}s quiet")
+            try:
+                await workflow.wait_condition(lambda: bool(self._pending) or self._abort is not None,
+                                              timeout=timedelta(seconds=self._policy.close_after_idle_s))
+            except asyncio.TimeoutError:
+                self._absorb()
+                if not any(f.drain and not f.healthy for f in s.faults):
+                    self._close(Outcome.RECORDED)
+                    return
+            self._maybe_continue_as_new()
+
+    async def _drain(self) -> None:
+        s = self._state
+        # Permit: the fleet-wide blast-radius budget (FleetGuard) is granted at once here.
+        self._set_phase(Phase.DRAINING)
+        reason = f"{s.fault_class} incident {self._incident_id}"
+        res: DrainResult = await workflow.execute_activity(
+            "drain_node", DrainRequest(cluster=s.cluster, node=s.node, reason=reason,
+                                       incident_id=self._incident_id),
+            result_type=DrainResult, start_to_close_timeout=timedelta(minutes=2),
+            retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
+        s.drained = res.drained
+        s.drain_owned = res.owned
+        s.operator_drained = res.operator_drained
+        if res.operator_drained:
+            self._note(f"node already drained by an operator ({res.detail}); left as is, never undrained")
+        else:
+            self._note(f"drained ({res.state}): {res.detail}")
+        self._upsert()
+        self._set_phase(Phase.DIAGNOSING)
+
+    async def _diagnose_and_ticket(self) -> None:
+        s = self._state
+        if s.phase == Phase.DIAGNOSING.value:
+            report = await self._diagnostics("initial diagnostics")
+            self._set_phase(Phase.RECOVERING)
+        else:
+            report = s.last_diag
+        # Recovery before RMA (GPU reset / reboot) is policy work; today every drain files a ticket.
+        evidence = {
+            "faults": [_record_dict(f) for f in s.faults],
+            "raw": "\n".join(f.raw for f in s.faults if f.raw)[:32_000],
+            "classification": {"fault_class": s.fault_class, "severity": s.severity},
+            "diagnostics": report,
+            "workflow_id": workflow.info().workflow_id,
+        }
+        title = f"[fleetmend] {s.node}: {s.fault_class} ({s.severity})"
+        ref: TicketRef = await workflow.execute_activity(
+            "file_ticket", TicketRequest(incident_id=self._incident_id, cluster=s.cluster, node=s.node,
+                                         title=title, severity=s.severity, fault_class=s.fault_class or "",
+                                         evidence=evidence),
+            result_type=TicketRef, start_to_close_timeout=timedelta(minutes=1), retry_policy=ACTIVITY_RETRY,
+            summary=f"file ticket for {s.node}")
+        s.ticket, s.ticket_url = ref.ticket_id, ref.url
+        self._note(f"ticket {ref.ticket_id} {'filed' if ref.created else 'already filed'}")
+        self._upsert()
+        self._set_phase(Phase.AWAITING_REPAIR)
+
+    async def _await_repair(self) -> None:
+        s = self._state
+        self._details(f"awaiting repair: ticket {s.ticket}; signal with `fleetmend repaired {s.node}`")
+        escalate_after = timedelta(seconds=self._policy.repair_escalation_s)
+        while True:
+            try:
+                await workflow.wait_condition(
+                    lambda: self._repaired is not None or self._retest is not None or self._abort is not None
+                    or bool(self._pending), timeout=escalate_after)
+            except asyncio.TimeoutError:
+                self._note(f"no repair after {escalate_after}; escalating ticket {s.ticket}")
+                await self._update_ticket("escalated", f"No repair after {escalate_after}; escalated.")
+                escalate_after = escalate_after * 2
+                continue
+            self._absorb()
+            if self._abort is not None:
+                return
+            if self._repaired is not None or self._retest is not None:
+                s.repair_attempts += 1 if self._repaired is not None else 0
+                self._repaired = self._retest = None
+                self._set_phase(Phase.VERIFYING)
+                return
+            self._maybe_continue_as_new()
+
+    async def _verify(self) -> None:
+        s = self._state
+        faults_before = len(s.faults)
+        report = await self._diagnostics("verification")
+        result = DiagResult(report["result"]) if report else DiagResult.UNKNOWN
+        self._absorb()
+        fresh = [f for f in s.faults[faults_before:] if f.drain and not f.healthy]
+        if fresh:
+            self._note(f"new drain-worthy fault during verification ({fresh[0].fault_class}); back to awaiting repair")
+            await self._update_ticket("verification_failed", f"New fault during verification: {fresh[0].message}")
+            self._set_phase(Phase.AWAITING_REPAIR)
+            return
+        if result in (DiagResult.PASS, DiagResult.NOT_APPLICABLE):
+            if self._policy.settle_s > 0:
+                self._details(f"verified; settling {self._policy.settle_s:.0f}s before return")
+                await workflow.sleep(timedelta(seconds=self._policy.settle_s))
+            self._set_phase(Phase.RETURNING)
+        else:
+            self._note(f"verification {result.value}; back to awaiting repair")
+            await self._update_ticket("verification_failed", f"Verification {result.value}: {report}")
+            self._set_phase(Phase.AWAITING_REPAIR)
+
+    async def _return(self) -> None:
+        s = self._state
+        if s.drain_owned and s.drained:
+            res: UndrainResult = await workflow.execute_activity(
+                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id),
+                result_type=UndrainResult, start_to_close_timeout=timedelta(minutes=2),
+                retry_policy=ACTIVITY_RETRY, summary=f"return {s.node} to service")
+            s.drained = not res.resumed and s.drained
+            self._note(f"undrain: {'resumed' if res.resumed else 'not resumed'} ({res.detail})")
+        await self._update_ticket("resolved", "Verification passed; node returned to service.")
+        self._close(Outcome.OPERATOR_OWNED if s.operator_drained else Outcome.RETURNED)
+
+    async def _do_abort(self) -> None:
+        s = self._state
+        cmd = self._abort
+        assert cmd is not None
+        if cmd.undrain and s.drain_owned and s.drained:
+            res: UndrainResult = await workflow.execute_activity(
+                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id),
+                result_type=UndrainResult, start_to_close_timeout=timedelta(minutes=2),
+                retry_policy=ACTIVITY_RETRY, summary=f"undrain {s.node} (abort)")
+            s.drained = not res.resumed and s.drained
+        if s.ticket:
+            await self._update_ticket("aborted", f"Incident aborted by {cmd.by}: {cmd.note}")
+        self._close(Outcome.ABORTED)
+
+    # ---------------------------------------------------------------- helpers
+    async def _diagnostics(self, why: str) -> dict[str, Any] | None:
+        s = self._state
+        try:
+            rep: DiagReport = await workflow.execute_activity(
+                "run_diagnostics", DiagActivityRequest(cluster=s.cluster, node=s.node, level=DiagLevel.QUICK,
+                                                       timeout_s=self._policy.diag_timeout_s,
+                                                       incident_id=self._incident_id),
+                result_type=DiagReport, start_to_close_timeout=timedelta(seconds=self._policy.diag_timeout_s + 10),
+                retry_policy=DIAG_RETRY, summary=f"{why} on {s.node}")
+            d = rep.model_dump(mode="json")
+            d["result"] = rep.result.value
+        except ActivityError as err:
+            d = {"result": DiagResult.UNKNOWN.value, "error": str(err.cause or err), "checks": []}
+        s.last_diag = d
+        failed = [c["name"] for c in d.get("checks", []) if c.get("result") == DiagResult.FAIL.value]
+        self._note(f"{why}: {d['result']}" + (f" (failed: {', '.join(failed)})" if failed else ""))
+        return d
+
+    async def _update_ticket(self, status: str, comment: str) -> None:
+        s = self._state
+        if not s.ticket:
+            return
+        await workflow.execute_activity(
+            "update_ticket", TicketUpdate(ticket_id=s.ticket, incident_id=self._incident_id, status=status,
+                                          comment=comment),
+            start_to_close_timeout=timedelta(minutes=1), retry_policy=ACTIVITY_RETRY,
+            summary=f"ticket {s.ticket}: {status}")
+
+    def _absorb(self) -> None:
+        """Move pending faults into state: de-duplicate by event id, coalesce repeats, bound the list."""
+        s = self._state
+        batch, self._pending = self._pending, []
+        seen = set(s.seen_ids)
+        for rf in batch:
+            ev, v = rf.event, rf.verdict
+            if ev.event_id in seen:
+                s.duplicates += 1
+                continue
+            seen.add(ev.event_id)
+            s.seen_ids.append(ev.event_id)
+            dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid
+            same = next((f for f in reversed(s.faults)
+                         if f.kind == ev.kind and f.code == ev.code and f.device == dev and f.healthy == ev.healthy),
+                        None)
+            if same is not None:
+                same.count += 1
+                continue
+            s.faults.append(FaultRecord(
+                event_id=ev.event_id, kind=ev.kind, code=ev.code, severity=v.severity, component=ev.component.value,
+                device=dev, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
+                observed_at=ev.observed_at.isoformat(), fault_class=v.fault_class, immediate_action=v.immediate_action,
+                drain=v.drain, source=v.source))
+            if Severity(v.severity).rank > Severity(s.severity).rank and not ev.healthy:
+                s.severity = v.severity
+            if s.fault_class is None and not ev.healthy:
+                s.fault_class = v.fault_class
+        if len(s.seen_ids) > MAX_SEEN_IDS:
+            del s.seen_ids[: len(s.seen_ids) - MAX_SEEN_IDS]
+        if len(s.faults) > MAX_FAULTS_KEPT:
+            # keep the first (root cause) and the most recent ones
+            drop = len(s.faults) - MAX_FAULTS_KEPT
+            s.faults_dropped += drop
+            s.faults = s.faults[:1] + s.faults[1 + drop:]
+        if batch:
+            self._upsert()
+
+    def _cleared(self, f: FaultRecord) -> bool:
+        """A later healthy event of the same kind/device clears an earlier fault."""
+        later = False
+        for g in self._state.faults:
+            if g is f:
+                later = True
+                continue
+            if later and g.healthy and g.kind == f.kind and g.device == f.device:
+                return True
+        return False
+
+    def _maybe_continue_as_new(self) -> None:
+        info = workflow.info()
+        if info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested():
+            s = self._state
+            self._note(f"continuing as new (history {info.get_current_history_length()} events)")
+            workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
+                                                   carried=s, pending=self._pending))
+
+    @property
+    def _state(self) -> IncidentState:
+        if self._s is None:  # a query before run() started
+            info = workflow.info()
+            parts = info.workflow_id.split("/")
+            self._s = IncidentState(cluster=parts[1] if len(parts) == 3 else "?",
+                                    node=parts[2] if len(parts) == 3 else info.workflow_id)
+        return self._s
+
+    @property
+    def _incident_id(self) -> str:
+        """Stable per incident (workflow id + first run id): the idempotency key of every side effect."""
+        info = workflow.info()
+        return f"{info.workflow_id}/{info.first_execution_run_id}"
+
+    def _now(self) -> str:
+        return workflow.now().isoformat(timespec="seconds")
+
+    def _note(self, text: str, by: str | None = None) -> None:
+        s = self._state
+        s.timeline.append(TimelineEntry(at=self._now(), phase=s.phase, text=text, by=by))
+        if len(s.timeline) > 200:
+            del s.timeline[:50]
+        workflow.logger.info("%s: %s%s", s.node, text, f" (by {by})" if by else "")
+        self._details(text)
+
+    def _details(self, text: str) -> None:
+        s = self._state
+        lines = [f"**{s.node}** ({s.cluster}) — phase `{s.phase}`", "", text]
+        if s.fault_class:
+            lines.append(f"fault: {s.fault_class} ({s.severity})")
+        if s.ticket:
+            lines.append(f"ticket: {s.ticket}")
+        lines.append(f"drained: {'yes' if s.drained else 'no'}")
+        workflow.set_current_details("\n".join(lines))
+
+    def _set_phase(self, phase: Phase) -> None:
+        self._state.phase = phase.value
+        self._upsert()
+        self._details(f"entered {phase.value}")
+
+    def _close(self, outcome: Outcome) -> None:
+        s = self._state
+        s.outcome = outcome.value
+        s.closed_at = self._now()
+        s.phase = Phase.CLOSED.value
+        self._note(f"closed: {outcome.value}")
+        self._upsert()
+
+    def _upsert(self) -> None:
+        s = self._state
+        updates = [KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase),
+                   KEY_SEVERITY.value_set(s.severity), KEY_DRAINED.value_set(s.drained)]
+        if s.fault_class:
+            updates.append(KEY_FAULT_CLASS.value_set(s.fault_class))
+        if s.ticket:
+            updates.append(KEY_TICKET.value_set(s.ticket))
+        workflow.upsert_search_attributes(updates)
+
+    @staticmethod
+    def _require_by(cmd: HumanCommand) -> None:
+        if not cmd.by or not cmd.by.strip():
+            raise ValueError("a command must say who sent it (`by`), for the audit trail")
+
+
+def _record_dict(f: FaultRecord) -> dict[str, Any]:
+    return dict(f.__dict__)
+
+
+__all__ = [
+    "NodeRemediation", "IncidentInput", "IncidentStatus", "IncidentState", "FaultBatch", "RoutedFault",
+    "Verdict", "PolicySnapshot", "HumanCommand", "Phase", "Outcome", "ApplicationError",
+]
