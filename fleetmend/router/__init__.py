@@ -1,0 +1,27 @@
+"""The router process: JetStream → classification → Temporal signal-with-start."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from fleetmend.config import Settings
+
+log = structlog.get_logger("fleetmend.router")
+
+
+async def run_router(settings: Settings, stop: asyncio.Event) -> None:
+    """Run one router replica until `stop` is set; then drain the NATS connection."""
+    from fleetmend.catalog import load_catalog
+    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.router.core import Router
+
+    catalog = load_catalog(settings.catalog_overrides)
+    nc = await connect_nats(settings, name="fleetmend-router")
+    client = await connect_temporal(settings)
+    router = Router(settings, nc, nc.jetstream(), client, catalog)
+    try:
+        await router.run(stop)
+    finally:
+        await nc.drain()

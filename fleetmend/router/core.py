@@ -1,0 +1,228 @@
+"""The router: durable JetStream pull consumer → validate → classify → coalesce → signal-with-start.
+
+Guarantees (DESIGN.md §The path of one fault, STYLE rule 18):
+- A message is acked only after Temporal accepted the signal-with-start that carries it.
+- A message that can never be valid (not UTF-8, not JSON, wrong schema, oversized, node ≠ subject)
+  is written to `fleet.deadletter` with its reason and then `term()`ed. If the dead-letter write
+  itself fails, the message is nak'ed and retried: nothing accepted is dropped.
+- While Temporal is away, messages are nak'ed with a delay and come back; after `max_deliver`
+  deliveries they are dead-lettered (reason: the last error) instead of vanishing silently.
+- Events of one node keep their order: one signal per node per batch, batches processed in turn.
+- Any number of router replicas share the durable consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from fleetmend import subjects
+from fleetmend.config import Settings
+from fleetmend.errors import InvalidEventError
+from fleetmend.events import FaultEvent
+
+log = structlog.get_logger("fleetmend.router")
+
+MAX_EVENT_BYTES = 64 * 1024
+"""Largest fault message accepted (bytes). Events carry at most 16 KiB of raw text (events.MAX_RAW_BYTES)."""
+
+
+@dataclass
+class RouterStats:
+    received: int = 0
+    routed: int = 0
+    signals: int = 0
+    deadlettered: int = 0
+    naks: int = 0
+    deadletter_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def decode_event(subject: str, data: bytes) -> FaultEvent:
+    """Validate one wire message.
+
+    Returns:
+        The `FaultEvent`.
+    Raises:
+        InvalidEventError: with a reason an operator can act on (never retried).
+    """
+    try:
+        cluster, node = subjects.parse_fault_subject(subject)
+    except ValueError as err:
+        raise InvalidEventError(str(err), subject=subject) from err
+    if len(data) > MAX_EVENT_BYTES:
+        raise InvalidEventError(f"oversized: {len(data)} bytes > {MAX_EVENT_BYTES}", subject=subject)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidEventError(f"not UTF-8 at byte {err.start}", subject=subject) from err
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidEventError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}",
+                                subject=subject) from err
+    if not isinstance(obj, dict):
+        raise InvalidEventError(f"not a JSON object but {type(obj).__name__}", subject=subject)
+    try:
+        ev = FaultEvent.model_validate(obj)
+    except ValidationError as err:
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in err.errors()[:5]]
+        raise InvalidEventError("invalid FaultEvent: " + "; ".join(parts), subject=subject) from err
+    if ev.cluster != cluster or ev.node != node:
+        raise InvalidEventError(
+            f"event names {ev.cluster}/{ev.node} but arrived on the subject of {cluster}/{node}", subject=subject)
+    return ev
+
+
+class Router:
+    """One router replica. `await Router(...).run(stop)` until `stop` is set.
+
+    Args:
+        settings: `Settings` (router section, policy, task queue).
+        nc, js: connected NATS client and its JetStream context.
+        client: connected `temporalio.client.Client` (pydantic data converter).
+        catalog: `fleetmend.catalog.Catalog` used to classify each event.
+        filter_subject: which fault subjects to consume (default every cluster).
+        durable: durable consumer name (replicas share it).
+    """
+
+    def __init__(self, settings: Settings, nc, js, client, catalog, *,  # noqa: ANN001
+                 filter_subject: str | None = None, durable: str = subjects.ROUTER_DURABLE,
+                 stream: str = subjects.FAULT_STREAM) -> None:
+        self.s = settings
+        self.nc, self.js, self.client, self.catalog = nc, js, client, catalog
+        self.filter_subject = filter_subject or subjects.all_faults_subject()
+        self.durable = durable
+        self.stream = stream
+        self.stats = RouterStats()
+        self._sem = asyncio.Semaphore(settings.router.max_in_flight)
+
+    async def setup(self):  # noqa: ANN201
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+        from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+
+        await ensure_fault_stream(self.js)
+        await ensure_deadletter_stream(self.js)
+        cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
+                             deliver_policy=DeliverPolicy.ALL, ack_wait=self.s.router.ack_wait_s,
+                             max_deliver=self.s.router.max_deliver, filter_subject=self.filter_subject,
+                             max_ack_pending=max(1000, self.s.router.fetch_batch * 4))
+        return await self.js.pull_subscribe(self.filter_subject, durable=self.durable, stream=self.stream,
+                                            config=cfg)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        from nats.errors import TimeoutError as NatsTimeout
+
+        psub = await self.setup()
+        log.info("router_started", durable=self.durable, filter=self.filter_subject, task_queue=self.s.task_queue)
+        while not stop.is_set():
+            try:
+                msgs = await psub.fetch(self.s.router.fetch_batch, timeout=1.0)
+            except NatsTimeout:
+                continue  # idle, not a failure (nats-io/nats.py#418)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - connection trouble: log, back off, go on
+                log.warning("fetch_failed", error=repr(err))
+                await asyncio.sleep(1.0)
+                continue
+            await self.handle_batch(msgs)
+        log.info("router_stopped", **self.stats.__dict__)
+
+    async def handle_batch(self, msgs: list) -> None:  # noqa: ANN001
+        groups: OrderedDict[tuple[str, str], list[tuple[Any, FaultEvent]]] = OrderedDict()
+        for msg in msgs:
+            self.stats.received += 1
+            try:
+                ev = decode_event(msg.subject, msg.data)
+            except InvalidEventError as err:
+                await self.deadletter(msg, err.reason)
+                continue
+            groups.setdefault((ev.cluster, ev.node), []).append((msg, ev))
+        await asyncio.gather(*(self._route_node(c, n, items) for (c, n), items in groups.items()))
+
+    async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent]]) -> None:
+        from temporalio.common import TypedSearchAttributes
+
+        from workflows.remediation import (
+            KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, NodeRemediation, PolicySnapshot,
+            RoutedFault, Verdict,
+        )
+
+        faults = []
+        for _msg, ev in items:
+            c = self.catalog.classify(ev)
+            faults.append(RoutedFault(event=ev, verdict=Verdict(
+                severity=str(getattr(c.severity, "value", c.severity)),
+                immediate_action=str(getattr(c.immediate_action, "value", c.immediate_action)),
+                investigatory_action=str(getattr(c.investigatory_action, "value", c.investigatory_action) or ""),
+                fault_class=c.fault_class, drain=bool(c.drain), source=c.source or "",
+                description=c.description or "")))
+        wid = subjects.workflow_id(cluster, node)
+        p = self.s.policy
+        inp = IncidentInput(cluster=cluster, node=node, policy=PolicySnapshot(
+            observe_only=p.observe_only, repair_escalation_s=p.repair_escalation_s, settle_s=p.settle_s,
+            diag_timeout_s=p.diag_timeout_s, close_after_idle_s=p.close_after_idle_s))
+        bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
+        async with self._sem:
+            try:
+                async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
+                    await self.client.start_workflow(
+                        NodeRemediation.run, inp, id=wid, task_queue=self.s.task_queue,
+                        start_signal="faults",
+                        start_signal_args=[FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))],
+                        search_attributes=TypedSearchAttributes([
+                            KEY_NODE.value_set(node), KEY_CLUSTER.value_set(cluster), KEY_PHASE.value_set("triage")]),
+                        static_summary=f"{node} ({cluster}): remediation incident")
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - Temporal away or overloaded: retry later, never drop
+                await self._retry_later(items, repr(err), bound)
+                return
+        for msg, _ev in items:
+            await msg.ack()
+        self.stats.routed += len(items)
+        self.stats.signals += 1
+        bound.info("events_routed", kinds=sorted({ev.kind for _m, ev in items}))
+
+    async def _retry_later(self, items: list[tuple[Any, FaultEvent]], error: str, bound) -> None:  # noqa: ANN001
+        for msg, _ev in items:
+            delivered = msg.metadata.num_delivered if msg.metadata else 1
+            if delivered >= self.s.router.max_deliver:
+                await self.deadletter(msg, f"not accepted by Temporal after {delivered} deliveries: {error}")
+            else:
+                self.stats.naks += 1
+                await msg.nak(delay=self.s.router.nak_delay_s * min(delivered, 10))
+        bound.warning("temporal_signal_failed", error=error)
+
+    async def deadletter(self, msg, reason: str) -> None:  # noqa: ANN001
+        """Write a dead-letter record (original bytes + reason) to `fleet.deadletter`, then term()."""
+        md = msg.metadata
+        record = {
+            "reason": reason,
+            "subject": msg.subject,
+            "stream_seq": md.sequence.stream if md else None,
+            "num_delivered": md.num_delivered if md else None,
+            "at": datetime.now(timezone.utc).isoformat(),
+            "data_b64": base64.b64encode(msg.data[:MAX_EVENT_BYTES]).decode(),
+            "data_bytes": len(msg.data),
+        }
+        try:
+            await self.js.publish(subjects.DEADLETTER_SUBJECT, json.dumps(record).encode(), timeout=5.0)
+        except Exception as err:  # noqa: BLE001 - could not record: keep the message, retry later
+            log.error("deadletter_write_failed", error=repr(err), reason=reason, subject=msg.subject)
+            await msg.nak(delay=self.s.router.nak_delay_s)
+            return
+        await msg.term()
+        self.stats.deadlettered += 1
+        key = reason.split(":")[0][:60]
+        self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
+        log.warning("event_deadlettered", reason=reason, subject=msg.subject)

@@ -1,0 +1,47 @@
+"""The Temporal worker process: wires workflows and activities (with their adapters) together."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import structlog
+
+from fleetmend.config import Settings
+
+log = structlog.get_logger("fleetmend.worker")
+
+GRACEFUL_SHUTDOWN = timedelta(seconds=30)
+"""Running activities (a drain in flight) get 30 s to finish on SIGTERM; the default 0 cancels them at once."""
+
+
+async def build_worker(settings: Settings, client, nc, *, task_queue: str | None = None):  # noqa: ANN001, ANN201
+    from temporalio.worker import Worker
+
+    from activities.diagnostics import DiagnosticsActivities
+    from activities.scheduler import SchedulerActivities, build_scheduler
+    from activities.tickets import TicketActivities, build_ticket_filer
+    from workflows.remediation import NodeRemediation
+
+    sched = SchedulerActivities(build_scheduler(settings, js=nc.jetstream()))
+    tickets = TicketActivities(build_ticket_filer(settings))
+    diag = DiagnosticsActivities(nc)
+    return Worker(
+        client, task_queue=task_queue or settings.task_queue, workflows=[NodeRemediation],
+        activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
+                    diag.run_diagnostics],
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+
+
+async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+    from fleetmend.connect import connect_nats, connect_temporal
+
+    nc = await connect_nats(settings, name="fleetmend-worker")
+    client = await connect_temporal(settings)
+    worker = await build_worker(settings, client, nc)
+    log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
+    async with worker:
+        await stop.wait()
+    await nc.drain()
+    log.info("worker_stopped")
