@@ -1,0 +1,63 @@
+"""Logging for every fleetmend process: structlog JSON on stdout, console renderer in a tty.
+
+Stdlib loggers (nats, temporalio, asyncio) are routed through `structlog.stdlib.ProcessorFormatter`,
+so one process writes one format. Bind context once (`log = structlog.get_logger().bind(cluster=…,
+node=…)`); event names are snake_case past tense (`fault_published`, `spool_replayed`).
+Inside workflows use `workflow.logger`, never structlog (STYLE 30).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_FORMATS = ("auto", "json", "console")
+
+
+def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
+    """Configure structlog and the stdlib root logger. Idempotent (safe to call twice).
+
+    Args:
+        fmt: "auto" (console when stdout is a tty, else JSON), "json" or "console".
+        level: minimum level for both structlog and stdlib loggers ("debug", "info", ... or an int).
+    Raises:
+        ValueError: unknown `fmt`, listing the valid ones.
+    """
+    if fmt not in _FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}; expected {', '.join(_FORMATS)}")
+    console = fmt == "console" or (fmt == "auto" and sys.stdout.isatty())
+    lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any = (structlog.dev.ConsoleRenderer() if console
+                     else structlog.processors.JSONRenderer())
+
+    structlog.configure(
+        processors=[*shared, structlog.processors.StackInfoRenderer(),
+                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        cache_logger_on_first_use=False,
+    )
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    *([] if console else [structlog.processors.format_exc_info]),
+                    renderer],
+    ))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_fleetmend", False):
+            root.removeHandler(h)
+    handler._fleetmend = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(lvl)
