@@ -1,0 +1,147 @@
+"""SlurmScheduler against a real 4-node Slurm 22.05 cluster (tests/fixtures_slurm.py)."""
+
+from __future__ import annotations
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.scheduler import (
+    DrainRequest,
+    SchedulerActivities,
+    SlurmScheduler,
+    UndrainRequest,
+    normalize_slurm_state,
+    parse_scontrol_node,
+    strip_reason_suffix,
+)
+from fleetmend.config import SlurmSettings
+from fleetmend.errors import NodeNotFoundError
+from tests.conftest import assert_eventually
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def sched(slurm) -> SlurmScheduler:
+    return SlurmScheduler(SlurmSettings(slurm_conf=str(slurm.conf), command_timeout_s=15))
+
+
+def test_parse_scontrol_line_with_spaces_and_reason() -> None:
+    line = ("NodeName=node2 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 OS=Linux 6.18.44 #1 SMP @0  "
+            "RealMemory=1000 State=IDLE+DRAIN Partitions=debug  CfgTRES=cpu=1,mem=1000M AllocTRES= "
+            "Reason=fleetmend: xid 79 a=b [incident abc] [root@2026-11-29T17:03:16]\n")
+    f = parse_scontrol_node(line)
+    assert f["NodeName"] == "node2" and f["State"] == "IDLE+DRAIN"
+    assert f["OS"] == "Linux 6.18.44 #1 SMP @0" and f["CfgTRES"] == "cpu=1,mem=1000M" and f["AllocTRES"] == ""
+    assert strip_reason_suffix(f["Reason"]) == "fleetmend: xid 79 a=b [incident abc]"
+    assert [normalize_slurm_state(s) for s in ("IDLE+DRAIN", "ALLOCATED+DRAIN", "MIXED+DRAIN", "DOWN*",
+                                                 "IDLE*", "DOWN+DRAIN", "IDLE")] == \
+        ["drained", "draining", "draining", "down*", "idle*", "drained", "idle"]
+
+
+async def test_drain_sets_prefixed_reason_and_is_idempotent(slurm, sched) -> None:
+    r = await sched.drain("node1", "xid 79 GPU fell off the bus", "inc-1")
+    assert (r.drained, r.owned, r.operator_drained) == (True, True, False)
+    assert r.state == "drained"
+    assert slurm.state("node1") == "IDLE+DRAIN"
+    assert slurm.reason("node1").startswith("fleetmend: xid 79 GPU fell off the bus [incident inc-1] [root@")
+    assert slurm.sinfo_state("node1") == "drained"
+    assert sched.update_calls == 1
+
+    again = await sched.drain("node1", "xid 79 GPU fell off the bus", "inc-1")
+    assert (again.drained, again.owned, again.operator_drained) == (True, True, False)
+    assert sched.update_calls == 1, "second drain must not send a second scontrol update"
+    assert "no update sent" in again.detail
+
+
+async def test_operator_drain_is_left_alone_and_never_resumed(slurm, sched) -> None:
+    slurm.run("scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=cabling check by ops")
+    r = await sched.drain("node2", "xid 48 DBE", "inc-2")
+    assert (r.drained, r.owned, r.operator_drained) == (True, False, True)
+    assert sched.update_calls == 0
+    assert strip_reason_suffix(slurm.reason("node2")) == "cabling check by ops"
+
+    u = await sched.undrain("node2", "inc-2")
+    assert u.resumed is False and u.operator_drained is True
+    assert "lacks prefix" in u.detail
+    assert slurm.state("node2") == "IDLE+DRAIN"
+    assert sched.update_calls == 0
+
+
+async def test_operator_down_node_is_left_alone(slurm, sched) -> None:
+    slurm.run("scontrol", "update", "NodeName=node3", "State=DOWN", "Reason=psu swap")
+    r = await sched.drain("node3", "xid 79", "inc-3")
+    assert (r.drained, r.owned, r.operator_drained) == (True, False, True)
+    assert r.state.startswith("down")
+    assert (await sched.undrain("node3", "inc-3")).resumed is False
+    assert slurm.state("node3").startswith("DOWN")
+
+
+async def test_undrain_returns_node_to_idle(slurm, sched) -> None:
+    await sched.drain("node3", "xid 94 contained ECC", "inc-4")
+    u = await sched.undrain("node3", "inc-4")
+    assert u.resumed is True and "RESUME" in u.detail
+    # Right after RESUME slurmctld shows idle* until its next ping of slurmd answers.
+    await assert_eventually(lambda: slurm.sinfo_state("node3") == "idle", timeout_s=30, what="node3 idle")
+    assert await sched.state("node3") == "idle"
+    assert slurm.reason("node3") == ""
+
+    again = await sched.undrain("node3", "inc-4")
+    assert again.resumed is False and again.operator_drained is False
+    assert "not drained" in again.detail
+
+
+async def test_drain_with_running_job_goes_draining_then_drained(slurm, sched) -> None:
+    out = slurm.run("sbatch", "-w", "node4", "--parsable", "-o", "/dev/null", "--wrap", "sleep 5")
+    job_id = out.stdout.strip().split(";")[0]
+    await assert_eventually(
+        lambda: slurm.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip() == "RUNNING",
+        timeout_s=30, what=f"job {job_id} running")
+    r = await sched.drain("node4", "xid 63 row remap pending", "inc-5")
+    assert r.owned and r.drained
+    assert r.state == "draining" and r.raw_state.startswith(("ALLOCATED+DRAIN", "MIXED+DRAIN"))
+    assert slurm.sinfo_state("node4") == "draining"
+    # The job is not killed: it runs to completion, then the node is drained.
+    await assert_eventually(lambda: slurm.sinfo_state("node4") == "drained", timeout_s=40, what="node4 drained")
+    assert (await sched.drain("node4", "xid 63", "inc-5")).state == "drained"
+
+
+async def test_unknown_node_raises_node_not_found(slurm, sched) -> None:
+    with pytest.raises(NodeNotFoundError) as ei:
+        await sched.drain("node99", "xid 79", "inc-6")
+    assert "node99" in str(ei.value) and str(slurm.conf) in str(ei.value)
+    with pytest.raises(NodeNotFoundError):
+        await sched.undrain("node99", "inc-6")
+
+
+async def test_list_nodes(slurm, sched) -> None:
+    await sched.drain("node1", "xid 79", "inc-7")
+    slurm.run("scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=ops")
+    rows = {r.name: r for r in await sched.list_nodes()}
+    assert set(rows) == {"node1", "node2", "node3", "node4"}
+    assert rows["node1"].owner == "fleetmend" and rows["node1"].incident_id == "inc-7"
+    assert rows["node1"].state == "drained"
+    assert rows["node2"].owner == "operator" and rows["node2"].reason == "ops"
+    assert rows["node3"].owner is None and rows["node3"].state == "idle"
+
+
+async def test_activities_wait_for_drained_and_map_node_not_found(slurm, sched) -> None:
+    acts = SchedulerActivities(sched)
+    env = ActivityEnvironment()
+    beats: list = []
+    env.on_heartbeat = lambda *d: beats.append(d[0] if d else None)
+    job = slurm.run("sbatch", "-w", "node2", "--parsable", "-o", "/dev/null", "--wrap", "sleep 3").stdout.strip()
+    await assert_eventually(
+        lambda: slurm.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip() == "RUNNING",
+        timeout_s=30, what="job running")
+    res = await env.run(acts.drain_node, DrainRequest("c1", "node2", "xid 79", "inc-8", wait_drained_s=60))
+    assert res.owned and res.state == "drained"
+    assert any(b and b.get("phase") == "waiting_for_jobs" for b in beats)
+
+    und = await env.run(acts.undrain_node, UndrainRequest("c1", "node2", "inc-8"))
+    assert und.resumed
+
+    with pytest.raises(ApplicationError) as ei:
+        await env.run(acts.drain_node, DrainRequest("c1", "nope7", "xid 79", "inc-9"))
+    assert ei.value.type == "NodeNotFound" and ei.value.non_retryable
