@@ -1,0 +1,403 @@
+"""`fleetmend` command line: the production processes, the local pipeline and the operator commands.
+
+Every command reads FLEETMEND_NATS_URL, FLEETMEND_TEMPORAL_ADDRESS, FLEETMEND_TEMPORAL_UI_PORT and
+FLEETMEND_STATE_DIR (and the rest of `fleetmend.config.Settings`); flags override them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleetmend.config import Settings, load_settings
+from fleetmend.errors import ConfigError, FleetmendError
+
+app = typer.Typer(no_args_is_help=True, add_completion=True, rich_markup_mode=None,
+                  help="fleetmend: find bad GPU nodes, take them out, bring them back proven good.")
+dev_app = typer.Typer(no_args_is_help=True, help="Local pipeline with embedded NATS and Temporal.")
+config_app = typer.Typer(no_args_is_help=True, help="Configuration.")
+app.add_typer(dev_app, name="dev")
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help="TOML config file.")
+ClusterOpt = typer.Option(None, "--cluster", help="Cluster name (FLEETMEND_CLUSTER).")
+
+
+def _settings(config: Optional[Path] = None, **overrides: Any) -> Settings:
+    try:
+        return load_settings(config, **overrides)
+    except ConfigError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from e
+
+
+def _run(coro) -> Any:  # noqa: ANN001
+    try:
+        return asyncio.run(coro)
+    except FleetmendError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from e
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+async def _serve(main, settings: Settings) -> None:  # noqa: ANN001
+    """Run `main(settings, stop)`; SIGTERM/SIGINT set `stop`, a second SIGINT forces exit."""
+    from fleetmend.logs import configure_logging
+
+    configure_logging(settings.log_format)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    hits = {"n": 0}
+
+    def on_signal() -> None:
+        hits["n"] += 1
+        if hits["n"] > 1:
+            os._exit(130)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await main(settings, stop)
+
+
+# ------------------------------------------------------------------ processes
+@app.command()
+def agent(
+    node: Optional[str] = typer.Option(None, "--node", help="This node's name (default: host name)."),
+    cluster: Optional[str] = ClusterOpt,
+    kmsg_file: Optional[Path] = typer.Option(None, "--kmsg-file", exists=True, dir_okay=False,
+                                             help="Replay a captured kernel log instead of following /dev/kmsg."),
+    once: bool = typer.Option(False, "--once", help="Exit after the replay is published (or spooled)."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Node agent: probes → JetStream (spooling to disk while NATS is away), heartbeats, diagnostics."""
+    from agents.runner import run_agent
+    from fleetmend.logs import configure_logging
+
+    s = _settings(config, node=node, cluster=cluster)
+    configure_logging(s.log_format)
+    rc = _run(run_agent(s, kmsg_file=kmsg_file, once=once))
+    raise typer.Exit(rc or 0)
+
+
+@app.command()
+def router(config: Optional[Path] = ConfigOpt) -> None:
+    """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start."""
+    from fleetmend.router import run_router
+
+    _run(_serve(run_router, _settings(config)))
+
+
+@app.command()
+def worker(
+    config: Optional[Path] = ConfigOpt,
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="slurm, standalone or none."),
+) -> None:
+    """Temporal worker: NodeRemediation workflows and their activities."""
+    from fleetmend.worker import run_worker
+
+    _run(_serve(run_worker, _settings(config, scheduler=scheduler)))
+
+
+@dev_app.command("up")
+def dev_up(
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="FLEETMEND_STATE_DIR"),
+    nats_url: Optional[str] = typer.Option(None, "--nats-url", help="FLEETMEND_NATS_URL"),
+    temporal_address: Optional[str] = typer.Option(None, "--temporal-address", help="FLEETMEND_TEMPORAL_ADDRESS"),
+    ui_port: Optional[int] = typer.Option(None, "--ui-port", help="FLEETMEND_TEMPORAL_UI_PORT"),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="standalone (default), slurm or none"),
+    no_agent: bool = typer.Option(False, "--no-agent", help="Do not start a local agent."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Start NATS (JetStream), Temporal (SQLite, Web UI), worker, router and a local agent; Ctrl-C stops all."""
+    from fleetmend.devup import dev_up as run_dev_up
+
+    s = _settings(config, state_dir=state_dir, nats_url=nats_url, temporal_address=temporal_address,
+                  temporal_ui_port=ui_port, scheduler=scheduler)
+    raise typer.Exit(_run(run_dev_up(s, agent=not no_agent, config=config)))
+
+
+# ------------------------------------------------------------------ parsing
+@app.command()
+def explain(
+    file: str = typer.Argument("-", help="Kernel-log text file, or - for standard input."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
+) -> None:
+    """Parse a dmesg/journal/kmsg text (no server needed) and say what each fault means and what to do."""
+    from fleetmend.explain import explain_text, explained_json, render_table
+
+    if file == "-":
+        text = sys.stdin.read()
+    else:
+        p = Path(file)
+        if not p.is_file():
+            err.print(f"[red]error:[/red] {file}: no such file")
+            raise typer.Exit(2)
+        text = p.read_text(errors="replace")
+    rows = explain_text(text)
+    if as_json:
+        for r in rows:
+            sys.stdout.write(json.dumps(explained_json(r), default=str) + "\n")
+    else:
+        if not rows:
+            out.print("no faults found")
+        else:
+            render_table(rows, out)
+
+
+# ------------------------------------------------------------------ incidents
+def _status_dict(st: Any) -> dict[str, Any]:
+    d = dict(st.__dict__) if not isinstance(st, dict) else dict(st)
+    d["faults"] = [{k: f.get(k) for k in ("kind", "code", "severity", "raw", "component", "device", "count",
+                                          "fault_class", "immediate_action", "healthy", "observed_at")}
+                   for f in d.get("faults", [])]
+    return d
+
+
+async def _incident(s: Settings, node: str) -> dict[str, Any]:
+    from temporalio.service import RPCError
+
+    from fleetmend import subjects
+    from fleetmend.connect import connect_temporal
+    from workflows.remediation import IncidentStatus, NodeRemediation
+
+    client = await connect_temporal(s)
+    wid = subjects.workflow_id(s.cluster, node)
+    handle = client.get_workflow_handle_for(NodeRemediation.run, wid)
+    try:
+        st = await handle.query(NodeRemediation.status)
+    except RPCError as e:
+        if "not found" in str(e).lower():
+            raise FleetmendError(f"no incident for node {node} in cluster {s.cluster} (workflow {wid})") from e
+        raise FleetmendError(f"could not read incident {wid}: {e}; is `fleetmend worker` running?") from e
+    assert isinstance(st, IncidentStatus)
+    return _status_dict(st)
+
+
+async def _list_incidents(s: Settings, limit: int) -> list[dict[str, Any]]:
+    from fleetmend.connect import connect_temporal
+
+    client = await connect_temporal(s)
+    rows = []
+    query = f"WorkflowType='NodeRemediation' AND FleetCluster='{s.cluster}'"
+    async for wf in client.list_workflows(query, limit=limit):
+        sa = wf.typed_search_attributes
+        get = {p.key.name: p.value for p in sa}
+        rows.append({"node": get.get("FleetNode"), "cluster": get.get("FleetCluster"),
+                     "phase": get.get("FleetPhase"), "drained": bool(get.get("FleetDrained", False)),
+                     "ticket": get.get("FleetTicket"), "fault_class": get.get("FleetFaultClass"),
+                     "severity": get.get("FleetSeverity"), "status": wf.status.name.lower() if wf.status else None,
+                     "started": wf.start_time.isoformat(timespec="seconds") if wf.start_time else None,
+                     "workflow_id": wf.id, "run_id": wf.run_id})
+    return rows
+
+
+@app.command()
+def status(
+    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail."),
+    as_json: bool = typer.Option(False, "--json"),
+    limit: int = typer.Option(50, "--limit", help="Most recent incidents listed."),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Open and recent incidents (a table), or one node's incident."""
+    s = _settings(config, cluster=cluster)
+    if node:
+        d = _run(_incident(s, node))
+        if as_json:
+            sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
+            return
+        t = Table(title=f"{d['node']} ({d['cluster']}) — {d['phase']}"
+                  + (f", outcome {d['outcome']}" if d["outcome"] else ""))
+        for col in ("when", "phase", "what", "by"):
+            t.add_column(col)
+        for e in d["timeline"]:
+            t.add_row(e["at"], e["phase"], e["text"], e.get("by") or "")
+        out.print(t)
+        f = Table(title=f"faults (drained: {'yes' if d['drained'] else 'no'}, ticket: {d['ticket'] or '-'})")
+        for col in ("kind", "code", "device", "severity", "action", "count", "message"):
+            f.add_column(col)
+        for x in d["faults"]:
+            f.add_row(x["kind"], str(x["code"] or ""), x.get("device") or "", x["severity"],
+                      x.get("immediate_action") or "", str(x.get("count", 1)), (x.get("raw") or "").splitlines()[0][:80]
+                      if x.get("raw") else "")
+        out.print(f)
+        return
+    rows = _run(_list_incidents(s, limit))
+    if as_json:
+        sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
+        return
+    if not rows:
+        out.print(f"no incidents in cluster {s.cluster}")
+        return
+    t = Table(title=f"incidents in {s.cluster}")
+    for col in ("node", "phase", "workflow", "drained", "fault", "severity", "ticket", "started"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["node"] or "?", r["phase"] or "?", r["status"] or "", "yes" if r["drained"] else "no",
+                  r["fault_class"] or "", r["severity"] or "", r["ticket"] or "", r["started"] or "")
+    out.print(t)
+
+
+async def _command(s: Settings, node: str, update: str, **fields: Any) -> str:
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from fleetmend import subjects
+    from fleetmend.connect import connect_temporal
+    from workflows.remediation import HumanCommand
+
+    client = await connect_temporal(s)
+    wid = subjects.workflow_id(s.cluster, node)
+    handle = client.get_workflow_handle(wid)
+    try:
+        return await handle.execute_update(update, HumanCommand(by=_who(), **fields), result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise FleetmendError(f"{node}: {e.cause.message if e.cause else e}") from e
+    except RPCError as e:
+        if "not found" in str(e).lower() or "already completed" in str(e).lower():
+            raise FleetmendError(f"no open incident for node {node} in cluster {s.cluster}") from e
+        raise FleetmendError(f"{wid}: {e}") from e
+
+
+@app.command()
+def repaired(
+    node: str,
+    ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id."),
+    note: str = typer.Option("", "--note", help="What was done."),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Mark NODE repaired: diagnostics re-run, and the node returns to service if they pass."""
+    s = _settings(config, cluster=cluster)
+    out.print(_run(_command(s, node, "mark_repaired", ticket=ticket, note=note)))
+
+
+@app.command()
+def retest(node: str, cluster: Optional[str] = ClusterOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """Force NODE's verification diagnostics to run now."""
+    s = _settings(config, cluster=cluster)
+    out.print(_run(_command(s, node, "force_retest")))
+
+
+@app.command()
+def abort(
+    node: str,
+    note: str = typer.Option("", "--note", help="Why."),
+    undrain: bool = typer.Option(False, "--undrain", help="Also undrain the node if fleetmend drained it."),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Close NODE's incident now (automation stops; the drain stays unless --undrain)."""
+    s = _settings(config, cluster=cluster)
+    out.print(_run(_command(s, node, "abort", note=note, undrain=undrain)))
+
+
+@app.command()
+def tickets(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt) -> None:
+    """Tickets in the local ticket store."""
+    from activities.tickets import LocalTicketStore
+
+    s = _settings(config)
+    store = LocalTicketStore(s.state_dir / "tickets")
+    items = store.list()
+    if as_json:
+        sys.stdout.write(json.dumps(items, default=str, indent=2) + "\n")
+        return
+    if not items:
+        out.print(f"no tickets in {s.state_dir / 'tickets'}")
+        return
+    t = Table(title="tickets")
+    for col in ("ticket", "node", "status", "severity", "fault", "title"):
+        t.add_column(col)
+    for it in items:
+        t.add_row(str(it.get("ticket_id")), str(it.get("node")), str(it.get("status")), str(it.get("severity")),
+                  str(it.get("fault_class")), str(it.get("title")))
+    out.print(t)
+
+
+@app.command()
+def deadletters(
+    limit: int = typer.Option(20, "--limit"),
+    as_json: bool = typer.Option(False, "--json"),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Dead-lettered messages (never valid, or never accepted) with their reasons."""
+    s = _settings(config)
+    rows = _run(_read_deadletters(s, limit))
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    if not rows:
+        out.print("no dead-lettered messages")
+        return
+    t = Table(title=f"dead letters (last {len(rows)})")
+    for col in ("at", "subject", "reason", "bytes"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.get("at", ""), r.get("subject", ""), r.get("reason", ""), str(r.get("data_bytes", "")))
+    out.print(t)
+
+
+async def _read_deadletters(s: Settings, limit: int) -> list[dict[str, Any]]:
+    from nats.js.errors import NotFoundError
+
+    from fleetmend import subjects
+    from fleetmend.connect import connect_nats
+
+    nc = await connect_nats(s, name="fleetmend-cli")
+    try:
+        js = nc.jetstream()
+        try:
+            info = await js.stream_info(subjects.DEADLETTER_STREAM)
+        except NotFoundError:
+            return []
+        rows = []
+        last = info.state.last_seq
+        first = max(info.state.first_seq, last - limit + 1)
+        for seq in range(first, last + 1):
+            try:
+                m = await js.get_msg(subjects.DEADLETTER_STREAM, seq)
+            except NotFoundError:
+                continue
+            rows.append(json.loads(m.data))
+        return rows
+    finally:
+        await nc.close()
+
+
+@config_app.command("check")
+def config_check(config: Optional[Path] = ConfigOpt) -> None:
+    """Validate the configuration and print every error at once."""
+    s = _settings(config)
+    out.print(s.model_dump_json(indent=2))
+    out.print("[green]configuration valid[/green]")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
