@@ -1,0 +1,128 @@
+"""StandaloneScheduler against the real nats-server (JetStream KV), one bucket per test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.js.api import StorageType
+
+from activities.scheduler import (
+    DrainRequest,
+    NoopScheduler,
+    SchedulerActivities,
+    SlurmScheduler,
+    StandaloneScheduler,
+    UndrainRequest,
+    build_scheduler,
+)
+from fleetmend.config import Settings
+from fleetmend.errors import ConfigError
+
+
+@pytest.fixture
+def bucket(unique: str) -> str:
+    return f"drains_{unique}"
+
+
+async def test_bucket_is_created_file_backed_with_history(nc, bucket) -> None:
+    s = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    await s.drain("gpu-001", "xid 79", "inc-1")
+    status = await (await nc.jetstream().key_value(bucket)).status()
+    assert status.history >= 5
+    si = await nc.jetstream().stream_info(f"KV_{bucket}")
+    assert si.config.storage == StorageType.FILE
+
+
+async def test_drain_undrain_and_idempotency(nc, bucket) -> None:
+    s = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    assert await s.state("gpu-001") == "in_service"
+    r = await s.drain("gpu-001", "xid 79 fell off the bus", "inc-1")
+    assert (r.drained, r.owned, r.operator_drained, r.state) == (True, True, False, "drained")
+    entry = await (await s.kv()).get("gpu-001")
+    doc = json.loads(entry.value)
+    assert doc["owner"] == "fleetmend" and doc["incident_id"] == "inc-1" and doc["reason"] == "xid 79 fell off the bus"
+    assert "at" in doc
+
+    again = await s.drain("gpu-001", "xid 79 fell off the bus", "inc-1")
+    assert (again.drained, again.owned) == (True, True) and "no write" in again.detail
+    assert (await (await s.kv()).get("gpu-001")).revision == entry.revision, "idempotent drain wrote again"
+
+    u = await s.undrain("gpu-001", "inc-1")
+    assert u.resumed and u.state == "in_service"
+    assert await s.state("gpu-001") == "in_service"
+    u2 = await s.undrain("gpu-001", "inc-1")
+    assert u2.resumed is False and "not drained" in u2.detail
+
+    # A node can be drained again after its tombstone (create over a deleted key).
+    assert (await s.drain("gpu-001", "xid 79 again", "inc-2")).owned
+
+
+async def test_operator_drain_is_never_undrained(nc, bucket) -> None:
+    s = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    await s.operator_drain("gpu-002", "bios update")
+    r = await s.drain("gpu-002", "xid 48", "inc-3")
+    assert (r.drained, r.owned, r.operator_drained) == (True, False, True)
+    u = await s.undrain("gpu-002", "inc-3")
+    assert u.resumed is False and u.operator_drained
+    assert await s.state("gpu-002") == "drained"
+    rows = {n.name: n for n in await s.list_nodes()}
+    assert rows["gpu-002"].owner == "operator" and rows["gpu-002"].reason == "bios update"
+    assert await s.operator_undrain("gpu-002") is True
+    assert await s.state("gpu-002") == "in_service"
+    assert await s.list_nodes() == []
+
+
+async def test_concurrent_drains_from_two_workers_write_once(nc, bucket) -> None:
+    a = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    b = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    await a.kv()
+    results = await asyncio.gather(*(w.drain("gpu-003", "xid 79", f"inc-{i}")
+                                     for i, w in enumerate([a, b, a, b])))
+    assert all(r.drained and r.owned for r in results)
+    entry = await (await a.kv()).get("gpu-003")
+    history = await (await a.kv()).history("gpu-003")
+    assert len(history) == 1, f"double drain: {history}"
+    assert json.loads(entry.value)["incident_id"] in {f"inc-{i}" for i in range(4)}
+
+
+async def test_drained_set_survives_a_new_instance_and_connection(nc, nats_server, bucket) -> None:
+    import nats
+
+    s = StandaloneScheduler(nc.jetstream(), bucket=bucket)
+    await s.drain("gpu-004", "xid 79", "inc-4")
+    other = await nats.connect(nats_server.url)
+    try:
+        fresh = StandaloneScheduler(other.jetstream(), bucket=bucket)
+        assert await fresh.state("gpu-004") == "drained"
+        r = await fresh.drain("gpu-004", "xid 79", "inc-4")
+        assert r.owned and "no write" in r.detail
+        assert (await fresh.undrain("gpu-004", "inc-4")).resumed
+    finally:
+        await other.close()
+    assert await s.state("gpu-004") == "in_service"
+
+
+async def test_activities_with_standalone(nc, bucket) -> None:
+    from temporalio.testing import ActivityEnvironment
+
+    acts = SchedulerActivities(StandaloneScheduler(nc.jetstream(), bucket=bucket))
+    env = ActivityEnvironment()
+    r = await env.run(acts.drain_node, DrainRequest("c1", "gpu-005", "xid 79", "inc-5"))
+    assert r.owned
+    u = await env.run(acts.undrain_node, UndrainRequest("c1", "gpu-005", "inc-5"))
+    assert u.resumed
+
+
+async def test_build_scheduler_and_noop(nc) -> None:
+    assert isinstance(build_scheduler(Settings(scheduler="slurm")), SlurmScheduler)
+    assert isinstance(build_scheduler(Settings(scheduler="standalone"), js=nc.jetstream()), StandaloneScheduler)
+    noop = build_scheduler(Settings(scheduler="none"))
+    assert isinstance(noop, NoopScheduler)
+    r = await noop.drain("n1", "x", "i")
+    assert r.drained is False and r.detail == "scheduler none: nothing drained"
+    with pytest.raises(ConfigError, match="kubernetes adapter not available yet; expected slurm, standalone, none"):
+        build_scheduler(Settings(scheduler="kubernetes"))
+    with pytest.raises(ConfigError, match="pass js="):
+        build_scheduler(Settings(scheduler="standalone"))
