@@ -1,0 +1,192 @@
+"""NodeRemediation on the real Temporal dev server, with stand-in activities under their real names.
+
+The stand-ins record every call, so the tests assert outcomes: phase, drains issued, tickets filed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+from temporalio import activity
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.worker import Worker
+
+from activities.diagnostics import DiagActivityRequest
+from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
+from activities.tickets import TicketRef, TicketRequest, TicketUpdate
+from fleetmend import subjects
+from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from tests.conftest import assert_eventually
+from workflows.remediation import (
+    FaultBatch, HumanCommand, IncidentInput, NodeRemediation, PolicySnapshot, RoutedFault, Verdict,
+)
+
+
+@dataclass
+class Calls:
+    drains: list[DrainRequest] = field(default_factory=list)
+    undrains: list[UndrainRequest] = field(default_factory=list)
+    tickets: list[TicketRequest] = field(default_factory=list)
+    updates: list[TicketUpdate] = field(default_factory=list)
+    diags: list[DiagActivityRequest] = field(default_factory=list)
+    diag_results: list[DiagResult] = field(default_factory=list)
+    operator_drained: bool = False
+
+
+def stand_ins(calls: Calls) -> list:
+    @activity.defn(name="drain_node")
+    async def drain_node(req: DrainRequest) -> DrainResult:
+        calls.drains.append(req)
+        if calls.operator_drained:
+            return DrainResult(node=req.node, drained=True, owned=False, operator_drained=True, state="DRAINED",
+                               detail="operator reason")
+        return DrainResult(node=req.node, drained=True, owned=True, operator_drained=False, state="DRAINED",
+                           detail="ok")
+
+    @activity.defn(name="undrain_node")
+    async def undrain_node(req: UndrainRequest) -> UndrainResult:
+        calls.undrains.append(req)
+        return UndrainResult(node=req.node, resumed=True, state="IDLE", detail="resumed")
+
+    @activity.defn(name="file_ticket")
+    async def file_ticket(req: TicketRequest) -> TicketRef:
+        calls.tickets.append(req)
+        return TicketRef(ticket_id=f"FM-{len(calls.tickets):06d}", url=None, created=True)
+
+    @activity.defn(name="update_ticket")
+    async def update_ticket(upd: TicketUpdate) -> None:
+        calls.updates.append(upd)
+
+    @activity.defn(name="run_diagnostics")
+    async def run_diagnostics(req: DiagActivityRequest) -> DiagReport:
+        calls.diags.append(req)
+        result = calls.diag_results.pop(0) if calls.diag_results else DiagResult.NOT_APPLICABLE
+        return DiagReport(node=req.node, cluster=req.cluster, level=DiagLevel.QUICK,
+                          checks=[CheckResult(name="nvml_reachable", result=result)])
+
+    return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics]
+
+
+def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal", event_id: str | None = None,
+          healthy: bool = False) -> RoutedFault:
+    ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=xid,
+                    severity=Severity(severity), source=Source.KMSG, device=Device(pci_bus_id="0000:3b:00.0"),
+                    raw=f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid=1, name=python, test", message=f"XID {xid}",
+                    healthy=healthy, **({"event_id": event_id} if event_id else {}))
+    return RoutedFault(event=ev, verdict=Verdict(severity=severity, immediate_action="RESTART_BM" if drain else
+                                                 "RESTART_APP", fault_class=f"xid{xid}", drain=drain))
+
+
+async def start(client, tq: str, cluster: str, node: str, faults: list[RoutedFault], **policy):  # noqa: ANN001
+    wid = subjects.workflow_id(cluster, node)
+    await client.start_workflow(NodeRemediation.run, IncidentInput(cluster=cluster, node=node,
+                                                                   policy=PolicySnapshot(**policy)),
+                                id=wid, task_queue=tq, start_signal="faults",
+                                start_signal_args=[FaultBatch(faults=faults)])
+    return client.get_workflow_handle_for(NodeRemediation.run, wid)
+
+
+async def phase_is(handle, phase: str):  # noqa: ANN001
+    st = await handle.query(NodeRemediation.status)
+    return st if st.phase == phase else None
+
+
+BY = HumanCommand(by="tester@ci")
+
+
+@pytest.fixture
+async def env(temporal_client):
+    calls = Calls()
+    tq = f"tq-{uuid.uuid4().hex[:8]}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        yield temporal_client, tq, calls
+
+
+async def test_fatal_fault_drains_tickets_and_returns_after_repair(env, unique):
+    client, tq, calls = env
+    h = await start(client, tq, unique, "n1", [fault(unique, "n1", 79, drain=True)])
+    st = await assert_eventually(lambda: phase_is(h, "awaiting_repair"), what="awaiting_repair")
+    assert st.drained and st.ticket == "FM-000001" and st.outcome is None
+    assert [d.node for d in calls.drains] == ["n1"] and len(calls.tickets) == 1
+    assert "xid79" in calls.tickets[0].title and calls.tickets[0].evidence["faults"][0]["code"] == 79
+
+    # A repeat of the same fault joins the incident; a re-delivered event id is counted, not recorded twice.
+    dup = fault(unique, "n1", 79, drain=True)
+    await h.signal(NodeRemediation.faults, FaultBatch(faults=[dup, dup]))
+    await assert_eventually(lambda: _dups(h), what="duplicate counted")
+
+    await h.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="alice@ops", ticket="RMA-1", note="swapped"))
+    st = await assert_eventually(lambda: phase_is(h, "closed"), what="closed")
+    assert st.outcome == "returned_to_service" and not st.drained
+    assert len(calls.drains) == 1 and len(calls.undrains) == 1 and len(calls.tickets) == 1
+    assert [u.status for u in calls.updates][-1] == "resolved"
+    assert any(e["by"] == "alice@ops" for e in st.timeline), "the command's sender is in the audit trail"
+    assert len(calls.diags) == 2
+
+
+async def _dups(h):  # noqa: ANN001
+    st = await h.query(NodeRemediation.status)
+    return st.duplicates >= 1 and st.faults[0]["count"] == 2
+
+
+async def test_application_fault_records_without_draining(env, unique):
+    client, tq, calls = env
+    h = await start(client, tq, unique, "n2", [fault(unique, "n2", 13, drain=False, severity="degraded")],
+                    close_after_idle_s=2)
+    st = await assert_eventually(lambda: phase_is(h, "closed"), what="closed")
+    assert st.outcome == "recorded" and not st.drained and st.ticket is None
+    assert calls.drains == [] and calls.tickets == []
+    assert st.faults[0]["code"] == 13
+
+
+async def test_failed_verification_goes_back_to_awaiting_repair(env, unique):
+    client, tq, calls = env
+    calls.diag_results = [DiagResult.FAIL, DiagResult.FAIL, DiagResult.PASS]
+    h = await start(client, tq, unique, "n3", [fault(unique, "n3", 48, drain=True)])
+    await assert_eventually(lambda: phase_is(h, "awaiting_repair"))
+    with pytest.raises(WorkflowUpdateFailedError):
+        await h.execute_update(NodeRemediation.mark_repaired, HumanCommand(by=""))  # no sender: rejected
+    await h.execute_update(NodeRemediation.mark_repaired, BY)
+    await assert_eventually(lambda: _verification_failed(h, calls), what="verification failed once")
+    await h.execute_update(NodeRemediation.force_retest, BY)
+    st = await assert_eventually(lambda: phase_is(h, "closed"))
+    assert st.outcome == "returned_to_service"
+    assert "verification_failed" in [u.status for u in calls.updates]
+    assert len(calls.undrains) == 1
+
+
+async def _verification_failed(h, calls):  # noqa: ANN001
+    st = await h.query(NodeRemediation.status)
+    return st.phase == "awaiting_repair" and len(calls.diags) == 2
+
+
+async def test_commands_rejected_in_wrong_phase(env, unique):
+    client, tq, calls = env
+    h = await start(client, tq, unique, "n4", [fault(unique, "n4", 31, drain=False, severity="degraded")])
+    await assert_eventually(lambda: phase_is(h, "triage"))
+    with pytest.raises(WorkflowUpdateFailedError) as ei:
+        await h.execute_update(NodeRemediation.mark_repaired, BY)
+    assert "not awaiting_repair" in str(ei.value.cause)
+    await h.execute_update(NodeRemediation.abort, HumanCommand(by="bob@ops", note="false alarm"))
+    st = await assert_eventually(lambda: phase_is(h, "closed"))
+    assert st.outcome == "aborted" and calls.drains == []
+
+
+async def test_operator_drain_is_never_undrained(env, unique):
+    client, tq, calls = env
+    calls.operator_drained = True
+    h = await start(client, tq, unique, "n5", [fault(unique, "n5", 79, drain=True)])
+    await assert_eventually(lambda: phase_is(h, "awaiting_repair"))
+    await h.execute_update(NodeRemediation.mark_repaired, BY)
+    st = await assert_eventually(lambda: phase_is(h, "closed"))
+    assert st.outcome == "operator_owned" and calls.undrains == []
+
+
+async def test_observe_only_touches_nothing(env, unique):
+    client, tq, calls = env
+    h = await start(client, tq, unique, "n6", [fault(unique, "n6", 79, drain=True)], observe_only=True)
+    st = await assert_eventually(lambda: phase_is(h, "closed"))
+    assert st.outcome == "observed" and calls.drains == [] and calls.tickets == []
