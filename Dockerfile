@@ -1,0 +1,11 @@
+# One image for every fleetmend process (agent, router, worker); the command picks the role.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY fleetmend ./fleetmend
+COPY agents ./agents
+COPY workflows ./workflows
+COPY activities ./activities
+RUN pip install --no-cache-dir . && useradd -r -u 10001 fleetmend
+USER 10001
+ENTRYPOINT ["fleetmend"]
