@@ -1,0 +1,361 @@
+"""The agent's diagnostics responder: answers `DiagRequest`s on `diag_subject(cluster, node)`.
+
+QUICK checks (seconds), each a `CheckResult`:
+
+    nvml_reachable         nvmlInit succeeds (measured: driver version)
+    gpu_count              nvmlDeviceGetCount() vs `expected_gpus` (FAIL when fewer are visible)
+    remapped_rows_pending  nvmlDeviceGetRemappedRows: a pending remap (or a remap failure) needs a
+                           GPU reset before the memory is trustworthy (NVIDIA row-remapping docs)
+    pcie_link_width        current vs maximum link width per GPU (a degraded x8/x4 link)
+    ib_ports_active        every <sysfs_root>/sys/class/infiniband/*/ports/*/state is ACTIVE
+    kmsg_readable          the kernel log the kmsg probe follows can be opened
+
+On a host without the NVIDIA driver (CI, a CPU node) `nvmlInit` raises NVMLError_LibraryNotFound or
+NVMLError_DriverNotLoaded and every GPU check is NOT_APPLICABLE ("no NVIDIA driver on this host"),
+so the pipeline runs end to end there; no IB devices → ib_ports_active NOT_APPLICABLE.
+
+LONG adds the configured site commands (default `dcgmi diag -r 2`): exit 0 → PASS, non-zero →
+FAIL with the output's tail, not installed → NOT_APPLICABLE, past the deadline → UNKNOWN.
+
+Checks run off the event loop (`asyncio.to_thread`) within the request's `deadline_s`; what did
+not finish is reported UNKNOWN ("deadline"). A request that is not a valid `DiagRequest` gets a
+report with one UNKNOWN check named `request` (the reason), and the responder keeps serving.
+NVML enters through the constructor (`nvml=pynvml`), so tests pass an autospecced stand-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from fleetmend import __version__
+from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagRequest, DiagResult
+from fleetmend.events import utcnow
+from fleetmend.subjects import diag_subject
+
+QUICK_CHECKS = ("nvml_reachable", "gpu_count", "remapped_rows_pending", "pcie_link_width",
+                "ib_ports_active", "kmsg_readable")
+GPU_CHECKS = frozenset({"nvml_reachable", "gpu_count", "remapped_rows_pending", "pcie_link_width"})
+DEFAULT_LONG_COMMANDS: dict[str, list[str]] = {"dcgm_diag": ["dcgmi", "diag", "-r", "2"]}
+"""`dcgmi diag -r 2`: DCGM's medium run (~2 min), the level NVIDIA recommends before return to service."""
+NO_DRIVER = "no NVIDIA driver on this host"
+OUTPUT_TAIL_BYTES = 2000
+
+
+def _real_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _error_types(nvml: Any) -> tuple[type[BaseException], type[BaseException], type[BaseException]]:
+    """(NVMLError, no-driver errors, NotSupported) of `nvml`, or of the real pynvml when `nvml` is an
+    autospecced stand-in (whose attributes are mocks, not exception classes)."""
+    src = nvml
+    if not (isinstance(getattr(nvml, "NVMLError", None), type)
+            and issubclass(nvml.NVMLError, BaseException)):
+        src = _real_pynvml()
+    if src is None:
+        return (OSError, OSError, OSError)
+    no_driver = tuple(getattr(src, n) for n in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded"))
+    return src.NVMLError, no_driver, src.NVMLError_NotSupported  # type: ignore[return-value]
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+class DiagResponder:
+    """Request/reply diagnostics for one node.
+
+    Args:
+        nc: connected nats client.
+        cluster, node: subject tokens (`diag_subject(cluster, node)`).
+        nvml: the `pynvml` module (default: imported if installed, else every GPU check is
+            NOT_APPLICABLE), or a stand-in with the same functions.
+        expected_gpus: `gpu_count` fails below this; None accepts whatever NVML reports.
+        sysfs_root: root under which `sys/class/infiniband` is read (tests pass a tmp tree).
+        kmsg_path: the kernel log the kmsg probe reads.
+        long_commands: name → argv of the LONG level's site commands.
+        agent_version: stamped on reports.
+    """
+
+    def __init__(self, nc: Any, cluster: str, node: str, *, nvml: Any = "default",
+                 expected_gpus: int | None = None, sysfs_root: Path = Path("/"),
+                 kmsg_path: Path = Path("/dev/kmsg"), long_commands: dict[str, list[str]] | None = None,
+                 agent_version: str = __version__) -> None:
+        self.nc = nc
+        self.cluster, self.node = cluster, node
+        self.subject = diag_subject(cluster, node)
+        self.nvml = _real_pynvml() if nvml == "default" else nvml
+        self.expected_gpus = expected_gpus
+        self.sysfs_root = Path(sysfs_root)
+        self.kmsg_path = Path(kmsg_path)
+        self.long_commands = DEFAULT_LONG_COMMANDS if long_commands is None else long_commands
+        self.agent_version = agent_version
+        self._sub: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._hw_lock = asyncio.Lock()  # one diagnostics run at a time on the hardware
+        self._log = structlog.get_logger("fleetmend.agent.diag").bind(cluster=cluster, node=node)
+
+    # ------------------------------------------------------------------ serving
+
+    async def start(self) -> None:
+        """Subscribe on the node's diag subject (requests are answered in their own tasks)."""
+        self._sub = await self.nc.subscribe(self.subject, cb=self._on_msg)
+        self._log.info("diag_responder_started", subject=self.subject)
+
+    async def stop(self) -> None:
+        """Unsubscribe and cancel requests in progress."""
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as err:  # noqa: BLE001 - closing connection; nothing left to clean
+                self._log.debug("diag_unsubscribe_failed", error=repr(err))
+            self._sub = None
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_msg(self, msg: Any) -> None:
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Any) -> None:
+        started = utcnow()
+        try:
+            req = DiagRequest.model_validate_json(msg.data)
+        except (ValidationError, ValueError) as err:
+            self._log.warning("diag_request_invalid", error=str(err)[:500])
+            report = DiagReport(node=self.node, cluster=self.cluster, level=DiagLevel.QUICK,
+                                started_at=started, agent_version=self.agent_version, checks=[
+                                    CheckResult(name="request", result=DiagResult.UNKNOWN,
+                                                detail=f"bad diagnostics request (not a DiagRequest): "
+                                                       f"{str(err)[:500]}")])
+        else:
+            self._log.info("diag_requested", level=req.level.value, incident_id=req.incident_id,
+                           checks=req.checks or "all", deadline_s=req.deadline_s)
+            async with self._hw_lock:
+                report = await self.run(req)
+            self._log.info("diag_answered", level=req.level.value, incident_id=req.incident_id,
+                           result=report.result.value,
+                           failed=[c.name for c in report.checks if c.result is DiagResult.FAIL])
+        if msg.reply:
+            await msg.respond(report.model_dump_json().encode())
+        else:
+            self._log.warning("diag_request_without_reply_subject")
+
+    # ------------------------------------------------------------------ checks
+
+    async def run(self, req: DiagRequest) -> DiagReport:
+        """Run the checks `req` asks for within `req.deadline_s`. Returns the `DiagReport`."""
+        started = utcnow()
+        deadline = time.monotonic() + req.deadline_s
+        wanted = list(req.checks) or list(QUICK_CHECKS) + (
+            list(self.long_commands) if req.level is DiagLevel.LONG else [])
+        known = set(QUICK_CHECKS) | set(self.long_commands)
+        checks: list[CheckResult] = []
+        ctx = _NvmlSession(self.nvml)
+        try:
+            for name in wanted:
+                left = deadline - time.monotonic()
+                if name not in known:
+                    checks.append(CheckResult(name=name, result=DiagResult.UNKNOWN,
+                                              detail=f"unknown check; expected {', '.join(sorted(known))}"))
+                elif left <= 0:
+                    checks.append(CheckResult(name=name, result=DiagResult.UNKNOWN,
+                                              detail=f"not run: deadline of {req.deadline_s:g} s passed"))
+                elif name in self.long_commands:
+                    checks.append(await self._run_command(name, self.long_commands[name], left))
+                else:
+                    fn: Callable[[_NvmlSession], CheckResult] = getattr(self, f"_check_{name}")
+                    try:
+                        async with asyncio.timeout(left):
+                            checks.append(await asyncio.to_thread(fn, ctx))
+                    except TimeoutError:
+                        checks.append(CheckResult(name=name, result=DiagResult.UNKNOWN,
+                                                  detail=f"timed out (deadline {req.deadline_s:g} s)"))
+                    except Exception as err:  # noqa: BLE001 - one broken check must not lose the report
+                        checks.append(CheckResult(name=name, result=DiagResult.UNKNOWN,
+                                                  detail=f"check raised {err!r}"))
+        finally:
+            await asyncio.to_thread(ctx.close)
+        return DiagReport(node=self.node, cluster=self.cluster, level=req.level, checks=checks,
+                          started_at=started, finished_at=utcnow(), agent_version=self.agent_version)
+
+    def _gpu_gate(self, name: str, ctx: _NvmlSession) -> CheckResult | None:
+        """NOT_APPLICABLE / UNKNOWN result when NVML is not usable, else None."""
+        ctx.ensure_init()
+        if ctx.no_driver:
+            return CheckResult(name=name, result=DiagResult.NOT_APPLICABLE, detail=NO_DRIVER)
+        if ctx.init_error is not None:
+            return CheckResult(name=name, result=DiagResult.UNKNOWN, detail=f"NVML unusable: {ctx.init_error}")
+        return None
+
+    def _check_nvml_reachable(self, ctx: _NvmlSession) -> CheckResult:
+        ctx.ensure_init()
+        if ctx.no_driver:
+            return CheckResult(name="nvml_reachable", result=DiagResult.NOT_APPLICABLE, detail=NO_DRIVER)
+        if ctx.init_error is not None:
+            return CheckResult(name="nvml_reachable", result=DiagResult.FAIL, expected="nvmlInit succeeds",
+                               detail=f"nvmlInit failed: {ctx.init_error}")
+        try:
+            driver = _text(self.nvml.nvmlSystemGetDriverVersion())
+        except ctx.NVMLError as err:
+            driver = f"unknown ({err})"
+        return CheckResult(name="nvml_reachable", result=DiagResult.PASS, measured=f"driver {driver}")
+
+    def _check_gpu_count(self, ctx: _NvmlSession) -> CheckResult:
+        if (gate := self._gpu_gate("gpu_count", ctx)) is not None:
+            return gate
+        n = ctx.count()
+        expected = self.expected_gpus
+        if expected is not None and n < expected:
+            return CheckResult(name="gpu_count", result=DiagResult.FAIL, measured=str(n), expected=str(expected),
+                               detail=f"{expected - n} GPU(s) missing (fallen off the bus or not enumerated)")
+        return CheckResult(name="gpu_count", result=DiagResult.PASS, measured=str(n),
+                           expected=None if expected is None else str(expected))
+
+    def _check_remapped_rows_pending(self, ctx: _NvmlSession) -> CheckResult:
+        if (gate := self._gpu_gate("remapped_rows_pending", ctx)) is not None:
+            return gate
+        bad, unsupported, n = [], 0, ctx.count()
+        for i in range(n):
+            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                corr, unc, pending, failure = self.nvml.nvmlDeviceGetRemappedRows(h)
+            except ctx.NotSupported:
+                unsupported += 1  # pre-Ampere GPUs have no row remapper
+                continue
+            if pending or failure:
+                what = ", ".join(w for w, on in (("remap pending", pending), ("remap failure", failure)) if on)
+                bad.append(f"GPU {i} ({ctx.bus_id(h)}): {what} (correctable rows {corr}, uncorrectable {unc})")
+        if n and unsupported == n:
+            return CheckResult(name="remapped_rows_pending", result=DiagResult.NOT_APPLICABLE,
+                               detail="row remapping not supported by these GPUs")
+        if bad:
+            return CheckResult(name="remapped_rows_pending", result=DiagResult.FAIL,
+                               measured=f"{len(bad)} of {n} GPUs", expected="none pending",
+                               detail="; ".join(bad) + "; a GPU reset applies pending remaps")
+        return CheckResult(name="remapped_rows_pending", result=DiagResult.PASS, measured=f"0 of {n} GPUs")
+
+    def _check_pcie_link_width(self, ctx: _NvmlSession) -> CheckResult:
+        if (gate := self._gpu_gate("pcie_link_width", ctx)) is not None:
+            return gate
+        bad, widths, n = [], set(), ctx.count()
+        for i in range(n):
+            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            cur = int(self.nvml.nvmlDeviceGetCurrPcieLinkWidth(h))
+            top = int(self.nvml.nvmlDeviceGetMaxPcieLinkWidth(h))
+            widths.add(f"x{cur}")
+            if cur < top:
+                bad.append(f"GPU {i} ({ctx.bus_id(h)}): x{cur} of x{top}")
+        if bad:
+            return CheckResult(name="pcie_link_width", result=DiagResult.FAIL, measured="; ".join(bad),
+                               expected="current = max width", detail="degraded PCIe link: reseat or RMA")
+        return CheckResult(name="pcie_link_width", result=DiagResult.PASS,
+                           measured=",".join(sorted(widths)) or "no GPUs")
+
+    def _check_ib_ports_active(self, ctx: _NvmlSession) -> CheckResult:
+        base = self.sysfs_root / "sys" / "class" / "infiniband"
+        states = sorted(base.glob("*/ports/*/state"))
+        if not states:
+            return CheckResult(name="ib_ports_active", result=DiagResult.NOT_APPLICABLE,
+                               detail=f"no InfiniBand devices under {base}")
+        bad = []
+        for p in states:
+            state = p.read_text().strip()  # e.g. "4: ACTIVE"
+            if not state.endswith("ACTIVE"):
+                bad.append(f"{p.parts[-4]}/{p.parts[-2]}: {state}")
+        if bad:
+            return CheckResult(name="ib_ports_active", result=DiagResult.FAIL, measured="; ".join(bad),
+                               expected="4: ACTIVE", detail=f"{len(bad)} of {len(states)} ports not active")
+        return CheckResult(name="ib_ports_active", result=DiagResult.PASS, measured=f"{len(states)} ports ACTIVE")
+
+    def _check_kmsg_readable(self, ctx: _NvmlSession) -> CheckResult:
+        path = self.kmsg_path
+        if not path.exists():
+            return CheckResult(name="kmsg_readable", result=DiagResult.NOT_APPLICABLE,
+                               detail=f"{path} does not exist on this host")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as err:
+            return CheckResult(name="kmsg_readable", result=DiagResult.FAIL, expected="readable",
+                               detail=f"cannot open {path}: {err.strerror}; the kmsg probe is blind "
+                                      "(run the agent as root or with CAP_SYSLOG)")
+        os.close(fd)
+        return CheckResult(name="kmsg_readable", result=DiagResult.PASS, measured=str(path))
+
+    async def _run_command(self, name: str, argv: list[str], timeout_s: float) -> CheckResult:
+        if shutil.which(argv[0]) is None:
+            return CheckResult(name=name, result=DiagResult.NOT_APPLICABLE,
+                               detail=f"{argv[0]} not installed on this host")
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        try:
+            async with asyncio.timeout(timeout_s):
+                out, _ = await proc.communicate()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return CheckResult(name=name, result=DiagResult.UNKNOWN, measured=" ".join(argv),
+                               detail=f"timed out after {timeout_s:.0f} s")
+        tail = out[-OUTPUT_TAIL_BYTES:].decode(errors="replace")
+        return CheckResult(name=name, result=DiagResult.PASS if proc.returncode == 0 else DiagResult.FAIL,
+                           measured=f"{' '.join(argv)}: exit {proc.returncode}", expected="exit 0", detail=tail)
+
+
+class _NvmlSession:
+    """nvmlInit once per diagnostics run (lazily, on a worker thread), nvmlShutdown at the end."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        self.NVMLError, self._no_driver_types, self.NotSupported = _error_types(nvml)
+        self.initialised = False
+        self.tried = False
+        self.no_driver = nvml is None
+        self.init_error: str | None = None
+        self._count: int | None = None
+
+    def ensure_init(self) -> None:
+        if self.tried or self.nvml is None:
+            return
+        self.tried = True
+        try:
+            self.nvml.nvmlInit()
+            self.initialised = True
+        except self._no_driver_types:
+            self.no_driver = True
+        except self.NVMLError as err:
+            self.init_error = str(err)
+
+    def count(self) -> int:
+        if self._count is None:
+            self._count = int(self.nvml.nvmlDeviceGetCount())
+        return self._count
+
+    def bus_id(self, handle: Any) -> str:
+        try:
+            return _text(self.nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
+        except self.NVMLError:
+            return "bus id unknown"
+
+    def close(self) -> None:
+        if self.initialised:
+            try:
+                self.nvml.nvmlShutdown()
+            except self.NVMLError:
+                pass  # shutting down a library that is already unusable
+            self.initialised = False
