@@ -1,0 +1,206 @@
+"""Strip the framing that tools put around kernel log lines, leaving the kernel's message text.
+
+Framings handled (any nesting order that occurs in practice, applied repeatedly):
+
+- raw `/dev/kmsg` records `PRI,SEQ,TS_USEC,FLAGS;message` (Documentation/ABI/testing/dev-kmsg), with
+  `\\xNN` escapes and continuation lines ` KEY=VALUE` (device dictionary);
+- `dmesg` uptime `[ 1234.567890]`, `dmesg -T` `[Sun Feb 23 16:24:18 2025]`, `dmesg -H` deltas
+  `[  +0.000316]` and `[Feb23 16:24]`, `dmesg --decode --time-format iso`
+  (`kern  :warn  : 2025-01-21T04:41:44,283302+00:00 `), `dmesg -r` / pstore `<N>` priorities;
+- syslog / journald short and ISO (`Mon DD HH:MM:SS[.us] [host] kernel: `, host may be missing, the
+  message may carry the `[uptime]` stamp too); non-kernel programs (`systemd[1]:`) are *foreign*;
+- talosctl (`10.0.0.1: kern: warning: [RFC3339]: `);
+- bare lines; `$ sudo dmesg ...` command lines and `[...]`, `...` elisions (ignored, end a record).
+
+An indented line with no framing (`               NVRM: fallen off the bus...`) continues the previous
+logical message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+_MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
+
+
+@dataclass
+class Framed:
+    """One physical line with its framing removed.
+
+    Fields: text (the kernel message, leading indentation kept), ts (seconds on some monotonic-ish
+    scale: uptime, epoch or seconds-of-year; only differences are used), stamp (the original
+    timestamp text), raw (the line as given), foreign (a non-kernel syslog/journald/kmsg line),
+    framed (some framing was recognised), seq (raw kmsg sequence number), kmsg (raw kmsg record).
+    """
+
+    text: str
+    ts: float | None = None
+    stamp: str | None = None
+    raw: str = ""
+    foreign: bool = False
+    framed: bool = False
+    seq: int | None = None
+    kmsg: bool = False
+
+
+IGNORE = "ignore"
+"""Sentinel kind for lines that carry nothing (commands, elisions, empty)."""
+
+_KMSG = re.compile(r"^(?P<pri>\d{1,4}),(?P<seq>\d+),(?P<ts>\d+),(?P<flags>[^;,]*)(?:,[^;]*)?;(?P<msg>.*)$")
+_KMSG_DICT = re.compile(r"^ [A-Z][A-Z0-9_]*=")
+_TALOS = re.compile(r"^\S+: (?P<fac>[a-z0-9]+): +(?P<lvl>[a-z]+): +\[(?P<ts>[^\]]+)\]: ?(?P<msg>.*)$")
+_FACILITIES = (
+    "kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7]"
+)
+_DECODE = re.compile(
+    rf"^(?P<fac>{_FACILITIES})\s*:\s*(?P<lvl>emerg|alert|crit|err|warn|warning|notice|info|debug)\s*: ?(?P<msg>.*)$"
+)
+_ISO = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+_ISO_LEAD = re.compile(rf"^(?P<ts>{_ISO}) ?(?P<msg>.*)$")
+_SYSLOG = re.compile(
+    r"^(?:(?P<mon>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +(?P<day>\d{1,2}) +"
+    r"(?P<hms>\d\d:\d\d:\d\d)(?:\.(?P<frac>\d+))?"
+    rf"|(?P<iso>{_ISO}))"
+    r" +(?:(?P<host>[^\s:\[]*[^\s:]) +)?(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
+)
+_HOST_KERNEL = re.compile(r"^(?:(?P<host>[^\s:\[]*[^\s:]) +)?kernel: ?(?P<msg>.*)$")
+_PRIO = re.compile(r"^<(?P<pri>\d{1,3})>(?P<msg>.*)$")
+_UPTIME = re.compile(r"^\[ *(?P<ts>\d+\.\d+)\] ?(?P<msg>.*)$")
+_DELTA = re.compile(r"^\[<? *\+ *(?P<ts>\d+\.\d+)>?\] ?(?P<msg>.*)$")
+_CTIME = re.compile(
+    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) "
+    r"(?P<hms>\d\d:\d\d:\d\d) (?P<year>\d{4})\] ?(?P<msg>.*)$"
+)
+_HSTAMP = re.compile(r"^\[(?P<mon>[A-Z][a-z]{2}) ?(?P<day>\d{1,2}) (?P<hm>\d\d:\d\d)\] ?(?P<msg>.*)$")
+_BRACKET_ISO = re.compile(rf"^\[(?P<ts>{_ISO})\] ?(?P<msg>.*)$")
+_COMMAND = re.compile(r"^\s*(?:\$|#|>>>|\w+@[\w.-]+[:~][^$#]*[$#]) ")
+_ELISION = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.+|…|<snip>|\[snip\])\s*$", re.I)
+_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+
+
+def _iso_ts(s: str) -> float | None:
+    s = s.replace(",", ".").replace(" ", "T", 1)
+    s = re.sub(r"(\.\d{6})\d+", r"\1", s)
+    if s.endswith("Z"):
+        s = s[:-1] + "+00:00"
+    try:
+        dt = datetime.fromisoformat(s)
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def _soy(mon: str, day: str, hms: str) -> float:
+    """Seconds since the start of a (31-day-month) year: enough for differences within a capture."""
+    h, m, s = (int(x) for x in hms.split(":"))
+    return ((_MONTHS.get(mon, 1) * 31 + int(day)) * 24 + h) * 3600.0 + m * 60 + s
+
+
+def unescape_kmsg(msg: str) -> str:
+    """Undo /dev/kmsg's `\\xNN` escaping of non-printable bytes (newlines become real newlines)."""
+    if "\\x" not in msg:
+        return msg
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), msg)
+
+
+class Deframer:
+    """Stateful framing stripper (state: the running total of `dmesg -H` deltas)."""
+
+    def __init__(self) -> None:
+        self._rel_s = 0.0
+        self.last_was_kmsg = False
+
+    def deframe(self, line: str) -> Framed | str:
+        """Strip framing from one physical line.
+
+        Returns:
+            `Framed`, or `IGNORE` for empty lines, shell commands, elisions and kmsg dictionary lines.
+        """
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            return IGNORE
+        if self.last_was_kmsg and _KMSG_DICT.match(line):
+            return IGNORE
+        self.last_was_kmsg = False
+        if _ELISION.match(line) or _COMMAND.match(line):
+            return IGNORE
+        f = Framed(text=line, raw=line)
+        m = _KMSG.match(line)
+        if m:
+            pri = int(m["pri"])
+            f.text, f.ts, f.seq, f.kmsg, f.framed = unescape_kmsg(m["msg"]), int(m["ts"]) / 1e6, int(m["seq"]), True, True
+            f.stamp = f"{int(m['ts']) / 1e6:.6f}"
+            f.foreign = (pri >> 3) != 0
+            self.last_was_kmsg = True
+            return f
+        for _ in range(4):
+            if not self._strip_once(f):
+                break
+        return f
+
+    def _strip_once(self, f: Framed) -> bool:
+        t = f.text
+        m = _TALOS.match(t)
+        if m:
+            f.text, f.framed, f.stamp = m["msg"], True, m["ts"]
+            f.ts = _iso_ts(m["ts"]) if f.ts is None else f.ts
+            f.foreign = f.foreign or m["fac"] != "kern"
+            return True
+        m = _DECODE.match(t)
+        if m:
+            f.text, f.framed = m["msg"], True
+            f.foreign = f.foreign or m["fac"] != "kern"
+            m2 = _ISO_LEAD.match(f.text)
+            if m2:
+                f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
+            return True
+        m = _SYSLOG.match(t)
+        if m:
+            f.text, f.framed = m["msg"], True
+            if m["iso"]:
+                f.stamp, f.ts = m["iso"], _iso_ts(m["iso"])
+            else:
+                f.stamp = f"{m['mon']} {m['day']} {m['hms']}"
+                f.ts = _soy(m["mon"], m["day"], m["hms"]) + (float("0." + m["frac"]) if m["frac"] else 0.0)
+            if m["tag"] != "kernel":
+                f.foreign = True
+            return True
+        m = _PRIO.match(t)
+        if m:
+            f.text, f.framed = m["msg"], True
+            return True
+        m = _UPTIME.match(t)
+        if m:
+            f.text, f.framed = m["msg"], True
+            f.stamp, f.ts = m["ts"], float(m["ts"])  # uptime beats a coarser syslog stamp
+            return True
+        m = _DELTA.match(t)
+        if m:
+            self._rel_s += float(m["ts"])
+            f.text, f.framed, f.stamp, f.ts = m["msg"], True, f"+{m['ts']}", self._rel_s
+            return True
+        m = _CTIME.match(t)
+        if m:
+            f.text, f.framed = m["msg"], True
+            f.stamp = f"{m['mon']} {m['day']} {m['hms']} {m['year']}"
+            f.ts = int(m["year"]) * 400 * 86400.0 + _soy(m["mon"], m["day"], m["hms"])
+            return True
+        m = _BRACKET_ISO.match(t)
+        if m:
+            f.text, f.framed, f.stamp, f.ts = m["msg"], True, m["ts"], _iso_ts(m["ts"])
+            return True
+        m = _HSTAMP.match(t)
+        if m:
+            f.text, f.framed, f.stamp = m["msg"], True, f"{m['mon']} {m['day']} {m['hm']}"
+            f.ts = _soy(m["mon"], m["day"], m["hm"] + ":00")
+            return True
+        if not f.framed:
+            m = _HOST_KERNEL.match(t)
+            if m and (m["host"] is None or not t.startswith(" ")):
+                f.text, f.framed = m["msg"], True
+                return True
+        return False

@@ -1,0 +1,379 @@
+"""Kernel log text -> `FaultEvent`s: framing, multi-line records, matching, merging, classification.
+
+Pipeline per physical line: `Deframer` strips the framing (`framing.py`); an indented unframed line is
+joined to the previous logical message; each logical message either starts a record (a head,
+`matchers.match_head`), merges into the open record (same condition: repeats, XID 79 + 'fallen off the
+bus', the OOM triple, AER detail lines), is absorbed as detail (call traces, register dumps, GSP RPC
+tables, `{1}[Hardware Error]:` blocks; within `RECORD_WINDOW_S` of the record) or is dropped. A record
+completes when the next record starts, on a foreign line (another program's syslog line), an elision,
+or on `flush()`; it then becomes one `FaultEvent` classified by the catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+from agents.kmsg.framing import IGNORE, Deframer, Framed
+from agents.kmsg.matchers import Attr, Candidate, detail, match_head, normalize_bdf
+from fleetmend.catalog import Catalog, default_catalog
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+
+log = logging.getLogger(__name__)
+
+RECORD_WINDOW_S = 2.0
+"""Lines within 2 s of a record's last line may join it: a kernel prints one report in one burst
+(c001's GSP tables and stack share one second); a later report of the same fault is a new event."""
+MAX_RECORD_LINES = 400
+"""A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway."""
+AER_BURST_COUNT = 3
+AER_BURST_WINDOW_S = 60.0
+"""3 corrected AER errors on one port within 60 s = `aer_corrected_burst` (kinds.toml states why)."""
+FAMILY_WINDOW_S = {"nvme": 120.0}
+"""An NVMe timeout -> reset -> 'Device not ready' -> removal chain spans ~25 s per step (admin command
+timeout 30 s default); heads of that family on the same controller merge within 120 s."""
+
+_DRIVER = re.compile(r"NVRM: loading NVIDIA UNIX .*?Kernel Module(?: for \S+)?\s+(?P<ver>\d+\.\d+(?:\.\d+)?)")
+_GPU_AT = re.compile(r"NVRM: GPU at PCI:(?P<bdf>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
+_SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
+_SUBSYS = re.compile(r"^(?P<p>[\w.-]+: )")
+
+
+@dataclass
+class _Record:
+    cand: Candidate
+    lines: list[str]
+    ts_first: float | None
+    ts_last: float | None
+    stamp: str | None
+    count: int = 1
+
+    def near(self, ts: float | None, window_s: float = RECORD_WINDOW_S) -> bool:
+        return ts is None or self.ts_last is None or abs(ts - self.ts_last) <= window_s
+
+
+_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
+
+
+@dataclass
+class _Context:
+    driver_version: str | None = None
+    uuid_by_bdf: dict[str, str] = field(default_factory=dict)
+    serial_by_bdf: dict[str, str] = field(default_factory=dict)
+    last_gpu_bdf: str | None = None
+
+
+class KmsgParser:
+    """Stream parser for kernel log text.
+
+    Args:
+        cluster, node: stamped on every event (`[A-Za-z0-9_-]+`).
+        agent_version: stamped on every event.
+        catalog: classifies events (severity, component); default: the packaged catalog.
+        driver_version: NVIDIA driver version if known (selects NVLink5 v1/v2 decode rules); also
+            learned from the driver's 'loading NVIDIA UNIX ... Kernel Module X.Y' banner.
+
+    Use `feed(line)` per physical line and `flush()` when input pauses (the probe calls it when
+    /dev/kmsg has nothing more to read) or ends. Both return the events whose records completed.
+    `parse_errors` counts lines that raised inside a matcher (logged, skipped).
+    """
+
+    def __init__(
+        self,
+        cluster: str,
+        node: str,
+        agent_version: str,
+        catalog: Catalog | None = None,
+        driver_version: str | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.agent_version = agent_version
+        self.catalog = catalog or default_catalog()
+        self._deframer = Deframer()
+        self._ctx = _Context(driver_version=driver_version)
+        self._pending: Framed | None = None
+        self._pending_raw: list[str] = []
+        self._record: _Record | None = None
+        self._aer_history: dict[str, deque[float | None]] = {}
+        self.parse_errors = 0
+        self.lines_seen = 0
+        self.last_seq: int | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def feed(self, line: str) -> list[FaultEvent]:
+        """Consume one physical line (with or without its newline).
+
+        Returns:
+            Events completed by this line (usually none; a record completes when the next starts).
+        """
+        self.lines_seen += 1
+        out: list[FaultEvent] = []
+        try:
+            f = self._deframer.deframe(line)
+        except Exception as err:  # a decoder bug must not stop the agent; counted and logged
+            self.parse_errors += 1
+            log.warning("kmsg_line_skipped", extra={"line_no": self.lines_seen, "error": repr(err)})
+            return out
+        if f == IGNORE:
+            if not (line.startswith(" ") and "=" in line and self._deframer.last_was_kmsg):
+                self._complete_pending(out)
+                self._close(out)
+            elif self._pending is not None:
+                self._pending_raw.append(line.rstrip("\n"))  # kmsg dictionary (SUBSYSTEM=, DEVICE=)
+            return out
+        assert isinstance(f, Framed)
+        if f.seq is not None:
+            self.last_seq = f.seq
+        if self._is_continuation(f):
+            assert self._pending is not None
+            self._pending.text = self._join(self._pending.text, f.text)
+            self._pending_raw.append(f.raw)
+            return out
+        self._complete_pending(out)
+        if f.kmsg and "\n" in f.text:
+            # One /dev/kmsg record whose message spans lines: each line is a logical message.
+            for i, part in enumerate(f.text.split("\n")):
+                sub = Framed(text=part, ts=f.ts, stamp=f.stamp, raw=part, foreign=f.foreign, framed=True, seq=f.seq)
+                self._pending, self._pending_raw = sub, [f.raw] if i == 0 else []
+                self._complete_pending(out)
+            return out
+        self._pending, self._pending_raw = f, [f.raw]
+        return out
+
+    def flush(self) -> list[FaultEvent]:
+        """Complete the pending line and the open record. Returns their events."""
+        out: list[FaultEvent] = []
+        self._complete_pending(out)
+        self._close(out)
+        return out
+
+    # ------------------------------------------------------------------ lines
+
+    def _is_continuation(self, f: Framed) -> bool:
+        return (
+            self._pending is not None
+            and not f.framed
+            and f.text[:1] in (" ", "\t")
+            and not self._pending.foreign
+        )
+
+    @staticmethod
+    def _join(head: str, cont: str) -> str:
+        cont = cont.strip()
+        hm = _SUBSYS.match(head.strip())
+        if hm and cont.startswith(hm["p"]):
+            cont = cont[len(hm["p"]):]
+        return f"{head.rstrip()} {cont}"
+
+    def _complete_pending(self, out: list[FaultEvent]) -> None:
+        f, raw = self._pending, self._pending_raw
+        self._pending, self._pending_raw = None, []
+        if f is None:
+            return
+        try:
+            self._logical(f, raw, out)
+        except Exception as err:  # a decoder bug must not stop the agent; counted and logged
+            self.parse_errors += 1
+            log.warning("kmsg_line_skipped", extra={"line_no": self.lines_seen, "error": repr(err)})
+
+    def _logical(self, f: Framed, raw: list[str], out: list[FaultEvent]) -> None:
+        if f.foreign:
+            self._close(out)
+            return
+        text = f.text
+        self._learn(text)
+        cand = match_head(text)
+        rec = self._record
+        if cand is None:
+            if rec is not None and rec.near(f.ts) and len(rec.lines) < MAX_RECORD_LINES:
+                rec.lines.extend(raw)
+                rec.ts_last = f.ts if f.ts is not None else rec.ts_last
+                self._apply_detail(rec, text)
+            elif rec is not None:
+                self._close(out)
+            return
+        if rec is not None and self._merge(rec, cand, f):
+            rec.lines.extend(raw)
+            rec.ts_last = f.ts if f.ts is not None else rec.ts_last
+            return
+        self._close(out)
+        if cand.message == "":
+            cand.message = text.strip()
+        self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp)
+
+    def _learn(self, text: str) -> None:
+        m = _DRIVER.search(text)
+        if m:
+            self._ctx.driver_version = m["ver"]
+        m = _GPU_AT.search(text)
+        if m:
+            bdf = normalize_bdf(m["bdf"].rstrip(":"))
+            if bdf:
+                self._ctx.uuid_by_bdf[bdf] = m["uuid"]
+                self._ctx.last_gpu_bdf = bdf
+        m = _SERIAL.search(text)
+        if m and self._ctx.last_gpu_bdf:
+            self._ctx.serial_by_bdf[self._ctx.last_gpu_bdf] = m["serial"]
+
+    # ------------------------------------------------------------------ records
+
+    def _apply_detail(self, rec: _Record, text: str) -> None:
+        d = detail(rec.cand.kind, text)
+        if not d:
+            return
+        c = rec.cand
+        if "pid" in d and c.pid is None:
+            c.pid = int(d["pid"])  # type: ignore[arg-type]
+            if d.get("process"):
+                c.attrs.setdefault("process", d["process"])
+        if "kind" in d:
+            c.kind = str(d["kind"])
+        if d.get("bdf") and c.bdf is None:
+            c.bdf = str(d["bdf"])
+            c.component = Component.PCIE
+        for k in ("aer_status", "aer_mask", "ghes_section"):
+            if k in d:
+                c.attrs.setdefault(k, d[k])
+        if "aer_error" in d:
+            prev = c.attrs.get("aer_errors")
+            c.attrs["aer_errors"] = f"{prev}; {d['aer_error']}" if prev else d["aer_error"]
+
+    def _sev(self, kind: str) -> int:
+        entry = self.catalog.kinds.get(kind)
+        return _RANK[entry.severity] if entry else 1
+
+    def _merge(self, rec: _Record, cand: Candidate, f: Framed) -> bool:
+        a = rec.cand
+        window_s = FAMILY_WINDOW_S.get(a.family or "", RECORD_WINDOW_S) if a.family == cand.family else RECORD_WINDOW_S
+        if not rec.near(f.ts, window_s) or len(rec.lines) >= MAX_RECORD_LINES:
+            return False
+        same_dev = a.bdf == cand.bdf and a.dev_name == cand.dev_name and a.port == cand.port
+        if a.kind == cand.kind and a.code == cand.code and same_dev and a.pid == cand.pid and a.healthy == cand.healthy:
+            if not cand.detail:
+                rec.count += 1
+            for k, v in cand.attrs.items():
+                a.attrs.setdefault(k, v)
+            return True
+        if a.family is None or a.family != cand.family:
+            return False
+        compatible = (
+            (a.bdf is None or cand.bdf is None or a.bdf == cand.bdf)
+            and (a.dev_name is None or cand.dev_name is None or a.dev_name == cand.dev_name)
+            and (a.pid is None or cand.pid is None or a.pid == cand.pid)
+        )
+        if not compatible or (a.kind == cand.kind and a.code == cand.code and not cand.detail):
+            return False
+        upgrade = (self._sev_of(cand), cand.priority) > (self._sev_of(a), a.priority)
+        if upgrade:
+            new = cand
+            new.bdf = new.bdf or a.bdf
+            new.dev_name = new.dev_name or a.dev_name
+            new.pid = new.pid if new.pid is not None else a.pid
+            for k, v in a.attrs.items():
+                new.attrs.setdefault(k, v)
+            new.message = a.message if cand.detail else (new.message or "")
+            rec.cand = new
+            if not new.message:
+                new.message = f.text.strip()
+        else:
+            a.bdf = a.bdf or cand.bdf
+            a.pid = a.pid if a.pid is not None else cand.pid
+            for k, v in cand.attrs.items():
+                a.attrs.setdefault(k, v)
+        return True
+
+    def _sev_of(self, c: Candidate) -> int:
+        if c.kind == "xid" and c.code is not None:
+            entry = self.catalog.xids.get(c.code)
+            return _RANK[entry.derived()[0]] if entry else 1
+        return self._sev(c.kind)
+
+    def _close(self, out: list[FaultEvent]) -> None:
+        rec, self._record = self._record, None
+        if rec is None:
+            return
+        ev = self._event(rec)
+        if ev is not None:
+            out.append(ev)
+
+    def _event(self, rec: _Record) -> FaultEvent | None:
+        c = rec.cand
+        attrs: dict[str, Attr] = dict(c.attrs)
+        if rec.count > 1:
+            attrs["count"] = rec.count
+        if rec.stamp:
+            attrs["kernel_time"] = rec.stamp
+        if c.kind == "aer_corrected" and c.bdf:
+            hist = self._aer_history.setdefault(c.bdf, deque(maxlen=64))
+            for _ in range(rec.count):
+                hist.append(rec.ts_last)
+            now = rec.ts_last
+            recent = [t for t in hist if t is None or now is None or now - t <= AER_BURST_WINDOW_S]
+            if len(recent) >= AER_BURST_COUNT:
+                c.kind = "aer_corrected_burst"
+                attrs["burst_count"] = len(recent)
+        if c.kind == "xid":
+            if self._ctx.driver_version:
+                attrs.setdefault("driver_version", self._ctx.driver_version)
+        uuid = self._ctx.uuid_by_bdf.get(c.bdf or "")
+        serial = self._ctx.serial_by_bdf.get(c.bdf or "")
+        message = c.message or c.kind
+        if rec.count > 1:
+            message = f"{message} (x{rec.count})"
+        draft = FaultEvent(
+            cluster=self.cluster,
+            node=self.node,
+            component=c.component or Component.KERNEL,
+            device=Device(pci_bus_id=c.bdf, name=c.dev_name, port=c.port, uuid=uuid, serial=serial),
+            kind=c.kind,
+            code=c.code,
+            severity=Severity.INFO,
+            healthy=c.healthy,
+            message=message[:4000],
+            source=Source.KMSG,
+            raw="\n".join(rec.lines),
+            agent_version=self.agent_version,
+            pid=c.pid,
+            attrs=attrs,
+        )
+        cls = self.catalog.classify(draft)
+        if cls.unit:
+            attrs["unit"] = cls.unit
+        if cls.resolution is not None:
+            attrs["resolution"] = cls.resolution.value
+        component = c.component or cls.component or Component.KERNEL
+        return draft.model_copy(update={"severity": cls.severity, "component": component, "attrs": attrs})
+
+
+def parse_text(
+    text: str,
+    cluster: str = "local",
+    node: str | None = None,
+    catalog: Catalog | None = None,
+    agent_version: str = "unknown",
+    driver_version: str | None = None,
+) -> list[FaultEvent]:
+    """Parse a whole kernel log text (any framing in `framing.py`).
+
+    Args:
+        text: dmesg / journald / syslog / raw /dev/kmsg text, several lines.
+        cluster, node: stamped on the events; node defaults to this host's short name.
+        catalog: default the packaged catalog.
+        agent_version, driver_version: as `KmsgParser`.
+    Returns:
+        Events in the order their records appear (root cause first where the text shows it).
+    """
+    if node is None:
+        from fleetmend.config import default_node_name
+
+        node = default_node_name()
+    p = KmsgParser(cluster, node, agent_version, catalog=catalog, driver_version=driver_version)
+    out: list[FaultEvent] = []
+    for line in text.splitlines():
+        out.extend(p.feed(line))
+    out.extend(p.flush())
+    return out
