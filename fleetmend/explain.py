@@ -1,0 +1,95 @@
+"""`fleetmend explain`: classify kernel-log text offline and show what the catalog says about it.
+
+The CLI (`fleetmend explain [FILE|-] [--json]`) calls `explain_text` then `render_table` or
+`explained_json` per event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fleetmend.catalog import Catalog, Classification, default_catalog
+from fleetmend.events import FaultEvent, Severity
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One parsed event and the catalog's classification of it."""
+
+    event: FaultEvent
+    classification: Classification
+
+
+def explain_text(text: str, catalog: Catalog | None = None, node: str = "local") -> list[Explained]:
+    """Parse kernel-log text (dmesg, journald, syslog, raw /dev/kmsg) and classify every event.
+
+    Args:
+        text: the log, several lines, any framing the kmsg parser knows.
+        catalog: default the packaged catalog (pass `load_catalog(overrides)` for operator overrides).
+        node: node name stamped on the events (default "local").
+    Returns:
+        `Explained` per event, in log order.
+    """
+    from agents.kmsg import parse_text  # the agent package is optional for importers of the contract
+
+    cat = catalog or default_catalog()
+    events = parse_text(text, cluster="local", node=node, catalog=cat)
+    return [Explained(e, cat.classify(e)) for e in events]
+
+
+def explained_json(e: Explained) -> dict[str, Any]:
+    """One JSON-ready dict: the FaultEvent fields (`model_dump(mode="json")`) plus the catalog's view.
+
+    Naming: the event's own `source` (the probe, e.g. "kmsg") stays `source`, as on the wire; the
+    catalog entry's citation is `catalog_source`. Added keys: `immediate_action`,
+    `investigatory_action`, `catalog_source`, `fault_class`, `drain`, `description`, and
+    `resolution`/`unit` (XID 144-150 decode; None otherwise).
+    """
+    out = e.event.model_dump(mode="json")
+    c = e.classification
+    out.update(
+        immediate_action=c.immediate_action.value,
+        investigatory_action=c.investigatory_action,
+        catalog_source=c.source,
+        fault_class=c.fault_class,
+        drain=c.drain,
+        description=c.description,
+        resolution=c.resolution.value if c.resolution else None,
+        unit=c.unit,
+    )
+    return out
+
+
+_STYLE = {Severity.INFO: "green", Severity.DEGRADED: "yellow", Severity.FATAL: "bold red"}
+
+
+def render_table(explained: list[Explained], console: Console) -> None:
+    """Print a readable table: time, component, kind/XID, device, severity, action, message.
+
+    Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the time
+    the event was observed. Healthy (clearing) events show severity "cleared".
+    """
+    from rich.table import Table
+
+    table = Table(title=f"{len(explained)} event(s)", show_lines=False)
+    for col in ("time", "component", "kind", "device", "severity", "action", "drain", "message"):
+        table.add_column(col, overflow="fold")
+    for x in explained:
+        ev, c = x.event, x.classification
+        when = str(ev.attrs.get("kernel_time") or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
+        kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{ev.kind} {ev.code}" if ev.code is not None else ev.kind)
+        dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid or "-"
+        if ev.device.port is not None:
+            dev = f"{dev} port {ev.device.port}"
+        sev = "cleared" if ev.healthy else ev.severity.value
+        action = c.immediate_action.value + (f" ({c.resolution.value})" if c.resolution else "")
+        msg = ev.message if len(ev.message) <= 160 else ev.message[:157] + "..."
+        table.add_row(
+            when, ev.component.value, kind, dev, f"[{_STYLE[ev.severity]}]{sev}[/]", action,
+            "yes" if c.drain else "no", msg,
+        )
+    console.print(table)
