@@ -117,7 +117,9 @@ def ensure_munged() -> None:
     run.mkdir(parents=True, exist_ok=True)
     shutil.chown(run, "munge", "munge")
     run.chmod(0o755)
-    subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True, timeout=10)
+    # Not check=True: a concurrent session may have started munged a moment ago (then this one
+    # exits non-zero on the taken socket); what matters is that a credential round-trips below.
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], timeout=10)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if munge_works():
