@@ -1,0 +1,174 @@
+"""The fault catalog: data validity, clearing rules, severity mapping, NVLink5 decode, overrides."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fleetmend.catalog import Action, load_catalog
+from fleetmend.errors import CatalogError
+from fleetmend.events import Component, FaultEvent, Severity, Source
+from tests.corpus_paths import need_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cat():
+    return load_catalog()
+
+
+def _ev(kind: str, code: int | None = None, **kw) -> FaultEvent:
+    return FaultEvent(
+        cluster="c", node="n", component=Component.GPU, kind=kind, code=code, severity=Severity.INFO,
+        source=Source.KMSG, **kw,
+    )
+
+
+def test_every_xid_entry_has_a_source(cat) -> None:
+    assert len(cat.xids) >= 170
+    for n, e in cat.xids.items():
+        assert e.source.strip(), f"XID {n} has no source"
+        assert "NVIDIA" in e.source
+
+
+def test_every_kind_has_a_source(cat) -> None:
+    for name, e in cat.kinds.items():
+        assert e.source.strip(), name
+
+
+def test_every_unhealthy_kind_names_its_clearing_event(cat) -> None:
+    for name, e in cat.kinds.items():
+        if e.healthy:
+            assert e.clears, f"clearing kind {name} clears nothing"
+            for cleared in e.clears:
+                assert cat.kind(cleared).cleared_by == name, f"{cleared} is not cleared_by {name}"
+            continue
+        if e.cleared_by.startswith("none:"):
+            assert len(e.cleared_by) > len("none: "), f"{name}: say why nothing clears it"
+            continue
+        clearing = cat.kind(e.cleared_by)
+        assert clearing.healthy and name in clearing.clears, f"{name}: cleared_by {e.cleared_by} does not clear it"
+
+
+def test_parser_kinds_are_all_in_the_catalog(cat) -> None:
+    src = "".join(p.read_text() for p in (ROOT / "agents" / "kmsg").glob("*.py"))
+    kinds = set(re.findall(r'kind="([a-z0-9_]+)"', src)) | set(re.findall(r'"(ghes_\w+|ib_port_\w+|nic_link_\w+|bond_\w+)"', src))
+    kinds |= {"aer_corrected", "aer_nonfatal", "aer_fatal", "aer_corrected_burst"}
+    kinds -= {"xid", "ghes_section"}
+    missing = sorted(k for k in kinds if k not in cat.kinds)
+    assert not missing, f"parser emits kinds not in kinds.toml: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("xid", "severity", "drain", "action"),
+    [
+        (13, Severity.DEGRADED, False, Action.RESTART_APP),
+        (31, Severity.DEGRADED, False, Action.RESTART_APP),
+        (43, Severity.INFO, False, Action.IGNORE),
+        (45, Severity.DEGRADED, False, Action.WORKFLOW_XID_45),
+        (48, Severity.FATAL, True, Action.WORKFLOW_XID_48),
+        (63, Severity.DEGRADED, False, Action.IGNORE),
+        (74, Severity.FATAL, True, Action.WORKFLOW_NVLINK_ERR),
+        (79, Severity.FATAL, True, Action.RESTART_BM),
+        (95, Severity.FATAL, True, Action.RESET_GPU),
+        (119, Severity.FATAL, True, Action.RESET_GPU),
+        (120, Severity.FATAL, True, Action.RESET_GPU),
+    ],
+)
+def test_xid_severity_mapping(cat, xid, severity, drain, action) -> None:
+    c = cat.classify(_ev("xid", xid))
+    assert (c.severity, c.drain, c.immediate_action, c.fault_class) == (severity, drain, action, f"xid{xid}")
+    assert c.source == cat.xid(xid).source
+
+
+@pytest.mark.parametrize(
+    ("xid", "intrinfo", "status", "unit", "severity", "resolution"),
+    [
+        (149, 0x000FE406, 0, "NETIR/NETIR_INT", Severity.FATAL, Action.RESET_GPU),
+        (149, 0x025001C6, 0, "NETIR_LINK_EVT/NETIR_LINK_DOWN", Severity.FATAL, Action.RESET_GPU),
+        (145, 0x0409A0C2, 0x8, "RLW_RXPIPE", Severity.DEGRADED, Action.IGNORE),
+        (144, 0b100001, 0x2, "SAW_MVB", Severity.FATAL, Action.RESET_GPU),
+        (144, 0b0000001, 0x4, "SAW_MVB", Severity.DEGRADED, Action.IGNORE),  # v2 pattern
+    ],
+)
+def test_nvlink5_decode(cat, xid, intrinfo, status, unit, severity, resolution) -> None:
+    d = cat.decode_nvlink5(xid, intrinfo, status)
+    assert d is not None and (d.unit, d.severity, d.resolution) == (unit, severity, resolution)
+
+
+def test_nvlink5_driver_version_selects_pattern_set(cat) -> None:
+    assert cat.decode_nvlink5(144, 0b0000001, 0x4, driver_version="570.86.15") is None
+    assert cat.decode_nvlink5(144, 0b0000001, 0x4, driver_version="575.51.02").pattern_version == "v2"
+
+
+def test_nvlink5_classification_uses_attrs(cat) -> None:
+    ev = _ev("xid", 149, attrs={"intrinfo": "0x000fe406", "error_status": "0x00000000", "unit": "NETIR"})
+    c = cat.classify(ev)
+    assert (c.severity, c.immediate_action, c.resolution, c.drain) == (
+        Severity.FATAL, Action.WORKFLOW_NVLINK5_ERR, Action.RESET_GPU, True,
+    )
+    undecodable = cat.classify(_ev("xid", 147, attrs={"fatal_word": "Fatal"}))
+    assert undecodable.severity is Severity.FATAL
+
+
+def test_xid154_reads_new_recovery_action(cat) -> None:
+    assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "Drain and Reset"})).severity is Severity.FATAL
+    assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "None"})).severity is Severity.INFO
+
+
+def test_unknown_kind_and_xid_classify_without_raising(cat) -> None:
+    assert cat.classify(_ev("made_up_kind")).source == "not in catalog"
+    assert cat.classify(_ev("xid", 9999)).fault_class == "xid9999"
+    with pytest.raises(KeyError):
+        cat.xid(9999)
+
+
+def test_healthy_event_is_info(cat) -> None:
+    c = cat.classify(_ev("nic_link_up", healthy=True))
+    assert c.severity is Severity.INFO and not c.drain
+
+
+def test_overrides_apply(tmp_path) -> None:
+    f = tmp_path / "ovr.toml"
+    f.write_text('[xid.13]\nimmediate_action = "RMA"\nseverity = "fatal"\n[kind.aer_corrected]\nseverity = "degraded"\n')
+    c = load_catalog(overrides=f)
+    assert c.xid(13).immediate_action is Action.RMA and c.xid(13).derived() == (Severity.FATAL, True)
+    assert c.kind("aer_corrected").severity is Severity.DEGRADED
+    assert c.xid(79).immediate_action is Action.RESTART_BM
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[xid.13]\nimmediate_acton = "RMA"\n', "[xid.13]"),
+        ('[kind.hung_task]\nseverity = "awful"\n', "[kind.hung_task]"),
+        ('[nvswitch.1]\nx = 1\n', "unknown section"),
+        ('[kind.new_thing]\nseverity = "fatal"\n', "[kind.new_thing]"),
+        ("[xid.13\n", "not valid TOML"),
+    ],
+)
+def test_bad_overrides_raise_catalog_error_naming_file_and_entry(tmp_path, body, needle) -> None:
+    f = tmp_path / "ovr.toml"
+    f.write_text(body)
+    with pytest.raises(CatalogError) as err:
+        load_catalog(overrides=f)
+    assert needle in str(err.value) and str(f) in str(err.value)
+
+
+def test_missing_override_file(tmp_path) -> None:
+    with pytest.raises(CatalogError, match="not found"):
+        load_catalog(overrides=tmp_path / "nope.toml")
+
+
+def test_committed_toml_matches_generator() -> None:
+    corpus = need_corpus()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts" / "gen_xid_catalog.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.gen_xid(corpus / "xid_catalog.tsv") == (ROOT / "fleetmend/catalog/xid.toml").read_text()
+    assert gen.gen_nvlink5(corpus / "xid_nvlink5_decode.tsv") == (ROOT / "fleetmend/catalog/nvlink5.toml").read_text()
