@@ -319,6 +319,12 @@ class KmsgParser:
         if c.kind == "xid":
             if self._ctx.driver_version:
                 attrs.setdefault("driver_version", self._ctx.driver_version)
+        if c.healthy:
+            # Contract: a clearing event carries the kind it clears (same fault_key), healthy=True.
+            entry = self.catalog.kinds.get(c.kind)
+            if entry is not None and entry.clears:
+                attrs["clearing_kind"] = c.kind
+                c.kind = entry.clears[0]
         uuid = self._ctx.uuid_by_bdf.get(c.bdf or "")
         serial = self._ctx.serial_by_bdf.get(c.bdf or "")
         message = c.message or c.kind

@@ -355,7 +355,9 @@ class Catalog:
                 `attrs["unit"]`, `attrs["driver_version"]`, `attrs["fatal_word"]` ("Fatal"/"Nonfatal");
                 XID 154 reads `attrs["recovery_action"]`.
         Returns:
-            `Classification`. Healthy (clearing) events are info. A kind or XID not in the catalog
+            `Classification`. Healthy (clearing) events are info with action IGNORE; the parser emits
+            them under the kind they clear (same `fault_key`), naming the clearing kind in
+            `attrs["clearing_kind"]`. A kind or XID not in the catalog
             keeps the event's own severity with action NONE and source "not in catalog".
         """
         if event.kind == "xid" and event.code is not None:
@@ -371,6 +373,17 @@ class Catalog:
                 description=event.message or event.kind,
                 drain=False,
                 component=event.component,
+            )
+        if event.healthy and not entry.healthy:
+            return Classification(
+                severity=Severity.INFO,
+                immediate_action=Action.IGNORE,
+                investigatory_action="(none)",
+                source=entry.source,
+                fault_class=entry.name,
+                description=f"cleared: {entry.description}",
+                drain=False,
+                component=entry.component,
             )
         return Classification(
             severity=Severity.INFO if event.healthy or entry.healthy else entry.severity,
