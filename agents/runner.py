@@ -188,7 +188,7 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         conn["diag"] = diag
         connected.set()
         subject = heartbeat_subject(settings.cluster, settings.node)
-        while True:
+        while not stop.is_set():
             if nc.is_connected:
                 hb = {"node": settings.node, "cluster": settings.cluster, "agent_version": __version__,
                       "at": utcnow().isoformat(), "probes": dict(status), "spool_depth": spool.depth,

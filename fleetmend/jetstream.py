@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -24,11 +25,12 @@ DEFAULT_DUPLICATE_WINDOW_S = 120.0
 
 async def _ensure(js: JetStreamContext, cfg: StreamConfig, timeout_s: float) -> Any:
     assert cfg.name is not None
-    try:
-        await js.stream_info(cfg.name)
-    except NotFoundError:
-        return await js.add_stream(cfg, timeout=timeout_s)
-    return await js.update_stream(cfg, timeout=timeout_s)
+    async with asyncio.timeout(timeout_s):
+        try:
+            await js.stream_info(cfg.name)
+        except NotFoundError:
+            return await js.add_stream(cfg)
+        return await js.update_stream(cfg)
 
 
 async def ensure_fault_stream(js: JetStreamContext, subjects: list[str] | None = None,
@@ -46,6 +48,7 @@ async def ensure_fault_stream(js: JetStreamContext, subjects: list[str] | None =
         `nats.js.api.StreamInfo`.
     Raises:
         nats.js.errors.APIError: the server refused (e.g. overlapping subjects of another stream).
+        TimeoutError: no answer within `timeout_s` (JetStream not enabled, or NATS away).
     """
     cfg = StreamConfig(
         name=FAULT_STREAM,
