@@ -106,6 +106,8 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
         state_dir: where the kmsg probe keeps its cursor (live mode only).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out (e.g. a drill that only injects).
+    Raises:
+        fleetmend.errors.CatalogError: `settings.catalog_overrides` is invalid (fail at startup).
     Returns:
         Probes, each satisfying `Probe`. A probe whose module cannot be imported becomes an
         `UnavailableProbe`, which fails on start and shows as failed in the heartbeat.
@@ -116,7 +118,12 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
             kmsg_cls = probe_class("kmsg")
             from agents.kmsg import KmsgParser
 
-            parser = KmsgParser(settings.cluster, settings.node, __version__)
+            catalog = None
+            if settings.catalog_overrides is not None:
+                from fleetmend.catalog import load_catalog
+
+                catalog = load_catalog(settings.catalog_overrides)
+            parser = KmsgParser(settings.cluster, settings.node, __version__, catalog=catalog)
             if kmsg_file is not None:
                 probes.append(kmsg_cls(source=kmsg_file, parser=parser, follow=False, state_dir=None))
             else:

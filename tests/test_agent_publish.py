@@ -192,13 +192,14 @@ def _count_logged(path: Path, event: str) -> int:
 
 
 async def test_agent_killed_while_nats_away_loses_nothing(nats_server, nc, unique: str, tmp_path: Path) -> None:
-    """kill -9 the agent process after it spooled N events during an outage; restart it with NATS
-    back: every spooled event reaches the stream exactly once, in order."""
+    """kill -9 the agent process (real KmsgProbe replaying fatal/degraded XID lines) after it spooled
+    N events during an outage; restart it with NATS back: every event it spooled reaches the stream
+    exactly once, in order."""
     cluster, node = f"c{unique}", "n1"
     n = 50
-    events = [_event(cluster, node, i, [Severity.FATAL, Severity.INFO, Severity.DEGRADED][i % 3])
-              for i in range(n)]
-    _write_inject(tmp_path / "events.jsonl", events)
+    (tmp_path / "kmsg.txt").write_text("".join(
+        f"[ {1000 + i}.000000] NVRM: Xid (PCI:0000:{['3b', '86', '18'][i % 3]}:00): {[79, 48, 13][i % 3]}, "
+        f"pid={100 + i}, name=python, event {i}\n" for i in range(n)))
     env = _agent_env(nats_server, tmp_path)
     log1 = tmp_path / "agent1.log"
     await ensure_fault_stream(nc.jetstream())
@@ -206,8 +207,8 @@ async def test_agent_killed_while_nats_away_loses_nothing(nats_server, nc, uniqu
     proc = None
     try:
         with open(log1, "wb") as out:
-            proc = subprocess.Popen(_agent_cmd("--node", node, "--cluster", cluster, "--inject-file",
-                                               str(tmp_path / "events.jsonl")),
+            proc = subprocess.Popen([sys.executable, "-m", "agents", "--node", node, "--cluster", cluster,
+                                     "--kmsg-file", str(tmp_path / "kmsg.txt")],
                                     env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         await assert_eventually(lambda: _count_logged(log1, "fault_spooled") == n, timeout_s=60,
                                 what=f"{n} events spooled by the agent process")
@@ -218,6 +219,8 @@ async def test_agent_killed_while_nats_away_loses_nothing(nats_server, nc, uniqu
         if proc is not None and proc.poll() is None:
             proc.kill()
         _ensure_nats_up(nats_server)
+    spooled_ids = [json.loads(line)["event_id"] for line in log1.read_text().splitlines()
+                   if line.startswith("{") and json.loads(line).get("event") == "fault_spooled"]
 
     # NATS is back: a fresh agent (no probes) replays the spool and exits.
     t0 = time.monotonic()
@@ -226,11 +229,27 @@ async def test_agent_killed_while_nats_away_loses_nothing(nats_server, nc, uniqu
         done = await asyncio.to_thread(subprocess.run, _agent_cmd("--node", node, "--cluster", cluster, "--once"),
                                        env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=60)
     assert done.returncode == 0, log2.read_text()[-3000:]
-    js = await nats.connect(nats_server.url)
-    try:
-        got = await _stream_events(js.jetstream(), cluster, node)
-    finally:
-        await js.close()
-    assert [e.event_id for _, e in got] == [e.event_id for e in events]
-    assert len({mid for mid, _ in got}) == n
+    got = await _stream_events(nc.jetstream(), cluster, node)
+    assert [e.event_id for _, e in got] == spooled_ids
+    assert [mid for mid, _ in got] == spooled_ids and len(set(spooled_ids)) == n
+    assert {e.severity for _, e in got} == {Severity.FATAL, Severity.DEGRADED}
     print(f"replayed {n} spooled events after kill -9 in {time.monotonic() - t0:.2f}s (incl. process start)")
+
+KMSG_TEXT = """\
+[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.
+[ 1235.000000] NVRM: Xid (PCI:0000:86:00): 48, pid=1234, name=python, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.
+[ 1236.100000] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Illegal Instruction Encoding
+"""
+
+
+async def test_kmsg_file_replay_once_through_real_probe(nats_server, nc, unique: str, tmp_path: Path) -> None:
+    """`--kmsg-file F --once`: the real KmsgProbe (same parser as /dev/kmsg) → JetStream, exit 0."""
+    cluster, node = f"c{unique}", "n1"
+    (tmp_path / "kmsg.txt").write_text(KMSG_TEXT)
+    rc = await run_agent(_settings(nats_server, tmp_path, cluster, node), kmsg_file=tmp_path / "kmsg.txt",
+                         once=True)
+    assert rc == 0
+    got = await _stream_events(nc.jetstream(), cluster, node)
+    assert [(e.kind, e.code, e.device.pci_bus_id) for _, e in got] == [
+        ("xid", 79, "0000:3b:00.0"), ("xid", 48, "0000:86:00.0"), ("xid", 13, "0000:3b:00.0")]
+    assert all(mid == e.event_id and e.source is Source.KMSG for mid, e in got)
