@@ -32,8 +32,9 @@ from workflows.remediation import NodeRemediation
 pytestmark = pytest.mark.slurm
 
 
-def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", *args], env=env, capture_output=True,
+async def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real `fleetmend` CLI in a subprocess (in a thread: the worker shares this event loop)."""
+    p = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", *args], env=env, capture_output=True,
                        text=True, timeout=120)
     if check and p.returncode != 0:
         raise AssertionError(f"fleetmend {' '.join(args)} failed rc={p.returncode}\n{p.stdout}\n{p.stderr}")
@@ -76,7 +77,7 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
     tasks.append(asyncio.create_task(run_agent(s, kmsg_file=fatal_log, once=False, stop=agent_stop)))
     try:
         # node3: an operator replays an application-error log with the CLI, exactly as the README says.
-        out = cli(env, "agent", "--node", "node3", "--kmsg-file", str(app_log), "--once")
+        out = await cli(env, "agent", "--node", "node3", "--kmsg-file", str(app_log), "--once")
         assert out.returncode == 0
 
         async def node2_awaiting_repair():
@@ -101,20 +102,22 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         # The XID 13-only node: recorded, nothing drained.
         st3 = await assert_eventually(lambda: status(client, cluster, "node3"), what="node3 incident")
         assert st3.phase == "triage" and not st3.drained and st3.ticket is None
-        assert {f["code"] for f in st3.faults} == {13}
+        codes = {f["code"] for f in st3.faults}
+        assert 13 in codes and codes <= {13, 43}, "c002 holds XID 13s and one XID 43 (application-side only)"
+        assert not any(f["drain"] for f in st3.faults)
         assert "DRAIN" not in slurm_cluster.state("node3")
 
         # CLI views an operator uses.
-        js_status = json.loads(cli(env, "status", "node2", "--json").stdout)
+        js_status = json.loads((await cli(env, "status", "node2", "--json")).stdout)
         assert js_status["phase"] == "awaiting_repair" and js_status["drained"] is True
         assert js_status["ticket"] == st.ticket and js_status["outcome"] is None
         assert js_status["faults"][0]["raw"]
-        table = cli(env, "status").stdout
+        table = (await cli(env, "status")).stdout
         assert "node2" in table and "node3" in table
-        assert "node2" in cli(env, "tickets").stdout
+        assert "node2" in (await cli(env, "tickets")).stdout
 
         # Repair → verify → return to service.
-        done = cli(env, "repaired", "node2", "--ticket", "RMA-42", "--note", "GPU replaced")
+        done = await cli(env, "repaired", "node2", "--ticket", "RMA-42", "--note", "GPU replaced")
         assert "repair recorded" in done.stdout
 
         async def node2_closed():

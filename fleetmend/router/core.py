@@ -150,7 +150,7 @@ class Router:
         await asyncio.gather(*(self._route_node(c, n, items) for (c, n), items in groups.items()))
 
     async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent]]) -> None:
-        from temporalio.common import TypedSearchAttributes
+        from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
         from workflows.remediation import (
             KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, NodeRemediation, PolicySnapshot,
@@ -180,7 +180,8 @@ class Router:
                         start_signal="faults",
                         start_signal_args=[FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))],
                         search_attributes=TypedSearchAttributes([
-                            KEY_NODE.value_set(node), KEY_CLUSTER.value_set(cluster), KEY_PHASE.value_set("triage")]),
+                            SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
+                            SearchAttributePair(KEY_PHASE, "triage")]),
                         static_summary=f"{node} ({cluster}): remediation incident")
             except asyncio.CancelledError:
                 raise
