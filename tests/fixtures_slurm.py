@@ -11,6 +11,7 @@ with the apt-get line. `scripts/slurm-dev.sh` starts the same cluster for operat
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -29,6 +30,16 @@ _INSTALL = ("apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y
             "--no-install-recommends slurmctld slurmd slurm-client munge   (or .ci/install-slurm.sh)")
 _READY_TIMEOUT_S = 30.0
 """All 4 nodes are idle 0.2 s after start here; 30 s allows a slow CI runner."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _session_dying_with_parent() -> None:
+    """preexec_fn: own session (no terminal signals) and SIGTERM when pytest dies, even by SIGKILL or a
+    CI timeout, so a killed test run never leaves slurmctld/slurmd behind holding ports."""
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _unavailable(why: str) -> None:
@@ -215,7 +226,7 @@ def start_cluster(root: Path, nodes: list[str] = NODES) -> SlurmCluster:
     def spawn(name: str, argv: list[str]) -> None:
         log = open(root / "log" / f"{name}.stdout", "ab")
         cluster.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
+                                              preexec_fn=_session_dying_with_parent))
         log.close()
 
     try:
