@@ -8,12 +8,12 @@ from fleetmend.config import Settings
 from fleetmend.errors import ServiceUnavailableError
 
 
-async def connect_nats(settings: Settings, *, name: str, retry_forever: bool = False, **kw: Any):  # noqa: ANN201
-    """Connect to `settings.nats_url`.
+async def connect_nats(settings: Settings, *, name: str, **kw: Any):  # noqa: ANN201
+    """Connect to `settings.nats_url` (reconnects forever once connected).
 
     Args:
         name: client name shown by the server (`fleetmend-router`, ...).
-        retry_forever: keep trying at connect time too (agents: the spool covers the gap).
+        kw: further `nats.connect` options.
     Raises:
         ServiceUnavailableError: not reachable (message names the URL and the setting to check).
     """
@@ -25,8 +25,6 @@ async def connect_nats(settings: Settings, *, name: str, retry_forever: bool = F
         opts.update(user=settings.nats_user, password=settings.nats_password)
     if settings.nats_creds:
         opts.update(user_credentials=str(settings.nats_creds))
-    if retry_forever:
-        opts["retry_on_failed_connect"] = True
     opts.update(kw)
     try:
         return await nats.connect(settings.nats_url, **opts)

@@ -34,3 +34,12 @@ def need_corpus() -> Path:
             pytest.fail(f"corpus missing at {d} (CI=true)")
         pytest.skip(f"corpus not found at {d}")
     return d
+
+
+def corpus_case(case_id: str) -> dict:
+    """One case by id (e.g. "c005"); skips (fails under CI=true) when the corpus is absent."""
+    need_corpus()
+    for c in load_cases():
+        if c["id"] == case_id:
+            return c
+    raise KeyError(f"no corpus case {case_id} in {corpus_dir()}")

@@ -26,7 +26,7 @@ from fleetmend.catalog import load_catalog
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually
-from tests.corpus import corpus_case
+from tests.corpus_paths import corpus_case
 from workflows.remediation import NodeRemediation
 
 pytestmark = pytest.mark.slurm
