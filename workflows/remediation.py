@@ -488,7 +488,8 @@ class NodeRemediation:
             d = {"result": DiagResult.UNKNOWN.value, "error": str(err.cause or err), "checks": []}
         s.last_diag = d
         failed = [c["name"] for c in d.get("checks", []) if c.get("result") == DiagResult.FAIL.value]
-        self._note(f"{why}: {d['result']}" + (f" (failed: {', '.join(failed)})" if failed else ""))
+        self._note(f"{why}: {d['result']}" + (f" (failed: {', '.join(failed)})" if failed else "")
+                   + (f" ({d['error']})" if d.get("error") else ""))
         return d
 
     async def _update_ticket(self, status: str, comment: str) -> None:

@@ -159,7 +159,11 @@ class KmsgProbe:
                         continue
                     raise
                 if not data:
-                    continue
+                    # EOF: /dev/kmsg never returns it (it blocks or raises EAGAIN); another character
+                    # device (e.g. /dev/null given as --kmsg-file) does. End instead of spinning.
+                    await self._emit_all(emit, self.parser.flush())
+                    self._save_cursor(last_seq)
+                    return
                 text = data.decode("utf-8", "replace")
                 head = text.split(";", 1)[0].split(",")
                 seq = int(head[1]) if len(head) >= 3 and head[1].isdigit() else None

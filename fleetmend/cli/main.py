@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleetmend.config import Settings, load_settings
@@ -169,8 +170,9 @@ def explain(
 # ------------------------------------------------------------------ incidents
 def _status_dict(st: Any) -> dict[str, Any]:
     d = dict(st.__dict__) if not isinstance(st, dict) else dict(st)
-    d["faults"] = [{k: f.get(k) for k in ("kind", "code", "severity", "raw", "component", "device", "count",
-                                          "fault_class", "immediate_action", "healthy", "observed_at")}
+    d["faults"] = [{k: f.get(k) for k in ("kind", "code", "severity", "raw", "message", "component", "device",
+                                          "count", "fault_class", "immediate_action", "drain", "healthy",
+                                          "observed_at")}
                    for f in d.get("faults", [])]
     return d
 
@@ -233,15 +235,16 @@ def status(
         for col in ("when", "phase", "what", "by"):
             t.add_column(col)
         for e in d["timeline"]:
-            t.add_row(e["at"], e["phase"], e["text"], e.get("by") or "")
+            t.add_row(_short_time(e["at"]), e["phase"], escape(e["text"]), escape(e.get("by") or ""))
         out.print(t)
         f = Table(title=f"faults (drained: {'yes' if d['drained'] else 'no'}, ticket: {d['ticket'] or '-'})")
-        for col in ("kind", "code", "device", "severity", "action", "count", "message"):
-            f.add_column(col)
+        for col in ("fault", "device", "severity", "action", "×"):
+            f.add_column(col, no_wrap=True)
+        f.add_column("message")
         for x in d["faults"]:
-            f.add_row(x["kind"], str(x["code"] or ""), x.get("device") or "", x["severity"],
-                      x.get("immediate_action") or "", str(x.get("count", 1)), (x.get("raw") or "").splitlines()[0][:80]
-                      if x.get("raw") else "")
+            what = f"XID {x['code']}" if x["kind"] == "xid" else x["kind"] + (f" {x['code']}" if x["code"] else "")
+            f.add_row(what, x.get("device") or "", "cleared" if x.get("healthy") else x["severity"],
+                      x.get("immediate_action") or "", str(x.get("count", 1)), escape(x.get("message") or ""))
         out.print(f)
         return
     rows = _run(_list_incidents(s, limit))
@@ -252,12 +255,22 @@ def status(
         out.print(f"no incidents in cluster {s.cluster}")
         return
     t = Table(title=f"incidents in {s.cluster}")
-    for col in ("node", "phase", "workflow", "drained", "fault", "severity", "ticket", "started"):
-        t.add_column(col)
+    for col in ("node", "phase", "drained", "fault", "severity", "ticket", "opened"):
+        t.add_column(col, no_wrap=True)
     for r in rows:
-        t.add_row(r["node"] or "?", r["phase"] or "?", r["status"] or "", "yes" if r["drained"] else "no",
-                  r["fault_class"] or "", r["severity"] or "", r["ticket"] or "", r["started"] or "")
+        phase = r["phase"] or "?"
+        if r["status"] not in ("running", "completed", "continued_as_new", None):
+            phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
+        t.add_row(escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no", r["fault_class"] or "",
+                  r["severity"] or "", r["ticket"] or "", _short_time(r["started"]))
     out.print(t)
+
+
+def _short_time(iso: str | None) -> str:
+    """`2026-11-29T17:20:24+00:00` → `11-29 17:20:24` (UTC), for narrow tables."""
+    if not iso:
+        return ""
+    return iso[5:19].replace("T", " ")
 
 
 async def _command(s: Settings, node: str, update: str, **fields: Any) -> str:
@@ -332,8 +345,8 @@ def tickets(as_json: bool = typer.Option(False, "--json"), config: Optional[Path
     for col in ("ticket", "node", "status", "severity", "fault", "title"):
         t.add_column(col)
     for it in items:
-        t.add_row(str(it.get("ticket_id")), str(it.get("node")), str(it.get("status")), str(it.get("severity")),
-                  str(it.get("fault_class")), str(it.get("title")))
+        t.add_row(*(escape(str(it.get(k))) for k in ("ticket_id", "node", "status", "severity", "fault_class",
+                                                      "title")))
     out.print(t)
 
 
@@ -356,7 +369,8 @@ def deadletters(
     for col in ("at", "subject", "reason", "bytes"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r.get("at", ""), r.get("subject", ""), r.get("reason", ""), str(r.get("data_bytes", "")))
+        t.add_row(r.get("at", ""), escape(r.get("subject", "")), escape(r.get("reason", "")),
+                  str(r.get("data_bytes", "")))
     out.print(t)
 
 

@@ -1,0 +1,112 @@
+"""`fleetmend dev up` as an operator runs it: every process it starts stops on SIGTERM/SIGINT, and a
+second start on the same state directory resumes the open incident where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fleetmend.servers import free_port
+from tests.corpus_paths import corpus_case
+
+FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie awaiting reaping by PID 1 counts as gone
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _start(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, list[int]]:
+    out = open(log, "w")
+    p = subprocess.Popen(FLEETMEND + ["dev", "up"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "ready:" in text:
+            pids = [int(x) for x in re.findall(r"pid (\d+)", text)]
+            return p, pids
+        if p.poll() is not None:
+            raise AssertionError(f"dev up exited {p.returncode}:\n{text}")
+        time.sleep(0.2)
+    p.kill()
+    raise AssertionError(f"dev up not ready:\n{log.read_text()}")
+
+
+def _stop(p: subprocess.Popen, sig: int, pids: list[int]) -> None:
+    p.send_signal(sig)
+    assert p.wait(timeout=90) == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [x for x in pids if _alive(x)], "every child of dev up is gone"
+
+
+def _status(env: dict[str, str], node: str) -> dict | None:
+    r = subprocess.run(FLEETMEND + ["status", node, "--json"], env=env, capture_output=True, text=True, timeout=60)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def _wait_phase(env: dict[str, str], node: str, phase: str, timeout_s: float = 90) -> dict:
+    deadline = time.monotonic() + timeout_s
+    st = None
+    while time.monotonic() < deadline:
+        st = _status(env, node)
+        if st and st["phase"] == phase:
+            return st
+        time.sleep(0.5)
+    raise AssertionError(f"{node} never reached {phase}; last status {st}")
+
+
+def test_dev_up_stops_everything_and_resumes_open_incidents(tmp_path: Path):
+    state = tmp_path / "state"
+    env = {**os.environ, "FLEETMEND_STATE_DIR": str(state),
+           "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_UI_PORT": str(free_port()), "FLEETMEND_CLUSTER": "devup"}
+    env.pop("FLEETMEND_CONFIG", None)
+    log = tmp_path / "devup-1.log"
+    dmesg = tmp_path / "dmesg.txt"
+    dmesg.write_text(corpus_case("c093")["raw"] + "\n")  # XID 95 uncontained ECC: drain + ticket
+
+    p, pids = _start(env, log)
+    text = log.read_text()
+    assert f"Temporal UI     http://127.0.0.1:{env['FLEETMEND_TEMPORAL_UI_PORT']}" in text
+    assert len(pids) == 3, text  # worker, router, agent
+    # node t1's agent replays the log and stays up to answer diagnostics
+    agent = subprocess.Popen(FLEETMEND + ["agent", "--node", "t1", "--kmsg-file", str(dmesg)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        st = _wait_phase(env, "t1", "awaiting_repair")
+        assert st["drained"] and st["ticket"] and st["faults"][0]["code"] == 95
+        server_pids = [int(x) for x in subprocess.run(["pgrep", "-f", str(state)], capture_output=True,
+                                                      text=True).stdout.split()]
+        _stop(p, signal.SIGTERM, pids + server_pids)
+
+        p, pids = _start(env, tmp_path / "devup-2.log")
+        st = _wait_phase(env, "t1", "awaiting_repair")
+        assert st["ticket"] and st["drained"], "the open incident resumed where it was"
+        r = subprocess.run(FLEETMEND + ["repaired", "t1", "--note", "replaced"], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        st = _wait_phase(env, "t1", "closed")
+        assert st["outcome"] == "returned_to_service" and not st["drained"]
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    server_pids = [int(x) for x in subprocess.run(["pgrep", "-f", str(state)], capture_output=True,
+                                                  text=True).stdout.split()]
+    _stop(p, signal.SIGINT, pids + server_pids)
