@@ -255,14 +255,16 @@ def status(
         out.print(f"no incidents in cluster {s.cluster}")
         return
     t = Table(title=f"incidents in {s.cluster}")
+    widths = {"node": max(len(r["node"] or "?") for r in rows), "phase": len("awaiting_repair"),
+              "ticket": max([len(r["ticket"] or "") for r in rows] + [6])}
     for col in ("node", "phase", "drained", "fault", "severity", "ticket", "opened"):
-        t.add_column(col, no_wrap=True)
+        t.add_column(col, no_wrap=True, min_width=widths.get(col))
     for r in rows:
         phase = r["phase"] or "?"
         if r["status"] not in ("running", "completed", "continued_as_new", None):
             phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
         t.add_row(escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no", r["fault_class"] or "",
-                  r["severity"] or "", r["ticket"] or "", _short_time(r["started"]))
+                  r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
     out.print(t)
 
 
