@@ -95,6 +95,16 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         for other in ("node1", "node3", "node4"):
             assert "DRAIN" not in slurm_cluster.state(other), f"{other} must not be drained"
 
+        # What the Temporal UI filters on: the incident is findable by node, cluster, phase and ticket.
+        async def listed():
+            q = (f"FleetNode='node2' AND FleetCluster='{cluster}' AND FleetPhase='awaiting_repair' "
+                 f"AND FleetTicket='{st.ticket}' AND FleetDrained=true")
+            return [w async for w in client.list_workflows(q)]
+
+        assert len(await assert_eventually(listed, what="incident listed by search attributes")) == 1
+        desc = await client.get_workflow_handle(subjects.workflow_id(cluster, "node2")).describe()
+        assert "node2" in (await desc.static_summary() or ""), "the UI shows a one-line summary"
+
         tickets = LocalTicketStore(s.state_dir / "tickets").list()
         assert [t["node"] for t in tickets] == ["node2"]
         assert "Xid" in json.dumps(tickets[0]["evidence"]), "the raw kernel lines are in the ticket's evidence"

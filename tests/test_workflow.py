@@ -6,68 +6,18 @@ The stand-ins record every call, so the tests assert outcomes: phase, drains iss
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-
 import pytest
-from temporalio import activity
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
-from activities.diagnostics import DiagActivityRequest
-from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
-from activities.tickets import TicketRef, TicketRequest, TicketUpdate
 from fleetmend import subjects
-from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
+from fleetmend.diagnostics import DiagResult
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from workflows.remediation import (
     FaultBatch, HumanCommand, IncidentInput, NodeRemediation, PolicySnapshot, RoutedFault, Verdict,
 )
-
-
-@dataclass
-class Calls:
-    drains: list[DrainRequest] = field(default_factory=list)
-    undrains: list[UndrainRequest] = field(default_factory=list)
-    tickets: list[TicketRequest] = field(default_factory=list)
-    updates: list[TicketUpdate] = field(default_factory=list)
-    diags: list[DiagActivityRequest] = field(default_factory=list)
-    diag_results: list[DiagResult] = field(default_factory=list)
-    operator_drained: bool = False
-
-
-def stand_ins(calls: Calls) -> list:
-    @activity.defn(name="drain_node")
-    async def drain_node(req: DrainRequest) -> DrainResult:
-        calls.drains.append(req)
-        if calls.operator_drained:
-            return DrainResult(node=req.node, drained=True, owned=False, operator_drained=True, state="DRAINED",
-                               detail="operator reason")
-        return DrainResult(node=req.node, drained=True, owned=True, operator_drained=False, state="DRAINED",
-                           detail="ok")
-
-    @activity.defn(name="undrain_node")
-    async def undrain_node(req: UndrainRequest) -> UndrainResult:
-        calls.undrains.append(req)
-        return UndrainResult(node=req.node, resumed=True, state="IDLE", detail="resumed")
-
-    @activity.defn(name="file_ticket")
-    async def file_ticket(req: TicketRequest) -> TicketRef:
-        calls.tickets.append(req)
-        return TicketRef(ticket_id=f"FM-{len(calls.tickets):06d}", url=None, created=True)
-
-    @activity.defn(name="update_ticket")
-    async def update_ticket(upd: TicketUpdate) -> None:
-        calls.updates.append(upd)
-
-    @activity.defn(name="run_diagnostics")
-    async def run_diagnostics(req: DiagActivityRequest) -> DiagReport:
-        calls.diags.append(req)
-        result = calls.diag_results.pop(0) if calls.diag_results else DiagResult.NOT_APPLICABLE
-        return DiagReport(node=req.node, cluster=req.cluster, level=DiagLevel.QUICK,
-                          checks=[CheckResult(name="nvml_reachable", result=result)])
-
-    return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics]
 
 
 def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal", event_id: str | None = None,

@@ -1,0 +1,168 @@
+"""The router against real NATS JetStream and real Temporal: ack only after Temporal accepted,
+dead-letter (with the reason) what can never be valid, never crash on bad input, nak while
+Temporal is away and deliver once it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from fleetmend import servers, subjects
+from fleetmend.catalog import load_catalog
+from fleetmend.config import load_settings
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.router.core import MAX_EVENT_BYTES, Router, decode_event
+from tests.conftest import assert_eventually
+from tests.activity_standins import Calls, stand_ins
+from workflows.converter import data_converter
+from workflows.remediation import NodeRemediation
+
+
+def xid_event(cluster: str, node: str, xid: int = 79, **kw) -> FaultEvent:
+    return FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=xid,
+                      severity=Severity.FATAL, source=Source.INJECT, device=Device(pci_bus_id="0000:3b:00.0"),
+                      raw=f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid='<unknown>', name=<unknown>, test", **kw)
+
+
+async def deadletters(js, subject_prefix: str) -> list[dict]:  # noqa: ANN001
+    info = await js.stream_info(subjects.DEADLETTER_STREAM)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            m = await js.get_msg(subjects.DEADLETTER_STREAM, seq)
+        except Exception:  # noqa: BLE001 - purged
+            continue
+        rec = json.loads(m.data)
+        if rec["subject"].startswith(subject_prefix):
+            out.append(rec)
+    return out
+
+
+async def run_router(settings, nc, client, cluster: str, unique: str):  # noqa: ANN001
+    stop = asyncio.Event()
+    r = Router(settings, nc, nc.jetstream(), client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+               durable=f"r-{unique}")
+    task = asyncio.create_task(r.run(stop))
+    return r, stop, task
+
+
+@pytest.fixture
+def settings(nats_server, temporal_server, tmp_path, unique):
+    return load_settings(None, cluster=f"rt{unique}", nats_url=nats_server.url,
+                         temporal_address=temporal_server.address, state_dir=tmp_path, task_queue=f"tq-{unique}",
+                         router={"nak_delay_s": 0.2, "max_deliver": 50})
+
+
+def test_decode_rejects_what_can_never_be_valid():
+    good = xid_event("c1", "n1")
+    assert decode_event("fleet.c1.fault.n1", good.to_json_bytes()).event_id == good.event_id
+    cases = {
+        b"\xff\xfe not utf-8": "not UTF-8",
+        b"{not json": "not JSON",
+        b"[1, 2]": "not a JSON object",
+        b'{"cluster": "c1"}': "invalid FaultEvent",
+        good.model_copy(update={"schema_version": 99}).to_json_bytes(): "schema_version 99",
+        b" " * (MAX_EVENT_BYTES + 1): "oversized",
+    }
+    for data, reason in cases.items():
+        with pytest.raises(Exception) as ei:
+            decode_event("fleet.c1.fault.n1", data)
+        assert reason in str(ei.value), (data[:30], str(ei.value))
+    with pytest.raises(Exception, match="arrived on the subject of c1/n2"):
+        decode_event("fleet.c1.fault.n2", good.to_json_bytes())
+    with pytest.raises(Exception, match="not a fault subject"):
+        decode_event("fleet.c1.hb.n1", good.to_json_bytes())
+
+
+async def test_bad_input_is_deadlettered_with_reason_and_good_input_routed(settings, nc, temporal_client, unique):
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    cluster = settings.cluster
+    calls = Calls()
+    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+                      activities=stand_ins(calls)):
+        router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
+        try:
+            spoofed = xid_event(cluster, "other-node")
+            await js.publish(subjects.fault_subject(cluster, "n1"), b"\xff\xfe\x00garbage")
+            await js.publish(subjects.fault_subject(cluster, "n1"), b'{"schema_version": 1, "kind": "xid"}')
+            await js.publish(subjects.fault_subject(cluster, "n1"), spoofed.to_json_bytes())
+            good = xid_event(cluster, "n1")
+            await js.publish(subjects.fault_subject(cluster, "n1"), good.to_json_bytes(),
+                             headers={"Nats-Msg-Id": good.event_id})
+            dl = await assert_eventually(
+                lambda: _at_least(deadletters(js, f"fleet.{cluster}."), 3), what="3 dead letters")
+            reasons = sorted(d["reason"] for d in dl)
+            assert any("not UTF-8" in r for r in reasons)
+            assert any("invalid FaultEvent" in r for r in reasons)
+            assert any("arrived on the subject of" in r for r in reasons)
+            assert base64.b64decode(dl[0]["data_b64"]), "the original bytes are kept"
+
+            async def routed():
+                h = temporal_client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "n1"))
+                st = await h.query(NodeRemediation.status)
+                return st if st.faults else None
+
+            st = await assert_eventually(routed, what="good event in the workflow")
+            assert st.faults[0]["event_id"] == good.event_id and st.faults[0]["fault_class"] == "xid79"
+            assert not task.done(), "the router is still running after bad input"
+            ci = await js.consumer_info(subjects.FAULT_STREAM, f"r-{unique}")
+            await assert_eventually(lambda: _no_pending(js, unique), what="everything acked or termed")
+            assert router.stats.deadlettered == 3 and router.stats.routed == 1, (router.stats, ci)
+        finally:
+            stop.set()
+            await task
+
+
+async def _at_least(coro, n):  # noqa: ANN001
+    got = await coro
+    return got if len(got) >= n else None
+
+
+async def _no_pending(js, unique):  # noqa: ANN001
+    ci = await js.consumer_info(subjects.FAULT_STREAM, f"r-{unique}")
+    return ci.num_ack_pending == 0 and ci.num_pending == 0
+
+
+async def test_temporal_away_means_nak_then_delivery_once_back(nats_server, nc, tmp_path: Path, unique: str):
+    """A private Temporal server is stopped while an event arrives: the router naks (no ack, no loss),
+    and when the same server (same SQLite file) is back the event reaches exactly one workflow."""
+    port = servers.free_port()
+    db = tmp_path / "t.db"
+    proc = servers.start_temporal(db, port, servers.free_port(), ui=False)
+    address = f"127.0.0.1:{port}"
+    await servers.wait_temporal_ready(address)
+    cluster = f"away{unique}"
+    s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=address,
+                      state_dir=tmp_path, task_queue=f"tq-{unique}",
+                      router={"nak_delay_s": 0.2, "temporal_call_timeout_s": 2.0})
+    client = await Client.connect(address, data_converter=data_converter)
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    router, stop, task = await run_router(s, nc, client, cluster, unique)
+    try:
+        proc.stop()
+        ev = xid_event(cluster, "n9")
+        await js.publish(subjects.fault_subject(cluster, "n9"), ev.to_json_bytes(), headers={"Nats-Msg-Id": ev.event_id})
+        await assert_eventually(lambda: router.stats.naks >= 2, timeout_s=60, what="naks while Temporal is away")
+        assert router.stats.routed == 0 and router.stats.deadlettered == 0
+        proc.start()
+        await servers.wait_temporal_ready(address)
+        await assert_eventually(lambda: router.stats.routed == 1, timeout_s=90, what="routed after Temporal is back")
+        desc = await client.get_workflow_handle(subjects.workflow_id(cluster, "n9")).describe()
+        assert desc.status is not None
+        await asyncio.sleep(1.0)
+        assert router.stats.routed == 1, "delivered once, not again"
+    finally:
+        stop.set()
+        await task
+        proc.stop()
