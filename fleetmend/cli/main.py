@@ -411,8 +411,19 @@ def config_check(config: Optional[Path] = ConfigOpt) -> None:
     out.print("[green]configuration valid[/green]")
 
 
-def main() -> None:  # pragma: no cover
-    app()
+
+
+# Commands of other areas live in their own modules and register here, one line each
+# (`def register(app: typer.Typer) -> None` in the module).
+def _register_extensions() -> None:
+    import importlib
+
+    for name in _EXTENSIONS:
+        importlib.import_module(f"fleetmend.cli.{name}").register(app)
+
+
+_EXTENSIONS: list[str] = []
+_register_extensions()
 
 
 if __name__ == "__main__":  # pragma: no cover
