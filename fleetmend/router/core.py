@@ -7,7 +7,9 @@ Guarantees (DESIGN.md §The path of one fault, STYLE rule 18):
   itself fails, the message is nak'ed and retried: nothing accepted is dropped.
 - While Temporal is away, messages are nak'ed with a delay and come back; after `max_deliver`
   deliveries they are dead-lettered (reason: the last error) instead of vanishing silently.
-- Events of one node keep their order: one signal per node per batch, batches processed in turn.
+- Events of one node keep their order: at most one signal per node in flight, events queued
+  behind it go together in the next signal (a nak'ed event comes back behind newer ones; the
+  workflow orders by nothing but arrival and dedupes by event id).
 - Any number of router replicas share the durable consumer.
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -103,6 +104,11 @@ class Router:
         self.stream = stream
         self.stats = RouterStats()
         self._sem = asyncio.Semaphore(settings.router.max_in_flight)
+        self._queued: dict[tuple[str, str], list[tuple[Any, FaultEvent]]] = {}
+        self._senders: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._held = 0
+        self._max_unacked = max(self.s.router.fetch_batch * 10, 1000)
+        self._room = asyncio.Event()
 
     async def setup(self):  # noqa: ANN201
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -114,18 +120,31 @@ class Router:
         cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
                              deliver_policy=DeliverPolicy.ALL, ack_wait=self.s.router.ack_wait_s,
                              max_deliver=self.s.router.max_deliver, filter_subject=self.filter_subject,
-                             max_ack_pending=max(1000, self.s.router.fetch_batch * 4))
+                             max_ack_pending=self._max_unacked + self.s.router.fetch_batch)
         return await self.js.pull_subscribe(self.filter_subject, durable=self.durable, stream=self.stream,
                                             config=cfg)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Fetch continuously into per-node queues; each node has at most one signal in flight.
+
+        Events of a node that arrive while its signal is in flight are sent together in the next
+        call (the "coalesce" design of shared/notes/raw-limits.md: the deeper the backlog, the more
+        events per Temporal call). At most `max_unacked` messages are held un-acked.
+        """
         from nats.errors import TimeoutError as NatsTimeout
 
         psub = await self.setup()
         log.info("router_started", durable=self.durable, filter=self.filter_subject, task_queue=self.s.task_queue)
         while not stop.is_set():
+            if self._held >= self._max_unacked:
+                self._room.clear()
+                try:
+                    await asyncio.wait_for(self._room.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             try:
-                msgs = await psub.fetch(self.s.router.fetch_batch, timeout=1.0)
+                msgs = await psub.fetch(min(self.s.router.fetch_batch, self._max_unacked - self._held), timeout=1.0)
             except NatsTimeout:
                 continue  # idle, not a failure (nats-io/nats.py#418)
             except asyncio.CancelledError:
@@ -135,10 +154,13 @@ class Router:
                 await asyncio.sleep(1.0)
                 continue
             await self.handle_batch(msgs)
+        if self._senders:
+            log.info("router_finishing", nodes_in_flight=len(self._senders))
+            await asyncio.gather(*self._senders.values(), return_exceptions=True)
         log.info("router_stopped", **self.stats.__dict__)
 
     async def handle_batch(self, msgs: list) -> None:  # noqa: ANN001
-        groups: OrderedDict[tuple[str, str], list[tuple[Any, FaultEvent]]] = OrderedDict()
+        """Validate a fetched batch, dead-letter the invalid, queue the rest per node."""
         for msg in msgs:
             self.stats.received += 1
             try:
@@ -146,8 +168,24 @@ class Router:
             except InvalidEventError as err:
                 await self.deadletter(msg, err.reason)
                 continue
-            groups.setdefault((ev.cluster, ev.node), []).append((msg, ev))
-        await asyncio.gather(*(self._route_node(c, n, items) for (c, n), items in groups.items()))
+            key = (ev.cluster, ev.node)
+            self._queued.setdefault(key, []).append((msg, ev))
+            self._held += 1
+            if key not in self._senders:
+                self._senders[key] = asyncio.create_task(self._sender(key))
+
+    async def _sender(self, key: tuple[str, str]) -> None:
+        """Send a node's queued events, one signal-with-start at a time, until its queue is empty."""
+        try:
+            while self._queued.get(key):
+                items = self._queued.pop(key)
+                try:
+                    await self._route_node(key[0], key[1], items)
+                finally:
+                    self._held -= len(items)
+                    self._room.set()
+        finally:
+            self._senders.pop(key, None)
 
     async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent]]) -> None:
         from temporalio.common import SearchAttributePair, TypedSearchAttributes
