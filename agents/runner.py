@@ -171,8 +171,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             log.info("nats_reconnected", spool_depth=spool.depth)
             publisher.on_reconnected()
 
-        nc = await connect_nats(settings, name=f"fleetmend-agent-{settings.node}", error_cb=error_cb,
-                                disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
+        nc = await connect_nats(settings, name=f"fleetmend-agent-{settings.node}", wait_forever=True,
+                                error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
         conn["nc"] = nc
         js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
         try:

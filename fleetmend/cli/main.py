@@ -422,7 +422,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = []
+_EXTENSIONS: list[str] = ["sim"]
 _register_extensions()
 
 
