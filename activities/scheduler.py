@@ -545,9 +545,11 @@ def build_scheduler(settings: Settings, js: JetStreamContext | None = None) -> S
         settings: process settings.
         js: JetStream context, required for `standalone`.
     Returns:
-        `SlurmScheduler`, `StandaloneScheduler` or `NoopScheduler`.
+        `SlurmScheduler`, `StandaloneScheduler`, `KubernetesScheduler` (activities/kubernetes.py) or
+        `NoopScheduler`.
     Raises:
-        ConfigError: kubernetes (not available yet), standalone without `js`, or an unknown kind.
+        ConfigError: standalone without `js`, kubernetes without an API server configuration, or an
+            unknown kind.
     """
     kind = settings.scheduler
     if kind == SchedulerKind.SLURM:
@@ -559,8 +561,10 @@ def build_scheduler(settings: Settings, js: JetStreamContext | None = None) -> S
     if kind == SchedulerKind.NONE:
         return NoopScheduler()
     if kind == SchedulerKind.KUBERNETES:
-        raise ConfigError("kubernetes adapter not available yet; expected slurm, standalone, none")
-    raise ConfigError(f"unknown scheduler {kind!r}; expected slurm, standalone, none")
+        from activities.kubernetes import KubernetesScheduler
+
+        return KubernetesScheduler(settings.kubernetes)
+    raise ConfigError(f"unknown scheduler {kind!r}; expected slurm, standalone, kubernetes, none")
 
 
 # --------------------------------------------------------------------------------------------------

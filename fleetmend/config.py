@@ -49,6 +49,7 @@ class SchedulerKind(StrEnum):
 class TicketKind(StrEnum):
     LOCAL = "local"
     WEBHOOK = "webhook"
+    JIRA = "jira"
 
 
 class SlurmSettings(_Section):
@@ -68,6 +69,67 @@ class TicketSettings(_Section):
     webhook_url: str | None = None
     webhook_timeout_s: float = 10.0
     webhook_headers: dict[str, str] = Field(default_factory=dict)
+    webhook_status_url: str | None = None
+    """GET `{ticket_id}`-templated URL answering JSON with a `status` field: makes the webhook
+    ticket's status pollable (`poll_ticket`). None: only the local ledger's status is known."""
+    repaired_statuses: list[str] = Field(default_factory=lambda: ["Done", "Resolved", "Closed", "repaired"])
+    """Remote ticket statuses that mean "repaired" for `poll_ticket` (compared case-insensitively)."""
+    jira: "JiraSettings" = Field(default_factory=lambda: JiraSettings())
+
+
+class JiraSettings(_Section):
+    """Jira (Cloud or Data Center) REST API v2. Auth: `email` + `api_token` (Cloud, HTTP Basic) or
+    `bearer_token` (Data Center personal access token)."""
+
+    url: str | None = None
+    """Base URL, e.g. https://example.atlassian.net (no trailing /rest)."""
+    project: str = "OPS"
+    issue_type: str = "Bug"
+    email: str | None = None
+    api_token: str | None = None
+    bearer_token: str | None = None
+    labels: list[str] = Field(default_factory=lambda: ["fleetmend"])
+    """Labels on every issue; `fleetmend-incident-<hash>` is added per incident (idempotency key)."""
+    transitions: dict[str, str] = Field(default_factory=lambda: {"resolved": "Done", "aborted": "Done"})
+    """fleetmend ticket status → the Jira transition name to apply (others become comments only)."""
+    timeout_s: float = 15.0
+    """Bound on each REST call; Jira Cloud answers in < 2 s, attachments take longer."""
+    max_attempts: int = 4
+    """Tries for 5xx/429/connection errors (bounded, exponential backoff from 0.5 s)."""
+
+
+class KubernetesSettings(_Section):
+    """The Kubernetes scheduler adapter (activities/kubernetes.py)."""
+
+    kubeconfig: Path | None = None
+    """kubeconfig file; None: $KUBECONFIG or ~/.kube/config (unless in a cluster)."""
+    context: str | None = None
+    in_cluster: bool | None = None
+    """True: service-account config; None: auto (KUBERNETES_SERVICE_HOST set)."""
+    api_url: str | None = None
+    """Explicit API server URL without auth (kubectl proxy, tests); overrides the above."""
+    taint_key: str = "fleetmend.io/fault"
+    annotation_prefix: str = "fleetmend.io"
+    evict_timeout_s: float = 90.0
+    """How long one drain retries evictions a PodDisruptionBudget refuses (429); below the workflow's
+    2 min drain activity timeout. Pods left are reported; a retried drain carries on."""
+    evict_retry_s: float = 5.0
+    """Delay between eviction rounds (kubectl drain waits 5 s after a 429 too)."""
+    request_timeout_s: float = 30.0
+    grace_period_s: int | None = None
+    """Pod termination grace for evictions; None keeps each pod's own."""
+
+
+class MetricsSettings(_Section):
+    """Prometheus `/metrics` port per process; 0 turns it off. Distinct defaults let `dev up` run all."""
+
+    host: str = "0.0.0.0"
+    agent_port: int = 0
+    router_port: int = 0
+    worker_port: int = 0
+    poll_interval_s: float = 15.0
+    """How often the worker/router refresh gauges from Temporal visibility and JetStream (a Prometheus
+    scrape interval)."""
 
 
 class AgentSettings(_Section):
@@ -132,6 +194,8 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     scheduler: SchedulerKind = SchedulerKind.STANDALONE
     slurm: SlurmSettings = Field(default_factory=SlurmSettings)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     tickets: TicketSettings = Field(default_factory=TicketSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)

@@ -115,14 +115,15 @@ async def test_activities_with_standalone(nc, bucket) -> None:
     assert u.resumed
 
 
-async def test_build_scheduler_and_noop(nc) -> None:
+async def test_build_scheduler_and_noop(nc, tmp_path, monkeypatch) -> None:
     assert isinstance(build_scheduler(Settings(scheduler="slurm")), SlurmScheduler)
     assert isinstance(build_scheduler(Settings(scheduler="standalone"), js=nc.jetstream()), StandaloneScheduler)
     noop = build_scheduler(Settings(scheduler="none"))
     assert isinstance(noop, NoopScheduler)
     r = await noop.drain("n1", "x", "i")
     assert r.drained is False and r.detail == "scheduler none: nothing drained"
-    with pytest.raises(ConfigError, match="kubernetes adapter not available yet; expected slurm, standalone, none"):
-        build_scheduler(Settings(scheduler="kubernetes"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match="scheduler kubernetes: no API server configuration"):
+        build_scheduler(Settings(scheduler="kubernetes", kubernetes={"kubeconfig": tmp_path / "missing"}))
     with pytest.raises(ConfigError, match="pass js="):
         build_scheduler(Settings(scheduler="standalone"))

@@ -1,0 +1,432 @@
+"""Kubernetes scheduler adapter: cordon, taint, annotate and evict through the official client.
+
+What a drain does (`KubernetesScheduler.drain`), in documented API calls only:
+
+1. `GET /api/v1/nodes/{node}` (read_node).
+2. One JSON merge patch (`PATCH /api/v1/nodes/{node}`, `application/merge-patch+json`) that sets
+   `spec.unschedulable: true` (cordon), appends the NoSchedule taint `fleetmend.io/fault=<fault class>`
+   to `spec.taints` and writes the ownership annotations below. The patch carries
+   `metadata.resourceVersion` as a precondition, so a concurrent writer gets a 409 Conflict and the
+   adapter re-reads and tries again (5 times) instead of overwriting someone else's taints.
+3. For every pod bound to the node (`GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`; the
+   result is filtered again client-side) that `kubectl drain` would evict — not DaemonSet pods, not
+   mirror (static) pods, not pods that already finished — `POST .../pods/{pod}/eviction` with a
+   `policy/v1` Eviction. A 429 (a PodDisruptionBudget forbids it now) is retried every
+   `evict_retry_s` until `evict_timeout_s`, heartbeating when inside an activity; 404 means the pod
+   is gone already. Pods still blocked at the deadline are listed in the result (state `draining`):
+   the node stays cordoned and tainted, and a retried activity carries on evicting.
+
+Ownership (annotations on the Node, prefix `KubernetesSettings.annotation_prefix`):
+- `fleetmend.io/cordon-owner`: `fleetmend` when this adapter set `spec.unschedulable`, `operator` when
+  the node was already cordoned by someone else when fleetmend came (never uncordoned by fleetmend).
+- `fleetmend.io/incident`, `fleetmend.io/reason`, `fleetmend.io/drained-at`.
+`undrain` removes only what fleetmend added: its taint, its annotations and — only when the
+cordon is fleetmend's — `spec.unschedulable`. Operators' taints and annotations are never touched.
+
+The official client is synchronous: each call runs in a worker thread (`asyncio.to_thread`) and is
+bounded by `_request_timeout=request_timeout_s` (a thread cannot be cancelled; the timeout ends it).
+
+Tested against kmock's `KubernetesEmulator` (tests/test_kubernetes_adapter.py). What the emulator
+cannot check: label and field selectors are ignored (hence the client-side filter), there is no
+`resourceVersion` (so the 409 precondition path is exercised only by a scripted 409), patches are
+plain dict merges (no strategic merge; this adapter only uses JSON merge patch, whose list
+replacement semantics the emulator does match), there is no Eviction subresource and no
+PodDisruptionBudget enforcement (the tests script the eviction endpoint: 429 from a "budget",
+then 201 deleting the pod), and no RBAC (deploy/kubernetes/rbac.yaml grants exactly the verbs used
+here: nodes get/list/patch, pods list, pods/eviction create).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from activities.scheduler import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
+from fleetmend.config import KubernetesSettings
+from fleetmend.errors import ConfigError, NodeNotFoundError, SchedulerError
+
+MERGE_PATCH = "application/merge-patch+json"
+CONFLICT_TRIES = 5
+"""Re-read and re-patch this many times on 409 Conflict (another writer changed the Node)."""
+
+STATE_READY, STATE_NOT_READY = "ready", "not_ready"
+STATE_DRAINING, STATE_DRAINED, STATE_CORDONED = "draining", "drained", "cordoned"
+
+
+def taint_value(reason: str) -> str:
+    """The fault class for the taint value: the reason's first word, made a valid label value.
+
+    `"xid_79_fallen_off_bus incident i-1"` → `"xid_79_fallen_off_bus"`; label values allow
+    `[A-Za-z0-9_.-]`, at most 63 characters, starting and ending alphanumeric (Kubernetes API
+    conventions, "Syntax and character set" of labels).
+    """
+    word = (reason.split() or ["fault"])[0]
+    value = re.sub(r"[^A-Za-z0-9_.-]", "_", word)[:63].strip("_.-")
+    return value or "fault"
+
+
+@dataclass
+class EvictionReport:
+    evicted: list[str] = field(default_factory=list)
+    """`namespace/name` of pods evicted by this call."""
+    gone: list[str] = field(default_factory=list)
+    """Pods that vanished before their eviction (404)."""
+    blocked: dict[str, str] = field(default_factory=dict)
+    """Pods still there at the deadline → the last refusal (429 budget message, …)."""
+    skipped: list[str] = field(default_factory=list)
+    """DaemonSet and mirror pods, which drain leaves (as `kubectl drain --ignore-daemonsets`)."""
+
+
+def evictable(pod: Any) -> tuple[bool, str]:
+    """Would `kubectl drain --ignore-daemonsets --delete-emptydir-data` evict `pod`?
+
+    Returns:
+        (True, "") or (False, why): "daemonset", "mirror", "finished".
+    """
+    md = pod.metadata
+    if (md.annotations or {}).get("kubernetes.io/config.mirror"):
+        return False, "mirror"
+    for ref in md.owner_references or []:
+        if ref.kind == "DaemonSet" and ref.controller:
+            return False, "daemonset"
+    phase = pod.status.phase if pod.status else None
+    if phase in ("Succeeded", "Failed"):
+        return False, "finished"
+    return True, ""
+
+
+def _heartbeat(details: dict[str, Any]) -> None:
+    """Heartbeat when running inside a Temporal activity; a no-op elsewhere (CLI, tests)."""
+    from temporalio import activity
+
+    if activity.in_activity():
+        activity.heartbeat(details)
+
+
+class KubernetesScheduler:
+    """Drain/undrain Kubernetes Nodes (see module docstring for the exact API calls).
+
+    Args:
+        settings: `KubernetesSettings` (kubeconfig/context/in-cluster or `api_url`, taint key,
+            annotation prefix, eviction deadline).
+        api_client: a ready `kubernetes.client.ApiClient` (tests, embedding); None builds one from
+            `settings`.
+    Raises:
+        ConfigError: no kubeconfig and not in a cluster, or the `kubernetes` package is missing.
+    """
+
+    name = "kubernetes"
+
+    def __init__(self, settings: KubernetesSettings, api_client: Any = None) -> None:
+        try:
+            from kubernetes import client as k8s
+        except ImportError as err:  # pragma: no cover - it is a dependency
+            raise ConfigError("scheduler kubernetes needs the `kubernetes` package: pip install kubernetes") from err
+        self.s = settings
+        self.k8s = k8s
+        self.api_client = api_client or self._build_client()
+        self.core = k8s.CoreV1Api(self.api_client)
+        p = settings.annotation_prefix.rstrip("/")
+        self.ann_owner, self.ann_incident = f"{p}/cordon-owner", f"{p}/incident"
+        self.ann_reason, self.ann_at = f"{p}/reason", f"{p}/drained-at"
+        self.patch_calls = 0
+        """Node patches this instance sent (visible idempotency in tests)."""
+
+    def _build_client(self) -> Any:
+        import os
+
+        from kubernetes import config as kconfig
+
+        cfg = self.k8s.Configuration()
+        try:
+            if self.s.api_url:
+                cfg.host = self.s.api_url.rstrip("/")
+            elif self.s.in_cluster or (self.s.in_cluster is None and os.environ.get("KUBERNETES_SERVICE_HOST")):
+                kconfig.load_incluster_config(client_configuration=cfg)
+            else:
+                kconfig.load_kube_config(config_file=str(self.s.kubeconfig) if self.s.kubeconfig else None,
+                                         context=self.s.context, client_configuration=cfg)
+        except kconfig.ConfigException as err:
+            raise ConfigError(
+                f"scheduler kubernetes: no API server configuration ({err}); set kubernetes.kubeconfig "
+                "(FLEETMEND_KUBERNETES__KUBECONFIG), run in a pod with a service account, or set "
+                "kubernetes.api_url") from err
+        return self.k8s.ApiClient(cfg)
+
+    @property
+    def where(self) -> str:
+        return self.api_client.configuration.host
+
+    # -- API plumbing --------------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Any, *args: Any, node: str | None = None, **kw: Any) -> Any:
+        """Run one client call in a thread; map errors to SchedulerError / NodeNotFoundError."""
+        kw.setdefault("_request_timeout", self.s.request_timeout_s)
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except self.k8s.ApiException as err:
+            if err.status == 404 and node is not None:
+                raise NodeNotFoundError(f"node {node!r} not found by the API server at {self.where}") from err
+            if err.status in (401, 403):
+                raise SchedulerError(
+                    f"{what}: {err.status} {err.reason} from {self.where}; the service account needs "
+                    "nodes get/list/patch, pods list, pods/eviction create (deploy/kubernetes/rbac.yaml)") from err
+            raise
+        except Exception as err:  # noqa: BLE001 - urllib3 raises many unrelated transport types
+            raise SchedulerError(f"{what}: API server {self.where} unreachable or too slow "
+                                 f"({type(err).__name__}: {err}); check kubernetes.kubeconfig / api_url") from err
+
+    async def _read(self, node: str) -> Any:
+        return await self._call(f"read node {node}", self.core.read_node, node, node=node)
+
+    async def _patch(self, node: str, body: dict[str, Any]) -> Any:
+        self.patch_calls += 1
+        return await self._call(f"patch node {node}", self.core.patch_node, node, body, node=node,
+                                _content_type=MERGE_PATCH)
+
+    def _ours(self, taint: Any) -> bool:
+        return taint.key == self.s.taint_key and taint.effect == "NoSchedule"
+
+    @staticmethod
+    def _taint_dict(t: Any) -> dict[str, Any]:
+        d = {"key": t.key, "effect": t.effect}
+        if t.value is not None:
+            d["value"] = t.value
+        if getattr(t, "time_added", None) is not None:
+            d["timeAdded"] = t.time_added.isoformat() if hasattr(t.time_added, "isoformat") else t.time_added
+        return d
+
+    def _annotations(self, n: Any) -> dict[str, str]:
+        return dict(n.metadata.annotations or {})
+
+    @staticmethod
+    def _ready(n: Any) -> bool:
+        for c in (n.status.conditions if n.status else None) or []:
+            if c.type == "Ready":
+                return c.status == "True"
+        return False
+
+    async def _pods_on(self, node: str) -> list[Any]:
+        """Pods bound to `node` (field selector, then filtered again: emulators ignore selectors)."""
+        res = await self._call(f"list pods on {node}", self.core.list_pod_for_all_namespaces,
+                               field_selector=f"spec.nodeName={node}")
+        return [p for p in res.items if p.spec and p.spec.node_name == node]
+
+    async def _remaining(self, node: str) -> list[Any]:
+        return [p for p in await self._pods_on(node) if evictable(p)[0]]
+
+    # -- adapter API ---------------------------------------------------------------------------
+
+    async def state(self, node: str) -> str:
+        """`ready` / `not_ready` (schedulable), `draining` (cordoned, evictable pods left) or `drained`.
+
+        Raises:
+            NodeNotFoundError, SchedulerError.
+        """
+        n = await self._read(node)
+        if not (n.spec and n.spec.unschedulable):
+            return STATE_READY if self._ready(n) else STATE_NOT_READY
+        return STATE_DRAINING if await self._remaining(node) else STATE_DRAINED
+
+    async def drain(self, node: str, reason: str, incident_id: str) -> DrainResult:
+        """Cordon, taint and annotate `node`, then evict its pods (PDB-respecting, with a deadline).
+
+        Args:
+            node: Node name.
+            reason: `"<fault class> incident <id>"`; the first word becomes the taint value.
+            incident_id: recorded in the `incident` annotation.
+        Returns:
+            `DrainResult` with the Slurm adapter's semantics: already cordoned by fleetmend → owned=True
+            (evictions carry on); cordoned by someone else → operator_drained=True, owned=False (the
+            fault taint and annotations are added, the cordon is recorded as the operator's and pods
+            are left alone). `state` is `drained`, or `draining` when pods remain (listed in `detail`).
+        Raises:
+            NodeNotFoundError: no such Node.
+            SchedulerError: API errors, RBAC refusals, or 409 conflicts 5 times in a row.
+        """
+        for _ in range(CONFLICT_TRIES):
+            n = await self._read(node)
+            ann = self._annotations(n)
+            cordoned = bool(n.spec and n.spec.unschedulable)
+            taints = list((n.spec.taints if n.spec else None) or [])
+            has_taint = any(self._ours(t) for t in taints)
+            owner = ann.get(self.ann_owner)
+            if cordoned and owner == OWNER_FLEETMEND and has_taint:
+                break  # ours already: carry on with evictions (an activity retry lands here)
+            if cordoned and owner == OWNER_OPERATOR and has_taint:
+                break  # an operator's cordon, already marked
+            owner = OWNER_OPERATOR if cordoned and owner != OWNER_FLEETMEND else OWNER_FLEETMEND
+            new_taints = [self._taint_dict(t) for t in taints if not self._ours(t)]
+            new_taints.append({"key": self.s.taint_key, "value": taint_value(reason), "effect": "NoSchedule"})
+            body: dict[str, Any] = {
+                "metadata": {"annotations": {
+                    self.ann_owner: owner, self.ann_incident: incident_id, self.ann_reason: reason[:1000],
+                    self.ann_at: datetime.now(timezone.utc).isoformat(timespec="seconds")}},
+                "spec": {"taints": new_taints},
+            }
+            if n.metadata.resource_version:
+                body["metadata"]["resourceVersion"] = n.metadata.resource_version
+            if owner == OWNER_FLEETMEND:
+                body["spec"]["unschedulable"] = True
+            try:
+                await self._patch(node, body)
+            except self.k8s.ApiException as err:
+                if err.status == 409:
+                    continue
+                raise SchedulerError(f"patch node {node} at {self.where}: {err.status} {err.reason}: "
+                                     f"{(err.body or '')[:300]}") from err
+            break
+        else:
+            raise SchedulerError(f"drain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)")
+
+        n = await self._read(node)
+        ann = self._annotations(n)
+        if ann.get(self.ann_owner) != OWNER_FLEETMEND:
+            return DrainResult(node, True, False, True, STATE_CORDONED,
+                               f"already cordoned by someone else; fault taint {self.s.taint_key} added, "
+                               "cordon recorded as the operator's and never lifted by fleetmend; pods left as is",
+                               reason=ann.get(self.ann_reason, ""), raw_state="unschedulable")
+        rep = await self.evict_pods(node)
+        state = STATE_DRAINING if rep.blocked else STATE_DRAINED
+        detail = (f"cordoned, tainted {self.s.taint_key}={taint_value(reason)}; evicted {len(rep.evicted)}, "
+                  f"gone {len(rep.gone)}, left {len(rep.skipped)} daemonset/mirror pod(s)")
+        if rep.blocked:
+            detail += "; still running at the eviction deadline: " + ", ".join(
+                f"{k} ({v})" for k, v in sorted(rep.blocked.items()))
+        return DrainResult(node, True, True, False, state, detail, reason=ann.get(self.ann_reason, reason),
+                           raw_state="unschedulable")
+
+    async def evict_pods(self, node: str, timeout_s: float | None = None) -> EvictionReport:
+        """Evict every evictable pod on `node` through the Eviction API; 429s retried until the deadline.
+
+        Args:
+            node: Node name.
+            timeout_s: overall deadline (default `evict_timeout_s`).
+        Returns:
+            `EvictionReport` (evicted, gone, blocked with the last refusal, skipped).
+        Raises:
+            SchedulerError: an eviction failed with anything but 404/429 (e.g. 500 for a pod covered by
+                several PodDisruptionBudgets, 403 without RBAC).
+        """
+        deadline = time.monotonic() + (self.s.evict_timeout_s if timeout_s is None else timeout_s)
+        rep = EvictionReport()
+        pending: dict[str, Any] = {}
+        for p in await self._pods_on(node):
+            key = f"{p.metadata.namespace}/{p.metadata.name}"
+            ok, why = evictable(p)
+            if ok:
+                pending[key] = p
+            else:
+                rep.skipped.append(f"{key} ({why})")
+        while pending:
+            for key, p in list(pending.items()):
+                body = self.k8s.V1Eviction(
+                    api_version="policy/v1", kind="Eviction",
+                    metadata=self.k8s.V1ObjectMeta(name=p.metadata.name, namespace=p.metadata.namespace),
+                    delete_options=(self.k8s.V1DeleteOptions(grace_period_seconds=self.s.grace_period_s)
+                                    if self.s.grace_period_s is not None else None))
+                try:
+                    await self._call(f"evict {key}", self.core.create_namespaced_pod_eviction,
+                                     p.metadata.name, p.metadata.namespace, body)
+                    rep.evicted.append(key)
+                    del pending[key]
+                except self.k8s.ApiException as err:
+                    if err.status == 404:
+                        rep.gone.append(key)
+                        del pending[key]
+                    elif err.status == 429:
+                        rep.blocked[key] = _status_message(err) or "429 Too Many Requests (disruption budget)"
+                    else:
+                        raise SchedulerError(f"evict {key} from {node} at {self.where}: {err.status} "
+                                             f"{err.reason}: {_status_message(err)}") from err
+            for key in rep.evicted + rep.gone:
+                rep.blocked.pop(key, None)
+            _heartbeat({"phase": "evicting", "node": node, "evicted": len(rep.evicted),
+                        "blocked": sorted(pending)})
+            if not pending or time.monotonic() + self.s.evict_retry_s > deadline:
+                break
+            await asyncio.sleep(self.s.evict_retry_s)
+        return rep
+
+    async def undrain(self, node: str, incident_id: str) -> UndrainResult:
+        """Remove fleetmend's taint and annotations; uncordon only a cordon fleetmend set.
+
+        Returns:
+            `UndrainResult`: resumed=True when fleetmend's cordon was lifted (or its taint removed after an
+            operator had already uncordoned); resumed=False with operator_drained=True when the cordon is
+            someone else's (fleetmend's marks are removed, the cordon stays); resumed=False when there was
+            nothing of fleetmend's on the node.
+        Raises:
+            NodeNotFoundError, SchedulerError: as `drain`.
+        """
+        for _ in range(CONFLICT_TRIES):
+            n = await self._read(node)
+            ann = self._annotations(n)
+            cordoned = bool(n.spec and n.spec.unschedulable)
+            taints = list((n.spec.taints if n.spec else None) or [])
+            has_taint = any(self._ours(t) for t in taints)
+            owner = ann.get(self.ann_owner)
+            if owner is None and not has_taint:
+                if cordoned:
+                    return UndrainResult(node, False, STATE_CORDONED, "cordoned by someone else and not marked "
+                                         "by fleetmend; left for the operator", operator_drained=True)
+                return UndrainResult(node, False, STATE_READY if self._ready(n) else STATE_NOT_READY,
+                                     "not cordoned and no fleetmend taint; nothing to resume")
+            body: dict[str, Any] = {
+                "metadata": {"annotations": {k: None for k in (self.ann_owner, self.ann_incident, self.ann_reason,
+                                                                self.ann_at)}},
+            }
+            if has_taint:
+                body["spec"] = {"taints": [self._taint_dict(t) for t in taints if not self._ours(t)]}
+            if owner == OWNER_FLEETMEND and cordoned:
+                body.setdefault("spec", {})["unschedulable"] = False
+            if n.metadata.resource_version:
+                body["metadata"]["resourceVersion"] = n.metadata.resource_version
+            try:
+                await self._patch(node, body)
+            except self.k8s.ApiException as err:
+                if err.status == 409:
+                    continue
+                raise SchedulerError(f"patch node {node} at {self.where}: {err.status} {err.reason}") from err
+            note = ("" if ann.get(self.ann_incident) in (None, incident_id)
+                    else f" (drain was set by incident {ann.get(self.ann_incident)})")
+            if owner == OWNER_FLEETMEND:
+                what = "uncordoned" if cordoned else "cordon already lifted by someone; fleetmend taint removed"
+                return UndrainResult(node, True, STATE_READY, f"{what}{note}")
+            return UndrainResult(node, False, STATE_CORDONED if cordoned else STATE_READY,
+                                 f"fleetmend taint and annotations removed; the cordon is the operator's and "
+                                 f"stays{note}", operator_drained=cordoned)
+        raise SchedulerError(f"undrain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)")
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        """Every Node with its state, fleetmend reason, owner of the cordon and incident.
+
+        Owner is `fleetmend` or `operator` for a cordoned node, None when schedulable. The state of a
+        cordoned node is `cordoned` here (listing every node's pods would be a fleet-wide pod list).
+        """
+        res = await self._call("list nodes", self.core.list_node)
+        rows = []
+        for n in sorted(res.items, key=lambda n: n.metadata.name):
+            ann = self._annotations(n)
+            cordoned = bool(n.spec and n.spec.unschedulable)
+            owner = ann.get(self.ann_owner) or (OWNER_OPERATOR if cordoned else None)
+            if not cordoned and owner == OWNER_OPERATOR:
+                owner = None
+            state = STATE_CORDONED if cordoned else (STATE_READY if self._ready(n) else STATE_NOT_READY)
+            rows.append(NodeInfo(n.metadata.name, state, ann.get(self.ann_reason, ""), owner,
+                                 ann.get(self.ann_incident)))
+        return rows
+
+
+def _status_message(err: Any) -> str:
+    """The `message` of a Kubernetes `Status` error body, else the raw body (truncated)."""
+    import json
+
+    try:
+        return str(json.loads(err.body or "{}").get("message", ""))[:300]
+    except (ValueError, AttributeError):
+        return str(err.body or "")[:300]
