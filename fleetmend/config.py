@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleetmend.errors import ConfigError
@@ -96,6 +96,9 @@ class JiraSettings(_Section):
     """Bound on each REST call; Jira Cloud answers in < 2 s, attachments take longer."""
     max_attempts: int = 4
     """Tries for 5xx/429/connection errors (bounded, exponential backoff from 0.5 s)."""
+    search_path: str = "/rest/api/2/search"
+    """JQL search endpoint: Data Center `/rest/api/2/search`; Jira Cloud `/rest/api/3/search/jql`
+    (the Cloud replacement; same `jql`, `fields`, `maxResults` parameters and `issues` answer)."""
 
 
 class KubernetesSettings(_Section):
@@ -172,6 +175,77 @@ class PolicySettings(_Section):
     close_after_idle_s: float = 3600.0
     """A record-only incident (no drain) closes after this long without new faults."""
 
+    # --- blast radius (FleetGuard, one per cluster) -------------------------------------------
+    max_drained_nodes: int = Field(default=20, ge=1)
+    """Most nodes automation holds drained at once in a cluster. 20: a human should look before more go."""
+    max_drained_percent: float = Field(default=10.0, gt=0, le=100)
+    """…and at most this share of the cluster's known nodes (topology file, `cluster_nodes`, nodes seen);
+    the smaller limit wins, never below 1. 10 %: a training job of 90 % of the fleet still fits."""
+    max_drained_per_rack: int = Field(default=2, ge=1)
+    """Per rack (topology file): 2, so a rack-level event shows as an infrastructure incident
+    (`domain_incident_nodes`) before it empties the rack."""
+    cluster_nodes: int | None = Field(default=None, ge=1)
+    """Known node count when no topology file lists them; None: topology size, else nodes seen."""
+    topology_file: Path | None = None
+    """TOML `[node.NAME] rack/leaf/pdu` (fleetmend/policy.py `Topology`); loaded by the worker."""
+    breaker_distinct_nodes: int = Field(default=10, ge=1)
+    """Breaker trips when drain-worthy faults come from MORE than this many distinct nodes within
+    `breaker_window_s`; 10 in 10 min is far above a healthy fleet's rate (~1/day per 1k GPUs)."""
+    breaker_window_s: float = Field(default=600.0, gt=0)
+    domain_incident_nodes: int = Field(default=3, ge=2)
+    """This many distinct nodes faulting under one rack/leaf/PDU within `domain_window_s` become one
+    infrastructure incident: no further drains there, a ticket pages a human."""
+    domain_window_s: float = Field(default=300.0, gt=0)
+    # --- history rules (NodeRemediation) --------------------------------------------------------
+    debounce_s: float = Field(default=30.0, ge=0)
+    """A fault whose kind has a clearing event (link down, GPU missing) waits this long; if it clears
+    first nothing drains. 30 s covers an IB port retrain or a udev remove/add cycle."""
+    app_xid_repeats: int = Field(default=3, ge=2)
+    """XID 13/31 this often on the same GPU within `app_xid_window_s` → hardware suspect."""
+    app_xid_window_s: float = Field(default=3600.0, gt=0)
+    sbe_events_per_window: int = Field(default=10, ge=1)
+    """SBE (volatile) events within `sbe_window_s` that mean a rising rate → drain when idle."""
+    sbe_window_s: float = Field(default=3600.0, gt=0)
+    lemon_repairs: int = Field(default=2, ge=1)
+    """The same fault class returning after this many repairs within `lemon_window_s` → RMA."""
+    lemon_window_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    """30 days: a part that fails again within a month of two repairs is the part, not bad luck."""
+    # --- recovery before RMA ------------------------------------------------------------------
+    recovery_settle_s: float = Field(default=120.0, ge=0)
+    """After a GPU reset or reboot, wait this long (for late XIDs, driver re-init) before verifying."""
+    reboot_command: list[str] = Field(default_factory=list)
+    """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
+    default) = dry run: the agent answers what it would do and reboots nothing, so `dev up` never
+    reboots the dev box."""
+    gpu_reset_command: list[str] = Field(default_factory=lambda: ["nvidia-smi", "-r", "-i"])
+    """Agent side: argv for a GPU reset; the PCI bus id is appended. Runs only when no process holds the GPU."""
+
+
+class TlsSettings(_Section):
+    """TLS for one client connection (NATS or Temporal). Files are PEM.
+
+    Enabled when `enabled` is true, when any file is set, or (NATS) when the URL scheme is `tls://`.
+    """
+
+    enabled: bool = False
+    ca_file: Path | None = None
+    """CA bundle that signed the server's certificate; None uses the system trust store."""
+    cert_file: Path | None = None
+    """Client certificate (mutual TLS); set together with `key_file`."""
+    key_file: Path | None = None
+    server_name: str | None = None
+    """Name to verify the server certificate against (SNI) when it differs from the host dialled."""
+
+    @model_validator(mode="after")
+    def _pair(self) -> "TlsSettings":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (mutual TLS): set both or neither")
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or any(f is not None for f in (self.ca_file, self.cert_file, self.key_file))
+
 
 class Settings(BaseSettings):
     """Every process's configuration. See module docstring for sources and precedence."""
@@ -186,6 +260,11 @@ class Settings(BaseSettings):
     nats_user: str | None = None
     nats_password: str | None = None
     nats_creds: Path | None = None
+    """NATS `.creds` file (JWT + nkey seed; operator/JWT deployments)."""
+    nats_nkey_seed: Path | None = None
+    """File holding this process's nkey seed (`SU...`), as written by `fleetmend creds`."""
+    nats_tls: TlsSettings = Field(default_factory=TlsSettings)
+    temporal_tls: TlsSettings = Field(default_factory=TlsSettings)
     nats_connect_timeout_s: float = 5.0
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"

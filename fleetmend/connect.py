@@ -2,32 +2,116 @@
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+from pathlib import Path
 from typing import Any
 
-from fleetmend.config import Settings
-from fleetmend.errors import ServiceUnavailableError
+from fleetmend.config import Settings, TlsSettings
+from fleetmend.errors import ConfigError, ServiceUnavailableError
 
 
-async def connect_nats(settings: Settings, *, name: str, **kw: Any):  # noqa: ANN201
+def _read(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{what} {path}: {err.strerror or err}; check the file path and permissions") from err
+
+
+def nats_ssl_context(tls: TlsSettings) -> ssl.SSLContext:
+    """An `ssl.SSLContext` for the NATS client: verifies the server against `tls.ca_file` (or the
+    system store), presents `tls.cert_file`/`tls.key_file` when set (mutual TLS).
+
+    Raises:
+        ConfigError: a file is missing or not valid PEM (names the file).
+    """
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
+                                         cafile=str(tls.ca_file) if tls.ca_file else None)
+        if tls.cert_file and tls.key_file:
+            ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    except (OSError, ssl.SSLError) as err:
+        raise ConfigError(f"NATS TLS files (ca {tls.ca_file}, cert {tls.cert_file}, key {tls.key_file}): {err}; "
+                          "check nats_tls.* in the configuration") from err
+    return ctx
+
+
+def nats_auth_options(settings: Settings) -> dict[str, Any]:
+    """`nats.connect` keyword options for authentication and TLS from `settings`.
+
+    user/password, an nkey seed file (`nats_nkey_seed`), a `.creds` file, and TLS (`nats_tls`, or a
+    `tls://` URL) combine as the server requires.
+    """
+    opts: dict[str, Any] = {}
+    if settings.nats_user:
+        opts.update(user=settings.nats_user, password=settings.nats_password)
+    if settings.nats_nkey_seed:
+        if not Path(settings.nats_nkey_seed).is_file():
+            raise ConfigError(f"nats_nkey_seed {settings.nats_nkey_seed}: no such file; "
+                              "`fleetmend creds` writes one per node")
+        opts.update(nkeys_seed=str(settings.nats_nkey_seed))
+    if settings.nats_creds:
+        opts.update(user_credentials=str(settings.nats_creds))
+    if settings.nats_tls.active or settings.nats_url.startswith("tls://"):
+        opts.update(tls=nats_ssl_context(settings.nats_tls))
+        if settings.nats_tls.server_name:
+            opts.update(tls_hostname=settings.nats_tls.server_name)
+    return opts
+
+
+def temporal_tls_config(tls: TlsSettings):  # noqa: ANN201
+    """`temporalio.service.TLSConfig` for `tls`, or False when TLS is off.
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    if not tls.active:
+        return False
+    from temporalio.service import TLSConfig
+
+    return TLSConfig(server_root_ca_cert=_read(tls.ca_file, "temporal_tls.ca_file"),
+                     client_cert=_read(tls.cert_file, "temporal_tls.cert_file"),
+                     client_private_key=_read(tls.key_file, "temporal_tls.key_file"),
+                     domain=tls.server_name)
+
+
+async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any):  # noqa: ANN201
     """Connect to `settings.nats_url` (reconnects forever once connected).
 
     Args:
         name: client name shown by the server (`fleetmend-router`, ...).
+        wait_forever: keep trying the first connect too (the agent: its spool holds events meanwhile).
+            Otherwise give up after 2 × `nats_connect_timeout_s` with a clear error.
         kw: further `nats.connect` options.
     Raises:
         ServiceUnavailableError: not reachable (message names the URL and the setting to check).
     """
     import nats
+    import structlog
+
+    log = structlog.get_logger("fleetmend.nats")
+    last = {"at": 0.0}
+
+    async def error_cb(err: Exception) -> None:
+        # one line at most every 30 s instead of nats-py's traceback per reconnect attempt
+        import time
+
+        if time.monotonic() - last["at"] > 30:
+            last["at"] = time.monotonic()
+            log.warning("nats_error", url=settings.nats_url, client=name, error=repr(err))
 
     opts: dict[str, Any] = dict(name=name, connect_timeout=settings.nats_connect_timeout_s,
-                                max_reconnect_attempts=-1, reconnect_time_wait=1.0, allow_reconnect=True)
-    if settings.nats_user:
-        opts.update(user=settings.nats_user, password=settings.nats_password)
-    if settings.nats_creds:
-        opts.update(user_credentials=str(settings.nats_creds))
+                                max_reconnect_attempts=-1, reconnect_time_wait=1.0, allow_reconnect=True,
+                                error_cb=error_cb)
+    opts.update(nats_auth_options(settings))
     opts.update(kw)
     try:
-        return await nats.connect(settings.nats_url, **opts)
+        if wait_forever:
+            return await nats.connect(settings.nats_url, **opts)
+        async with asyncio.timeout(settings.nats_connect_timeout_s * 2):
+            return await nats.connect(settings.nats_url, **opts)
     except Exception as err:  # noqa: BLE001 - nats raises several unrelated types here
         raise ServiceUnavailableError(
             f"cannot reach NATS at {settings.nats_url} ({err!r}); is `fleetmend dev up` (or nats-server) "
@@ -44,9 +128,10 @@ async def connect_temporal(settings: Settings):  # noqa: ANN201
 
     from workflows.converter import data_converter
 
+    tls = temporal_tls_config(settings.temporal_tls)  # ConfigError for unreadable files, before connecting
     try:
         return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
-                                    data_converter=data_converter)
+                                    data_converter=data_converter, tls=tls)
     except Exception as err:  # noqa: BLE001
         raise ServiceUnavailableError(
             f"cannot reach Temporal at {settings.temporal_address} namespace {settings.temporal_namespace} "
