@@ -11,7 +11,10 @@ gets the ticket that already exists (`TicketRef.created=False`), never a second 
   `file()` for the same incident does not POST again. 5xx and connection errors are retried (bounded,
   tenacity); a 4xx is a `TicketRejectedError` (never retried).
 
-`TicketActivities(filer)` exposes `file_ticket` and `update_ticket` for the worker.
+- `JiraTicketFiler` (activities/jira.py): Jira REST v2, idempotent by an incident label.
+
+`TicketActivities(filer)` exposes `file_ticket`, `update_ticket` and `poll_ticket` (the ticket
+system as a source of "repaired") for the worker.
 """
 
 from __future__ import annotations
@@ -65,6 +68,19 @@ class TicketUpdate:
     incident_id: str
     status: str
     comment: str
+
+
+@dataclass
+class TicketStatus:
+    """What `poll_ticket` reports: the ticket system's own status and whether it means repaired."""
+
+    ticket_id: str
+    status: str
+    """The remote status name as the ticket system says it (Jira "Done", a webhook's "repaired", …)."""
+    repaired: bool
+    """`status` is one of `tickets.repaired_statuses` (case-insensitive)."""
+    url: str | None = None
+    detail: str = ""
 
 
 class TicketRejectedError(TicketError):
@@ -285,12 +301,18 @@ class WebhookTicketFiler:
         max_attempts: POST attempts for 5xx/connection errors (bounded).
         backoff_s: first retry delay; doubles, capped at 10 s.
         update_url: optional URL for updates.
+        status_url: optional `{ticket_id}`-templated URL; `GET` answers JSON with a `status` field
+            (makes the ticket pollable: `poll`).
+        repaired_statuses: statuses that mean repaired for `poll` (case-insensitive).
     """
 
     name = "webhook"
 
     def __init__(self, url: str, headers: dict[str, str] | None, timeout_s: float, local: LocalTicketStore,
-                 *, max_attempts: int = 4, backoff_s: float = 0.5, update_url: str | None = None) -> None:
+                 *, max_attempts: int = 4, backoff_s: float = 0.5, update_url: str | None = None,
+                 status_url: str | None = None, repaired_statuses: list[str] | None = None) -> None:
+        self.status_url = status_url
+        self.repaired = {x.lower() for x in (repaired_statuses or DEFAULT_REPAIRED_STATUSES)}
         self.url = url
         self.headers = dict(headers or {})
         self.timeout_s = timeout_s
@@ -387,15 +409,54 @@ class WebhookTicketFiler:
         """The ledger's copy of the ticket, or None."""
         return await self.local.get(ticket_id)
 
+    async def poll(self, ticket_id: str) -> TicketStatus:
+        """The remote status (`GET status_url`, JSON `status`), or the ledger's without a status_url.
+
+        Raises:
+            TicketNotFoundError: 404 from the status URL, or unknown to the ledger.
+            TicketError: the status URL failed or answered without a `status`.
+        """
+        if not self.status_url:
+            return await poll_ledger(self.local, ticket_id, self.repaired)
+        url = self.status_url.replace("{ticket_id}", ticket_id)
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                async with asyncio.timeout(self.timeout_s):
+                    resp = await client.get(url, headers={**self.headers, "Accept": "application/json"})
+        except (httpx.TransportError, TimeoutError) as err:
+            raise TicketError(f"ticket status GET {url}: {err!r}; is tickets.webhook_status_url reachable?") from err
+        if resp.status_code == 404:
+            raise TicketNotFoundError(f"ticket {ticket_id} not found at {url}")
+        if resp.status_code >= 400:
+            raise TicketError(f"ticket status GET {url} -> {resp.status_code}: {resp.text[:200]}")
+        try:
+            status = str(resp.json()["status"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise TicketError(f"ticket status GET {url}: expected JSON with a 'status' field, got "
+                              f"{resp.text[:200]!r}") from err
+        return TicketStatus(ticket_id, status, status.lower() in self.repaired, None, f"status from {url}")
+
     def list(self) -> list[dict]:
         return self.local.list()
+
+
+DEFAULT_REPAIRED_STATUSES = ["Done", "Resolved", "Closed", "repaired"]
+
+
+async def poll_ledger(local: LocalTicketStore, ticket_id: str, repaired: set[str]) -> TicketStatus:
+    """`TicketStatus` from the local ledger (local filer; webhook without a status URL)."""
+    doc = await local.get(ticket_id)
+    if doc is None:
+        raise TicketNotFoundError(f"ticket {ticket_id} not found in {local.directory}")
+    status = str(doc.get("status", ""))
+    return TicketStatus(ticket_id, status, status.lower() in repaired, doc.get("url"), "local ledger")
 
 
 def build_ticket_filer(settings: Settings) -> TicketFiler:
     """The filer for `settings.tickets.kind`; the local ledger lives in `settings.state_dir / "tickets"`.
 
     Raises:
-        ConfigError: webhook without `tickets.webhook_url`.
+        ConfigError: webhook without `tickets.webhook_url`; jira without url or credentials.
     """
     local = LocalTicketStore(settings.state_dir / "tickets")
     t = settings.tickets
@@ -405,8 +466,13 @@ def build_ticket_filer(settings: Settings) -> TicketFiler:
         if not t.webhook_url:
             raise ConfigError("tickets.kind = webhook needs tickets.webhook_url "
                               "(or FLEETMEND_TICKETS__WEBHOOK_URL)")
-        return WebhookTicketFiler(t.webhook_url, t.webhook_headers, t.webhook_timeout_s, local)
-    raise ConfigError(f"unknown ticket kind {t.kind!r}; expected local, webhook")
+        return WebhookTicketFiler(t.webhook_url, t.webhook_headers, t.webhook_timeout_s, local,
+                                  status_url=t.webhook_status_url, repaired_statuses=t.repaired_statuses)
+    if t.kind == TicketKind.JIRA:
+        from activities.jira import JiraTicketFiler
+
+        return JiraTicketFiler(t.jira, local, t.repaired_statuses)
+    raise ConfigError(f"unknown ticket kind {t.kind!r}; expected local, webhook, jira")
 
 
 class TicketActivities:
@@ -416,8 +482,9 @@ class TicketActivities:
         filer: any `TicketFiler`.
     """
 
-    def __init__(self, filer: TicketFiler) -> None:
+    def __init__(self, filer: TicketFiler, repaired_statuses: list[str] | None = None) -> None:
         self.filer = filer
+        self.repaired = {x.lower() for x in (repaired_statuses or DEFAULT_REPAIRED_STATUSES)}
 
     @activity.defn(name="file_ticket")
     async def file_ticket(self, req: TicketRequest) -> TicketRef:
@@ -452,3 +519,34 @@ class TicketActivities:
         except TicketNotFoundError as err:
             raise ApplicationError(str(err), type="TicketNotFound", non_retryable=True) from err
         activity.logger.info("ticket_updated ticket_id=%s status=%s", upd.ticket_id, upd.status)
+
+    @activity.defn(name="poll_ticket")
+    async def poll_ticket(self, ticket_id: str) -> TicketStatus:
+        """The ticket system's status of `ticket_id` and whether it means repaired.
+
+        Jira: the issue's status name; webhook: `GET tickets.webhook_status_url`; local: the ledger.
+        A workflow polls this on a timer while awaiting repair (see README "Tickets as the source of
+        repaired").
+
+        Raises:
+            ApplicationError: "TicketNotFound" (non-retryable) for a ticket the system doesn't know.
+            TicketError: transient (Temporal retries).
+        """
+        try:
+            poll = getattr(self.filer, "poll", None)
+            if poll is not None:
+                st = await poll(ticket_id)
+            elif isinstance(self.filer, LocalTicketStore):
+                st = await poll_ledger(self.filer, ticket_id, self.repaired)
+            else:
+                doc = await self.filer.get(ticket_id)
+                if doc is None:
+                    raise TicketNotFoundError(f"ticket {ticket_id} not found by filer {self.filer.name}")
+                status = str(doc.get("status", ""))
+                st = TicketStatus(ticket_id, status, status.lower() in self.repaired, doc.get("url"))
+        except TicketNotFoundError as err:
+            raise ApplicationError(str(err), type="TicketNotFound", non_retryable=True) from err
+        except TicketRejectedError as err:
+            raise ApplicationError(str(err), type="TicketRejected", non_retryable=True) from err
+        activity.logger.info("ticket_polled ticket_id=%s status=%s repaired=%s", ticket_id, st.status, st.repaired)
+        return st

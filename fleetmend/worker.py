@@ -24,12 +24,12 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from workflows.remediation import NodeRemediation
 
     sched = SchedulerActivities(build_scheduler(settings, js=nc.jetstream()))
-    tickets = TicketActivities(build_ticket_filer(settings))
+    tickets = TicketActivities(build_ticket_filer(settings), settings.tickets.repaired_statuses)
     diag = DiagnosticsActivities(nc)
     return Worker(
         client, task_queue=task_queue or settings.task_queue, workflows=[NodeRemediation],
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
-                    diag.run_diagnostics],
+                    tickets.poll_ticket, diag.run_diagnostics],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
 
