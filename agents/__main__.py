@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inject-file", type=Path, help="also replay a JSON-lines file of FaultEvents")
     ap.add_argument("--no-kmsg", action="store_true", help="leave the kmsg probe out")
     ap.add_argument("--once", action="store_true", help="exit when the probes are done")
+    ap.add_argument("--hardware", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the nvml/sysfs/udev probes (default: only when live, i.e. no --once and no file)")
     args = ap.parse_args(argv)
     try:
         settings = load_settings(args.config, node=args.node, cluster=args.cluster)
@@ -31,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_format)
     return asyncio.run(run_agent(settings, kmsg_file=args.kmsg_file, once=args.once,
-                                 inject_file=args.inject_file, kmsg=not args.no_kmsg))
+                                 inject_file=args.inject_file, kmsg=not args.no_kmsg,
+                                 hardware=args.hardware))
 
 
 if __name__ == "__main__":

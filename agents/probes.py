@@ -79,6 +79,9 @@ class UnavailableProbe:
 
 PROBES: dict[str, str] = {
     "kmsg": "agents.kmsg:KmsgProbe",
+    "nvml": "agents.nvml:NvmlProbe",
+    "sysfs": "agents.sysfs:SysfsProbe",
+    "udev": "agents.udev:UdevProbe",
     "inject": "agents.probes:InjectProbe",
 }
 """Probe name → `module:Class`, imported lazily so one missing optional module (or a probe whose
@@ -95,8 +98,27 @@ def probe_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
+HARDWARE_PROBES = ("nvml", "sysfs", "udev")
+"""Probes of live hardware state; left out when the agent replays a file or runs `--once`."""
+
+
+def _hardware_probe(name: str, settings: Settings, catalog: Any) -> Any:
+    a = settings.agent
+    common = dict(cluster=settings.cluster, node=settings.node, agent_version=__version__, catalog=catalog)
+    cls = probe_class(name)
+    if name == "nvml":
+        return cls("default", poll_interval_s=a.nvml_poll_interval_s, retry_interval_s=a.nvml_retry_interval_s,
+                   xid_events=a.nvml_xid_events, xid_wait_ms=a.nvml_xid_wait_ms,
+                   pcie_gen_min_util_pct=a.pcie_gen_min_util_pct, temperature_max_c=a.gpu_temperature_max_c,
+                   nvlink_error_step=a.nvlink_error_step, **common)
+    if name == "sysfs":
+        return cls(a.sysfs_root, poll_interval_s=a.sysfs_poll_interval_s,
+                   ib_expected_rate_gbps=a.ib_expected_rate_gbps, **common)
+    return cls(a.udev_source, include_virtual_net=a.udev_include_virtual_net, **common)
+
+
 def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: Path | None = None,
-                 inject_file: Path | None = None, kmsg: bool = True) -> list[Any]:
+                 inject_file: Path | None = None, kmsg: bool = True, hardware: bool = True) -> list[Any]:
     """The probes this agent runs.
 
     Args:
@@ -106,6 +128,7 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
         state_dir: where the kmsg probe keeps its cursor (live mode only).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out (e.g. a drill that only injects).
+        hardware: add the nvml, sysfs and udev probes that `settings.agent.*_enabled` turn on.
     Raises:
         fleetmend.errors.CatalogError: `settings.catalog_overrides` is invalid (fail at startup).
     Returns:
@@ -113,16 +136,16 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
         `UnavailableProbe`, which fails on start and shows as failed in the heartbeat.
     """
     probes: list[Any] = []
+    catalog = None
+    if settings.catalog_overrides is not None:
+        from fleetmend.catalog import load_catalog
+
+        catalog = load_catalog(settings.catalog_overrides)
     if kmsg:
         try:
             kmsg_cls = probe_class("kmsg")
             from agents.kmsg import KmsgParser
 
-            catalog = None
-            if settings.catalog_overrides is not None:
-                from fleetmend.catalog import load_catalog
-
-                catalog = load_catalog(settings.catalog_overrides)
             parser = KmsgParser(settings.cluster, settings.node, __version__, catalog=catalog)
             if kmsg_file is not None:
                 probes.append(kmsg_cls(source=kmsg_file, parser=parser, follow=False, state_dir=None))
@@ -131,6 +154,14 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
                                        state_dir=state_dir))
         except ImportError as err:
             probes.append(UnavailableProbe("kmsg", f"kmsg probe unavailable: {err}"))
+    if hardware:
+        for name in HARDWARE_PROBES:
+            if not getattr(settings.agent, f"{name}_enabled"):
+                continue
+            try:
+                probes.append(_hardware_probe(name, settings, catalog))
+            except ImportError as err:
+                probes.append(UnavailableProbe(name, f"{name} probe unavailable: {err}"))
     if inject_file is not None:
         probes.append(InjectProbe(inject_file, settings.cluster, settings.node))
     return probes

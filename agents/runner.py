@@ -99,7 +99,8 @@ async def _supervise(probe: Any, emit: Emit, status: dict[str, str], restart: bo
 
 async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: bool = False,
                     stop: asyncio.Event | None = None, *, probes: list[Any] | None = None,
-                    inject_file: Path | None = None, kmsg: bool = True, nvml: Any = "default",
+                    inject_file: Path | None = None, kmsg: bool = True, hardware: bool | None = None,
+                    nvml: Any = "default",
                     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
     """Run the node agent until `stop` is set (or, with `once`, until the probes are done).
 
@@ -113,6 +114,9 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         probes: use these probes instead of `build_probes(...)` (tests, embedding).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out.
+        hardware: run the nvml/sysfs/udev probes (those enabled in `settings.agent`); None (default):
+            only when the agent runs live, i.e. without `once`, `kmsg_file` and `inject_file` (a replay
+            or drill publishes exactly what it replays).
         nvml: `pynvml` module or stand-in for the diagnostics responder ("default": import it).
         shutdown_timeout_s: budget for flush + drain at exit.
     Returns:
@@ -145,8 +149,15 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
     spool = Spool(state / "spool", settings.agent.spool_max_bytes)
     publisher = Publisher(None, None, spool, settings.cluster, settings.node, settings.agent.publish_timeout_s)
     if probes is None:
+        if hardware is None:
+            hardware = not once and kmsg_file is None and inject_file is None
         probes = build_probes(settings, kmsg_file=kmsg_file, state_dir=state / "kmsg",
-                              inject_file=inject_file, kmsg=kmsg)
+                              inject_file=inject_file, kmsg=kmsg, hardware=hardware)
+    # -- metrics (fleetmend/metrics.py): /metrics port, spool depth at scrape time
+    from fleetmend import metrics
+
+    metrics.start_http_server(settings.metrics.agent_port, settings.metrics.host)
+    metrics.watch_spool(settings.cluster, spool)
     status: dict[str, str] = {p.name: "starting" for p in probes}
     conn: dict[str, Any] = {}
     connected = asyncio.Event()
@@ -184,6 +195,10 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,
                              expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg_path)
+        from agents.recovery import RecoveryHandler  # recovery requests share the diag subject
+
+        diag.recovery = RecoveryHandler(settings.cluster, settings.node, reboot_command=settings.policy.reboot_command,
+                                        gpu_reset_command=settings.policy.gpu_reset_command)
         await diag.start()
         conn["diag"] = diag
         connected.set()
@@ -209,7 +224,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(settings.nats_connect_timeout_s):
                         await connected.wait()
-            probe_tasks = [tg.create_task(_supervise(p, publisher.emit, status, not once, log), name=p.name)
+            emit = metrics.counting_emit(publisher.emit)  # metrics: events by source/kind/severity
+            probe_tasks = [tg.create_task(_supervise(p, emit, status, not once, log), name=p.name)
                            for p in probes]
             stop_task = tg.create_task(stop.wait(), name="stop")
             if once:

@@ -148,6 +148,43 @@ class AgentSettings(_Section):
     """Raised niceness so the agent never competes with the training job; 0 leaves it."""
     expected_gpus: int | None = None
     """Quick diagnostics fail when fewer GPUs are visible; None: whatever NVML reports."""
+    # -- hardware probes (run when the agent runs live: no --once, no replayed file)
+    nvml_enabled: bool = True
+    """NVML probe. On a host without the NVIDIA driver it publishes one nvml_unavailable (info) and goes quiet."""
+    nvml_poll_interval_s: float = 30.0
+    """ECC/remap/PCIe/NVLink/clock reads: ~20 NVML calls per GPU, microseconds each; 30 s finds a pending
+    remap long before a scheduler would place the next job (XIDs arrive as events, not by polling)."""
+    nvml_retry_interval_s: float = 300.0
+    """How often nvmlInit is retried while NVML is unavailable (a driver installed later is picked up)."""
+    nvml_xid_events: bool = True
+    """Also wait on NVML's XID event set (nvmlEventSetWait_v2) beside the kernel log."""
+    nvml_xid_wait_ms: int = 1000
+    """One event-set wait; bounds how long stop waits for the XID thread (1 s)."""
+    pcie_gen_min_util_pct: int = 50
+    """Judge a GPU's PCIe generation only at or above this utilization: an idle GPU drops to Gen1 on purpose."""
+    gpu_temperature_max_c: int = 87
+    """Temperature limit where the GPU reports no slowdown threshold (H100 slows down near 87-90 °C)."""
+    nvlink_error_step: int = 100
+    """An NVLink CRC/replay counter rising by this much within one poll is published (a DL recovery error always)."""
+    sysfs_enabled: bool = True
+    sysfs_poll_interval_s: float = 30.0
+    """IB port/NIC carrier/PCIe link reads: ~10 small sysfs reads per device; 30 s like NVML."""
+    sysfs_root: Path = Path("/")
+    """Root the `sys/...` paths are read under (a container mounting the host's /sys elsewhere sets it)."""
+    ib_expected_rate_gbps: float | None = None
+    """An ACTIVE IB port below this rate is degraded (e.g. 400 for NDR); None: rate not judged."""
+    udev_enabled: bool = True
+    udev_source: str = "auto"
+    """auto ('udev' where /run/udev/control exists, else the kernel's own uevents), udev or kernel."""
+    udev_include_virtual_net: bool = False
+    """Also report removal of virtual netdevs (veth, bridges); off: container churn is no fault."""
+
+    @field_validator("udev_source")
+    @classmethod
+    def _udev_source(cls, v: str) -> str:
+        if v not in ("auto", "udev", "kernel"):
+            raise ValueError(f"unknown udev_source {v!r}; expected auto, udev, kernel")
+        return v
 
 
 class RouterSettings(_Section):
@@ -160,6 +197,8 @@ class RouterSettings(_Section):
     """After this many deliveries a message is dead-lettered (poison), not retried forever."""
     nak_delay_s: float = 2.0
     temporal_call_timeout_s: float = 15.0
+    heartbeat_silence_s: float = 60.0
+    """An agent silent this long becomes an agent_silent fault (6 missed beats at the agent's default 10 s)."""
 
 
 class PolicySettings(_Section):
@@ -263,6 +302,8 @@ class Settings(BaseSettings):
     """NATS `.creds` file (JWT + nkey seed; operator/JWT deployments)."""
     nats_nkey_seed: Path | None = None
     """File holding this process's nkey seed (`SU...`), as written by `fleetmend creds`."""
+    nats_inbox_prefix: str | None = None
+    """Reply-inbox prefix; a node's credentials only let it read `_INBOX.<cluster>.<node>.>`."""
     nats_tls: TlsSettings = Field(default_factory=TlsSettings)
     temporal_tls: TlsSettings = Field(default_factory=TlsSettings)
     nats_connect_timeout_s: float = 5.0
