@@ -41,7 +41,16 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     client = await connect_temporal(settings)
     worker = await build_worker(settings, client, nc)
     log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
+    # -- metrics (fleetmend/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
+    from fleetmend import metrics
+
+    metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
+    poll = asyncio.create_task(metrics.poll_forever(
+        lambda: metrics.refresh_incidents(client, settings.cluster), settings.metrics.poll_interval_s, stop, log,
+        "incidents")) if settings.metrics.worker_port else None
     async with worker:
         await stop.wait()
+    if poll is not None:
+        poll.cancel()
     await nc.drain()
     log.info("worker_stopped")

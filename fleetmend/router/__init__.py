@@ -21,7 +21,16 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     nc = await connect_nats(settings, name="fleetmend-router")
     client = await connect_temporal(settings)
     router = Router(settings, nc, nc.jetstream(), client, catalog)
+    # -- metrics (fleetmend/metrics.py): /metrics port and the consumer-lag gauge
+    from fleetmend import metrics
+
+    metrics.start_http_server(settings.metrics.router_port, settings.metrics.host)
+    lag = asyncio.create_task(metrics.poll_forever(
+        lambda: metrics.refresh_router_lag(router.js, router.stream, router.durable),
+        settings.metrics.poll_interval_s, stop, log, "router_lag")) if settings.metrics.router_port else None
     try:
         await router.run(stop)
     finally:
+        if lag is not None:
+            lag.cancel()
         await nc.drain()

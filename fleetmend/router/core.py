@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from fleetmend import subjects
+from fleetmend import metrics, subjects
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
 from fleetmend.events import FaultEvent
@@ -168,6 +168,7 @@ class Router:
             except InvalidEventError as err:
                 await self.deadletter(msg, err.reason)
                 continue
+            metrics.router_event(ev)
             key = (ev.cluster, ev.node)
             self._queued.setdefault(key, []).append((msg, ev))
             self._held += 1
@@ -228,6 +229,7 @@ class Router:
                 return
         for msg, _ev in items:
             await msg.ack()
+            metrics.router_accepted(_ev)
         self.stats.routed += len(items)
         self.stats.signals += 1
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev in items}))
@@ -239,6 +241,7 @@ class Router:
                 await self.deadletter(msg, f"not accepted by Temporal after {delivered} deliveries: {error}")
             else:
                 self.stats.naks += 1
+                metrics.ROUTER_NAKS.inc()
                 await msg.nak(delay=self.s.router.nak_delay_s * min(delivered, 10))
         bound.warning("temporal_signal_failed", error=error)
 
@@ -262,6 +265,7 @@ class Router:
             return
         await msg.term()
         self.stats.deadlettered += 1
+        metrics.deadlettered(reason)
         key = reason.split(":")[0][:60]
         self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
         log.warning("event_deadlettered", reason=reason, subject=msg.subject)

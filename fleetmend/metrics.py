@@ -1,0 +1,229 @@
+"""Prometheus metrics of the agent, router and worker (`prometheus-client`), one place for all.
+
+Labels come from bounded sets only (STYLE 31): cluster, component, kind, source, severity, action,
+scheduler, filer, outcome, phase, reason (one of `DEADLETTER_REASONS`). Never a node, event or
+incident id: per-node questions go to Temporal visibility (`fleetmend status`, the UI).
+
+Each process serves `/metrics` on its own port when `metrics.<process>_port` (or `--metrics-port`)
+is not 0: `start_http_server(port)` at process start. Gauges that need a remote read (router lag
+from the consumer's `num_pending`; incidents by phase and drains in force from Temporal
+visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` / `poll_incidents`.
+
+| metric | type | labels | set by |
+|---|---|---|---|
+| fleetmend_agent_events_total | counter | cluster, source, component, kind, severity | agent (each event a probe emits) |
+| fleetmend_agent_spool_depth | gauge | cluster | agent (read at scrape time) |
+| fleetmend_router_events_total | counter | cluster, source, component, kind, severity | router (valid events) |
+| fleetmend_router_deadletters_total | counter | reason | router |
+| fleetmend_router_naks_total | counter | | router (Temporal away) |
+| fleetmend_router_lag_messages | gauge | stream, consumer | router (consumer num_pending) |
+| fleetmend_router_accept_seconds | histogram | cluster | router: observed_at → signal-with-start accepted |
+| fleetmend_incidents | gauge | cluster, phase | worker (visibility) |
+| fleetmend_drains_in_force | gauge | cluster | worker (visibility: FleetDrained) |
+| fleetmend_breaker_open | gauge | cluster | FleetGuard (1 open / 0 closed) |
+| fleetmend_drains_total | counter | cluster, scheduler, outcome | drain activity |
+| fleetmend_undrains_total | counter | cluster, scheduler, outcome | undrain activity |
+| fleetmend_time_to_quarantine_seconds | histogram | cluster | drain activity: observed_at → drained |
+| fleetmend_mttr_seconds | histogram | cluster | undrain activity: drained_at → returned |
+| fleetmend_tickets_total | counter | filer, outcome | ticket activities |
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import start_http_server as _start_http_server
+
+# Seconds from a fault to a quarantined node: probes see it in < 1 s, routing < 1 s, a Slurm drain
+# ~1 s, a Kubernetes drain minutes (evictions); the buckets span both.
+QUARANTINE_BUCKETS_S = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+# Repair takes hours (reset, reboot) to weeks (RMA).
+MTTR_BUCKETS_S = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 3 * 86400, 7 * 86400, 14 * 86400, 30 * 86400)
+ACCEPT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+DEADLETTER_REASONS = ("bad_subject", "oversized", "not_utf8", "not_json", "not_object", "invalid_event",
+                      "node_mismatch", "temporal_rejected", "other")
+"""The `reason` label of dead letters: the router's free-text reason mapped onto this closed set."""
+
+_EVENT_LABELS = ("cluster", "source", "component", "kind", "severity")
+
+AGENT_EVENTS = Counter("fleetmend_agent_events", "Fault events emitted by the agent's probes.", _EVENT_LABELS)
+AGENT_SPOOL_DEPTH = Gauge("fleetmend_agent_spool_depth", "Events waiting in the agent's on-disk spool.",
+                          ["cluster"])
+ROUTER_EVENTS = Counter("fleetmend_router_events", "Valid fault events the router received.", _EVENT_LABELS)
+ROUTER_DEADLETTERS = Counter("fleetmend_router_deadletters", "Messages dead-lettered by the router.", ["reason"])
+ROUTER_NAKS = Counter("fleetmend_router_naks", "Messages nak'ed for redelivery (Temporal away or slow).")
+ROUTER_LAG = Gauge("fleetmend_router_lag_messages", "Messages not yet delivered to the router consumer.",
+                   ["stream", "consumer"])
+ROUTER_ACCEPT = Histogram("fleetmend_router_accept_seconds",
+                          "Fault observed_at → Temporal accepted the signal-with-start.", ["cluster"],
+                          buckets=ACCEPT_BUCKETS_S)
+INCIDENTS = Gauge("fleetmend_incidents", "Open NodeRemediation incidents by phase.", ["cluster", "phase"])
+DRAINS_IN_FORCE = Gauge("fleetmend_drains_in_force", "Nodes drained by open incidents.", ["cluster"])
+BREAKER_OPEN = Gauge("fleetmend_breaker_open", "1 while the cluster's drain breaker is open.", ["cluster"])
+DRAINS = Counter("fleetmend_drains", "drain_node results.", ["cluster", "scheduler", "outcome"])
+UNDRAINS = Counter("fleetmend_undrains", "undrain_node results.", ["cluster", "scheduler", "outcome"])
+TIME_TO_QUARANTINE = Histogram("fleetmend_time_to_quarantine_seconds", "Fault observed_at → node drained.",
+                               ["cluster"], buckets=QUARANTINE_BUCKETS_S)
+MTTR = Histogram("fleetmend_mttr_seconds", "Node drained → returned to service.", ["cluster"],
+                 buckets=MTTR_BUCKETS_S)
+TICKETS = Counter("fleetmend_tickets", "Ticket operations.", ["filer", "outcome"])
+
+
+def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> Any:
+    """Serve `/metrics` on `host:port` in a daemon thread; port 0 does nothing.
+
+    Returns:
+        The server (its `server_port` is the bound port), or None when `port` is 0.
+    Raises:
+        OSError: the port is taken (the message names it).
+    """
+    if not port:
+        return None
+    try:
+        server, _thread = _start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise OSError(err.errno, f"metrics port {host}:{port} unavailable ({err.strerror}); "
+                                 "set metrics.<process>_port / --metrics-port, or 0 to disable") from err
+    return server
+
+
+def _ev_labels(ev: Any) -> dict[str, str]:
+    def v(x: Any) -> str:
+        return str(getattr(x, "value", x) or "")
+    return {"cluster": ev.cluster, "source": v(ev.source), "component": v(ev.component), "kind": v(ev.kind),
+            "severity": v(ev.severity)}
+
+
+def agent_event(ev: Any) -> None:
+    AGENT_EVENTS.labels(**_ev_labels(ev)).inc()
+
+
+def counting_emit(emit: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Wrap the agent's `emit(event)` so every event a probe yields is counted."""
+
+    async def wrapped(ev: Any) -> Any:
+        agent_event(ev)
+        return await emit(ev)
+
+    return wrapped
+
+
+def watch_spool(cluster: str, spool: Any) -> None:
+    """The spool-depth gauge reads `spool.depth` at scrape time (no polling)."""
+    AGENT_SPOOL_DEPTH.labels(cluster=cluster).set_function(lambda: spool.depth)
+
+
+def router_event(ev: Any) -> None:
+    ROUTER_EVENTS.labels(**_ev_labels(ev)).inc()
+
+
+def router_accepted(ev: Any) -> None:
+    """observed_at → now, when Temporal accepted the signal carrying `ev`."""
+    obs = getattr(ev, "observed_at", None)
+    if obs is not None:
+        ROUTER_ACCEPT.labels(cluster=ev.cluster).observe(max(0.0, _age_s(obs)))
+
+
+def deadletter_reason(reason: str) -> str:
+    """Map the router's free-text reason onto `DEADLETTER_REASONS`."""
+    r = reason.lower()
+    for needle, key in (("oversized", "oversized"), ("not utf-8", "not_utf8"), ("not json", "not_json"),
+                        ("not a json object", "not_object"), ("invalid faultevent", "invalid_event"),
+                        ("arrived on the subject", "node_mismatch"), ("not accepted by temporal", "temporal_rejected"),
+                        ("subject", "bad_subject")):
+        if needle in r:
+            return key
+    return "other"
+
+
+def deadlettered(reason: str) -> None:
+    ROUTER_DEADLETTERS.labels(reason=deadletter_reason(reason)).inc()
+
+
+def _age_s(at: datetime) -> float:
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - at).total_seconds()
+
+
+def drain_result(cluster: str, scheduler: str, result: Any, observed_at: datetime | None = None) -> None:
+    """Count a drain by outcome (owned, operator, none); observe time to quarantine when given."""
+    outcome = "owned" if result.owned else "operator" if result.operator_drained else \
+        "drained" if result.drained else "none"
+    DRAINS.labels(cluster=cluster, scheduler=scheduler, outcome=outcome).inc()
+    if observed_at is not None and result.drained and result.owned:
+        TIME_TO_QUARANTINE.labels(cluster=cluster).observe(max(0.0, _age_s(observed_at)))
+
+
+def undrain_result(cluster: str, scheduler: str, result: Any, drained_at: datetime | None = None) -> None:
+    outcome = "resumed" if result.resumed else "operator" if result.operator_drained else "none"
+    UNDRAINS.labels(cluster=cluster, scheduler=scheduler, outcome=outcome).inc()
+    if drained_at is not None and result.resumed:
+        MTTR.labels(cluster=cluster).observe(max(0.0, _age_s(drained_at)))
+
+
+def set_breaker(cluster: str, is_open: bool) -> None:
+    """For FleetGuard (or whoever reads its state): 1 while automatic drains are stopped."""
+    BREAKER_OPEN.labels(cluster=cluster).set(1 if is_open else 0)
+
+
+async def refresh_router_lag(js: Any, stream: str, consumer: str) -> int:
+    """Read the durable consumer's `num_pending` (+ un-acked) into the lag gauge. Returns it."""
+    info = await js.consumer_info(stream, consumer)
+    lag = int(info.num_pending or 0)
+    ROUTER_LAG.labels(stream=stream, consumer=consumer).set(lag)
+    return lag
+
+
+async def refresh_incidents(client: Any, cluster: str, limit: int = 10_000) -> dict[str, int]:
+    """Count running NodeRemediation workflows of `cluster` by FleetPhase and FleetDrained.
+
+    One visibility list per refresh (bounded by `limit`); phases that went to zero are reset.
+    Returns:
+        phase → count.
+    """
+    query = (f"WorkflowType='NodeRemediation' AND ExecutionStatus='Running' AND FleetCluster='{cluster}'")
+    counts: dict[str, int] = {}
+    drained = 0
+    async for wf in client.list_workflows(query, limit=limit):
+        sa = {p.key.name: p.value for p in wf.typed_search_attributes}
+        phase = str(sa.get("FleetPhase") or "unknown")
+        counts[phase] = counts.get(phase, 0) + 1
+        drained += 1 if sa.get("FleetDrained") else 0
+    for (c, phase), _ in list(_known_phases.items()):
+        if c == cluster and phase not in counts:
+            INCIDENTS.labels(cluster=cluster, phase=phase).set(0)
+    for phase, n in counts.items():
+        INCIDENTS.labels(cluster=cluster, phase=phase).set(n)
+        _known_phases[(cluster, phase)] = n
+    DRAINS_IN_FORCE.labels(cluster=cluster).set(drained)
+    return counts
+
+
+_known_phases: dict[tuple[str, str], int] = {}
+
+
+async def poll_forever(refresh: Callable[[], Any], interval_s: float, stop: asyncio.Event, log: Any,
+                       what: str) -> None:
+    """Call `refresh()` every `interval_s` until `stop`; failures are logged (rate: once per failure
+    streak) and retried next interval, never fatal to the process."""
+    failing = False
+    while not stop.is_set():
+        try:
+            await refresh()
+            failing = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a metrics read must never take the process down
+            if not failing:
+                log.warning("metrics_refresh_failed", what=what, error=repr(err))
+            failing = True
+        try:
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        except TimeoutError:
+            pass
