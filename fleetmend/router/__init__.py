@@ -28,9 +28,15 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     lag = asyncio.create_task(metrics.poll_forever(
         lambda: metrics.refresh_router_lag(router.js, router.stream, router.durable),
         settings.metrics.poll_interval_s, stop, log, "router_lag")) if settings.metrics.router_port else None
+    # -- monitor of the monitor: silent agents become agent_silent faults (fleetmend/router/heartbeats.py)
+    from fleetmend.router.heartbeats import HeartbeatMonitor
+
+    heartbeats = asyncio.create_task(HeartbeatMonitor(nc, nc.jetstream(), settings.router.heartbeat_silence_s)
+                                     .run(stop), name="heartbeats")
     try:
         await router.run(stop)
     finally:
+        heartbeats.cancel()
         if lag is not None:
             lag.cancel()
         await nc.drain()
