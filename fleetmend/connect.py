@@ -54,6 +54,8 @@ def nats_auth_options(settings: Settings) -> dict[str, Any]:
         opts.update(nkeys_seed=str(settings.nats_nkey_seed))
     if settings.nats_creds:
         opts.update(user_credentials=str(settings.nats_creds))
+    if settings.nats_inbox_prefix:
+        opts.update(inbox_prefix=settings.nats_inbox_prefix)
     if settings.nats_tls.active or settings.nats_url.startswith("tls://"):
         opts.update(tls=nats_ssl_context(settings.nats_tls))
         if settings.nats_tls.server_name:
@@ -113,6 +115,10 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
         async with asyncio.timeout(settings.nats_connect_timeout_s * 2):
             return await nats.connect(settings.nats_url, **opts)
     except Exception as err:  # noqa: BLE001 - nats raises several unrelated types here
+        if "authorization violation" in str(err).lower():
+            raise ServiceUnavailableError(
+                f"NATS at {settings.nats_url} refused this client's credentials ({err}); check nats_user/"
+                "nats_password, nats_nkey_seed or nats_creds (`fleetmend creds generate` writes them)") from err
         raise ServiceUnavailableError(
             f"cannot reach NATS at {settings.nats_url} ({err!r}); is `fleetmend dev up` (or nats-server) "
             "running? check FLEETMEND_NATS_URL") from err

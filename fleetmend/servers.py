@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fleetmend.errors import FleetmendError
 
@@ -140,18 +141,32 @@ class ManagedProcess:
 
 
 def nats_server(store_dir: Path, port: int, host: str = "127.0.0.1", log_path: Path | None = None,
-                config_file: Path | None = None, http_port: int | None = None) -> ManagedProcess:
-    """Build (not start) a JetStream-enabled nats-server with file storage under `store_dir`."""
+                config_file: Path | None = None, http_port: int | None = None, *,
+                tls_cert: Path | None = None, tls_key: Path | None = None, tls_ca: Path | None = None,
+                tls_verify: bool = False) -> ManagedProcess:
+    """Build (not start) a JetStream-enabled nats-server with file storage under `store_dir`.
+
+    Args:
+        config_file: nats-server config (e.g. the accounts block from `fleetmend creds generate`).
+        tls_cert, tls_key: PEM server certificate and key: clients must use TLS.
+        tls_ca: PEM CA for client certificates; with `tls_verify` clients must present one (mutual TLS).
+    """
     argv = [find_binary("nats-server"), "-a", host, "-p", str(port), "-js", "-sd", str(store_dir)]
     if http_port:
         argv += ["-m", str(http_port)]
     if config_file:
         argv += ["-c", str(config_file)]
+    if tls_cert and tls_key:
+        argv += ["--tls", "--tlscert", str(tls_cert), "--tlskey", str(tls_key)]
+        if tls_ca:
+            argv += ["--tlscacert", str(tls_ca)]
+        if tls_verify:
+            argv += ["--tlsverify"]
     return ManagedProcess("nats-server", argv, log_path or store_dir.parent / "nats.log")
 
 
 def start_nats(store_dir: Path, port: int, host: str = "127.0.0.1", log_path: Path | None = None,
-               config_file: Path | None = None, timeout_s: float = 15.0) -> ManagedProcess:
+               config_file: Path | None = None, timeout_s: float = 15.0, **tls: Any) -> ManagedProcess:
     """Start nats-server and wait until it accepts connections.
 
     Raises:
@@ -160,7 +175,7 @@ def start_nats(store_dir: Path, port: int, host: str = "127.0.0.1", log_path: Pa
     if port_in_use(host, port):
         raise ServerStartError(f"port {host}:{port} is already in use; set FLEETMEND_NATS_URL to a free port "
                                "or stop the other server")
-    p = nats_server(store_dir, port, host, log_path, config_file)
+    p = nats_server(store_dir, port, host, log_path, config_file, **tls)
     p.start()
     p.wait_tcp(host, port, timeout_s, ready_text="Server is ready")
     return p

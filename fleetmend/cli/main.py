@@ -36,6 +36,8 @@ err = Console(stderr=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help="TOML config file.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster name (FLEETMEND_CLUSTER).")
+MetricsPortOpt = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here (0: off; "
+                                                         "FLEETMEND_METRICS__<PROCESS>_PORT).")
 
 
 def _settings(config: Optional[Path] = None, **overrides: Any) -> Settings:

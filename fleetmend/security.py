@@ -1,0 +1,207 @@
+"""NATS credentials and authorization: one nkey per node, router, worker and operator, and the
+nats-server `accounts` block that gives each exactly the subjects its role needs.
+
+Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift):
+
+    node <n> of cluster <c>
+      publish    fleet.<c>.fault.<n>, fleet.<c>.hb.<n>          its own faults and heartbeats, nothing else
+                 allow_responses (1 reply per request received) answers its own diag requests only
+      subscribe  fleet.<c>.diag.<n>                               its own diagnostics requests
+                 _INBOX.<c>.<n>.>                                 replies to it (JetStream publish acks):
+                                                                  the agent connects with inbox prefix
+                                                                  `_INBOX.<c>.<n>` (`nats_inbox_prefix`),
+                                                                  so it cannot read other clients' replies
+    router     publish $JS.API.> (consumer, fetch), $JS.ACK.> (ack/nak/term), fleet.deadletter
+               subscribe _INBOX.>
+    worker     publish $JS.API.>, $KV.<drain bucket>.> (standalone scheduler), fleet.*.diag.* (requests)
+               subscribe _INBOX.>
+    admin      everything (CLI `status`/`deadletters`, `dev up`, stream setup)
+
+A JetStream publish needs nothing but publish on the subject and subscribe on the reply inbox (the
+ack comes from the server); the agent's optional `ensure_fault_stream` is refused and logged, the
+router (or an operator) owns the streams. One account (`FLEET`, JetStream enabled) holds every user:
+JetStream streams are per account, and separate accounts would need stream exports/imports for the
+router and worker without narrowing anything the per-user permissions do not already narrow.
+
+Seeds are written 0600, one file each, and are reused when `generate` runs again (adding nodes does
+not rotate the existing keys). Imports only stdlib and `nkeys`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetmend import subjects
+from fleetmend.errors import ConfigError
+
+ACCOUNT = "FLEET"
+ROLES = ("router", "worker", "admin")
+
+
+def node_inbox_prefix(cluster: str, node: str) -> str:
+    """`_INBOX.<cluster>.<node>`: the inbox prefix a node's agent uses (its replies land under it)."""
+    subjects.fault_subject(cluster, node)  # validates both names
+    return f"_INBOX.{cluster}.{node}"
+
+
+def node_permissions(cluster: str, node: str) -> dict:
+    """nats-server `permissions` of one node's agent (see module docstring)."""
+    return {
+        "publish": {"allow": [subjects.fault_subject(cluster, node), subjects.heartbeat_subject(cluster, node)]},
+        "subscribe": {"allow": [subjects.diag_subject(cluster, node), node_inbox_prefix(cluster, node) + ".>"]},
+        "allow_responses": {"max": 1, "expires": "10m"},
+    }
+
+
+def role_permissions(role: str) -> dict | None:
+    """Permissions of `router`, `worker` or `admin` (None: unrestricted).
+
+    Raises:
+        ConfigError: unknown role, listing the valid ones.
+    """
+    if role == "router":
+        return {"publish": {"allow": ["$JS.API.>", "$JS.ACK.>", subjects.DEADLETTER_SUBJECT]},
+                "subscribe": {"allow": ["_INBOX.>"]}}
+    if role == "worker":
+        return {"publish": {"allow": ["$JS.API.>", f"$KV.{subjects.DRAIN_KV_BUCKET}.>", "fleet.*.diag.*"]},
+                "subscribe": {"allow": ["_INBOX.>"]}}
+    if role == "admin":
+        return None
+    raise ConfigError(f"unknown role {role!r}; expected {', '.join(ROLES)} (nodes get node credentials)")
+
+
+def new_seed() -> bytes:
+    """A fresh nkey user seed (`SU…`)."""
+    import nkeys
+
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+
+
+def public_key(seed: bytes) -> str:
+    """The public user key (`U…`) of `seed`. Raises ConfigError for an invalid seed."""
+    import nkeys
+
+    try:
+        return nkeys.from_seed(bytearray(seed.strip())).public_key.decode()
+    except Exception as err:  # noqa: BLE001 - nkeys raises its own and binascii errors
+        raise ConfigError(f"invalid nkey seed: {err}") from err
+
+
+def _load_or_create_seed(path: Path) -> bytes:
+    if path.exists():
+        seed = path.read_bytes().strip()
+        public_key(seed)
+        return seed
+    path.parent.mkdir(parents=True, exist_ok=True)
+    seed = new_seed()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed + b"\n")
+    return seed
+
+
+@dataclass
+class Credential:
+    name: str
+    """`node:<cluster>/<node>` or the role name."""
+    public_key: str
+    seed_file: Path
+    permissions: dict | None
+    settings_file: Path | None = None
+    """The node's agent settings snippet (TOML) using the seed."""
+
+
+@dataclass
+class CredentialSet:
+    directory: Path
+    accounts_conf: Path
+    credentials: list[Credential]
+
+    def seed_file(self, name: str) -> Path:
+        for c in self.credentials:
+            if c.name == name:
+                return c.seed_file
+        raise KeyError(f"no credential {name!r}; have {', '.join(c.name for c in self.credentials)}")
+
+
+def _conf_value(v: object) -> str:
+    """nats-server config values are a JSON superset: JSON encoding is valid config."""
+    return json.dumps(v)
+
+
+def accounts_conf(creds: list[Credential]) -> str:
+    """The `accounts { FLEET { jetstream: enabled, users: [...] } }` block for nats-server."""
+    lines = ["# generated by `fleetmend creds generate`; include from nats-server.conf", "accounts {",
+             f"  {ACCOUNT}: {{", "    jetstream: enabled", "    users: ["]
+    for c in creds:
+        user = {"nkey": c.public_key}
+        if c.permissions is not None:
+            user["permissions"] = c.permissions
+        lines.append(f"      # {c.name}")
+        lines.append(f"      {_conf_value(user)}")
+    lines += ["    ]", "  }", "}", ""]
+    return "\n".join(lines)
+
+
+def generate(directory: Path, cluster: str, nodes: list[str], roles: tuple[str, ...] = ROLES) -> CredentialSet:
+    """Write (or reuse) nkey seeds and the nats-server accounts block.
+
+    Layout under `directory`:
+        nodes/<node>.nk         the node's seed (0600)
+        nodes/<node>.toml       agent settings: cluster, node, nats_nkey_seed, nats_inbox_prefix
+        <role>.nk               router / worker / admin seeds (0600)
+        accounts.conf           `include` it from the server's config
+    Args:
+        directory: output directory (created).
+        cluster: cluster name (subject token).
+        nodes: node names (subject tokens).
+        roles: service roles to generate.
+    Returns:
+        `CredentialSet`.
+    Raises:
+        ConfigError: an invalid name, role, or an existing seed file that is not a seed.
+    """
+    directory = Path(directory)
+    creds: list[Credential] = []
+    for node in nodes:
+        try:
+            subjects.fault_subject(cluster, node)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        seed_file = directory / "nodes" / f"{node}.nk"
+        seed = _load_or_create_seed(seed_file)
+        toml = directory / "nodes" / f"{node}.toml"
+        toml.write_text(
+            f'# agent settings for {node}; use with `fleetmend agent --config {toml.name}` (or merge)\n'
+            f'cluster = "{cluster}"\nnode = "{node}"\nnats_nkey_seed = "{seed_file.resolve()}"\n'
+            f'nats_inbox_prefix = "{node_inbox_prefix(cluster, node)}"\n')
+        creds.append(Credential(f"node:{cluster}/{node}", public_key(seed), seed_file,
+                                node_permissions(cluster, node), toml))
+    for role in roles:
+        perms = role_permissions(role)
+        seed_file = directory / f"{role}.nk"
+        creds.append(Credential(role, public_key(_load_or_create_seed(seed_file)), seed_file, perms))
+    conf = directory / "accounts.conf"
+    conf.write_text(accounts_conf(creds))
+    return CredentialSet(directory, conf, creds)
+
+
+def server_conf(accounts_file: Path, store_dir: Path | None = None, *, tls_cert: Path | None = None, tls_key: Path | None = None,
+                tls_ca: Path | None = None) -> str:
+    """A minimal nats-server config (JetStream + the accounts block, optional TLS) for tests and dev.
+
+    Listen address and port come from the command line (`fleetmend.servers.start_nats`), and so do
+    `-js -sd` unless `store_dir` is given here (the server refuses both).
+    """
+    # Inlined, not `include`d: nats-server resolves include paths against the including file's directory.
+    out = [f"jetstream {{ store_dir: {_conf_value(str(store_dir))} }}"] if store_dir else []
+    out.append(Path(accounts_file).read_text())
+    if tls_cert and tls_key:
+        tls = {"cert_file": str(tls_cert), "key_file": str(tls_key)}
+        if tls_ca:
+            tls["ca_file"] = str(tls_ca)
+        out.append(f"tls {_conf_value(tls)}")
+    return "\n".join(out) + "\n"
