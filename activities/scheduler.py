@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from fleetmend import subjects
+from fleetmend import metrics, subjects
 from fleetmend.config import SchedulerKind, Settings, SlurmSettings
 from fleetmend.errors import ConfigError, NodeNotFoundError, SchedulerError
 
@@ -53,6 +53,9 @@ class DrainRequest:
     wait_drained_s: float = 0.0
     """Seconds `drain_node` waits (heartbeating) for DRAINING → DRAINED, i.e. running jobs to end.
     0 returns as soon as the drain is set (the node may still be `draining`)."""
+    observed_at: datetime | None = None
+    """When the fault that caused the drain was observed (the event's `observed_at`); given, the
+    activity observes `fleetmend_time_to_quarantine_seconds`. Optional: older callers omit it."""
 
 
 @dataclass
@@ -78,6 +81,8 @@ class UndrainRequest:
     cluster: str
     node: str
     incident_id: str
+    drained_at: datetime | None = None
+    """When the node was drained; given, a successful undrain observes `fleetmend_mttr_seconds`."""
 
 
 @dataclass
@@ -603,6 +608,7 @@ class SchedulerActivities:
                 activity.heartbeat({"phase": "waiting_for_jobs", "state": result.state})
         except NodeNotFoundError as err:
             raise ApplicationError(str(err), type="NodeNotFound", non_retryable=True) from err
+        metrics.drain_result(req.cluster, self.scheduler.name, result, req.observed_at)
         log.info("drain_requested node=%s scheduler=%s drained=%s owned=%s operator_drained=%s state=%s: %s",
                  req.node, self.scheduler.name, result.drained, result.owned, result.operator_drained,
                  result.state, result.detail)
@@ -620,6 +626,7 @@ class SchedulerActivities:
             result = await self.scheduler.undrain(req.node, req.incident_id)
         except NodeNotFoundError as err:
             raise ApplicationError(str(err), type="NodeNotFound", non_retryable=True) from err
+        metrics.undrain_result(req.cluster, self.scheduler.name, result, req.drained_at)
         activity.heartbeat({"phase": "undrain_done", "state": result.state})
         activity.logger.info("undrain_requested node=%s scheduler=%s resumed=%s state=%s: %s",
                              req.node, self.scheduler.name, result.resumed, result.state, result.detail)

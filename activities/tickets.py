@@ -38,6 +38,7 @@ from temporalio.exceptions import ApplicationError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 import fleetmend
+from fleetmend import metrics
 from fleetmend.config import Settings, TicketKind
 from fleetmend.errors import ConfigError, TicketError
 
@@ -498,8 +499,10 @@ class TicketActivities:
         try:
             ref = await self.filer.file(req)
         except TicketRejectedError as err:
+            metrics.TICKETS.labels(filer=self.filer.name, outcome="rejected").inc()
             raise ApplicationError(str(err), {"status_code": err.status_code},
                                    type="TicketRejected", non_retryable=True) from err
+        metrics.TICKETS.labels(filer=self.filer.name, outcome="filed" if ref.created else "found").inc()
         activity.logger.info("ticket_filed incident_id=%s ticket_id=%s created=%s filer=%s",
                              req.incident_id, ref.ticket_id, ref.created, self.filer.name)
         return ref

@@ -93,34 +93,44 @@ def agent(
                                              help="Replay a captured kernel log instead of following /dev/kmsg."),
     once: bool = typer.Option(False, "--once", help="Exit after the replay is published (or spooled)."),
     config: Optional[Path] = ConfigOpt,
+    metrics_port: Optional[int] = MetricsPortOpt,
 ) -> None:
     """Node agent: probes → JetStream (spooling to disk while NATS is away), heartbeats, diagnostics."""
     from agents.runner import run_agent
     from fleetmend.logs import configure_logging
 
     s = _settings(config, node=node, cluster=cluster)
+    if metrics_port is not None:
+        s.metrics.agent_port = metrics_port
     configure_logging(s.log_format)
     rc = _run(run_agent(s, kmsg_file=kmsg_file, once=once))
     raise typer.Exit(rc or 0)
 
 
 @app.command()
-def router(config: Optional[Path] = ConfigOpt) -> None:
+def router(config: Optional[Path] = ConfigOpt, metrics_port: Optional[int] = MetricsPortOpt) -> None:
     """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start."""
     from fleetmend.router import run_router
 
-    _run(_serve(run_router, _settings(config)))
+    s = _settings(config)
+    if metrics_port is not None:
+        s.metrics.router_port = metrics_port
+    _run(_serve(run_router, s))
 
 
 @app.command()
 def worker(
     config: Optional[Path] = ConfigOpt,
-    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="slurm, standalone or none."),
+    scheduler: Optional[str] = typer.Option(None, "--scheduler", help="slurm, standalone, kubernetes or none."),
+    metrics_port: Optional[int] = MetricsPortOpt,
 ) -> None:
     """Temporal worker: NodeRemediation workflows and their activities."""
     from fleetmend.worker import run_worker
 
-    _run(_serve(run_worker, _settings(config, scheduler=scheduler)))
+    s = _settings(config, scheduler=scheduler)
+    if metrics_port is not None:
+        s.metrics.worker_port = metrics_port
+    _run(_serve(run_worker, s))
 
 
 @dev_app.command("up")
