@@ -106,6 +106,7 @@ class DiagResponder:
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._hw_lock = asyncio.Lock()  # one diagnostics run at a time on the hardware
+        self.recovery: Any = None  # agents.recovery.RecoveryHandler, set by the runner (else dry-run default)
         self._log = structlog.get_logger("fleetmend.agent.diag").bind(cluster=cluster, node=node)
 
     # ------------------------------------------------------------------ serving
@@ -129,6 +130,19 @@ class DiagResponder:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _on_msg(self, msg: Any) -> None:
+        # --- recovery requests (GPU reset / reboot) share this subject: agents/recovery.py ---
+        from fleetmend.policy import is_recovery_request
+
+        if is_recovery_request(msg.data):
+            if self.recovery is None:
+                from agents.recovery import RecoveryHandler
+
+                self.recovery = RecoveryHandler(self.cluster, self.node)  # dry-run reboot by default
+            task = asyncio.create_task(self.recovery.answer(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        # --- end recovery ---
         task = asyncio.create_task(self._answer(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

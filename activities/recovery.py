@@ -1,0 +1,74 @@
+"""Recovery before RMA: GPU reset and node reboot, asked of the node's agent.
+
+Request/reply on the node's diag subject (`subjects.diag_subject`) with a `RecoveryRequest` body
+(`"type": "recovery"`); the agent's handler (agents/recovery.py) answers a `RecoveryReport`:
+APPLIED, REFUSED (a process holds the GPU), NOT_APPLICABLE (no nvidia-smi), DRY_RUN (reboot
+disabled, the default) or FAILED. The workflow verifies afterwards; this activity only asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from fleetmend import subjects
+from fleetmend.policy import RecoveryOp, RecoveryReport, RecoveryRequest
+
+
+@dataclass
+class RecoveryActivityRequest:
+    cluster: str
+    node: str
+    op: RecoveryOp
+    pci_bus_id: str | None = None
+    incident_id: str | None = None
+    timeout_s: float = 120.0
+    """Reply wait; `nvidia-smi -r` takes seconds, a reboot request is answered before the reboot."""
+
+
+class RecoveryActivities:
+    """Takes a connected `nats.aio.client.Client`."""
+
+    def __init__(self, nc) -> None:  # noqa: ANN001 - nats client, not imported by workflows
+        self._nc = nc
+
+    async def _ask(self, req: RecoveryActivityRequest) -> RecoveryReport:
+        from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+        subject = subjects.diag_subject(req.cluster, req.node)
+        body = RecoveryRequest(op=req.op, pci_bus_id=req.pci_bus_id, incident_id=req.incident_id,
+                               deadline_s=req.timeout_s).model_dump_json().encode()
+        activity.heartbeat(f"{req.op.value} via {subject}")
+        try:
+            msg = await self._nc.request(subject, body, timeout=req.timeout_s)
+        except NoRespondersError as err:
+            raise ApplicationError(f"no agent listens on {subject}: is `fleetmend agent` running on {req.node}?",
+                                   type="AgentUnreachable") from err
+        except (NatsTimeout, asyncio.TimeoutError) as err:
+            raise ApplicationError(f"agent on {req.node} did not answer {req.op.value} within {req.timeout_s:.0f}s",
+                                   type="AgentUnreachable") from err
+        try:
+            return RecoveryReport.model_validate_json(msg.data)
+        except ValueError as err:
+            raise ApplicationError(f"agent on {req.node} sent an invalid recovery report (an agent without "
+                                   f"recovery support answers diagnostics instead): {err}",
+                                   type="InvalidReport", non_retryable=True) from err
+
+    @activity.defn(name="reset_gpu")
+    async def reset_gpu(self, req: RecoveryActivityRequest) -> RecoveryReport:
+        """Ask the agent to reset one GPU (`nvidia-smi -r -i <bus id>`, only if no process holds it).
+
+        Returns: `RecoveryReport`. Raises: ApplicationError AgentUnreachable (retryable), InvalidReport.
+        """
+        if not req.pci_bus_id:
+            raise ApplicationError("reset_gpu needs the GPU's PCI bus id", type="InvalidRequest",
+                                   non_retryable=True)
+        return await self._ask(req)
+
+    @activity.defn(name="reboot_node")
+    async def reboot_node(self, req: RecoveryActivityRequest) -> RecoveryReport:
+        """Ask the agent to reboot the node (its configured `reboot_command`; empty = dry run)."""
+        return await self._ask(req)
