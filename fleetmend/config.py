@@ -376,6 +376,10 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
             raise ConfigError(f"config file {path} not found") from err
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {path}: {err}") from err
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {path}: not UTF-8 at byte {err.start}; TOML files are UTF-8") from err
+        except OSError as err:
+            raise ConfigError(f"config file {path}: {err.strerror or err}") from err
     # Environment beats the file: drop file keys that the environment sets.
     for key in list(data):
         if os.environ.get(f"FLEETMEND_{key.upper()}") is not None:
