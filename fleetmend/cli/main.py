@@ -434,7 +434,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "security"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security"]
 _register_extensions()
 
 
