@@ -290,12 +290,16 @@ class NodeRemediation:
     @workflow.run
     async def run(self, inp: IncidentInput) -> IncidentStatus:
         self._policy = inp.policy
+        # An update handled in the first activation runs before this method and notes on a placeholder
+        # state (see `_state`): keep those notes, they are the audit trail of who did what.
+        early = self._s.timeline if self._s is not None else []
         if inp.carried is not None:
             self._s = inp.carried
             self._s.run += 1
         else:
             self._s = IncidentState(cluster=inp.cluster, node=inp.node, opened_at=self._now())
             self._note("incident opened")
+        self._s.timeline.extend(early)
         self._pending = list(inp.pending) + self._pending
         s = self._s
 
