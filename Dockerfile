@@ -8,4 +8,6 @@ COPY workflows ./workflows
 COPY activities ./activities
 RUN pip install --no-cache-dir . && useradd -r -u 10001 fleetmend
 USER 10001
+# Prometheus /metrics when enabled: router 9301, worker 9302, agent 9303 (see docker-compose.yml).
+EXPOSE 9301 9302 9303
 ENTRYPOINT ["fleetmend"]
