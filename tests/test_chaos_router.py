@@ -201,3 +201,50 @@ async def test_cli_command_by_is_in_workflow_history(temporal_client, temporal_s
         assert found, "the update's `by` is recorded in history"
         st = await h.query(NodeRemediation.status)
         assert any(t.get("by") == "alice@ops-host" for t in st.timeline), st.timeline
+
+
+async def test_deadletters_counted_in_fleet_status(nc, nats_server, temporal_server, tmp_path, unique):
+    """Non-UTF-8, truncated, oversized and wrong-schema messages are dead-lettered, and `fleetmend
+    status` shows the count with reasons."""
+    import os
+    import subprocess
+    import sys
+
+    from fleetmend.cli.security import deadletter_line
+    from fleetmend.router.core import MAX_EVENT_BYTES
+
+    s = make_settings(nats_server, temporal_server, tmp_path, unique)
+    cluster = s.cluster
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    good = app_event(cluster, "n5")
+    wrong_version = json.loads(good.to_json_bytes())
+    wrong_version["schema_version"] = 99
+    bad = [b"\xff\xfe\xfd", good.to_json_bytes()[:-7], b" " * (MAX_EVENT_BYTES + 1),
+           json.dumps(wrong_version).encode()]
+    before = (await js.stream_info(subjects.DEADLETTER_STREAM)).state.messages
+    for data in bad:
+        await js.publish(subjects.fault_subject(cluster, "n5"), data)
+    router = Router(s, nc, js, _TemporalDown(), load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+                    durable=f"r-{unique}")
+    stop = asyncio.Event()
+    task = asyncio.create_task(router.run(stop))
+    try:
+        await assert_eventually(lambda: router.stats.deadlettered == 4, timeout_s=20, what="4 dead letters")
+    finally:
+        stop.set()
+        await task
+    assert sum(router.stats.deadletter_reasons.values()) == 4
+    line = await deadletter_line(s)
+    assert line.startswith(f"dead letters: {before + 4} ("), line
+    for reason in ("not UTF-8 at byte 0", "oversized", "invalid FaultEvent"):
+        assert reason.split(" at")[0] in line or reason in line, line
+    env = {**os.environ, "FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
+           "FLEETMEND_CLUSTER": cluster, "FLEETMEND_STATE_DIR": str(tmp_path)}
+    p = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status"], env=env,
+                                capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"dead letters: {before + 4}" in p.stdout, p.stdout
+    away = load_settings(None, nats_url="nats://127.0.0.1:1", nats_connect_timeout_s=0.5)
+    assert (await deadletter_line(away)).startswith("dead letters: unknown"), "status still prints without NATS"

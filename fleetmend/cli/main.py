@@ -263,8 +263,11 @@ def status(
     if as_json:
         sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
         return
+    from fleetmend.cli.security import deadletter_line
+
     if not rows:
         out.print(f"no incidents in cluster {s.cluster}")
+        out.print(escape(_run(deadletter_line(s))))
         return
     t = Table(title=f"incidents in {s.cluster}")
     widths = {"node": max(len(r["node"] or "?") for r in rows), "phase": len("awaiting_repair"),
@@ -278,6 +281,7 @@ def status(
         t.add_row(escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no", r["fault_class"] or "",
                   r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
     out.print(t)
+    out.print(escape(_run(deadletter_line(s))))
 
 
 def _short_time(iso: str | None) -> str:

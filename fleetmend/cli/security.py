@@ -53,3 +53,49 @@ def generate(
 
 def register(app: typer.Typer) -> None:
     app.add_typer(creds_app, name="creds")
+
+
+REASONS_SCANNED = 500
+"""Dead letters whose reasons `fleetmend status` tallies (the newest); the total is always exact."""
+
+
+async def deadletter_line(settings, timeout_s: float = 3.0) -> str:  # noqa: ANN001
+    """One line for `fleetmend status`: how many messages were dead-lettered, by reason.
+
+    `dead letters: 3 (not UTF-8: 1, invalid FaultEvent: 2); details: fleetmend deadletters`, or
+    `dead letters: 0`, or `dead letters: unknown (NATS …)` when NATS cannot be asked (status still prints).
+    """
+    import asyncio
+    import json
+    from collections import Counter
+
+    from fleetmend import subjects
+    from fleetmend.connect import connect_nats
+
+    try:
+        async with asyncio.timeout(timeout_s * 2):
+            nc = await connect_nats(settings, name="fleetmend-status", allow_reconnect=False,
+                                    max_reconnect_attempts=0)
+            try:
+                js = nc.jetstream(timeout=timeout_s)
+                try:
+                    info = await js.stream_info(subjects.DEADLETTER_STREAM)
+                except Exception:  # noqa: BLE001 - no stream yet: nothing was ever dead-lettered
+                    return "dead letters: 0"
+                total = info.state.messages
+                reasons: Counter = Counter()
+                first = max(info.state.first_seq, info.state.last_seq - REASONS_SCANNED + 1)
+                for seq in range(first, info.state.last_seq + 1) if total else ():
+                    try:
+                        rec = json.loads((await js.get_msg(subjects.DEADLETTER_STREAM, seq)).data)
+                    except Exception:  # noqa: BLE001 - removed by age, or not ours
+                        continue
+                    reasons[str(rec.get("reason", "?")).split(":")[0][:40]] += 1
+            finally:
+                await nc.close()
+    except Exception as err:  # noqa: BLE001 - status must print even when NATS is away
+        return f"dead letters: unknown (NATS at {settings.nats_url}: {type(err).__name__})"
+    if not total:
+        return "dead letters: 0"
+    by = ", ".join(f"{r}: {n}" for r, n in reasons.most_common(5))
+    return f"dead letters: {total} ({by}); details: fleetmend deadletters"
