@@ -62,6 +62,11 @@ def workflow_id(cluster: str, node: str) -> str:
     return f"remediate/{_check('cluster', cluster)}/{_check('node', node)}"
 
 
+def fleetguard_workflow_id(cluster: str) -> str:
+    """`fleetguard/<cluster>`: the one `FleetGuard` workflow (drain budget, breaker) of a cluster."""
+    return f"fleetguard/{_check('cluster', cluster)}"
+
+
 def parse_workflow_id(wid: str) -> tuple[str, str]:
     parts = wid.split("/")
     if len(parts) != 3 or parts[0] != "remediate":

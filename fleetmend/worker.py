@@ -22,14 +22,22 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from activities.scheduler import SchedulerActivities, build_scheduler
     from activities.tickets import TicketActivities, build_ticket_filer
     from workflows.remediation import NodeRemediation
+    # policy (issue 4): FleetGuard per cluster, drain permits, GPU reset / reboot through the agent
+    from activities.fleetguard import FleetGuardActivities
+    from activities.recovery import RecoveryActivities
+    from workflows.fleetguard import FleetGuard
 
     sched = SchedulerActivities(build_scheduler(settings, js=nc.jetstream()))
     tickets = TicketActivities(build_ticket_filer(settings), settings.tickets.repaired_statuses)
     diag = DiagnosticsActivities(nc)
+    tq = task_queue or settings.task_queue
+    guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
+    recovery = RecoveryActivities(nc)
     return Worker(
-        client, task_queue=task_queue or settings.task_queue, workflows=[NodeRemediation],
+        client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
-                    tickets.poll_ticket, diag.run_diagnostics],
+                    tickets.poll_ticket, diag.run_diagnostics,
+                    guard.request_drain_permit, guard.release_drain_permit, recovery.reset_gpu, recovery.reboot_node],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
 

@@ -11,6 +11,10 @@ from activities.diagnostics import DiagActivityRequest
 from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from activities.tickets import TicketRef, TicketRequest, TicketUpdate
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
+from activities.recovery import RecoveryActivityRequest
+from fleetmend import subjects
+from fleetmend.policy import RecoveryReport, RecoveryResult
+from workflows.fleetguard import PermitDecision, PermitRelease, PermitRequest
 
 
 @dataclass
@@ -22,12 +26,20 @@ class Calls:
     diags: list[DiagActivityRequest] = field(default_factory=list)
     diag_results: list[DiagResult] = field(default_factory=list)
     operator_drained: bool = False
+    log: list[tuple[str, str]] = field(default_factory=list)
+    """("drain" | "undrain", node) in call order: drained-at-once counts come from here."""
+    permits: list = field(default_factory=list)
+    releases: list = field(default_factory=list)
+    recoveries: list = field(default_factory=list)
+    recovery_results: list[RecoveryResult] = field(default_factory=list)
+    """Answers of reset_gpu/reboot_node in turn; when empty: DRY_RUN (an agent's default)."""
 
 
 def stand_ins(calls: Calls) -> list:
     @activity.defn(name="drain_node")
     async def drain_node(req: DrainRequest) -> DrainResult:
         calls.drains.append(req)
+        calls.log.append(("drain", req.node))
         if calls.operator_drained:
             return DrainResult(node=req.node, drained=True, owned=False, operator_drained=True, state="DRAINED",
                                detail="operator reason")
@@ -37,6 +49,7 @@ def stand_ins(calls: Calls) -> list:
     @activity.defn(name="undrain_node")
     async def undrain_node(req: UndrainRequest) -> UndrainResult:
         calls.undrains.append(req)
+        calls.log.append(("undrain", req.node))
         return UndrainResult(node=req.node, resumed=True, state="IDLE", detail="resumed")
 
     @activity.defn(name="file_ticket")
@@ -55,4 +68,28 @@ def stand_ins(calls: Calls) -> list:
         return DiagReport(node=req.node, cluster=req.cluster, level=DiagLevel.QUICK,
                           checks=[CheckResult(name="nvml_reachable", result=result)])
 
-    return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics]
+    @activity.defn(name="request_drain_permit")
+    async def request_drain_permit(req: PermitRequest) -> None:
+        """A FleetGuard that always grants at once (tests/test_fleetguard.py runs the real one)."""
+        calls.permits.append(req)
+        await activity.client().get_workflow_handle(subjects.workflow_id(req.cluster, req.node)).signal(
+            "permit", PermitDecision(granted=True, reason="stand-in guard"))
+
+    @activity.defn(name="release_drain_permit")
+    async def release_drain_permit(rel: PermitRelease) -> None:
+        calls.releases.append(rel)
+
+    @activity.defn(name="reset_gpu")
+    async def reset_gpu(req: RecoveryActivityRequest) -> RecoveryReport:
+        calls.recoveries.append(req)
+        result = calls.recovery_results.pop(0) if calls.recovery_results else RecoveryResult.DRY_RUN
+        return RecoveryReport(node=req.node, cluster=req.cluster, op=req.op, result=result, detail="stand-in")
+
+    @activity.defn(name="reboot_node")
+    async def reboot_node(req: RecoveryActivityRequest) -> RecoveryReport:
+        calls.recoveries.append(req)
+        result = calls.recovery_results.pop(0) if calls.recovery_results else RecoveryResult.DRY_RUN
+        return RecoveryReport(node=req.node, cluster=req.cluster, op=req.op, result=result, detail="stand-in")
+
+    return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
+            release_drain_permit, reset_gpu, reboot_node]

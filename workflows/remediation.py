@@ -11,6 +11,32 @@ the open incident. Human commands are updates with validators, so bad input neve
 Deterministic code only: every side effect is an activity (activities/), time is `workflow.now()`,
 logs go through `workflow.logger`. History stays bounded: after `MAX_HISTORY_EVENTS` (or when the
 server suggests it) the workflow continues-as-new at a waiting point, carrying its state.
+
+Policy (issue 4; fleetmend/policy.py holds the pure rules, workflows/fleetguard.py the fleet budget):
+triage applies the history rules (`policy.decide`: XID 13/31 repeats, sympathetic XID 45, XID 48 with
+63/64, SBE rate / pending remap → drain when idle, debounce of clearable faults) and notes every rule
+that fired; `awaiting_permit` asks the cluster's FleetGuard for a drain permit and waits for its
+`permit` signal (denied: observe-only or an infrastructure incident → closes without draining);
+`recovering` tries the catalog's recovery (GPU reset, then reboot) with a settle period and a
+verification chosen from the original fault before filing a ticket; a lemon node (FleetGuard's
+per-node history) goes to RMA at once. Every close gives the permit back.
+
+Versioning: running incidents keep their command sequence; new code paths sit behind
+`workflow.patched(<id>)` and the recorded histories in tests/histories/ replay in CI.
+
+==========================  =====================================================================
+patch id                    what changed
+==========================  =====================================================================
+`history-rules`             triage decides with `policy.decide` (notes, debounce timer)
+`fleetguard-permit`         awaiting_permit requests a permit (activity) and waits for the signal;
+                            closing releases it (activity)
+`recovery-before-rma`       GPU reset / reboot + settle + verification before a ticket; RMA for
+                            lemons and RMA-class faults
+`fault-verification`        verification runs the checks chosen from the original fault
+`settle-clean`              the settle period ends early (back to awaiting repair) on a new fault
+==========================  =====================================================================
+Also fixed without a patch (no command changes; the old code never completed that path): an abort
+while awaiting repair left `_await_repair` spinning without yielding.
 """
 
 from __future__ import annotations
@@ -27,6 +53,12 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.diagnostics import DiagActivityRequest
+    from activities.recovery import RecoveryActivityRequest
+    from fleetmend.policy import (
+        Decision, FaultView, Recovery, RecoveryOp, RecoveryReport, RecoveryResult, RuleSettings, Urgency, decide,
+        verification_checks,
+    )
+    from workflows.fleetguard import PermitDecision, PermitRelease, PermitRequest
     from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
     from activities.tickets import TicketRef, TicketRequest, TicketUpdate
     from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult
@@ -38,6 +70,14 @@ MAX_FAULTS_KEPT = 100
 """Fault records kept in state; older ones are summarised in `faults_dropped` (bounded history)."""
 MAX_SEEN_IDS = 2_000
 """Event ids remembered for de-duplication of redelivered events (router retries, agent re-sends)."""
+MAX_TIMES_KEPT = 32
+"""Occurrence times kept per fault record (enough for the repeat/rate rules' thresholds)."""
+
+P_RULES = "history-rules"
+P_PERMIT = "fleetguard-permit"
+P_RECOVERY = "recovery-before-rma"
+P_VERIFY = "fault-verification"
+P_SETTLE = "settle-clean"
 
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
 KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
@@ -78,6 +118,9 @@ class Outcome(StrEnum):
     ABORTED = "aborted"
     OPERATOR_OWNED = "operator_owned"
     """The node was already drained by an operator; fleetmend recorded and left it."""
+    INFRASTRUCTURE = "infrastructure_incident"
+    """Part of a correlated failure-domain incident (FleetGuard): not drained, a human was paged."""
+    DENIED = "permit_denied"
 
 
 @dataclass
@@ -91,6 +134,8 @@ class Verdict:
     drain: bool = False
     source: str = ""
     description: str = ""
+    clearable: bool = False
+    """The kind has a clearing event (catalog `cleared_by`): debounced before it drains."""
 
 
 @dataclass
@@ -116,6 +161,14 @@ class PolicySnapshot:
     settle_s: float = 0.0
     diag_timeout_s: float = 120.0
     close_after_idle_s: float = 3600.0
+    debounce_s: float = 0.0
+    app_xid_repeats: int = 3
+    app_xid_window_s: float = 3600.0
+    sbe_events_per_window: int = 10
+    sbe_window_s: float = 3600.0
+    recovery_settle_s: float = 0.0
+    """Defaults here are those of an input that predates the field (replay); the router sends
+    `PolicySettings`' values."""
 
 
 @dataclass
@@ -135,6 +188,11 @@ class FaultRecord:
     drain: bool
     source: str
     count: int = 1
+    times: list[str] = field(default_factory=list)
+    """observed_at of the most recent occurrences (MAX_TIMES_KEPT), for the repeat/rate rules."""
+    arrived_at: str | None = None
+    """Workflow time the first occurrence arrived (debounce runs from here)."""
+    clearable: bool = False
 
 
 @dataclass
@@ -168,6 +226,18 @@ class IncidentState:
     last_diag: dict[str, Any] | None = None
     repair_attempts: int = 0
     run: int = 1
+    decisions: list[str] = field(default_factory=list)
+    """Rules that fired (policy.decide reasons), each noted once."""
+    urgency: str | None = None
+    recovery: str | None = None
+    device: str | None = None
+    permit_requested: bool = False
+    permit_requested_at: str | None = None
+    permit_held: bool = False
+    permit: PermitDecision | None = None
+    lemon: str | None = None
+    recovery_tried: list[str] = field(default_factory=list)
+    recovery_log: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +278,10 @@ class IncidentStatus:
     timeline: list[dict[str, Any]]
     last_diag: dict[str, Any] | None
     operator_drained: bool
+    permit_held: bool = False
+    decisions: list[str] = field(default_factory=list)
+    recovery_log: list[str] = field(default_factory=list)
+    lemon: str | None = None
 
 
 @workflow.defn(name="NodeRemediation")
@@ -226,6 +300,11 @@ class NodeRemediation:
     def faults(self, batch: FaultBatch) -> None:
         self._pending.extend(batch.faults)
 
+    @workflow.signal(name="permit")
+    def permit(self, decision: PermitDecision) -> None:
+        """FleetGuard's answer to this node's drain-permit request."""
+        self._state.permit = decision
+
     @workflow.query(name="status")
     def status(self) -> IncidentStatus:
         s = self._state
@@ -235,7 +314,8 @@ class NodeRemediation:
             severity=s.severity, opened_at=s.opened_at, closed_at=s.closed_at,
             faults=[_record_dict(f) for f in s.faults], faults_dropped=s.faults_dropped,
             duplicates=s.duplicates, timeline=[t.__dict__ for t in s.timeline[-50:]],
-            last_diag=s.last_diag, operator_drained=s.operator_drained)
+            last_diag=s.last_diag, operator_drained=s.operator_drained, permit_held=s.permit_held,
+            decisions=list(s.decisions), recovery_log=list(s.recovery_log), lemon=s.lemon)
 
     @workflow.update(name="mark_repaired")
     async def mark_repaired(self, cmd: HumanCommand) -> str:
@@ -309,7 +389,7 @@ class NodeRemediation:
             await self._drain()
         if s.phase in (Phase.DIAGNOSING.value, Phase.RECOVERING.value):
             await self._diagnose_and_ticket()
-        while s.phase in (Phase.AWAITING_REPAIR.value, Phase.VERIFYING.value):
+        while s.phase in (Phase.AWAITING_REPAIR.value, Phase.VERIFYING.value) and self._abort is None:
             if s.phase == Phase.AWAITING_REPAIR.value:
                 await self._await_repair()
             if s.phase == Phase.VERIFYING.value:
@@ -327,6 +407,78 @@ class NodeRemediation:
 
     # ---------------------------------------------------------------- phases
     async def _triage(self) -> None:
+        if workflow.patched(P_RULES):
+            await self._triage_rules()
+        else:
+            await self._triage_v1()
+
+    async def _triage_rules(self) -> None:
+        """Decide with the history rules; wait out debounce windows; close quiet record-only incidents."""
+        s = self._state
+        while True:
+            self._absorb()
+            if self._abort is not None:
+                return
+            d = self._decide()
+            self._note_decisions(d)
+            if d.drain:
+                s.fault_class, s.device = d.fault_class, d.device
+                s.urgency, s.recovery = d.urgency.value, d.recovery.value
+                if Severity(d.severity).rank > Severity(s.severity).rank:
+                    s.severity = d.severity
+                self._note(f"decision: drain {d.urgency.value.replace('_', ' ')}, then {d.recovery.value} "
+                           f"({s.fault_class} on {s.device or 'node'})")
+                if self._policy.observe_only:
+                    self._note("observe-only: would drain; nothing touched")
+                    self._close(Outcome.OBSERVED)
+                    return
+                self._set_phase(Phase.AWAITING_PERMIT)
+                return
+            if self._retest is not None:
+                self._retest = None
+            wait_s = self._policy.close_after_idle_s
+            if d.debounce:
+                now = workflow.now()
+                ends = [(f.arrived_at or now) + timedelta(seconds=self._policy.debounce_s) for f in d.debounce]
+                wait_s = max(1.0, min((e - now).total_seconds() for e in ends))
+                self._details(f"debouncing {', '.join(sorted({f.fault_class for f in d.debounce}))}: drains in "
+                              f"{wait_s:.0f}s unless it clears")
+            else:
+                self._details(f"triage: {len(s.faults)} fault(s) recorded, none needs a drain; closes after "
+                              f"{self._policy.close_after_idle_s:.0f}s quiet")
+            try:
+                await workflow.wait_condition(lambda: bool(self._pending) or self._abort is not None,
+                                              timeout=timedelta(seconds=wait_s))
+            except asyncio.TimeoutError:
+                self._absorb()
+                if not d.debounce:
+                    again = self._decide()
+                    if not again.drain and not again.debounce:
+                        self._close(Outcome.RECORDED)
+                        return
+            self._maybe_continue_as_new()
+
+    def _decide(self) -> Decision:
+        s, p = self._state, self._policy
+        views = [FaultView(kind=f.kind, code=f.code, device=f.device, severity=f.severity, drain=f.drain,
+                           immediate_action=f.immediate_action, fault_class=f.fault_class,
+                           times=[_parse(t) for t in (f.times or [f.observed_at])],
+                           cleared=self._cleared(f), clearable=f.clearable, message=f.message,
+                           arrived_at=_parse(f.arrived_at) if f.arrived_at else None)
+                 for f in s.faults if not f.healthy]
+        rules = RuleSettings(app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
+                             sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s)
+        return decide(views, workflow.now(), rules, debounce_s=p.debounce_s)
+
+    def _note_decisions(self, d: Decision) -> None:
+        s = self._state
+        for reason in d.reasons:
+            if reason not in s.decisions:
+                s.decisions.append(reason)
+                del s.decisions[:-50]
+                self._note(f"rule: {reason}")
+
+    async def _triage_v1(self) -> None:
         s = self._state
         while True:
             self._absorb()
@@ -357,11 +509,59 @@ class NodeRemediation:
                     return
             self._maybe_continue_as_new()
 
+    async def _await_permit(self) -> bool:
+        """Ask FleetGuard for a drain permit and wait for its answer. Returns True when granted; on a
+        denial the incident is closed (observe-only, infrastructure incident), on abort it returns False."""
+        s = self._state
+        if s.permit_held:
+            return True
+        if not s.permit_requested:
+            s.permit_requested, s.permit_requested_at = True, self._now()
+        await workflow.execute_activity(
+            "request_drain_permit", PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity,
+                                                  fault_class=s.fault_class or "", reason="; ".join(s.decisions[-3:]),
+                                                  requested_at=s.permit_requested_at),
+            start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
+            summary=f"drain permit for {s.node}")
+        self._details(f"awaiting a drain permit from FleetGuard ({s.severity} {s.fault_class}); "
+                      "`fleetmend breaker status` shows the queue")
+        while True:
+            await workflow.wait_condition(lambda: s.permit is not None or self._abort is not None
+                                          or bool(self._pending))
+            self._absorb()
+            if self._abort is not None:
+                return False
+            if s.permit is not None:
+                break
+            self._maybe_continue_as_new()
+        decision, s.permit = s.permit, None
+        if decision.granted:
+            s.permit_held = True
+            self._note(f"drain permit granted ({decision.reason})")
+            if decision.lemon:
+                s.lemon, s.recovery = decision.lemon, Recovery.RMA.value
+                self._note(decision.lemon)
+            return True
+        s.permit_requested = False
+        self._note(f"drain permit denied: {decision.reason}")
+        if decision.infra_incident:
+            self._close(Outcome.INFRASTRUCTURE)
+        elif decision.reason.startswith("observe-only"):
+            self._close(Outcome.OBSERVED)
+        else:
+            self._close(Outcome.DENIED)
+        return False
+
     async def _drain(self) -> None:
         s = self._state
-        # Permit: the fleet-wide blast-radius budget (FleetGuard) is granted at once here.
+        if workflow.patched(P_PERMIT):
+            if not await self._await_permit():
+                return
+        # else (histories before P_PERMIT): the permit was granted at once.
         self._set_phase(Phase.DRAINING)
         reason = f"{s.fault_class} incident {self._incident_id}"
+        if s.urgency == Urgency.WHEN_IDLE.value:
+            reason += " (drain when idle: running jobs finish)"
         res: DrainResult = await workflow.execute_activity(
             "drain_node", DrainRequest(cluster=s.cluster, node=s.node, reason=reason,
                                        incident_id=self._incident_id),
@@ -384,7 +584,10 @@ class NodeRemediation:
             self._set_phase(Phase.RECOVERING)
         else:
             report = s.last_diag
-        # Recovery before RMA (GPU reset / reboot) is policy work; today every drain files a ticket.
+        if workflow.patched(P_RECOVERY):
+            if await self._recover():
+                self._set_phase(Phase.RETURNING)
+                return
         evidence = {
             "faults": [_record_dict(f) for f in s.faults],
             "raw": "\n".join(f.raw for f in s.faults if f.raw)[:32_000],
@@ -392,7 +595,10 @@ class NodeRemediation:
             "diagnostics": report,
             "workflow_id": workflow.info().workflow_id,
         }
-        title = f"[fleetmend] {s.node}: {s.fault_class} ({s.severity})"
+        if s.decisions or s.recovery_log or s.lemon:
+            evidence.update({"decisions": s.decisions, "recovery": s.recovery_log, "lemon": s.lemon})
+        rma = s.lemon is not None or s.recovery == Recovery.RMA.value
+        title = f"[fleetmend] {'RMA ' if rma else ''}{s.node}: {s.fault_class} ({s.severity})"
         ref: TicketRef = await workflow.execute_activity(
             "file_ticket", TicketRequest(incident_id=self._incident_id, cluster=s.cluster, node=s.node,
                                          title=title, severity=s.severity, fault_class=s.fault_class or "",
@@ -403,6 +609,79 @@ class NodeRemediation:
         self._note(f"ticket {ref.ticket_id} {'filed' if ref.created else 'already filed'}")
         self._upsert()
         self._set_phase(Phase.AWAITING_REPAIR)
+
+    async def _recover(self) -> bool:
+        """Recovery before RMA: the catalog's GPU reset (then a reboot) or reboot, each followed by a
+        settle period and the verification chosen for the original fault. True when one held."""
+        s, p = self._state, self._policy
+        if s.lemon is not None or s.recovery == Recovery.RMA.value:
+            self._recovery_note("no recovery attempt: " + (s.lemon or f"{s.fault_class}: catalog says RMA"))
+            return False
+        plan = {Recovery.RESET_GPU.value: [RecoveryOp.RESET_GPU, RecoveryOp.REBOOT],
+                Recovery.RESTART_BM.value: [RecoveryOp.REBOOT]}.get(s.recovery or "", [])
+        for op in plan:
+            if op.value in s.recovery_tried:
+                continue
+            s.recovery_tried.append(op.value)
+            if op is RecoveryOp.RESET_GPU and not (s.device and ":" in s.device):
+                self._recovery_note(f"reset_gpu skipped: no PCI bus id known for the faulty GPU ({s.device})")
+                continue
+            report = await self._recovery_activity(op)
+            self._recovery_note(f"{op.value}: {report.result.value} ({report.detail[:300]})")
+            if report.result is not RecoveryResult.APPLIED:
+                continue
+            if p.recovery_settle_s > 0:
+                self._details(f"{op.value} applied; settling {p.recovery_settle_s:.0f}s before verification")
+                faults_before = len(s.faults)
+                try:
+                    await workflow.wait_condition(lambda: self._abort is not None,
+                                                  timeout=timedelta(seconds=p.recovery_settle_s))
+                except asyncio.TimeoutError:
+                    pass
+                self._absorb()
+                if self._fresh_drainers(faults_before):
+                    self._recovery_note(f"{op.value} did not hold: a new drain-worthy fault while settling")
+                    continue
+            verified = await self._diagnostics(f"verification after {op.value}", checks=self._verify_checks())
+            result = DiagResult(verified["result"]) if verified else DiagResult.UNKNOWN
+            if result in (DiagResult.PASS, DiagResult.NOT_APPLICABLE):
+                self._recovery_note(f"recovered by {op.value}: verification {result.value}; returning to service")
+                return True
+            self._recovery_note(f"{op.value} did not hold: verification {result.value}")
+        if plan:
+            self._recovery_note("recovery did not hold; escalating to a ticket")
+        return False
+
+    async def _recovery_activity(self, op: RecoveryOp) -> RecoveryReport:
+        s = self._state
+        req = RecoveryActivityRequest(cluster=s.cluster, node=s.node, op=op,
+                                      pci_bus_id=s.device if op is RecoveryOp.RESET_GPU else None,
+                                      incident_id=self._incident_id)
+        try:
+            return await workflow.execute_activity(
+                "reset_gpu" if op is RecoveryOp.RESET_GPU else "reboot_node", req, result_type=RecoveryReport,
+                start_to_close_timeout=timedelta(seconds=req.timeout_s + 10), retry_policy=DIAG_RETRY,
+                summary=f"{op.value} on {s.node}" + (f" GPU {s.device}" if op is RecoveryOp.RESET_GPU else ""))
+        except ActivityError as err:
+            return RecoveryReport(node=s.node, cluster=s.cluster, op=op, result=RecoveryResult.FAILED,
+                                  detail=f"agent did not carry it out: {err.cause or err}")
+
+    def _recovery_note(self, text: str) -> None:
+        s = self._state
+        s.recovery_log.append(f"{self._now()} {text}")
+        del s.recovery_log[:-50]
+        self._note(text)
+
+    def _fresh_drainers(self, faults_before: int) -> list[FaultRecord]:
+        return [f for f in self._state.faults[faults_before:] if f.drain and not f.healthy]
+
+    def _verify_checks(self) -> list[str] | None:
+        """Checks that prove the original fault gone (policy.verification_checks); None: every QUICK check."""
+        s = self._state
+        root = next((f for f in s.faults if f.fault_class == s.fault_class and not f.healthy), None)
+        if root is None:
+            return None
+        return verification_checks(root.component, root.kind, root.code) or None
 
     async def _await_repair(self) -> None:
         s = self._state
@@ -431,7 +710,8 @@ class NodeRemediation:
     async def _verify(self) -> None:
         s = self._state
         faults_before = len(s.faults)
-        report = await self._diagnostics("verification")
+        checks = self._verify_checks() if workflow.patched(P_VERIFY) else None
+        report = await self._diagnostics("verification", checks=checks)
         result = DiagResult(report["result"]) if report else DiagResult.UNKNOWN
         self._absorb()
         fresh = [f for f in s.faults[faults_before:] if f.drain and not f.healthy]
@@ -443,7 +723,25 @@ class NodeRemediation:
         if result in (DiagResult.PASS, DiagResult.NOT_APPLICABLE):
             if self._policy.settle_s > 0:
                 self._details(f"verified; settling {self._policy.settle_s:.0f}s before return")
-                await workflow.sleep(timedelta(seconds=self._policy.settle_s))
+                if workflow.patched(P_SETTLE):
+                    # The node must stay clean for the settle period; a new fault sends it back.
+                    before = len(s.faults)
+                    try:
+                        await workflow.wait_condition(lambda: bool(self._pending) or self._abort is not None,
+                                                      timeout=timedelta(seconds=self._policy.settle_s))
+                    except asyncio.TimeoutError:
+                        pass
+                    self._absorb()
+                    if self._fresh_drainers(before):
+                        f = self._fresh_drainers(before)[0]
+                        self._note(f"new drain-worthy fault while settling ({f.fault_class}); back to awaiting repair")
+                        await self._update_ticket("verification_failed", f"New fault while settling: {f.message}")
+                        self._set_phase(Phase.AWAITING_REPAIR)
+                        return
+                    if self._abort is not None:
+                        return
+                else:
+                    await workflow.sleep(timedelta(seconds=self._policy.settle_s))
             self._set_phase(Phase.RETURNING)
         else:
             self._note(f"verification {result.value}; back to awaiting repair")
@@ -460,7 +758,7 @@ class NodeRemediation:
             s.drained = not res.resumed and s.drained
             self._note(f"undrain: {'resumed' if res.resumed else 'not resumed'} ({res.detail})")
         await self._update_ticket("resolved", "Verification passed; node returned to service.")
-        self._close(Outcome.OPERATOR_OWNED if s.operator_drained else Outcome.RETURNED)
+        await self._finish(Outcome.OPERATOR_OWNED if s.operator_drained else Outcome.RETURNED)
 
     async def _do_abort(self) -> None:
         s = self._state
@@ -474,14 +772,28 @@ class NodeRemediation:
             s.drained = not res.resumed and s.drained
         if s.ticket:
             await self._update_ticket("aborted", f"Incident aborted by {cmd.by}: {cmd.note}")
-        self._close(Outcome.ABORTED)
+        await self._finish(Outcome.ABORTED)
 
     # ---------------------------------------------------------------- helpers
-    async def _diagnostics(self, why: str) -> dict[str, Any] | None:
+    async def _finish(self, outcome: Outcome) -> None:
+        """Close the incident, giving FleetGuard its permit back (or withdrawing a queued request)."""
+        s = self._state
+        if s.permit_requested or s.permit_held:
+            returned = outcome in (Outcome.RETURNED, Outcome.OPERATOR_OWNED)
+            await workflow.execute_activity(
+                "release_drain_permit", PermitRelease(cluster=s.cluster, node=s.node, outcome=outcome.value,
+                                                      fault_class=s.fault_class or "", returned=returned),
+                start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
+                summary=f"release drain permit of {s.node}")
+            s.permit_requested = s.permit_held = False
+        self._close(outcome)
+
+    async def _diagnostics(self, why: str, checks: list[str] | None = None) -> dict[str, Any] | None:
         s = self._state
         try:
             rep: DiagReport = await workflow.execute_activity(
                 "run_diagnostics", DiagActivityRequest(cluster=s.cluster, node=s.node, level=DiagLevel.QUICK,
+                                                       checks=checks,
                                                        timeout_s=self._policy.diag_timeout_s,
                                                        incident_id=self._incident_id),
                 result_type=DiagReport, start_to_close_timeout=timedelta(seconds=self._policy.diag_timeout_s + 10),
@@ -524,12 +836,15 @@ class NodeRemediation:
                         None)
             if same is not None:
                 same.count += 1
+                same.times.append(ev.observed_at.isoformat())
+                del same.times[:-MAX_TIMES_KEPT]
                 continue
             s.faults.append(FaultRecord(
                 event_id=ev.event_id, kind=ev.kind, code=ev.code, severity=v.severity, component=ev.component.value,
                 device=dev, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
                 observed_at=ev.observed_at.isoformat(), fault_class=v.fault_class, immediate_action=v.immediate_action,
-                drain=v.drain, source=v.source))
+                drain=v.drain, source=v.source, times=[ev.observed_at.isoformat()], arrived_at=self._now(),
+                clearable=v.clearable))
             if Severity(v.severity).rank > Severity(s.severity).rank and not ev.healthy:
                 s.severity = v.severity
             if s.fault_class is None and not ev.healthy:
@@ -630,6 +945,10 @@ class NodeRemediation:
 
 def _record_dict(f: FaultRecord) -> dict[str, Any]:
     return dict(f.__dict__)
+
+
+def _parse(iso: str) -> datetime:
+    return datetime.fromisoformat(iso)
 
 
 __all__ = [

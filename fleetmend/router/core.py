@@ -204,12 +204,15 @@ class Router:
                 immediate_action=str(getattr(c.immediate_action, "value", c.immediate_action)),
                 investigatory_action=str(getattr(c.investigatory_action, "value", c.investigatory_action) or ""),
                 fault_class=c.fault_class, drain=bool(c.drain), source=c.source or "",
-                description=c.description or "")))
+                description=c.description or "", clearable=_clearable(self.catalog, ev))))
         wid = subjects.workflow_id(cluster, node)
         p = self.s.policy
         inp = IncidentInput(cluster=cluster, node=node, policy=PolicySnapshot(
             observe_only=p.observe_only, repair_escalation_s=p.repair_escalation_s, settle_s=p.settle_s,
-            diag_timeout_s=p.diag_timeout_s, close_after_idle_s=p.close_after_idle_s))
+            diag_timeout_s=p.diag_timeout_s, close_after_idle_s=p.close_after_idle_s,
+            debounce_s=p.debounce_s, app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
+            sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s,
+            recovery_settle_s=p.recovery_settle_s))
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         async with self._sem:
             try:
@@ -269,3 +272,11 @@ class Router:
         key = reason.split(":")[0][:60]
         self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
         log.warning("event_deadlettered", reason=reason, subject=msg.subject)
+
+
+def _clearable(catalog, ev: FaultEvent) -> bool:  # noqa: ANN001 - fleetmend.catalog.Catalog
+    """Whether the event's kind has a clearing event (policy debounce applies); XIDs never do."""
+    from fleetmend.policy import clearable
+
+    entry = catalog.kinds.get(ev.kind) if ev.kind != "xid" else None
+    return clearable(ev.kind, entry.cleared_by if entry is not None else None)
