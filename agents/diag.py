@@ -71,6 +71,10 @@ def _error_types(nvml: Any) -> tuple[type[BaseException], type[BaseException], t
     return src.NVMLError, no_driver, src.NVMLError_NotSupported  # type: ignore[return-value]
 
 
+def _is_dcgmi_diag(argv: list[str]) -> bool:
+    return bool(argv) and os.path.basename(argv[0]) == "dcgmi" and "diag" in argv[1:]
+
+
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
@@ -327,8 +331,26 @@ class DiagResponder:
             return CheckResult(name=name, result=DiagResult.UNKNOWN, measured=" ".join(argv),
                                detail=f"timed out after {timeout_s:.0f} s")
         tail = out[-OUTPUT_TAIL_BYTES:].decode(errors="replace")
+        if _is_dcgmi_diag(argv):
+            return self._dcgm_result(name, argv, proc.returncode, out.decode(errors="replace"), tail)
         return CheckResult(name=name, result=DiagResult.PASS if proc.returncode == 0 else DiagResult.FAIL,
                            measured=f"{' '.join(argv)}: exit {proc.returncode}", expected="exit 0", detail=tail)
+
+    def _dcgm_result(self, name: str, argv: list[str], rc: int | None, text: str, tail: str) -> CheckResult:
+        """`dcgmi diag` output read with the same parser as `fleetmend explain` (agents.parsers.dcgm):
+        a failed test (or an Error row) fails the check even if dcgmi exited 0; the measured value names
+        each failed test and GPU; warnings are listed in the detail."""
+        from agents.parsers.common import Ctx
+        from agents.parsers.dcgm import parse_diag
+
+        events = parse_diag(text, Ctx(cluster=self.cluster, node=self.node))
+        failed = [e for e in events if e.kind == "dcgm_diag_fail"]
+        warned = [e for e in events if e.kind == "dcgm_diag_warning"]
+        ok = rc == 0 and not failed
+        measured = "; ".join(e.message for e in failed) or f"{' '.join(argv)}: exit {rc}, all tests passed"
+        detail = "\n".join([f"warning: {e.message}" for e in warned] + ([tail] if not ok else []))
+        return CheckResult(name=name, result=DiagResult.PASS if ok else DiagResult.FAIL, measured=measured[:2000],
+                           expected="every test Pass, exit 0", detail=detail)
 
 
 class _NvmlSession:

@@ -1,4 +1,5 @@
-"""`fleetmend explain`: classify kernel-log text offline and show what the catalog says about it.
+"""`fleetmend explain`: classify fault text offline (kernel logs, nvidia-smi, DCGM, other tools) and say
+what the catalog says about it.
 
 The CLI (`fleetmend explain [FILE|-] [--json]`) calls `explain_text` then `render_table` or
 `explained_json` per event.
@@ -25,19 +26,22 @@ class Explained:
 
 
 def explain_text(text: str, catalog: Catalog | None = None, node: str = "local") -> list[Explained]:
-    """Parse kernel-log text (dmesg, journald, syslog, raw /dev/kmsg) and classify every event.
+    """Parse any text the agent meets and classify every event: kernel logs (dmesg, journald,
+    syslog, raw /dev/kmsg), `nvidia-smi` (table, `-q`, CSV queries), DCGM (`dcgmi diag`,
+    `dcgmi health`, `dcgmi nvlink`, dcgm-exporter metrics) and other tools (device-plugin, CUDA and
+    NCCL logs, mcelog, ibstat, ibv_devinfo, ibdev2netdev, BMC SEL). Formats: `agents.parsers`.
 
     Args:
-        text: the log, several lines, any framing the kmsg parser knows.
+        text: the text, several lines; a paste may mix formats.
         catalog: default the packaged catalog (pass `load_catalog(overrides)` for operator overrides).
         node: node name stamped on the events (default "local").
     Returns:
         `Explained` per event, in log order.
     """
-    from agents.kmsg import parse_text  # the agent package is optional for importers of the contract
+    from agents.parsers import parse_any  # the agent package is optional for importers of the contract
 
     cat = catalog or default_catalog()
-    events = parse_text(text, cluster="local", node=node, catalog=cat)
+    events = parse_any(text, cluster="local", node=node, catalog=cat)
     return [Explained(e, cat.classify(e)) for e in events]
 
 

@@ -1,0 +1,254 @@
+"""DCGM text → FaultEvents: `dcgmi diag` result tables, `dcgmi health -c` reports, `dcgmi nvlink
+--link-status`, and dcgm-exporter Prometheus metrics. The diagnostics responder uses `parse_diag`
+for the LONG level's `dcgmi diag` output.
+
+Formats (DCGM 2.x-4.x user guide; dcgm-exporter default counters):
+- diag: a `| Name | Result |` table; a result cell is Pass/Fail/Skip/Warn, optionally "Fail - GPU: 0" or
+  "Pass - GPUs: 1, 2"; rows named Error/Warning/Info carry messages; long cells are hard-wrapped
+  (even mid-word) onto following rows whose first cell is empty. Section rows `|-----  Deployment  ---|`.
+- health: `| Overall Health | Warning |`, `| -> 0 | Warning |` (GPU id), `|    -> PCIe system | Warning |`
+  followed by wrapped message rows; Failure → fatal, Warning → degraded.
+- nvlink link status: `gpuId N:` then one letter per link (U up, D down, X disabled, _ unsupported).
+- exporter: `NAME{label="v",...} value`. DCGM_FI_DEV_XID_ERRORS is the *last* XID (0 = none);
+  DCGM_FI_DEV_XID_ERRORS_ACTIVE / DCGM_EXP_XID_ERRORS_COUNT carry the XID in label `xid`; ECC, row
+  remap, retired page and clock-event counters use the NVML probe's rules.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from agents.kmsg.matchers import normalize_bdf
+from agents.parsers.common import Ctx, judge_memory, to_int
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+
+SRC = Source.DCGM
+_CELLS = re.compile(r"^\|(.*)\|\s*$")
+_GPU_LIST = re.compile(r"GPUs?\s*:\s*([\d,\s]+)")
+_GPU_IN_TEXT = re.compile(r"\bGPU\s*(\d+)\b")
+_METRIC = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+HEALTH_REPORT = re.compile(r"Health Monitor Report|Overall Health")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def looks_like(text: str) -> bool:
+    return bool(re.search(r"DCGM_|dcgmi|\|\s*Diagnostic\s*\|\s*Result|Health Monitor Report|Overall Health|"
+                          r"NvLink Link Status|\|\s*(?:Deployment|Hardware|Integration|Stress|Memory|Diagnostic)\b|"
+                          r"\|\s*(?:Pass|Fail|Warn|Skip)\b",
+                          text))
+
+
+def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
+    health = _health(text, ctx)
+    diag = [] if HEALTH_REPORT.search(text) else parse_diag(text, ctx)
+    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx)
+
+
+def component_of(name: str) -> Component:
+    n = name.lower()
+    if "pcie" in n or "pci" in n:
+        return Component.PCIE
+    if "nvlink" in n or "nvswitch" in n or "fabric" in n:
+        return Component.NVLINK
+    return Component.GPU
+
+
+def _rows(text: str) -> list[tuple[str, str]]:
+    """Two-column table rows, wrapped continuation rows joined onto their row.
+
+    DCGM hard-wraps a long cell at the column width, even mid-word ("13.3 second" + "s started"); a
+    segment that fills the column continues the word unless the next segment starts with a space; a
+    shorter segment ended its line (join with a space); a continuation that starts with a result word
+    (Pass/Fail/Skip/Warn) is a second result of the same test (join with "; ").
+    """
+    rows: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        t = line.strip()
+        if not t.startswith("|"):
+            continue
+        body = t[1:-1] if t.endswith("|") and len(t) > 1 else t[1:]  # a last row may lack its closing bar
+        parts = body.split("|")
+        if len(parts) < 2 or set(body) <= set("-=+| "):
+            continue
+        name, value = parts[0], "|".join(parts[1:])
+        inner = value[1:] if value.startswith(" ") else value
+        if not name.strip() and rows:
+            rows[-1][1].append(inner)
+        else:
+            rows.append((name, [inner]))
+    width = max((len(seg.strip()) for _, segs in rows for seg in segs), default=0)
+    out = []
+    for name, segs in rows:
+        joined, prev = "", ""
+        for seg in segs:
+            if not joined:
+                joined, prev = seg.strip(), seg
+                continue
+            full = len(prev.strip()) >= width - 1
+            if re.match(r"\s*(?:Pass|Fail|Skip|Warn)\b", seg):
+                sep = "; "
+            elif not full or seg.startswith(" "):
+                sep = " "
+            else:
+                sep = ""
+            joined += sep + seg.strip()
+            prev = seg
+        out.append((name.strip(), " ".join(joined.split())))
+    return out
+
+
+def parse_diag(text: str, ctx: Ctx) -> list[FaultEvent]:
+    """`dcgmi diag -r N` table → one event per failed test (fatal), warning (degraded) and error message.
+
+    Returns [] for a passing run. GPU ids come from "Fail - GPU: 0" or the message ("GPU 3 has ...").
+    """
+    out: list[FaultEvent] = []
+    section = ""
+    last_test = ""
+    for name, value in _rows(text):
+        if re.fullmatch(r"-+\s*[\w /]+?\s*-*", name) or (name.startswith("-") and "-" in value[:3]):
+            section = name.strip("- ")
+            continue
+        if name in ("Error", "Warning", "Info"):
+            if name == "Info" or not value:
+                continue
+            gpus = [int(g) for g in _GPU_IN_TEXT.findall(value)[:1]]
+            idx = gpus[0] if gpus else None
+            where = last_test or section or "dcgmi diag"
+            fatal = name == "Error"
+            out.append(ctx.event("dcgm_diag_fail" if fatal else "dcgm_diag_warning", component_of(where + " " + value),
+                                 Severity.FATAL if fatal else Severity.DEGRADED, f"{where}: {value}", SRC,
+                                 device=Device(index=idx), raw=f"{name}: {value}",
+                                 attrs={"test": where, "section": section}))
+            continue
+        if name in ("Diagnostic", "Metadata Fields", "") or not value:
+            continue
+        last_test = name
+        for part in re.split(r"(?=\b(?:Pass|Fail|Skip|Warn)\b)", value):
+            p = part.strip()
+            if not re.match(r"(?:fail|warn)\b", p.lower()):
+                continue
+            gl = _GPU_LIST.search(p)
+            ids: list[int | None] = [int(x) for x in re.findall(r"\d+", gl.group(1))] if gl else [None]
+            fatal = p.lower().startswith("fail")
+            for idx in ids:
+                out.append(ctx.event("dcgm_diag_fail" if fatal else "dcgm_diag_warning", component_of(name),
+                                     Severity.FATAL if fatal else Severity.DEGRADED,
+                                     f"dcgmi diag {name}: {p}" + (f" (GPU {idx})" if idx is not None else ""), SRC,
+                                     device=Device(index=idx), raw=f"{name}: {value}",
+                                     attrs={"test": name, "section": section}))
+    return out
+
+
+def _health(text: str, ctx: Ctx) -> list[FaultEvent]:
+    if not HEALTH_REPORT.search(text):
+        return []
+    out: list[FaultEvent] = []
+    gpu: int | None = None
+    for name, value in _rows(text):
+        n = name.strip()
+        m = re.fullmatch(r"->\s*(?:GPU\s*)?(\d+)", n)
+        if m:
+            gpu = int(m.group(1))
+            continue
+        m = re.fullmatch(r"->\s*(.+)", n)
+        if not m or m.group(1).lower() == "errors":
+            continue
+        system = m.group(1).strip()
+        state = value.split()[0].lower() if value else ""
+        if state not in ("warning", "failure", "fail"):
+            continue
+        fatal = state.startswith("fail")
+        detail = value[len(value.split()[0]):].strip()
+        idx = gpu
+        if idx is None and (g := _GPU_IN_TEXT.search(detail)):
+            idx = int(g.group(1))
+        out.append(ctx.event("dcgm_health_failure" if fatal else "dcgm_health_warning", component_of(system),
+                             Severity.FATAL if fatal else Severity.DEGRADED,
+                             f"dcgmi health {system}: {value}", SRC, device=Device(index=idx), raw=f"{n}: {value}",
+                             attrs={"health_system": system}))
+    return out
+
+
+def _nvlink(text: str, ctx: Ctx) -> list[FaultEvent]:
+    if "Link Status" not in text and "gpuId" not in text:
+        return []
+    out: list[FaultEvent] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^\s*gpuId\s+(\d+)\s*:\s*$", line)
+        if not m or i + 1 >= len(lines):
+            continue
+        states = lines[i + 1].split()
+        if not states or not all(s in ("U", "D", "X", "_") for s in states):
+            continue
+        down = [k for k, s in enumerate(states) if s == "D"]
+        if down:
+            idx = int(m.group(1))
+            out.append(ctx.event("nvlink_down", Component.NVLINK, Severity.DEGRADED,
+                                 f"GPU {idx}: {len(down)} of {len(states)} NVLinks down (links {down})", SRC,
+                                 device=Device(index=idx), raw=f"{line.strip()} {lines[i + 1].strip()}",
+                                 attrs={"links_down": len(down), "links": len(states)}))
+    return out
+
+
+_EXPORTER_MEMORY = {
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "dbe_volatile", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": "sbe_volatile",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL": "dbe_aggregate", "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL": "sbe_aggregate",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE": "remap_failure", "DCGM_FI_DEV_ROW_REMAP_PENDING": "remap_pending",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": "remap_unc", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": "remap_corr",
+    "DCGM_FI_DEV_RETIRED_PENDING": "retired_pending", "DCGM_FI_DEV_RETIRED_SBE": "retired_sbe",
+    "DCGM_FI_DEV_RETIRED_DBE": "retired_dbe",
+}
+_BOOL = {"remap_failure", "remap_pending", "retired_pending"}
+_CLOCK_BITS = {0x8: "clocks_hw_slowdown", 0x20: "clocks_thermal_slowdown", 0x40: "clocks_thermal_slowdown",
+               0x80: "clocks_power_brake"}
+
+
+def _exporter(text: str, ctx: Ctx) -> list[FaultEvent]:
+    if "DCGM_" not in text:
+        return []
+    out: list[FaultEvent] = []
+    per_gpu: dict[tuple[Any, ...], tuple[Device, dict[str, Any], list[str]]] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = _METRIC.match(line.strip())
+        if not m or not m.group(1).startswith("DCGM_"):
+            continue
+        name, labels = m.group(1), dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        dev = Device(index=to_int(labels.get("gpu")), uuid=labels.get("UUID") or labels.get("uuid"),
+                     pci_bus_id=normalize_bdf(labels.get("pci_bus_id")))
+        where = f"GPU {dev.index if dev.index is not None else dev.uuid}"
+        if name == "DCGM_FI_DEV_XID_ERRORS":
+            if value > 0:
+                out.append(ctx.xid(int(value), SRC, f"{where}: dcgm-exporter last XID {int(value)}", device=dev,
+                                   raw=line.strip(), attrs={"metric": name}))
+            continue
+        if "XID" in name and "xid" in labels:
+            xid = to_int(labels["xid"])
+            if xid is not None and value > 0:
+                out.append(ctx.xid(xid, SRC, f"{where}: XID {xid} seen {int(value)} time(s) in the window ({name})",
+                                   device=dev, raw=line.strip(), attrs={"metric": name, "count": int(value)}))
+            continue
+        if name in ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"):
+            for bit, kind in _CLOCK_BITS.items():
+                if int(value) & bit:
+                    out.append(ctx.event(kind, Component.GPU, Severity.DEGRADED, f"{where}: clocks slowed ({kind})",
+                                         SRC, device=dev, raw=line.strip()))
+            continue
+        key = _EXPORTER_MEMORY.get(name)
+        if key is not None:
+            slot = per_gpu.setdefault((dev.index, dev.uuid, dev.pci_bus_id), (dev, {}, []))
+            slot[1][key] = bool(value) if key in _BOOL else int(value)
+            slot[2].append(line.strip())
+    for dev, r, lines in per_gpu.values():
+        where = f"GPU {dev.index if dev.index is not None else dev.uuid}"
+        for kind, sev, msg in judge_memory(r, where):
+            out.append(ctx.event(kind, Component.GPU, sev, msg, SRC, device=dev, raw="\n".join(lines), attrs=r))
+    return out

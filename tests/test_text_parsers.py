@@ -1,0 +1,294 @@
+"""Every case of the shared corpus (all kinds) through `parse_any` / `explain_text`, as
+tests/test_kmsg_corpus.py does for kmsg; format tests for nvidia-smi, DCGM and other tools beyond the
+corpus; hypothesis: no input crashes a parser; the diagnostics responder reads `dcgmi diag` output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents.diag import DiagResponder
+from agents.parsers import dcgm, detect_kinds, nvidia_smi, other, parse_any
+from agents.parsers.common import Ctx
+from fleetmend.catalog import default_catalog
+from fleetmend.diagnostics import DiagLevel, DiagRequest, DiagResult
+from fleetmend.events import FaultEvent
+from fleetmend.explain import explain_text
+from tests.corpus_paths import load_cases
+
+CASES = load_cases()
+TEXT_CASES = [c for c in CASES if c["kind"] != "kmsg"]
+FIELDS = ("component", "xid", "pci_bus_id", "pid", "severity", "vendor_action")
+WRONG_EXPECTED: dict[str, str] = {}
+"""Cases whose `expected` we judge wrong (id → why); none so far."""
+
+
+def _observed(e: FaultEvent) -> dict:
+    cls = default_catalog().classify(e)
+    return {"component": e.component.value, "xid": e.code if e.kind == "xid" else None,
+            "pci_bus_id": e.device.pci_bus_id, "pid": e.pid, "severity": e.severity.value,
+            "vendor_action": cls.immediate_action.value if e.kind == "xid" else None}
+
+
+def test_corpus_has_every_kind() -> None:
+    if not CASES:
+        pytest.skip("corpus not found")
+    assert {c["kind"] for c in CASES} >= {"kmsg", "nvidia-smi", "dcgm", "other"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_every_corpus_case_through_explain(case: dict) -> None:
+    if case["id"] in WRONG_EXPECTED:
+        pytest.xfail(WRONG_EXPECTED[case["id"]])
+    events = [x.event for x in explain_text(case["raw"], node="node-a01")]
+    expected = {k: case["expected"][k] for k in FIELDS}
+    if not events and expected["severity"] == "info":
+        return  # "nothing to do" and nothing emitted
+    observed = [_observed(e) for e in events]
+    assert expected in observed, f"{case['id']}: expected {expected}\nemitted:\n" + "\n".join(map(str, observed))
+
+
+@pytest.mark.parametrize("case", TEXT_CASES, ids=[c["id"] for c in TEXT_CASES])
+def test_text_case_kind_detected_and_events_round_trip(case: dict) -> None:
+    kinds = detect_kinds(case["raw"])
+    if case["expected"]["severity"] != "info":
+        assert kinds, f"{case['id']}: no format recognised"
+    if case["kind"] in ("nvidia-smi", "dcgm"):
+        assert case["kind"] in kinds
+    for e in parse_any(case["raw"], node="n"):
+        assert e.message and "\n" not in e.message and e.raw
+        assert FaultEvent.from_json_bytes(e.to_json_bytes()) == e
+        assert e.kind in default_catalog().kinds or e.kind == "xid", f"{e.kind} not in kinds.toml"
+
+
+def _kinds(events) -> list[tuple[str, str, int | None]]:
+    return sorted((e.kind, e.severity.value, e.device.index) for e in events)
+
+
+CTX = Ctx(cluster="c", node="n")
+
+OLD_Q = """\
+GPU 00000000:3B:00.0
+    Product Name                    : Tesla V100-SXM2-32GB
+    ECC Errors
+        Volatile
+            Single Bit
+                Device Memory       : 3
+                Register File       : 0
+                Total               : 3
+            Double Bit
+                Device Memory       : 1
+                Register File       : 0
+                Total               : 1
+        Aggregate
+            Single Bit
+                Total               : 12
+            Double Bit
+                Total               : 1
+    Retired Pages
+        Single Bit ECC              : 0
+        Double Bit ECC              : 1
+        Pending Page Blacklist      : No
+    GPU Link Info
+        PCIe Generation
+            Max                     : 3
+            Current                 : 1
+        Link Width
+            Max                     : 16x
+            Current                 : 8x
+    Clocks Throttle Reasons
+        Idle                        : Not Active
+        HW Slowdown                 : Active
+        HW Thermal Slowdown         : Not Active
+"""
+
+
+def test_nvidia_smi_q_older_driver_format() -> None:
+    ev = nvidia_smi.parse(OLD_Q, CTX)
+    assert _kinds(ev) == [("clocks_hw_slowdown", "degraded", None), ("ecc_dbe_volatile", "fatal", None),
+                          ("pcie_link_degraded", "degraded", None)]
+    assert all(e.device.pci_bus_id == "0000:3b:00.0" for e in ev)
+    dbe = next(e for e in ev if e.kind == "ecc_dbe_volatile")
+    assert dbe.attrs["dbe_volatile"] == 1 and dbe.attrs["sbe_aggregate"] == 12
+
+
+def test_nvidia_smi_two_gpus_and_errors() -> None:
+    text = OLD_Q + OLD_Q.replace("3B:00.0", "86:00.0").replace("Total               : 1\n        Aggregate",
+                                                                 "Total               : 0\n        Aggregate")
+    by_bdf = {}
+    for e in nvidia_smi.parse(text, CTX):
+        by_bdf.setdefault(e.device.pci_bus_id, set()).add(e.kind)
+    assert "ecc_dbe_volatile" in by_bdf["0000:3b:00.0"] and "ecc_dbe_volatile" not in by_bdf["0000:86:00.0"]
+    assert "ecc_dbe_aggregate" in by_bdf["0000:86:00.0"]
+    drv = nvidia_smi.parse("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                           "Make sure that the latest NVIDIA driver is installed and running.", CTX)
+    assert [e.kind for e in drv] == ["gpu_driver_unreachable"]
+    lost = nvidia_smi.parse("Unable to determine the device handle for gpu 0000:3B:00.0: GPU is lost.  "
+                            "Reboot the system to recover this GPU", CTX)
+    assert [(e.kind, e.device.pci_bus_id) for e in lost] == [("gpu_fallen_off_bus", "0000:3b:00.0")]
+
+
+def test_nvidia_smi_table_err_and_csv_query() -> None:
+    table = """\
+| GPU  Name        Persistence-M| Bus-Id        Disp.A | Volatile Uncorr. ECC |
+|===============================+======================+======================|
+|   0  Tesla V100-SXM2...  On   | 00000000:18:00.0 Off |                    0 |
+| N/A   34C    P0    42W / 300W |      0MiB / 32510MiB |      0%      Default |
++-------------------------------+----------------------+----------------------+
+|   1  Tesla V100-SXM2...  On   | 00000000:3B:00.0 Off |                 ERR! |
+|ERR!  ERR! ERR!    ERR! / ERR! |  32510MiB / 32510MiB |    ERR!      Default |
+"""
+    assert _kinds(nvidia_smi.parse(table, CTX)) == [("gpu_unhealthy_readout", "fatal", 1)]
+    csv = ("index, pci.bus_id, ecc.errors.uncorrected.volatile.total, retired_pages.pending\n"
+           "0, 00000000:18:00.0, 0, No\n1, 00000000:3B:00.0, [N/A], Yes\n")
+    ev = nvidia_smi.parse(csv, CTX)
+    assert [(e.kind, e.device.pci_bus_id, e.device.index) for e in ev] == [("retired_pages_pending", "0000:3b:00.0", 1)]
+
+
+def test_dcgmi_health_and_exporter_metrics() -> None:
+    health = """\
++---------------------------+----------------------------------------------------------+
+| Health Monitor Report                                                                |
++===========================+==========================================================+
+| Overall Health            | Failure                                                  |
+| GPU                       |                                                          |
+| -> 2                      | Failure                                                  |
+|    -> Errors              |                                                          |
+|       -> PCIe system      | Warning                                                  |
+|                           | Detected more than 8 PCIe replays per minute for GPU 2 : |
+|                           |  13 Reconnect PCIe card.                                 |
+|       -> Memory system    | Failure                                                  |
+|                           | A DBE has occurred.                                      |
++---------------------------+----------------------------------------------------------+
+"""
+    ev = dcgm.parse(health, CTX)
+    assert _kinds(ev) == [("dcgm_health_failure", "fatal", 2), ("dcgm_health_warning", "degraded", 2)]
+    assert {e.component.value for e in ev} == {"gpu", "pcie"}
+    metrics = """\
+DCGM_FI_DEV_XID_ERRORS{gpu="1",UUID="GPU-1",pci_bus_id="00000000:3B:00.0",device="nvidia1"} 79
+DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{gpu="2",UUID="GPU-2",device="nvidia2"} 0
+DCGM_FI_DEV_ROW_REMAP_FAILURE{gpu="2",UUID="GPU-2",device="nvidia2"} 1
+DCGM_FI_DEV_CLOCK_THROTTLE_REASONS{gpu="3",UUID="GPU-3",device="nvidia3"} 136
+"""
+    ev = dcgm.parse(metrics, CTX)
+    assert _kinds(ev) == [("clocks_hw_slowdown", "degraded", 3), ("clocks_power_brake", "degraded", 3),
+                          ("row_remap_failure", "fatal", 2), ("xid", "fatal", 1)]
+    xid = next(e for e in ev if e.kind == "xid")
+    assert xid.code == 79 and xid.device.pci_bus_id == "0000:3b:00.0"
+
+
+def test_dcgmi_diag_passing_run_is_quiet() -> None:
+    text = """\
++---------------------------+------------------------------------------------+
+| Diagnostic                | Result                                         |
++===========================+================================================+
+|-----  Deployment  --------+------------------------------------------------|
+| Blacklist                 | Pass                                           |
+| NVML Library              | Pass                                           |
+|-----  Hardware  ----------+------------------------------------------------|
+| GPU Memory                | Pass - All                                     |
+| Diagnostic                | Skip - All                                     |
++---------------------------+------------------------------------------------+
+"""
+    assert dcgm.parse(text, CTX) == []
+
+
+def test_other_tools() -> None:
+    sel = """\
+   1 | 04/12/2023 | 10:12:03 | Memory #0x53 | Uncorrectable ECC | Asserted
+   2 | 04/12/2023 | 10:12:04 | Memory #0x53 | Correctable ECC logging limit reached | Asserted
+   3 | 04/12/2023 | 10:13:00 | Critical Interrupt #0x19 | PCI SERR | Asserted
+   4 | 04/12/2023 | 10:14:00 | Memory #0x53 | Uncorrectable ECC | Deasserted
+"""
+    assert sorted((e.kind, e.component.value) for e in other.parse(sel, CTX)) == [
+        ("aer_fatal", "pcie"), ("edac_ce", "memory"), ("edac_ue", "memory")]
+    ibv = """\
+hca_id:\tmlx5_0
+\ttransport:\t\t\tInfiniBand (0)
+\t\tport:\t1
+\t\t\tstate:\t\t\tPORT_DOWN (1)
+\t\t\tphys_state:\t\tPOLLING (2)
+hca_id:\tmlx5_1
+\t\tport:\t1
+\t\t\tstate:\t\t\tPORT_ACTIVE (4)
+"""
+    ev = other.parse(ibv, CTX)
+    assert [(e.kind, e.device.name, e.device.port) for e in ev] == [("ib_port_down", "mlx5_0", 1)]
+    assert other.parse("mcelog: Corrected error\nHardware event. This is not a software error.\nCPU 3 BANK 7\n"
+                       "Corrected error\n", CTX)[0].kind == "mce"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=400))
+def test_no_text_crashes_any_parser(text: str) -> None:
+    for fn in (nvidia_smi.parse, dcgm.parse, other.parse):
+        for e in fn(text, CTX):
+            assert isinstance(e, FaultEvent)
+
+
+_PIECES = st.sampled_from([
+    "| GPU Memory | Fail - GPU: 0 |", "|  | s started |", "| -> 1 | Warning |", "|    -> PCIe | Failure |",
+    "GPU 00000000:10:1C.0", "    Remapped Rows", "        Pending : Yes", "        Uncorrectable Error : x",
+    "    ECC Errors", "        Volatile", "            DRAM Uncorrectable : 3", "DCGM_FI_DEV_XID_ERRORS{gpu=\"x\"} 1e9",
+    "DCGM_FI_DEV_XID_ERRORS_ACTIVE{xid=\"-4\"} 2", "gpuId 0:", "    D U X _", "CA 'mlx5_0'", "\tPort 1:",
+    "\t\tState: Down", "mlx5_0 port 1 ==> ib0 (Down)", "1 | a | b | Memory | Uncorrectable ECC | Asserted",
+    "index, pci.bus_id, remapped_rows.pending", "0, zz, Yes", "XidCriticalError: Xid=99999999999 on Device=",
+    "NCCL WARN NET/IB : status=x", "Hardware event. This is not a software error.", "", "|", "||", ":",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, max_size=25))
+def test_format_fragments_in_any_order_never_crash(pieces: list[str]) -> None:
+    text = "\n".join(pieces)
+    for e in parse_any(text, node="n"):
+        assert isinstance(e, FaultEvent)
+
+
+DCGM_FAIL = next((c["raw"] for c in CASES if c["id"] == "c044"), """\
+| GPU Memory                | Pass - GPUs: 1, 2, 3, 4, 5, 6, 7               |
+|                           | Fail - GPU: 0                                  |
+""")
+
+
+async def test_diag_responder_long_level_reads_dcgmi_diag(nc, unique: str, tmp_path: Path) -> None:
+    """The LONG level runs `dcgmi diag` (a stand-in script named dcgmi on PATH that prints a recorded
+    failing run and exits 0) and fails the check naming the test and GPU, via the same parser."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "out.txt").write_text(DCGM_FAIL + "\n")
+    script = bin_dir / "dcgmi"
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(open({str(tmp_path / 'out.txt')!r}).read())\n")
+    script.chmod(0o755)
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text("")
+    r = DiagResponder(nc, f"c{unique}", "n1", nvml=None, sysfs_root=tmp_path, kmsg_path=kmsg,
+                      long_commands={"dcgm_diag": [str(script), "diag", "-r", "2"]})
+    report = await r.run(DiagRequest(level=DiagLevel.LONG, checks=["dcgm_diag"], deadline_s=30))
+    (check,) = report.checks
+    assert check.result is DiagResult.FAIL, check
+    assert "GPU Memory" in check.measured and "GPU 0" in check.measured
+    assert check.expected == "every test Pass, exit 0"
+
+
+def test_every_kind_the_probes_and_parsers_emit_is_in_the_catalog() -> None:
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "agents" / f for f in ("nvml.py", "sysfs.py", "udev.py", "conditions.py")]
+    files += list((root / "agents" / "parsers").glob("*.py")) + [root / "fleetmend" / "router" / "heartbeats.py"]
+    src = "".join(p.read_text() for p in files)
+    kinds = set(re.findall(r'(?:kind=|ctx\.event\(|\(|: )"([a-z0-9_]+)",? *(?:Component|Severity)\.', src))
+    kinds |= set(re.findall(r'kind="([a-z0-9_]+)"', src))
+    kinds |= {f"ecc_{t}_{s}" for t in ("sbe", "dbe") for s in ("volatile", "aggregate")}
+    kinds |= set(re.findall(r'0x[0-9a-f]+: "(clocks_[a-z_]+)"', src))
+    kinds |= {"agent_silent", "remapped_rows_pending", "ib_port_down", "nic_link_down"}
+    kinds -= {"xid", "dbe_volatile", "sbe_volatile", "dbe_aggregate", "sbe_aggregate"}  # nvml.py: f"ecc_{name}"
+    cat = default_catalog()
+    missing = sorted(k for k in kinds if k not in cat.kinds)
+    assert len(kinds) > 25, sorted(kinds)
+    assert not missing, f"emitted kinds missing from kinds.toml: {missing}"
