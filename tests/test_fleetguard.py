@@ -159,3 +159,95 @@ async def _guard(g: Guarded, pred):  # noqa: ANN001, ANN202
 
 async def _all_phase(g: Guarded, names: list[str], phase: str) -> bool:
     return set((await g.phases(names)).values()) == {phase}
+
+
+async def test_failure_domain_becomes_one_infrastructure_incident(tenv):
+    topo = Topology({n: FailureDomain(rack="r1", leaf="leaf-a", pdu=f"pdu-{n}") for n in ("a", "b", "c", "d")})
+    policy = GuardPolicy(max_drained_nodes=10, max_drained_percent=100.0, max_drained_per_rack=2,
+                         domain_incident_nodes=3, domain_window_s=300, breaker_distinct_nodes=50)
+    async with Guarded(tenv, policy, topo) as g:
+        for n in ("a", "b", "c", "d"):
+            await start(g.client, g.tq, g.cluster, n, [fault(g.cluster, n, 79, drain=True)])
+            await assert_eventually(lambda n=n: _incident_settled(g, n), what=f"{n} decided")
+        phases = await g.phases(["a", "b", "c", "d"])
+        assert phases["a"] == phases["b"] == "awaiting_repair"
+        for n in ("c", "d"):
+            st = await g.node(n).query(NodeRemediation.status)
+            assert st.outcome == "infrastructure_incident" and not st.drained, st.timeline[-3:]
+        assert [n for op, n in g.calls.log if op == "drain"] == ["a", "b"]
+        gs = await g.guard_status()
+        assert [i["domain"] for i in gs.infra_incidents] == ["rack:r1"]
+        assert gs.infra_incidents[0]["nodes"] == ["a", "b", "c", "d"] and gs.infra_incidents[0]["ticket"]
+        infra = [t for t in g.calls.tickets if t.fault_class == "infrastructure"]
+        assert len(infra) == 1 and "rack:r1" in infra[0].title
+
+
+async def _incident_settled(g: Guarded, node: str) -> bool:
+    try:
+        st = await g.node(node).query(NodeRemediation.status)
+    except Exception:  # noqa: BLE001 - not started yet
+        return False
+    return st.phase in ("awaiting_repair", "closed")
+
+
+async def test_pause_holds_drains_and_resume_grants(tenv):
+    async with Guarded(tenv, GuardPolicy(cluster_nodes=100)) as g:
+        await g.client.start_workflow(FleetGuard.run, _guard_input(g), id=subjects.fleetguard_workflow_id(g.cluster),
+                                      task_queue=g.tq, start_signal="ensure")
+        msg = await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="bob@ops", note="maintenance"))
+        assert "no node will be drained" in msg
+        await start(g.client, g.tq, g.cluster, "p1", [fault(g.cluster, "p1", 79, drain=True)])
+        await assert_eventually(lambda: _requested(g, "p1"), what="p1 queued")
+        assert (await g.phases(["p1"])) == {"p1": "awaiting_permit"} and g.calls.drains == []
+        sa = {p.key.name: p.value for p in (await g.guard().describe()).typed_search_attributes}
+        assert sa["FleetPhase"] == "paused"
+        await g.guard().execute_update(FleetGuard.resume, GuardCommand(by="bob@ops"))
+        await assert_eventually(lambda: _all_phase(g, ["p1"], "awaiting_repair"), what="drained after resume")
+        assert [d.node for d in g.calls.drains] == ["p1"]
+
+
+def _guard_input(g: Guarded):  # noqa: ANN202
+    from workflows.fleetguard import GuardInput
+
+    return GuardInput(cluster=g.cluster, policy=GuardPolicy(cluster_nodes=100))
+
+
+async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv):
+    async with Guarded(tenv, GuardPolicy(observe_only=True)) as g:
+        await start(g.client, g.tq, g.cluster, "o1", [fault(g.cluster, "o1", 79, drain=True)])
+        st = await assert_eventually(lambda: _closed(g, "o1"), what="o1 closed")
+        assert st.outcome == "observed" and g.calls.drains == []
+    async with Guarded(tenv, GuardPolicy(max_drained_nodes=1)) as g:
+        await start(g.client, g.tq, g.cluster, "h1", [fault(g.cluster, "h1", 79, drain=True)])
+        await assert_eventually(lambda: _all_phase(g, ["h1"], "awaiting_repair"), what="h1 holds the one permit")
+        await start(g.client, g.tq, g.cluster, "q1", [fault(g.cluster, "q1", 79, drain=True)])
+        await assert_eventually(lambda: _requested(g, "q1"), what="q1 queued")
+        await g.node("q1").execute_update(NodeRemediation.abort, HumanCommand(by="bob@ops", note="false alarm"))
+        st = await assert_eventually(lambda: _closed(g, "q1"), what="q1 aborted")
+        assert st.outcome == "aborted"
+        await assert_eventually(lambda: _guard(g, lambda s: s.queue == [] and len(s.held) == 1),
+                                what="queued request withdrawn")
+        await g.node("h1").execute_update(NodeRemediation.mark_repaired, BY)
+        await assert_eventually(lambda: _guard(g, lambda s: s.held == []), what="permit returned")
+        assert [d.node for d in g.calls.drains] == ["h1"]
+
+
+async def _closed(g: Guarded, node: str):  # noqa: ANN202
+    st = await g.node(node).query(NodeRemediation.status)
+    return st if st.phase == "closed" else None
+
+
+async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv):
+    async with Guarded(tenv, GuardPolicy(lemon_repairs=2, cluster_nodes=100)) as g:
+        for round_ in range(3):
+            await start(g.client, g.tq, g.cluster, "lem", [fault(g.cluster, "lem", 79, drain=True)])
+            await assert_eventually(lambda: _all_phase(g, ["lem"], "awaiting_repair"), what=f"round {round_}")
+            st = await g.node("lem").query(NodeRemediation.status)
+            if round_ < 2:
+                assert st.lemon is None and len(g.calls.recoveries) == round_ + 1  # a reboot was tried
+                await g.node("lem").execute_update(NodeRemediation.mark_repaired, BY)
+                await assert_eventually(lambda: _closed(g, "lem"), what="returned")
+        assert st.lemon and "2 repairs" in st.lemon
+        assert len(g.calls.recoveries) == 2, "no third reboot: straight to RMA"
+        assert g.calls.tickets[-1].title.startswith("[fleetmend] RMA lem")
+        assert g.calls.tickets[-1].evidence["lemon"] == st.lemon

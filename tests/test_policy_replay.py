@@ -20,6 +20,7 @@ from temporalio.worker import Replayer, Worker
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from workflows.converter import data_converter
+from workflows.fleetguard import FleetGuard, GuardCommand, GuardPolicy
 from workflows.remediation import HumanCommand, NodeRemediation
 
 HISTORIES = Path(__file__).parent / "histories"
@@ -33,7 +34,7 @@ def recorded() -> list[Path]:
 @pytest.mark.parametrize("path", recorded(), ids=lambda p: p.stem)
 async def test_recorded_history_replays(path: Path) -> None:
     history = WorkflowHistory.from_json(f"replay/{path.stem}", path.read_text())
-    replayer = Replayer(workflows=[NodeRemediation], data_converter=data_converter)
+    replayer = Replayer(workflows=[NodeRemediation, FleetGuard], data_converter=data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name} no longer replays: {result.replay_failure!r}"
 
@@ -41,6 +42,14 @@ async def test_recorded_history_replays(path: Path) -> None:
 def test_histories_are_present() -> None:
     names = {p.stem for p in recorded()}
     assert {"remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort"} <= names
+    assert {"remediation_v2_reset_returned", "remediation_v2_abort_awaiting_repair", "fleetguard_v1"} <= names
+
+
+def _write(name: str, history) -> None:  # noqa: ANN001
+    """Histories are never overwritten: an old one is the contract that running incidents hold us to."""
+    path = HISTORIES / f"{name}.json"
+    if not path.exists():
+        path.write_text(history.to_json())
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
@@ -72,5 +81,50 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
         for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
                         ("remediation_abort", h3)):
             await h.result()
-            hist = await h.fetch_history()
-            (HISTORIES / f"{name}.json").write_text(hist.to_json())
+            _write(name, await h.fetch_history())
+
+        # v2: the policy code paths (permit, recovery before RMA, abort while awaiting repair).
+        from fleetmend.policy import RecoveryResult
+        from tests.test_policy_workflow import ev
+
+        calls.recovery_results = [RecoveryResult.APPLIED]
+        h4 = await start(client, tq, cluster, f"v2r-{sfx}", [ev(cluster, f"v2r-{sfx}", code=48, drain=True,
+                                                                severity="fatal", action="WORKFLOW_XID_48"),
+                                                             ev(cluster, f"v2r-{sfx}", code=63, action="IGNORE")],
+                         recovery_settle_s=1)
+        await assert_eventually(lambda: phase_is(h4, "closed"))
+        h5 = await start(client, tq, cluster, f"v2a-{sfx}", [fault(cluster, f"v2a-{sfx}", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(h5, "awaiting_repair"))
+        await h5.execute_update(NodeRemediation.abort, HumanCommand(by="rec@ci", note="test", undrain=True))
+        await assert_eventually(lambda: phase_is(h5, "closed"))
+        for name, h in (("remediation_v2_reset_returned", h4), ("remediation_v2_abort_awaiting_repair", h5)):
+            await h.result()
+            _write(name, await h.fetch_history())
+    await _record_guard(client)
+
+
+async def _record_guard(client) -> None:  # noqa: ANN001
+    from activities.fleetguard import FleetGuardActivities
+    from fleetmend import subjects
+    from tests.test_workflow import fault, phase_is, start
+
+    calls, tq, cluster = Calls(), f"recg-{uuid.uuid4().hex[:8]}", f"recg{uuid.uuid4().hex[:6]}"
+    guard = FleetGuardActivities(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2))
+    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
+                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+        g1 = await start(client, tq, cluster, "g1", [fault(cluster, "g1", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(g1, "awaiting_repair"))
+        g2 = await start(client, tq, cluster, "g2", [fault(cluster, "g2", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(g2, "awaiting_permit"))
+        g3 = await start(client, tq, cluster, "g3", [fault(cluster, "g3", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(g3, "awaiting_permit"))  # 3 nodes > 2: breaker trips
+        gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+        await gh.execute_update(FleetGuard.reset_breaker, GuardCommand(by="rec@ci"))
+        await g1.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await assert_eventually(lambda: phase_is(g2, "awaiting_repair"))
+        await g3.execute_update(NodeRemediation.abort, HumanCommand(by="rec@ci", note="test"))
+        await assert_eventually(lambda: phase_is(g3, "closed"))
+        await g2.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await assert_eventually(lambda: phase_is(g2, "closed"))
+        _write("fleetguard_v1", await gh.fetch_history())

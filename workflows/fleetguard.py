@@ -206,6 +206,7 @@ class FleetGuard:
         self._tickets: list[InfraIncident] = []
         self._answers: list[tuple[str, PermitDecision]] = []
         self._dirty = False
+        self._published_phase: str | None = None
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name="request_permit")
@@ -466,7 +467,9 @@ class FleetGuard:
     def _publish(self) -> None:
         s = self._state
         phase = "breaker_tripped" if s.breaker_tripped else "paused" if s.paused else "guarding"
-        workflow.upsert_search_attributes([KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(phase)])
+        if phase != self._published_phase:  # one history event per change, not per loop
+            workflow.upsert_search_attributes([KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(phase)])
+            self._published_phase = phase
         lines = [f"**FleetGuard {s.cluster}** — `{phase}`", "",
                  f"permits held: {len(s.held)}/{self._budget()} (known nodes {self._known()}); queued: {len(s.queue)}"]
         if s.breaker_tripped:

@@ -415,12 +415,16 @@ class NodeRemediation:
     async def _triage_rules(self) -> None:
         """Decide with the history rules; wait out debounce windows; close quiet record-only incidents."""
         s = self._state
+        debouncing: list[str] = []
         while True:
             self._absorb()
             if self._abort is not None:
                 return
             d = self._decide()
             self._note_decisions(d)
+            if debouncing and not d.debounce and not d.drain:
+                self._note("debounced fault(s) cleared within the window: " + ", ".join(debouncing) + "; not drained")
+            debouncing = sorted({f.fault_class for f in d.debounce})
             if d.drain:
                 s.fault_class, s.device = d.fault_class, d.device
                 s.urgency, s.recovery = d.urgency.value, d.recovery.value
@@ -588,6 +592,8 @@ class NodeRemediation:
             if await self._recover():
                 self._set_phase(Phase.RETURNING)
                 return
+            if self._abort is not None:
+                return
         evidence = {
             "faults": [_record_dict(f) for f in s.faults],
             "raw": "\n".join(f.raw for f in s.faults if f.raw)[:32_000],
@@ -633,12 +639,17 @@ class NodeRemediation:
             if p.recovery_settle_s > 0:
                 self._details(f"{op.value} applied; settling {p.recovery_settle_s:.0f}s before verification")
                 faults_before = len(s.faults)
-                try:
-                    await workflow.wait_condition(lambda: self._abort is not None,
-                                                  timeout=timedelta(seconds=p.recovery_settle_s))
-                except asyncio.TimeoutError:
-                    pass
-                self._absorb()
+                settle_end = workflow.now() + timedelta(seconds=p.recovery_settle_s)
+                while workflow.now() < settle_end and self._abort is None \
+                        and not self._fresh_drainers(faults_before):
+                    try:
+                        await workflow.wait_condition(lambda: self._abort is not None or bool(self._pending),
+                                                      timeout=settle_end - workflow.now())
+                    except asyncio.TimeoutError:
+                        pass
+                    self._absorb()
+                if self._abort is not None:
+                    return False
                 if self._fresh_drainers(faults_before):
                     self._recovery_note(f"{op.value} did not hold: a new drain-worthy fault while settling")
                     continue

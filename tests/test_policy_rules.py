@@ -1,0 +1,123 @@
+"""The pure policy rules (fleetmend/policy.py): history rules, drain budget, topology, verification."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from fleetmend.errors import ConfigError
+from fleetmend.policy import (
+    FaultView, Recovery, RuleSettings, Urgency, clearable, decide, drain_budget, load_topology,
+    verification_checks,
+)
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+GPU = "0000:3b:00.0"
+
+
+def xid(code: int, *, times: int = 1, drain: bool = False, action: str = "RESTART_APP", sev: str = "degraded",
+        device: str = GPU, spread_s: float = 60.0) -> FaultView:
+    return FaultView(kind="xid", code=code, device=device, severity=sev, drain=drain, immediate_action=action,
+                     fault_class=f"xid{code}", times=[NOW - timedelta(seconds=spread_s * i) for i in range(times)][::-1])
+
+
+def test_app_xid_once_is_recorded_only():
+    assert not decide([xid(13)], NOW, RuleSettings()).drain
+
+
+def test_app_xid_repeating_on_one_gpu_is_a_hardware_suspect():
+    d = decide([xid(13, times=3)], NOW, RuleSettings())
+    assert d.drain and d.urgency is Urgency.NOW and d.recovery is Recovery.DIAGNOSE
+    assert "hardware suspect" in d.reasons[0] and GPU in d.reasons[0]
+
+
+def test_app_xid_repeats_outside_the_window_do_not_count():
+    assert not decide([xid(31, times=3, spread_s=3000)], NOW, RuleSettings(app_xid_window_s=3600)).drain
+
+
+def test_app_xids_on_different_gpus_do_not_add_up():
+    faults = [xid(13, times=2), xid(13, times=1, device="0000:5e:00.0")]
+    assert not decide(faults, NOW, RuleSettings()).drain
+
+
+def test_xid45_is_sympathetic_next_to_another_xid_and_recorded_alone():
+    d = decide([xid(45), xid(79, drain=True, action="RESTART_BM", sev="fatal")], NOW, RuleSettings())
+    assert d.drain and d.fault_class == "xid79" and any("sympathetic to XID 79" in r for r in d.reasons)
+    alone = decide([xid(45)], NOW, RuleSettings())
+    assert not alone.drain and "alone" in alone.reasons[0]
+
+
+def test_xid48_with_63_drains_and_resets():
+    d = decide([xid(48, drain=True, action="WORKFLOW_XID_48", sev="fatal"), xid(63, action="IGNORE")], NOW,
+               RuleSettings())
+    assert d.drain and d.recovery is Recovery.RESET_GPU and d.urgency is Urgency.NOW
+    assert any("XID 48 (DBE) with XID 63" in r for r in d.reasons)
+
+
+def test_pending_remap_or_rising_sbe_rate_drain_when_idle():
+    remap = decide([xid(63, action="IGNORE")], NOW, RuleSettings())
+    assert remap.drain and remap.urgency is Urgency.WHEN_IDLE and remap.recovery is Recovery.RESET_GPU
+    sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
+                    immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
+                    times=[NOW - timedelta(seconds=30 * i) for i in range(12)][::-1])
+    d = decide([sbe], NOW, RuleSettings(sbe_events_per_window=10, sbe_window_s=3600))
+    assert d.drain and d.urgency is Urgency.WHEN_IDLE and "SBE rate rising" in d.reasons[0]
+    sbe.times = sbe.times[-3:]
+    assert not decide([sbe], NOW, RuleSettings(sbe_events_per_window=10)).drain
+
+
+def test_when_idle_yields_to_a_fault_that_needs_draining_now():
+    d = decide([xid(63, action="IGNORE", device="0000:5e:00.0"), xid(79, drain=True, action="RESTART_BM",
+                                                                     sev="fatal")], NOW, RuleSettings())
+    assert d.urgency is Urgency.NOW and d.recovery is Recovery.RESTART_BM
+
+
+def test_debounce_waits_for_a_clearable_fault_and_a_cleared_one_never_drains():
+    link = FaultView(kind="ib_port_down", code=None, device="mlx5_0", severity="fatal", drain=True,
+                     immediate_action="DRAIN_DIAGNOSE", fault_class="ib_port_down", times=[NOW], clearable=True,
+                     arrived_at=NOW - timedelta(seconds=10))
+    d = decide([link], NOW, RuleSettings(), debounce_s=30)
+    assert not d.drain and d.debounce == [link]
+    assert decide([link], NOW + timedelta(seconds=25), RuleSettings(), debounce_s=30).drain
+    link.cleared = True
+    assert not decide([link], NOW + timedelta(seconds=25), RuleSettings(), debounce_s=30).drain
+    assert clearable("ib_port_down", "ib_port_active") and not clearable("aer_fatal", "none: repair")
+    assert not clearable("xid", "x")
+
+
+def test_rma_action_wins():
+    d = decide([FaultView(kind="row_remap_failure", code=None, device=GPU, severity="fatal", drain=True,
+                          immediate_action="RMA", fault_class="row_remap_failure", times=[NOW])], NOW, RuleSettings())
+    assert d.drain and d.recovery is Recovery.RMA
+
+
+@pytest.mark.parametrize("known,n,p,expected", [(100, 20, 10.0, 10), (1000, 20, 10.0, 20), (1, 20, 10.0, 1),
+                                                 (0, 5, 10.0, 5), (30, 100, 5.0, 1)])
+def test_drain_budget(known, n, p, expected):
+    assert drain_budget(known, n, p) == expected
+
+
+def test_topology_file(tmp_path: Path):
+    f = tmp_path / "topo.toml"
+    f.write_text('[node.gpu-001]\nrack = "r01"\nleaf = "leaf-a"\npdu = "p1"\n[node.gpu-002]\nrack = "r01"\n')
+    topo = load_topology(f)
+    assert len(topo) == 2 and topo.domain("gpu-001").keys() == ["rack:r01", "leaf:leaf-a", "pdu:p1"]
+    assert topo.domain("unknown").keys() == []
+    f.write_text('[node.gpu-001]\nrow = "r01"\n')
+    with pytest.raises(ConfigError, match=r"\[node.gpu-001\]: expected keys rack, leaf, pdu"):
+        load_topology(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_topology(tmp_path / "missing.toml")
+    assert len(load_topology(None)) == 0
+
+
+def test_verification_is_chosen_from_the_original_fault():
+    assert "dcgm_diag" in verification_checks("gpu", "xid", 74)            # NVLink → DCGM's NVLink tests
+    assert "dcgm_diag" in verification_checks("nvlink", "nvlink_down", None)
+    assert "remapped_rows_pending" in verification_checks("gpu", "xid", 48)  # ECC → remap + memory
+    assert "remapped_rows_pending" in verification_checks("gpu", "row_remap_failure", None)
+    assert "pcie_link_width" in verification_checks("gpu", "xid", 79)      # off the bus → link + count
+    assert verification_checks("ib", "ib_port_down", None) == ["ib_ports_active"]
+    assert verification_checks("kernel", "oops", None) == []                # every QUICK check
