@@ -20,7 +20,8 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 | fleetmend_router_accept_seconds | histogram | cluster | router: observed_at → signal-with-start accepted |
 | fleetmend_incidents | gauge | cluster, phase | worker (visibility) |
 | fleetmend_drains_in_force | gauge | cluster | worker (visibility: FleetDrained) |
-| fleetmend_breaker_open | gauge | cluster | FleetGuard (1 open / 0 closed) |
+| fleetmend_breaker_open | gauge | cluster | worker (FleetGuard `status` query; 1 open / 0 closed) |
+| fleetmend_drain_queue, fleetmend_drain_permits_held | gauge | cluster | worker (FleetGuard `status`) |
 | fleetmend_drains_total | counter | cluster, scheduler, outcome | drain activity |
 | fleetmend_undrains_total | counter | cluster, scheduler, outcome | undrain activity |
 | fleetmend_time_to_quarantine_seconds | histogram | cluster | drain activity: observed_at → drained |
@@ -64,6 +65,8 @@ ROUTER_ACCEPT = Histogram("fleetmend_router_accept_seconds",
 INCIDENTS = Gauge("fleetmend_incidents", "Open NodeRemediation incidents by phase.", ["cluster", "phase"])
 DRAINS_IN_FORCE = Gauge("fleetmend_drains_in_force", "Nodes drained by open incidents.", ["cluster"])
 BREAKER_OPEN = Gauge("fleetmend_breaker_open", "1 while the cluster's drain breaker is open.", ["cluster"])
+DRAIN_QUEUE = Gauge("fleetmend_drain_queue", "Drain requests waiting for a FleetGuard permit.", ["cluster"])
+DRAIN_PERMITS_HELD = Gauge("fleetmend_drain_permits_held", "FleetGuard drain permits held.", ["cluster"])
 DRAINS = Counter("fleetmend_drains", "drain_node results.", ["cluster", "scheduler", "outcome"])
 UNDRAINS = Counter("fleetmend_undrains", "undrain_node results.", ["cluster", "scheduler", "outcome"])
 TIME_TO_QUARANTINE = Histogram("fleetmend_time_to_quarantine_seconds", "Fault observed_at → node drained.",
@@ -201,7 +204,32 @@ async def refresh_incidents(client: Any, cluster: str, limit: int = 10_000) -> d
         INCIDENTS.labels(cluster=cluster, phase=phase).set(n)
         _known_phases[(cluster, phase)] = n
     DRAINS_IN_FORCE.labels(cluster=cluster).set(drained)
+    await refresh_guard(client, cluster)
     return counts
+
+
+async def refresh_guard(client: Any, cluster: str) -> bool | None:
+    """Breaker and drain-queue gauges from the cluster's FleetGuard `status` query.
+
+    Returns:
+        Whether the breaker is open; None when the cluster has no FleetGuard yet (gauges untouched).
+    """
+    from temporalio.service import RPCError
+
+    from fleetmend.subjects import fleetguard_workflow_id
+
+    try:
+        st = await client.get_workflow_handle(fleetguard_workflow_id(cluster)).query("status")
+    except RPCError as err:
+        if "not found" in str(err).lower():
+            return None
+        raise
+    get = st.get if isinstance(st, dict) else lambda k, d=None: getattr(st, k, d)
+    is_open = bool(get("breaker_tripped", False))
+    set_breaker(cluster, is_open)
+    DRAIN_QUEUE.labels(cluster=cluster).set(len(get("queue", []) or []))
+    DRAIN_PERMITS_HELD.labels(cluster=cluster).set(len(get("held", []) or []))
+    return is_open
 
 
 _known_phases: dict[tuple[str, str], int] = {}
