@@ -210,18 +210,24 @@ class LocalTicketStore:
             `TicketRef`; created=False with the existing ticket when the incident already has one.
         """
         with self._locked():
-            existing = self.find_by_incident_sync(req.incident_id)
+            idx = self._read(self._index(req.incident_id))
+            existing = self._read(self._path(idx["ticket_id"])) if idx else None
             if existing:
                 return TicketRef(existing["ticket_id"], existing.get("url"), created=False)
-            tid = ticket_id or self._next_id()
-            if self._path(tid).exists():
-                raise TicketError(f"ticket {tid} already exists in {self.directory} for another incident")
+            if idx:
+                # A crash after the index write and before the ticket write: finish under that id.
+                tid = idx["ticket_id"]
+            else:
+                tid = ticket_id or self._next_id()
+                if self._path(tid).exists():
+                    raise TicketError(f"ticket {tid} already exists in {self.directory} for another incident")
+                # Index first: whatever a crash leaves, a retry finds this incident's one ticket id.
+                _atomic_write_json(self._index(req.incident_id), {"ticket_id": tid})
             now = _now()
             doc = {**asdict(req), "ticket_id": tid, "url": url, "status": "open", "filed_at": now,
                    "updated_at": now, "history": [{"at": now, "status": "open", "comment": "filed"}],
                    "fleetmend_version": fleetmend.__version__, **(extra or {})}
             _atomic_write_json(self._path(tid), doc)
-            _atomic_write_json(self._index(req.incident_id), {"ticket_id": tid})
             return TicketRef(tid, url, created=True)
 
     def update_sync(self, upd: TicketUpdate) -> dict:

@@ -287,3 +287,17 @@ async def test_activities_file_update_and_error_mapping(hook: Hook, tmp_path: Pa
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("fcntl/flock semantics verified on Linux only")
+
+
+async def test_crash_between_index_and_ticket_write_still_files_one_ticket(tmp_path):
+    """kill -9 after the incident index was written but before the ticket: the retry completes the
+    same ticket id instead of allocating a second one."""
+    store = LocalTicketStore(tmp_path)
+    req = TicketRequest(incident_id="remediate/c/n1/run-1", cluster="c", node="n1", title="t", severity="fatal",
+                        fault_class="xid79", evidence={})
+    ref = await store.file(req)
+    store._path(ref.ticket_id).unlink()  # what a crash before the ticket write leaves behind
+    again = await store.file(req)
+    assert again.ticket_id == ref.ticket_id and again.created
+    assert [t["ticket_id"] for t in store.list()] == [ref.ticket_id]
+    assert (await store.file(req)).created is False
