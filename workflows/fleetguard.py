@@ -199,8 +199,15 @@ TICKET_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interv
 
 @workflow.defn(name="FleetGuard")
 class FleetGuard:
-    def __init__(self) -> None:
-        self._s: GuardState | None = None
+    @workflow.init
+    def __init__(self, inp: GuardInput) -> None:
+        # State exists before any handler runs: a `pause` that starts the guard (CLI) must not be lost.
+        if inp.carried is not None:
+            self._s: GuardState | None = inp.carried
+            self._s.run += 1
+        else:
+            self._s = GuardState(cluster=inp.cluster, policy=inp.policy)
+            self._s.log.append(f"{workflow.now().isoformat(timespec='seconds')} guard started")
         self._requests: list[PermitRequest] = []
         self._releases: list[PermitRelease] = []
         self._tickets: list[InfraIncident] = []
@@ -275,12 +282,6 @@ class FleetGuard:
     # ---------------------------------------------------------------- main
     @workflow.run
     async def run(self, inp: GuardInput) -> None:
-        if inp.carried is not None:
-            self._s = inp.carried
-            self._s.run += 1
-        else:
-            self._s = GuardState(cluster=inp.cluster, policy=inp.policy)
-            self._log("guard started")
         self._requests = list(inp.pending_requests) + self._requests
         self._releases = list(inp.pending_releases) + self._releases
         self._dirty = True

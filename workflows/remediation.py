@@ -373,6 +373,7 @@ class NodeRemediation:
         # An update handled in the first activation runs before this method and notes on a placeholder
         # state (see `_state`): keep those notes, they are the audit trail of who did what.
         early = self._s.timeline if self._s is not None else []
+        early_permit = self._s.permit if self._s is not None else None  # FleetGuard's answer raced a CAN
         if inp.carried is not None:
             self._s = inp.carried
             self._s.run += 1
@@ -380,6 +381,8 @@ class NodeRemediation:
             self._s = IncidentState(cluster=inp.cluster, node=inp.node, opened_at=self._now())
             self._note("incident opened")
         self._s.timeline.extend(early)
+        if early_permit is not None:
+            self._s.permit = early_permit
         self._pending = list(inp.pending) + self._pending
         s = self._s
 

@@ -438,7 +438,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy"]
 _register_extensions()
 
 

@@ -1,0 +1,225 @@
+"""Operator commands for policy and fleet safety:
+
+    fleetmend inject --node N (--xid X | --kind K) [--severity S] [--bus-id B] [--cluster C]
+    fleetmend breaker status | reset [--note ...]
+    fleetmend pause [--note ...] | resume
+
+`inject` publishes a synthetic `FaultEvent` (`source=inject`) through JetStream to the node's fault
+subject with `Nats-Msg-Id`, so the whole pipeline (router → NodeRemediation → FleetGuard → drain)
+can be exercised without breaking hardware. `breaker`/`pause`/`resume` talk to the cluster's
+FleetGuard workflow (`fleetguard/<cluster>`); commands carry who sent them for the audit trail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from fleetmend.config import Settings
+from fleetmend.errors import FleetmendError
+
+
+def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind: str | None,
+                         severity: str | None, bus_id: str | None, by: str):  # noqa: ANN201 - FaultEvent
+    """The synthetic event `inject` publishes. Severity and component default to the catalog's.
+
+    Raises:
+        FleetmendError: neither or both of xid/kind; an unknown kind (lists a few known ones).
+    """
+    from fleetmend.catalog import load_catalog
+    from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+
+    if (xid is None) == (kind is None):
+        raise FleetmendError("give exactly one of --xid N or --kind NAME")
+    catalog = load_catalog(settings.catalog_overrides)
+    if xid is not None:
+        entry = catalog.xids.get(xid)
+        sev = entry.derived()[0] if entry else Severity.DEGRADED
+        comp = entry.component if entry else Component.GPU
+        ev_kind, code, message = "xid", xid, f"injected XID {xid}" + (f" ({entry.mnemonic})" if entry else "")
+        raw = f"NVRM: Xid (PCI:{(bus_id or '0000:00:00.0')[:-2]}): {xid}, injected by fleetmend inject"
+    else:
+        assert kind is not None
+        k = catalog.kinds.get(kind)
+        if k is None:
+            known = ", ".join(sorted(catalog.kinds)[:12])
+            raise FleetmendError(f"unknown kind {kind!r}; expected a catalog kind such as {known}, …")
+        sev, comp, ev_kind, code, message, raw = k.severity, k.component, kind, None, f"injected {kind}", ""
+    return FaultEvent(cluster=settings.cluster, node=node, component=comp, kind=ev_kind, code=code,
+                      severity=Severity(severity) if severity else sev, source=Source.INJECT,
+                      device=Device(pci_bus_id=bus_id) if bus_id else Device(),
+                      message=f"{message} by {by}", raw=raw, attrs={"injected_by": by})
+
+
+async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
+    from fleetmend import subjects
+    from fleetmend.connect import connect_nats
+    from fleetmend.jetstream import ensure_fault_stream
+
+    nc = await connect_nats(settings, name="fleetmend-inject")
+    try:
+        js = nc.jetstream(timeout=10)
+        await ensure_fault_stream(js)
+        subject = subjects.fault_subject(event.cluster, event.node)
+        ack = await js.publish(subject, event.to_json_bytes(), headers={"Nats-Msg-Id": subjects.msg_id(event.event_id)})
+        return {"event_id": event.event_id, "subject": subject, "stream": ack.stream, "seq": ack.seq,
+                "duplicate": bool(ack.duplicate)}
+    finally:
+        await nc.close()
+
+
+async def _guard_handle(settings: Settings, *, start: bool):  # noqa: ANN202
+    from activities.fleetguard import guard_policy
+    from fleetmend import subjects
+    from fleetmend.connect import connect_temporal
+    from fleetmend.policy import load_topology
+    from workflows.fleetguard import FleetGuard, GuardInput
+
+    client = await connect_temporal(settings)
+    wid = subjects.fleetguard_workflow_id(settings.cluster)
+    if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
+        policy = guard_policy(settings, load_topology(settings.policy.topology_file))
+        await client.start_workflow(FleetGuard.run, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
+                                    task_queue=settings.task_queue, start_signal="ensure")
+    return client.get_workflow_handle_for(FleetGuard.run, wid)
+
+
+async def _guard_status(settings: Settings) -> dict[str, Any]:
+    from temporalio.service import RPCError
+
+    from workflows.fleetguard import FleetGuard
+
+    handle = await _guard_handle(settings, start=False)
+    try:
+        st = await handle.query(FleetGuard.status)
+    except RPCError as e:
+        if "not found" in str(e).lower():
+            raise FleetmendError(f"no FleetGuard for cluster {settings.cluster} yet: no drain permit has been "
+                                 "requested (it starts with the first drain-worthy fault, or `fleetmend pause`)") from e
+        raise FleetmendError(f"could not read FleetGuard of {settings.cluster}: {e}; is `fleetmend worker` running?") \
+            from e
+    return dict(st.__dict__)
+
+
+async def _guard_update(settings: Settings, update: str, by: str, note: str) -> str:
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from workflows.fleetguard import GuardCommand
+
+    handle = await _guard_handle(settings, start=True)
+    try:
+        return await handle.execute_update(update, GuardCommand(by=by, note=note), result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {e.cause.message if e.cause else e}") from e
+    except RPCError as e:
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {e}; is `fleetmend worker` running?") from e
+
+
+def register(app: typer.Typer) -> None:
+    from fleetmend.cli import main as m
+
+    breaker_app = typer.Typer(no_args_is_help=True, help="The cluster's drain breaker (FleetGuard).")
+    app.add_typer(breaker_app, name="breaker")
+
+    @app.command()
+    def inject(
+        node: str = typer.Option(..., "--node", help="Node the synthetic fault is about."),
+        xid: Optional[int] = typer.Option(None, "--xid", help="An XID number (e.g. 79)."),
+        kind: Optional[str] = typer.Option(None, "--kind", help="A catalog kind (e.g. aer_fatal, ib_port_down)."),
+        severity: Optional[str] = typer.Option(None, "--severity", help="info, degraded or fatal (default: "
+                                               "the catalog's)."),
+        bus_id: Optional[str] = typer.Option(None, "--bus-id", help="GPU PCI bus id, e.g. 0000:3b:00.0."),
+        cluster: Optional[str] = m.ClusterOpt,
+        as_json: bool = typer.Option(False, "--json"),
+        config: Optional[Path] = m.ConfigOpt,
+    ) -> None:
+        """Publish a synthetic fault (source=inject) for NODE through JetStream: tests the pipeline end to end."""
+        s = m._settings(config, cluster=cluster)
+        if severity is not None and severity not in ("info", "degraded", "fatal"):
+            m.err.print(f"[red]error:[/red] unknown severity {severity!r}; expected info, degraded, fatal")
+            raise typer.Exit(2)
+        try:
+            event = build_injected_event(s, node, xid=xid, kind=kind, severity=severity, bus_id=bus_id, by=m._who())
+        except FleetmendError as e:
+            m.err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from e
+        except ValueError as e:  # pydantic: a bad node name or bus id
+            m.err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from e
+        res = m._run(_inject(s, event))
+        if as_json:
+            sys.stdout.write(json.dumps(res) + "\n")
+            return
+        m.out.print(f"injected {escape(event.summary())} → {res['subject']} (event {res['event_id']}, "
+                    f"stream seq {res['seq']}{', duplicate' if res['duplicate'] else ''})")
+
+    @breaker_app.command("status")
+    def breaker_status(
+        as_json: bool = typer.Option(False, "--json"),
+        cluster: Optional[str] = m.ClusterOpt,
+        config: Optional[Path] = m.ConfigOpt,
+    ) -> None:
+        """Permits held, the queue, the breaker and infrastructure incidents of the cluster."""
+        s = m._settings(config, cluster=cluster)
+        d = m._run(_guard_status(s))
+        if as_json:
+            sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
+            return
+        state = "TRIPPED" if d["breaker_tripped"] else "closed (drains allowed)"
+        m.out.print(f"FleetGuard {d['cluster']}: breaker {state}"
+                    + (f"; PAUSED by {d['paused_by']}" if d["paused"] else "")
+                    + ("; observe-only" if d["observe_only"] else ""))
+        if d["breaker_tripped"]:
+            m.out.print(f"  tripped at {d['breaker_tripped_at']}: {escape(d['breaker_reason'] or '')}")
+            m.out.print("  reset with: fleetmend breaker reset --note '…'")
+        m.out.print(f"permits held {len(d['held'])}/{d['budget']} (known nodes {d['known_nodes']}), "
+                    f"queued {len(d['queue'])}")
+        t = Table(title="permits and queue")
+        for col in ("node", "state", "severity", "fault", "rack", "since"):
+            t.add_column(col, no_wrap=True)
+        for h in d["held"]:
+            t.add_row(h["node"], "held", h["severity"], h["fault_class"], h.get("rack") or "", h["granted_at"])
+        for q in d["queue"]:
+            t.add_row(q["node"], "queued", q["severity"], q["fault_class"], q.get("rack") or "", q["requested_at"])
+        if d["held"] or d["queue"]:
+            m.out.print(t)
+        for inc in d["infra_incidents"]:
+            m.out.print(f"infrastructure incident {inc['domain']} ({'closed' if inc.get('closed_at') else 'open'}): "
+                        f"{len(inc['nodes'])} nodes, ticket {inc.get('ticket') or '-'}")
+
+    @breaker_app.command("reset")
+    def breaker_reset(
+        note: str = typer.Option("", "--note", help="Why it is safe to resume."),
+        cluster: Optional[str] = m.ClusterOpt,
+        config: Optional[Path] = m.ConfigOpt,
+    ) -> None:
+        """Reset a tripped breaker: queued drains resume, highest severity first."""
+        s = m._settings(config, cluster=cluster)
+        m.out.print(m._run(_guard_update(s, "reset_breaker", m._who(), note)))
+
+    @app.command()
+    def pause(
+        note: str = typer.Option("", "--note", help="Why."),
+        cluster: Optional[str] = m.ClusterOpt,
+        config: Optional[Path] = m.ConfigOpt,
+    ) -> None:
+        """Global pause: faults are still classified and recorded; no node is drained until `resume`."""
+        s = m._settings(config, cluster=cluster)
+        m.out.print(m._run(_guard_update(s, "pause", m._who(), note)))
+
+    @app.command()
+    def resume(
+        note: str = typer.Option("", "--note"),
+        cluster: Optional[str] = m.ClusterOpt,
+        config: Optional[Path] = m.ConfigOpt,
+    ) -> None:
+        """End a global pause; queued drains proceed within the budget."""
+        s = m._settings(config, cluster=cluster)
+        m.out.print(m._run(_guard_update(s, "resume", m._who(), note)))

@@ -1,0 +1,96 @@
+"""`fleetmend inject`, `breaker status|reset`, `pause|resume` against the session's real NATS and
+Temporal dev server, with a worker running NodeRemediation + FleetGuard (stand-in side effects)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from temporalio.worker import Worker
+from typer.testing import CliRunner
+
+from activities.fleetguard import FleetGuardActivities
+from fleetmend import subjects
+from fleetmend.cli.main import app
+from tests.activity_standins import Calls, stand_ins
+from tests.conftest import assert_eventually
+from tests.test_workflow import fault, phase_is, start
+from workflows.fleetguard import FleetGuard, GuardPolicy
+from workflows.remediation import NodeRemediation
+
+
+def cli(env: dict[str, str], *args: str):  # noqa: ANN201
+    return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+@pytest.fixture
+def cli_env(nats_server, temporal_server, unique, tmp_path):  # noqa: ANN001
+    return {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
+            "FLEETMEND_CLUSTER": f"cli{unique}", "FLEETMEND_TASK_QUEUE": f"tq-{unique}",
+            "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
+
+
+async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):  # noqa: ANN001
+    cluster = cli_env["FLEETMEND_CLUSTER"]
+    r = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--xid", "79", "--bus-id",
+                                "0000:3b:00.0", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["subject"] == subjects.fault_subject(cluster, "gpu-7") and not res["duplicate"]
+    js = nc.jetstream()
+    msg = await js.get_msg(subjects.FAULT_STREAM, res["seq"])
+    body = json.loads(msg.data)
+    assert msg.headers["Nats-Msg-Id"] == res["event_id"] == body["event_id"]
+    assert body["source"] == "inject" and body["code"] == 79 and body["severity"] == "fatal"
+    assert body["device"]["pci_bus_id"] == "0000:3b:00.0" and "injected" in body["message"]
+
+    r = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--kind", "ib_port_down", "--json")
+    assert r.exit_code == 0, r.output
+    body = json.loads((await js.get_msg(subjects.FAULT_STREAM, json.loads(r.output)["seq"])).data)
+    assert body["kind"] == "ib_port_down" and body["component"] == "ib"
+
+    bad = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--kind", "ib_prot_down")
+    assert bad.exit_code == 2 and "unknown kind 'ib_prot_down'" in bad.output
+    both = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7")
+    assert both.exit_code == 2 and "exactly one of --xid" in both.output
+
+
+async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):  # noqa: ANN001
+    cluster, tq = cli_env["FLEETMEND_CLUSTER"], cli_env["FLEETMEND_TASK_QUEUE"]
+    calls = Calls()
+    guard = FleetGuardActivities(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
+    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
+                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+        none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
+        assert none.exit_code == 1 and "no FleetGuard" in none.output
+
+        r = await asyncio.to_thread(cli, cli_env, "pause", "--note", "maintenance window")
+        assert r.exit_code == 0 and "no node will be drained" in r.output, r.output
+        h1 = await start(temporal_client, tq, cluster, "x1", [fault(cluster, "x1", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(h1, "awaiting_permit"))
+        st = await assert_eventually(lambda: _status(cli_env, lambda s: s["queue"]), what="x1 queued")
+        assert st["paused"] and [q["node"] for q in st["queue"]] == ["x1"] and calls.drains == []
+        r = await asyncio.to_thread(cli, cli_env, "resume")
+        assert r.exit_code == 0, r.output
+        await assert_eventually(lambda: phase_is(h1, "awaiting_repair"), what="drained after resume")
+
+        h2 = await start(temporal_client, tq, cluster, "x2", [fault(cluster, "x2", 79, drain=True)])
+        await assert_eventually(lambda: _status(cli_env, lambda s: s["breaker_tripped"]), what="tripped (2 > 1)")
+        r = await asyncio.to_thread(cli, cli_env, "breaker", "status")
+        assert r.exit_code == 0 and "TRIPPED" in r.output and "reset with: fleetmend breaker reset" in r.output, r.output
+        st = await _status(cli_env, lambda s: True)
+        assert "from 2 distinct nodes" in st["breaker_reason"] and "x1, x2" in st["breaker_reason"]
+        r = await asyncio.to_thread(cli, cli_env, "breaker", "reset", "--note", "one-off")
+        assert r.exit_code == 0 and "breaker reset" in r.output, r.output
+        await assert_eventually(lambda: phase_is(h2, "awaiting_repair"), what="queued drain after reset")
+        st = json.loads((await asyncio.to_thread(cli, cli_env, "breaker", "status", "--json")).output)
+        assert any("breaker reset by" in line and "one-off" in line for line in st["log"])
+        assert [d.node for d in calls.drains] == ["x1", "x2"]
+
+
+async def _status(env: dict[str, str], pred):  # noqa: ANN001, ANN202
+    r = await asyncio.to_thread(cli, env, "breaker", "status", "--json")
+    st = json.loads(r.output) if r.exit_code == 0 else None
+    return st if st and pred(st) else None
