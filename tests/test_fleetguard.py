@@ -251,3 +251,26 @@ async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv):
         assert len(g.calls.recoveries) == 2, "no third reboot: straight to RMA"
         assert g.calls.tickets[-1].title.startswith("[fleetmend] RMA lem")
         assert g.calls.tickets[-1].evidence["lemon"] == st.lemon
+
+
+async def test_guard_continues_as_new_and_keeps_its_state(tenv):
+    from workflows.fleetguard import GuardInput, PermitRelease, PermitRequest
+
+    async with Guarded(tenv, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000)) as g:
+        policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100)
+        await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy,
+                                                                 max_history_events=40),
+                                      id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq,
+                                      start_signal="ensure")
+        await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="ops@ci"))
+        # 30 nodes request (no NodeRemediation: decisions go to absent workflows and are withdrawn)
+        for i in range(30):
+            await g.guard().signal(FleetGuard.request_permit, PermitRequest(
+                cluster=g.cluster, node=f"z{i:02d}", severity="fatal", fault_class="xid79", policy=policy))
+        for i in range(0, 30, 2):
+            await g.guard().signal(FleetGuard.release, PermitRelease(cluster=g.cluster, node=f"z{i:02d}",
+                                                                     outcome="aborted"))
+        st = await assert_eventually(lambda: _guard(g, lambda s: len(s.queue) == 15), what="15 still queued")
+        desc = await g.guard().describe()
+        assert desc.run_id != desc.raw_description.workflow_execution_info.first_run_id, "continued as new"
+        assert st.paused and sorted(q["node"] for q in st.queue) == [f"z{i:02d}" for i in range(1, 30, 2)]

@@ -173,6 +173,8 @@ class GuardInput:
     carried: GuardState | None = None
     pending_requests: list[PermitRequest] = field(default_factory=list)
     pending_releases: list[PermitRelease] = field(default_factory=list)
+    max_history_events: int = MAX_HISTORY_EVENTS
+    """Continue-as-new threshold (tests lower it)."""
 
 
 @dataclass
@@ -208,8 +210,8 @@ class FleetGuard:
         else:
             self._s = GuardState(cluster=inp.cluster, policy=inp.policy)
             self._s.log.append(f"{workflow.now().isoformat(timespec='seconds')} guard started")
-        self._requests: list[PermitRequest] = []
-        self._releases: list[PermitRelease] = []
+        self._inbox: list[PermitRequest | PermitRelease] = []
+        """Requests and releases in arrival order (a release must not overtake its own request)."""
         self._tickets: list[InfraIncident] = []
         self._answers: list[tuple[str, PermitDecision]] = []
         self._dirty = False
@@ -218,11 +220,11 @@ class FleetGuard:
     # ---------------------------------------------------------------- messages
     @workflow.signal(name="request_permit")
     def request_permit(self, req: PermitRequest) -> None:
-        self._requests.append(req)
+        self._inbox.append(req)
 
     @workflow.signal(name="release")
     def release(self, rel: PermitRelease) -> None:
-        self._releases.append(rel)
+        self._inbox.append(rel)
 
     @workflow.signal(name="ensure")
     def ensure(self) -> None:
@@ -282,79 +284,86 @@ class FleetGuard:
     # ---------------------------------------------------------------- main
     @workflow.run
     async def run(self, inp: GuardInput) -> None:
-        self._requests = list(inp.pending_requests) + self._requests
-        self._releases = list(inp.pending_releases) + self._releases
+        self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
         self._dirty = True
         while True:
-            await workflow.wait_condition(
-                lambda: bool(self._requests) or bool(self._releases) or self._dirty or bool(self._tickets))
+            await workflow.wait_condition(lambda: bool(self._inbox) or self._dirty or bool(self._tickets))
             self._dirty = False
             self._process()
             await self._grant()
             await self._file_tickets()
             self._publish()
             info = workflow.info()
-            if (info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()) \
-                    and not self._requests and not self._releases:
+            if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
+                    and not self._inbox:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 s = self._state
-                workflow.continue_as_new(GuardInput(cluster=s.cluster, policy=s.policy, carried=s,
-                                                    pending_requests=self._requests,
-                                                    pending_releases=self._releases))
+                workflow.continue_as_new(GuardInput(
+                    cluster=s.cluster, policy=s.policy, carried=s,
+                    pending_requests=[m for m in self._inbox if isinstance(m, PermitRequest)],
+                    pending_releases=[m for m in self._inbox if isinstance(m, PermitRelease)],
+                                                    max_history_events=inp.max_history_events))
 
     # ---------------------------------------------------------------- decisions
     def _process(self) -> None:
-        s = self._state
         now = workflow.now()
-        rels, self._releases = self._releases, []
-        for rel in rels:
-            before = len(s.held) + len(s.queue)
-            s.held = [h for h in s.held if h.node != rel.node]
-            s.queue = [q for q in s.queue if q.node != rel.node]
-            if rel.returned and rel.fault_class:
-                hist = s.returns.setdefault(rel.node, [])
-                hist.append([rel.fault_class, self._now()])
-                del hist[:-MAX_RETURNS_PER_NODE]
-            if len(s.held) + len(s.queue) < before:
-                self._log(f"{rel.node}: permit returned ({rel.outcome})")
-        reqs, self._requests = self._requests, []
-        for req in reqs:
-            s.policy = req.policy
-            if req.node not in s.seen_nodes:
-                s.seen_nodes.append(req.node)
-            if req.domains:
-                s.node_domains[req.node] = list(req.domains)
-            if any(h.node == req.node for h in s.held):
-                self._answers.append((req.node, PermitDecision(granted=True, reason="permit already held",
-                                                               lemon=self._lemon(req, now))))
-                continue
-            s.recent.append([req.node, self._now()])
-            self._prune(now)
-            # 1. observe-only
-            if s.policy.observe_only:
-                self._deny(req.node, f"observe-only: {req.fault_class} would be drained; nothing touched")
-                continue
-            # 2. failure domain
-            inc = self._domain_incident(req, now)
-            if inc is not None:
-                self._deny(req.node, f"infrastructure incident {inc.domain} ({len(inc.nodes)} nodes: "
-                                     f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
-                           infra=inc.domain)
-                continue
-            s.queue = [q for q in s.queue if q.node != req.node]
-            s.queue.append(Queued(node=req.node, severity=req.severity, fault_class=req.fault_class,
-                                  rack=req.rack, domains=list(req.domains),
-                                  requested_at=req.requested_at or self._now(), reason=req.reason))
-            # 3. breaker
-            distinct = sorted({n for n, _ in s.recent})
-            if not s.breaker_tripped and len(distinct) > s.policy.breaker_distinct_nodes:
-                s.breaker_tripped, s.breaker_tripped_at = True, self._now()
-                s.breaker_trips += 1
-                s.breaker_reason = (f"drain-worthy faults from {len(distinct)} distinct nodes within "
-                                    f"{s.policy.breaker_window_s:.0f}s (threshold: more than "
-                                    f"{s.policy.breaker_distinct_nodes}): {', '.join(distinct[:20])}"
-                                    + (" …" if len(distinct) > 20 else ""))
-                self._log(f"BREAKER TRIPPED: {s.breaker_reason}; no new drains until `fleetmend breaker reset`")
+        inbox, self._inbox = self._inbox, []
+        for msg in inbox:
+            if isinstance(msg, PermitRelease):
+                self._release(msg)
+            else:
+                self._request(msg, now)
+
+    def _release(self, rel: PermitRelease) -> None:
+        s = self._state
+        before = len(s.held) + len(s.queue)
+        s.held = [h for h in s.held if h.node != rel.node]
+        s.queue = [q for q in s.queue if q.node != rel.node]
+        if rel.returned and rel.fault_class:
+            hist = s.returns.setdefault(rel.node, [])
+            hist.append([rel.fault_class, self._now()])
+            del hist[:-MAX_RETURNS_PER_NODE]
+        if len(s.held) + len(s.queue) < before:
+            self._log(f"{rel.node}: permit returned ({rel.outcome})")
+
+    def _request(self, req: PermitRequest, now: datetime) -> None:
+        s = self._state
+        s.policy = req.policy
+        if req.node not in s.seen_nodes:
+            s.seen_nodes.append(req.node)
+        if req.domains:
+            s.node_domains[req.node] = list(req.domains)
+        if any(h.node == req.node for h in s.held):
+            self._answers.append((req.node, PermitDecision(granted=True, reason="permit already held",
+                                                           lemon=self._lemon(req, now))))
+            return
+        s.recent.append([req.node, self._now()])
+        self._prune(now)
+        # 1. observe-only
+        if s.policy.observe_only:
+            self._deny(req.node, f"observe-only: {req.fault_class} would be drained; nothing touched")
+            return
+        # 2. failure domain
+        inc = self._domain_incident(req, now)
+        if inc is not None:
+            self._deny(req.node, f"infrastructure incident {inc.domain} ({len(inc.nodes)} nodes: "
+                                 f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
+                       infra=inc.domain)
+            return
+        s.queue = [q for q in s.queue if q.node != req.node]
+        s.queue.append(Queued(node=req.node, severity=req.severity, fault_class=req.fault_class,
+                              rack=req.rack, domains=list(req.domains),
+                              requested_at=req.requested_at or self._now(), reason=req.reason))
+        # 3. breaker
+        distinct = sorted({n for n, _ in s.recent})
+        if not s.breaker_tripped and len(distinct) > s.policy.breaker_distinct_nodes:
+            s.breaker_tripped, s.breaker_tripped_at = True, self._now()
+            s.breaker_trips += 1
+            s.breaker_reason = (f"drain-worthy faults from {len(distinct)} distinct nodes within "
+                                f"{s.policy.breaker_window_s:.0f}s (threshold: more than "
+                                f"{s.policy.breaker_distinct_nodes}): {', '.join(distinct[:20])}"
+                                + (" …" if len(distinct) > 20 else ""))
+            self._log(f"BREAKER TRIPPED: {s.breaker_reason}; no new drains until `fleetmend breaker reset`")
 
     def _domain_incident(self, req: PermitRequest, now: datetime) -> InfraIncident | None:
         s = self._state
