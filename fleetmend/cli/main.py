@@ -442,5 +442,25 @@ _EXTENSIONS: list[str] = ["sim", "ops", "security", "policy"]
 _register_extensions()
 
 
+def main() -> None:
+    """Entry point. Exits with `os._exit` after flushing: temporalio's Rust runtime threads can abort
+    the interpreter during finalization ("PyGILState_Release ... finalizing", exit -6) after a command
+    already finished, which would turn a successful command into a crash for scripts."""
+    code: int = 0
+    try:
+        app()
+    except SystemExit as e:
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()
