@@ -252,6 +252,10 @@ class PolicySettings(_Section):
     # --- recovery before RMA ------------------------------------------------------------------
     recovery_settle_s: float = Field(default=120.0, ge=0)
     """After a GPU reset or reboot, wait this long (for late XIDs, driver re-init) before verifying."""
+    ticket_poll_s: float = Field(default=900.0, ge=0)
+    """While awaiting repair, poll the ticket (Jira status, webhook status URL, local ledger) this
+    often; a status in `tickets.repaired_statuses` counts as `fleetmend repaired`. 15 min: a repair
+    takes hours, and each poll is one Temporal activity per waiting node. 0 = off."""
     reboot_command: list[str] = Field(default_factory=list)
     """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
     default) = dry run: the agent answers what it would do and reboots nothing, so `dev up` never

@@ -9,7 +9,7 @@ from temporalio import activity
 
 from activities.diagnostics import DiagActivityRequest
 from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
-from activities.tickets import TicketRef, TicketRequest, TicketUpdate
+from activities.tickets import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
 from activities.recovery import RecoveryActivityRequest
 from fleetmend import subjects
@@ -33,6 +33,9 @@ class Calls:
     recoveries: list = field(default_factory=list)
     recovery_results: list[RecoveryResult] = field(default_factory=list)
     """Answers of reset_gpu/reboot_node in turn; when empty: DRY_RUN (an agent's default)."""
+    polls: list[str] = field(default_factory=list)
+    ticket_status: str = "open"
+    """What poll_ticket reports; "Done" counts as repaired."""
 
 
 def stand_ins(calls: Calls) -> list:
@@ -91,5 +94,10 @@ def stand_ins(calls: Calls) -> list:
         result = calls.recovery_results.pop(0) if calls.recovery_results else RecoveryResult.DRY_RUN
         return RecoveryReport(node=req.node, cluster=req.cluster, op=req.op, result=result, detail="stand-in")
 
+    @activity.defn(name="poll_ticket")
+    async def poll_ticket(ticket_id: str) -> TicketStatus:
+        calls.polls.append(ticket_id)
+        return TicketStatus(ticket_id, calls.ticket_status, calls.ticket_status == "Done")
+
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            release_drain_permit, reset_gpu, reboot_node]
+            release_drain_permit, reset_gpu, reboot_node, poll_ticket]

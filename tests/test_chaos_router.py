@@ -238,8 +238,8 @@ async def test_deadletters_counted_in_fleet_status(nc, nats_server, temporal_ser
     assert sum(router.stats.deadletter_reasons.values()) == 4
     line = await deadletter_line(s)
     assert line.startswith(f"dead letters: {before + 4} ("), line
-    for reason in ("not UTF-8 at byte 0", "oversized", "invalid FaultEvent"):
-        assert reason.split(" at")[0] in line or reason in line, line
+    for reason in ("not_utf8", "not_json", "oversized", "invalid_event"):
+        assert f"{reason}: " in line, line
     env = {**os.environ, "FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
            "FLEETMEND_CLUSTER": cluster, "FLEETMEND_STATE_DIR": str(tmp_path)}
     p = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status"], env=env,

@@ -145,3 +145,22 @@ async def test_pending_row_remap_drains_when_idle(wenv):
     st = await assert_eventually(lambda: phase(h, "awaiting_repair"))
     assert "drain when idle" in calls.drains[0].reason
     assert any("row remap pending" in d for d in st.decisions)
+
+
+async def test_ticket_status_is_a_source_of_repaired(wenv):
+    """While awaiting repair the workflow polls the ticket; when the ticket system says Done, the node
+    is verified and returned as if `fleetmend repaired` had been sent (by "ticket:<id>")."""
+    env, tq, calls, c = wenv
+    h = await start(env.client, tq, c, "tp1", [ev(c, "tp1", code=79, drain=True, severity="fatal",
+                                                   action="RESTART_BM")],
+                    ticket_poll_s=900, repair_escalation_s=86400, recovery_settle_s=0)
+    await assert_eventually(lambda: phase(h, "awaiting_repair"))
+    await env.sleep(timedelta(seconds=1000))  # one poll: still open
+    await assert_eventually(lambda: len(calls.polls) >= 1, what="first poll")
+    st = await h.query(NodeRemediation.status)
+    assert st.phase == "awaiting_repair"
+    calls.ticket_status = "Done"
+    await env.sleep(timedelta(seconds=1000))
+    st = await h.result()
+    assert st.outcome == "returned_to_service" and len(calls.undrains) == 1
+    assert any(e.get("by") == f"ticket:{st.ticket}" for e in st.timeline)

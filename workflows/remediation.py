@@ -60,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.fleetguard import PermitDecision, PermitRelease, PermitRequest
     from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
-    from activities.tickets import TicketRef, TicketRequest, TicketUpdate
+    from activities.tickets import TicketRef, TicketRequest, TicketStatus, TicketUpdate
     from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult
     from fleetmend.events import FaultEvent, Severity
 
@@ -78,6 +78,7 @@ P_PERMIT = "fleetguard-permit"
 P_RECOVERY = "recovery-before-rma"
 P_VERIFY = "fault-verification"
 P_SETTLE = "settle-clean"
+P_TICKET_POLL = "ticket-poll"
 
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
 KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
@@ -92,6 +93,10 @@ ACTIVITY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), backoff_coef
                              non_retryable_error_types=["NodeNotFound", "InvalidRequest"])
 """Side effects retry until they succeed (drains and undrains must not be given up), bounded per
 attempt by start_to_close and overall by schedule_to_close where set."""
+DRAIN_TIMEOUT = timedelta(minutes=15)
+"""A drain may evict pods through PodDisruptionBudgets (Kubernetes adapter: 90 s deadline by default)."""
+DRAIN_HEARTBEAT = timedelta(seconds=60)
+"""A worker killed mid-drain is noticed within a minute and the idempotent drain retried elsewhere."""
 DIAG_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30),
                          maximum_attempts=5)
 """Diagnostics give up after 5 attempts: a silent agent is itself evidence (result UNKNOWN)."""
@@ -167,6 +172,9 @@ class PolicySnapshot:
     sbe_events_per_window: int = 10
     sbe_window_s: float = 3600.0
     recovery_settle_s: float = 0.0
+    ticket_poll_s: float = 0.0
+    """While awaiting repair, ask the ticket system this often whether the ticket says repaired
+    (0 = only `fleetmend repaired`)."""
     """Defaults here are those of an input that predates the field (replay); the router sends
     `PolicySettings`' values."""
 
@@ -227,6 +235,8 @@ class IncidentState:
     repair_attempts: int = 0
     run: int = 1
     decisions: list[str] = field(default_factory=list)
+    drained_at: str | None = None
+    """Workflow time the drain took effect (MTTR runs from here)."""
     """Rules that fired (policy.decide reasons), each noted once."""
     urgency: str | None = None
     recovery: str | None = None
@@ -569,11 +579,15 @@ class NodeRemediation:
         reason = f"{s.fault_class} incident {self._incident_id}"
         if s.urgency == Urgency.WHEN_IDLE.value:
             reason += " (drain when idle: running jobs finish)"
+        first = next((f for f in s.faults if f.drain and not f.healthy), None)
         res: DrainResult = await workflow.execute_activity(
             "drain_node", DrainRequest(cluster=s.cluster, node=s.node, reason=reason,
-                                       incident_id=self._incident_id),
-            result_type=DrainResult, start_to_close_timeout=timedelta(minutes=2),
+                                       incident_id=self._incident_id,
+                                       observed_at=datetime.fromisoformat(first.observed_at) if first else None),
+            result_type=DrainResult, start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
             retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
+        if res.drained:
+            s.drained_at = self._now()
         s.drained = res.drained
         s.drain_owned = res.owned
         s.operator_drained = res.operator_drained
@@ -701,16 +715,27 @@ class NodeRemediation:
         s = self._state
         self._details(f"awaiting repair: ticket {s.ticket}; signal with `fleetmend repaired {s.node}`")
         escalate_after = timedelta(seconds=self._policy.repair_escalation_s)
+        poll = (timedelta(seconds=self._policy.ticket_poll_s)
+                if self._policy.ticket_poll_s > 0 and s.ticket and workflow.patched(P_TICKET_POLL) else None)
+        waited = timedelta(0)
         while True:
             try:
+                step = min(poll, escalate_after - waited) if poll else escalate_after
                 await workflow.wait_condition(
                     lambda: self._repaired is not None or self._retest is not None or self._abort is not None
-                    or bool(self._pending), timeout=escalate_after)
+                    or bool(self._pending), timeout=step)
             except asyncio.TimeoutError:
-                self._note(f"no repair after {escalate_after}; escalating ticket {s.ticket}")
-                await self._update_ticket("escalated", f"No repair after {escalate_after}; escalated.")
-                escalate_after = escalate_after * 2
-                continue
+                waited += step
+                if poll and waited < escalate_after:
+                    await self._poll_ticket()  # sets self._repaired when the ticket says so
+                    if self._repaired is None:
+                        continue
+                else:
+                    waited = timedelta(0)
+                    self._note(f"no repair after {escalate_after}; escalating ticket {s.ticket}")
+                    await self._update_ticket("escalated", f"No repair after {escalate_after}; escalated.")
+                    escalate_after = escalate_after * 2
+                    continue
             self._absorb()
             if self._abort is not None:
                 return
@@ -766,8 +791,9 @@ class NodeRemediation:
         s = self._state
         if s.drain_owned and s.drained:
             res: UndrainResult = await workflow.execute_activity(
-                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id),
-                result_type=UndrainResult, start_to_close_timeout=timedelta(minutes=2),
+                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id,
+                                               drained_at=self._drained_at()),
+                result_type=UndrainResult, start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
                 retry_policy=ACTIVITY_RETRY, summary=f"return {s.node} to service")
             s.drained = not res.resumed and s.drained
             self._note(f"undrain: {'resumed' if res.resumed else 'not resumed'} ({res.detail})")
@@ -780,8 +806,9 @@ class NodeRemediation:
         assert cmd is not None
         if cmd.undrain and s.drain_owned and s.drained:
             res: UndrainResult = await workflow.execute_activity(
-                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id),
-                result_type=UndrainResult, start_to_close_timeout=timedelta(minutes=2),
+                "undrain_node", UndrainRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id,
+                                               drained_at=self._drained_at()),
+                result_type=UndrainResult, start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
                 retry_policy=ACTIVITY_RETRY, summary=f"undrain {s.node} (abort)")
             s.drained = not res.resumed and s.drained
         if s.ticket:
@@ -821,6 +848,25 @@ class NodeRemediation:
         self._note(f"{why}: {d['result']}" + (f" (failed: {', '.join(failed)})" if failed else "")
                    + (f" ({d['error']})" if d.get("error") else ""))
         return d
+
+    async def _poll_ticket(self) -> None:
+        """Ask the ticket system whether the ticket says repaired; if so, act as `mark_repaired`."""
+        s = self._state
+        try:
+            st: TicketStatus = await workflow.execute_activity(
+                "poll_ticket", s.ticket, result_type=TicketStatus, start_to_close_timeout=timedelta(minutes=1),
+                retry_policy=DIAG_RETRY, summary=f"poll ticket {s.ticket}")
+        except ActivityError as err:
+            self._details(f"awaiting repair: ticket {s.ticket} could not be polled ({err.cause or err})")
+            return
+        if st.repaired and self._repaired is None:
+            self._repaired = HumanCommand(by=f"ticket:{s.ticket}", note=f"ticket status {st.status}",
+                                          ticket=s.ticket)
+            self._note(f"ticket {s.ticket} says {st.status}: treated as repaired", by=f"ticket:{s.ticket}")
+
+    def _drained_at(self) -> datetime | None:
+        s = self._state
+        return datetime.fromisoformat(s.drained_at) if s.drained_at else None
 
     async def _update_ticket(self, status: str, comment: str) -> None:
         s = self._state

@@ -71,6 +71,7 @@ async def deadletter_line(settings, timeout_s: float = 3.0) -> str:  # noqa: ANN
 
     from fleetmend import subjects
     from fleetmend.connect import connect_nats
+    from fleetmend.metrics import deadletter_reason
 
     try:
         async with asyncio.timeout(timeout_s * 2):
@@ -90,12 +91,12 @@ async def deadletter_line(settings, timeout_s: float = 3.0) -> str:  # noqa: ANN
                         rec = json.loads((await js.get_msg(subjects.DEADLETTER_STREAM, seq)).data)
                     except Exception:  # noqa: BLE001 - removed by age, or not ours
                         continue
-                    reasons[str(rec.get("reason", "?")).split(":")[0][:40]] += 1
+                    reasons[deadletter_reason(str(rec.get("reason", "?")))] += 1
             finally:
                 await nc.close()
     except Exception as err:  # noqa: BLE001 - status must print even when NATS is away
         return f"dead letters: unknown (NATS at {settings.nats_url}: {type(err).__name__})"
     if not total:
         return "dead letters: 0"
-    by = ", ".join(f"{r}: {n}" for r, n in reasons.most_common(5))
+    by = ", ".join(f"{r}: {n}" for r, n in reasons.most_common())  # a closed set of ≤ 9 categories
     return f"dead letters: {total} ({by}); details: fleetmend deadletters"

@@ -82,6 +82,16 @@ def decode_event(subject: str, data: bytes) -> FaultEvent:
     return ev
 
 
+def policy_snapshot(p):  # noqa: ANN001, ANN201 - PolicySettings -> PolicySnapshot
+    """The workflow's `PolicySnapshot` from the operator's `PolicySettings`: every field the snapshot
+    has, by name (the snapshot is the workflow-side, replay-stable subset)."""
+    from dataclasses import fields
+
+    from workflows.remediation import PolicySnapshot
+
+    return PolicySnapshot(**{f.name: getattr(p, f.name) for f in fields(PolicySnapshot) if hasattr(p, f.name)})
+
+
 class Router:
     """One router replica. `await Router(...).run(stop)` until `stop` is set.
 
@@ -206,13 +216,7 @@ class Router:
                 fault_class=c.fault_class, drain=bool(c.drain), source=c.source or "",
                 description=c.description or "", clearable=_clearable(self.catalog, ev))))
         wid = subjects.workflow_id(cluster, node)
-        p = self.s.policy
-        inp = IncidentInput(cluster=cluster, node=node, policy=PolicySnapshot(
-            observe_only=p.observe_only, repair_escalation_s=p.repair_escalation_s, settle_s=p.settle_s,
-            diag_timeout_s=p.diag_timeout_s, close_after_idle_s=p.close_after_idle_s,
-            debounce_s=p.debounce_s, app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
-            sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s,
-            recovery_settle_s=p.recovery_settle_s))
+        inp = IncidentInput(cluster=cluster, node=node, policy=policy_snapshot(self.s.policy))
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         async with self._sem:
             try:
@@ -269,7 +273,7 @@ class Router:
         await msg.term()
         self.stats.deadlettered += 1
         metrics.deadlettered(reason)
-        key = reason.split(":")[0][:60]
+        key = metrics.deadletter_reason(reason)
         self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
         log.warning("event_deadlettered", reason=reason, subject=msg.subject)
 
