@@ -4,12 +4,45 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TypeVar
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from fleetmend import subjects
 from fleetmend.diagnostics import DiagLevel, DiagReport, DiagRequest
+
+T = TypeVar("T")
+
+
+async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, reply: type[T],  # noqa: ANN001
+                    what: str) -> T:
+    """Request/reply with a node's agent on `fleet.<cluster>.diag.<node>`, heartbeating first.
+
+    Returns:
+        The reply parsed as `reply` (a pydantic model).
+    Raises:
+        ApplicationError(type="AgentUnreachable"): nobody listens, or no answer within `timeout_s`
+            (retryable: the agent may be restarting).
+        ApplicationError(type="InvalidReport", non_retryable): the answer is not a `reply`.
+    """
+    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+    subject = subjects.diag_subject(cluster, node)
+    activity.heartbeat(f"{what} via {subject}")
+    try:
+        msg = await nc.request(subject, body, timeout=timeout_s)
+    except NoRespondersError as err:
+        raise ApplicationError(f"no agent listens on {subject}: is `fleetmend agent` running on {node}?",
+                               type="AgentUnreachable") from err
+    except (NatsTimeout, asyncio.TimeoutError) as err:
+        raise ApplicationError(f"agent on {node} did not answer {what} on {subject} within {timeout_s:.0f}s",
+                               type="AgentUnreachable") from err
+    try:
+        return reply.model_validate_json(msg.data)
+    except ValueError as err:
+        raise ApplicationError(f"agent on {node} sent an invalid {what} reply: {err}", type="InvalidReport",
+                               non_retryable=True) from err
 
 
 @dataclass
@@ -38,22 +71,7 @@ class DiagnosticsActivities:
             ApplicationError(type="AgentUnreachable"): no agent answered within `timeout_s` (retryable:
                 the agent may be restarting); the workflow records UNKNOWN after its retries.
         """
-        from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
-
         body = DiagRequest(level=req.level, checks=req.checks or [], incident_id=req.incident_id,
                            deadline_s=req.timeout_s).model_dump_json().encode()
-        subject = subjects.diag_subject(req.cluster, req.node)
-        activity.heartbeat(f"asking {subject}")
-        try:
-            msg = await self._nc.request(subject, body, timeout=req.timeout_s)
-        except NoRespondersError as err:
-            raise ApplicationError(f"no agent listens on {subject}: is `fleetmend agent` running on {req.node}?",
-                                   type="AgentUnreachable") from err
-        except (NatsTimeout, asyncio.TimeoutError) as err:
-            raise ApplicationError(f"agent on {req.node} did not answer {subject} within {req.timeout_s:.0f}s",
-                                   type="AgentUnreachable") from err
-        try:
-            return DiagReport.model_validate_json(msg.data)
-        except ValueError as err:
-            raise ApplicationError(f"agent on {req.node} sent an invalid diagnostics report: {err}",
-                                   type="InvalidReport", non_retryable=True) from err
+        return await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, DiagReport,
+                               what="diagnostics")

@@ -8,13 +8,12 @@ disabled, the default) or FAILED. The workflow verifies afterwards; this activit
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from fleetmend import subjects
+from activities.diagnostics import ask_agent
 from fleetmend.policy import RecoveryOp, RecoveryReport, RecoveryRequest
 
 
@@ -36,26 +35,11 @@ class RecoveryActivities:
         self._nc = nc
 
     async def _ask(self, req: RecoveryActivityRequest) -> RecoveryReport:
-        from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
-
-        subject = subjects.diag_subject(req.cluster, req.node)
         body = RecoveryRequest(op=req.op, pci_bus_id=req.pci_bus_id, incident_id=req.incident_id,
                                deadline_s=req.timeout_s).model_dump_json().encode()
-        activity.heartbeat(f"{req.op.value} via {subject}")
-        try:
-            msg = await self._nc.request(subject, body, timeout=req.timeout_s)
-        except NoRespondersError as err:
-            raise ApplicationError(f"no agent listens on {subject}: is `fleetmend agent` running on {req.node}?",
-                                   type="AgentUnreachable") from err
-        except (NatsTimeout, asyncio.TimeoutError) as err:
-            raise ApplicationError(f"agent on {req.node} did not answer {req.op.value} within {req.timeout_s:.0f}s",
-                                   type="AgentUnreachable") from err
-        try:
-            return RecoveryReport.model_validate_json(msg.data)
-        except ValueError as err:
-            raise ApplicationError(f"agent on {req.node} sent an invalid recovery report (an agent without "
-                                   f"recovery support answers diagnostics instead): {err}",
-                                   type="InvalidReport", non_retryable=True) from err
+        # An agent without recovery support answers diagnostics instead: InvalidReport, not retried.
+        return await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, RecoveryReport,
+                               what=req.op.value)
 
     @activity.defn(name="reset_gpu")
     async def reset_gpu(self, req: RecoveryActivityRequest) -> RecoveryReport:

@@ -9,6 +9,7 @@ inherit another's backlog. Sizes:
 | size  | pipeline (nodes/events) | quarantine nodes (scaling curve) | storm (nodes/events) | agent cost |
 |-------|-------------------------|----------------------------------|----------------------|------------|
 | small | 1k / 2k                 | 1k                               | 200 / 20k            | 20 s       |
+| medium| 1k, 3k, 10k / 5k        | 1k, 3k, 10k                      | 2k / 100k            | 60 s       |
 | full  | 1k, 3k, 10k / 10k       | 1k, 3k, 10k                      | 2k / 1M              | 60 s       |
 """
 
@@ -30,6 +31,13 @@ SIZES = {
         "quarantine": [["--nodes", "1000", "--faults", "20", "--gap", "0.3"]],
         "storm": [["--nodes", "200", "--events", "20000"]],
         "agent": [["--seconds", "20"]],
+    },
+    "medium": {
+        "pipeline": [["--nodes", n, "--events", "5000", "--raw", "30000", "--sws", "1000"]
+                     for n in ("1000", "3000", "10000")],
+        "quarantine": [["--nodes", n, "--faults", "30", "--gap", "0.5"] for n in ("1000", "3000", "10000")],
+        "storm": [["--nodes", "2000", "--events", "100000"]],
+        "agent": [["--seconds", "60"]],
     },
     "full": {
         "pipeline": [["--nodes", n, "--events", "10000", "--raw", "50000", "--sws", "2000"]

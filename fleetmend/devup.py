@@ -11,8 +11,6 @@ and JetStream state are files).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import structlog
 from fleetmend import servers
 from fleetmend.config import Settings
 from fleetmend.errors import ConfigError
+from fleetmend.process import stop_on_signals
 
 log = structlog.get_logger("fleetmend.devup")
 
@@ -62,18 +61,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
     nats_host, nats_port = _host_port(s.nats_url, "FLEETMEND_NATS_URL")
     t_host, t_port = _host_port(s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    hits = {"n": 0}
-
-    def on_signal() -> None:
-        hits["n"] += 1
-        if hits["n"] > 1:
-            os._exit(130)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    stop = stop_on_signals()
 
     started: list[servers.ManagedProcess] = []
     try:

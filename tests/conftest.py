@@ -10,7 +10,7 @@ import asyncio
 import os
 import time
 import uuid
-from pathlib import Path
+
 from typing import Any, Awaitable, Callable
 
 import pytest

@@ -10,7 +10,6 @@ import asyncio
 import getpass
 import json
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -68,20 +67,10 @@ async def _serve(main, settings: Settings) -> None:  # noqa: ANN001
     """Run `main(settings, stop)`; SIGTERM/SIGINT set `stop`, a second SIGINT forces exit."""
     from fleetmend.logs import configure_logging
 
+    from fleetmend.process import stop_on_signals
+
     configure_logging(settings.log_format)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    hits = {"n": 0}
-
-    def on_signal() -> None:
-        hits["n"] += 1
-        if hits["n"] > 1:
-            os._exit(130)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    await main(settings, stop)
+    await main(settings, stop_on_signals())
 
 
 # ------------------------------------------------------------------ processes

@@ -202,7 +202,7 @@ class Router:
         from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
         from workflows.remediation import (
-            KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, NodeRemediation, PolicySnapshot,
+            KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, NodeRemediation,
             RoutedFault, Verdict,
         )
 
