@@ -216,16 +216,37 @@ class DiagResponder:
     def _gpu_gate(self, name: str, ctx: _NvmlSession) -> CheckResult | None:
         """NOT_APPLICABLE / UNKNOWN result when NVML is not usable, else None."""
         ctx.ensure_init()
-        if ctx.no_driver:
+        if ctx.no_driver and not self.nvidia_gpus_on_bus():
             return CheckResult(name=name, result=DiagResult.NOT_APPLICABLE, detail=NO_DRIVER)
-        if ctx.init_error is not None:
+        if ctx.no_driver or ctx.init_error is not None:
             return CheckResult(name=name, result=DiagResult.UNKNOWN, detail=f"NVML unusable: {ctx.init_error}")
         return None
+
+    def nvidia_gpus_on_bus(self) -> list[str]:
+        """PCI addresses of NVIDIA display/3D controllers (vendor 0x10de, class 0x03xxxx) under
+        `<sysfs_root>/sys/bus/pci/devices`. A GPU node whose driver failed to load still has them, so
+        "no driver" there is a failure, not "not applicable" (which only a GPU-less host may claim)."""
+        found = []
+        for dev in sorted((self.sysfs_root / "sys" / "bus" / "pci" / "devices").glob("*")):
+            try:
+                vendor = (dev / "vendor").read_text().strip().lower()
+                klass = (dev / "class").read_text().strip().lower()
+            except OSError:
+                continue
+            if vendor == "0x10de" and klass.startswith("0x03"):
+                found.append(dev.name)
+        return found
 
     def _check_nvml_reachable(self, ctx: _NvmlSession) -> CheckResult:
         ctx.ensure_init()
         if ctx.no_driver:
-            return CheckResult(name="nvml_reachable", result=DiagResult.NOT_APPLICABLE, detail=NO_DRIVER)
+            gpus = self.nvidia_gpus_on_bus()
+            if not gpus:
+                return CheckResult(name="nvml_reachable", result=DiagResult.NOT_APPLICABLE, detail=NO_DRIVER)
+            return CheckResult(name="nvml_reachable", result=DiagResult.FAIL, measured=f"{len(gpus)} GPU(s) on the bus",
+                               expected="NVIDIA driver loaded",
+                               detail=f"NVIDIA GPUs on the PCI bus ({', '.join(gpus[:4])}) but NVML is unusable: "
+                                      f"{ctx.init_error}; driver not loaded or GPU lost")
         if ctx.init_error is not None:
             return CheckResult(name="nvml_reachable", result=DiagResult.FAIL, expected="nvmlInit succeeds",
                                detail=f"nvmlInit failed: {ctx.init_error}")
@@ -372,8 +393,9 @@ class _NvmlSession:
         try:
             self.nvml.nvmlInit()
             self.initialised = True
-        except self._no_driver_types:
+        except self._no_driver_types as err:
             self.no_driver = True
+            self.init_error = f"{type(err).__name__}: {err}"
         except self.NVMLError as err:
             self.init_error = str(err)
 

@@ -264,6 +264,10 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
     log.info("agent_stopped", published=publisher.published_count, spooled=publisher.spooled_count,
              replayed=publisher.replayed_count, lost=publisher.lost_count, spool_depth=left,
              spool_dropped=spool.dropped_count)
+    if kmsg_file is not None and publisher.published_count + publisher.spooled_count == 0:
+        print(f"fleetmend agent: no kernel-log fault found in {kmsg_file}; the replay reads kernel logs "
+              "(dmesg, journald, /dev/kmsg records). For nvidia-smi, dcgmi or other tool output use "
+              "`fleetmend explain`.", file=sys.stderr)
     if once and left:
         print(f"fleetmend agent: {left} event(s) could not be published and remain in the spool at "
               f"{spool.directory}; they are sent when the agent next runs with NATS reachable",

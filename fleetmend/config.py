@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import tomllib
+from urllib.parse import urlparse
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,7 @@ class MetricsSettings(_Section):
 
 class AgentSettings(_Section):
     kmsg_path: Path = Path("/dev/kmsg")
-    heartbeat_interval_s: float = 10.0
+    heartbeat_interval_s: float = Field(default=10.0, gt=0)
     """10 s: a silent node is noticed within a minute at the router's default silence of 60 s."""
     spool_max_bytes: int = 64 * 1024 * 1024
     """64 MiB ≈ 100k events of ~600 B: hours of a fault storm while NATS is away."""
@@ -193,7 +194,7 @@ class RouterSettings(_Section):
     max_in_flight: int = 64
     """Concurrent signal-with-start calls; Temporal's dev server saturates near 64-100."""
     ack_wait_s: float = 60.0
-    max_deliver: int = 50
+    max_deliver: int = Field(default=50, ge=1)
     """After this many deliveries a message is dead-lettered (poison), not retried forever."""
     nak_delay_s: float = 2.0
     temporal_call_timeout_s: float = 15.0
@@ -210,7 +211,7 @@ class PolicySettings(_Section):
     """Waiting for repair longer than this escalates the ticket (3 days: a vendor RMA SLA)."""
     settle_s: float = 0.0
     """Clean period after verification before return to service."""
-    diag_timeout_s: float = 120.0
+    diag_timeout_s: float = Field(default=120.0, gt=0)
     close_after_idle_s: float = 3600.0
     """A record-only incident (no drain) closes after this long without new faults."""
 
@@ -332,8 +333,27 @@ class Settings(BaseSettings):
     @field_validator("cluster", "node")
     @classmethod
     def _name(cls, v: str) -> str:
+        if len(v) > 128:
+            raise ValueError(f"{len(v)} characters; at most 128 (it names files and subject tokens)")
         if not re.match(r"^[A-Za-z0-9_-]+$", v):
             raise ValueError(f"{v!r}: use letters, digits, '-' and '_' only (it becomes a NATS subject token)")
+        return v
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, v: str) -> str:
+        for url in v.split(","):
+            u = urlparse(url.strip())
+            if u.scheme not in ("nats", "tls", "ws", "wss") or not u.hostname:
+                raise ValueError(f"{url!r}: expected nats://host:port (or tls://, comma-separated for a cluster)")
+        return v
+
+    @field_validator("temporal_address")
+    @classmethod
+    def _temporal_address(cls, v: str) -> str:
+        host, _, port = v.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{v!r}: expected host:port, e.g. 127.0.0.1:7233")
         return v
 
     @field_validator("log_format")
@@ -393,7 +413,8 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
         return Settings(**data)
     except ValidationError as err:
         where = f" in {path}" if path else ""
-        lines = [f"invalid configuration{where} ({err.error_count()} errors):"]
+        n = err.error_count()
+        lines = [f"invalid configuration{where} ({n} error{'s' if n != 1 else ''}):"]
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "(root)"
             lines.append(f"  {loc}: {e['msg']}")

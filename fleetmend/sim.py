@@ -126,6 +126,7 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
     from agents.publisher import Publisher
     from agents.spool import Spool
     from fleetmend import __version__, subjects
+    from fleetmend.events import utcnow
     from fleetmend.catalog import default_catalog
     from fleetmend.connect import connect_nats
     from fleetmend.jetstream import ensure_fault_stream
@@ -162,7 +163,7 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
         while not stop.is_set():
             node = node_name(cfg, i % cfg.nodes)
             hb = {"node": node, "cluster": cfg.cluster, "agent_version": __version__, "sim": True,
-                  "at": time.time()}
+                  "at": utcnow().isoformat()}
             await nc.publish(subjects.heartbeat_subject(cfg.cluster, node), orjson.dumps(hb))
             report.heartbeats_sent += 1
             i += 1

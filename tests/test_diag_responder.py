@@ -146,3 +146,25 @@ async def test_long_level_runs_commands_with_deadline(nc, unique: str, kmsg_file
     assert by["bad_tool"].result is DiagResult.FAIL and "broken" in by["bad_tool"].detail
     assert by["missing_tool"].result is DiagResult.NOT_APPLICABLE
     assert by["slow_tool"].result is DiagResult.UNKNOWN
+
+
+async def test_gpu_node_without_a_driver_fails_verification_not_passes(tmp_path):
+    """NOT_APPLICABLE is only for hosts without NVIDIA GPUs. A node whose GPUs are on the PCI bus but
+    whose driver failed to load (after an XID 79, say) must FAIL, never be returned to service."""
+    from agents.diag import DiagResponder
+    from fleetmend.diagnostics import DiagRequest, DiagResult
+
+    dev = tmp_path / "sys" / "bus" / "pci" / "devices" / "0000:3b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text("0x10de\n")
+    (dev / "class").write_text("0x030200\n")
+    gpu_node = DiagResponder(None, "c", "n", nvml=None, sysfs_root=tmp_path)
+    rep = await gpu_node.run(DiagRequest())
+    by = {c.name: c for c in rep.checks}
+    assert by["nvml_reachable"].result == DiagResult.FAIL and "0000:3b:00.0" in by["nvml_reachable"].detail
+    assert rep.result == DiagResult.FAIL and not rep.passed
+
+    (tmp_path / "empty").mkdir()
+    cpu_node = DiagResponder(None, "c", "n", nvml=None, sysfs_root=tmp_path / "empty")
+    rep = await cpu_node.run(DiagRequest())
+    assert {c.name: c for c in rep.checks}["nvml_reachable"].result == DiagResult.NOT_APPLICABLE

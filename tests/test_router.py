@@ -166,3 +166,4 @@ async def test_temporal_away_means_nak_then_delivery_once_back(nats_server, nc, 
         stop.set()
         await task
         proc.stop()
+

@@ -30,7 +30,8 @@ config_app = typer.Typer(no_args_is_help=True, help="Configuration.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(config_app, name="config")
 
-out = Console()
+# Piped output (| less, | grep) gets a wide console instead of rich's 80-column default.
+out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help="TOML config file.")
@@ -411,8 +412,17 @@ async def _read_deadletters(s: Settings, limit: int) -> list[dict[str, Any]]:
 @config_app.command("check")
 def config_check(config: Optional[Path] = ConfigOpt) -> None:
     """Validate the configuration and print every error at once."""
+    import difflib
+
     s = _settings(config)
     out.print(s.model_dump_json(indent=2))
+    known = set(Settings.model_fields) | {"config"}
+    for var in sorted(v for v in os.environ if v.startswith("FLEETMEND_")):
+        name = var[len("FLEETMEND_"):].lower().split("__")[0]
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean FLEETMEND_{near[0].upper()}?" if near else ""
+            err.print(f"[yellow]warning:[/yellow] {var} is not a fleetmend setting and is ignored{hint}")
     out.print("[green]configuration valid[/green]")
 
 

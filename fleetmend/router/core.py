@@ -155,7 +155,7 @@ class Router:
                 continue
             try:
                 msgs = await psub.fetch(min(self.s.router.fetch_batch, self._max_unacked - self._held), timeout=1.0)
-            except NatsTimeout:
+            except (NatsTimeout, asyncio.TimeoutError):
                 continue  # idle, not a failure (nats-io/nats.py#418)
             except asyncio.CancelledError:
                 raise
@@ -199,12 +199,7 @@ class Router:
             self._senders.pop(key, None)
 
     async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent]]) -> None:
-        from temporalio.common import SearchAttributePair, TypedSearchAttributes
-
-        from workflows.remediation import (
-            KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, NodeRemediation,
-            RoutedFault, Verdict,
-        )
+        from workflows.remediation import FaultBatch, IncidentInput, RoutedFault, Verdict
 
         faults = []
         for _msg, ev in items:
@@ -218,17 +213,10 @@ class Router:
         wid = subjects.workflow_id(cluster, node)
         inp = IncidentInput(cluster=cluster, node=node, policy=policy_snapshot(self.s.policy))
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
+        batch = FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
         async with self._sem:
             try:
-                async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
-                    await self.client.start_workflow(
-                        NodeRemediation.run, inp, id=wid, task_queue=self.s.task_queue,
-                        start_signal="faults",
-                        start_signal_args=[FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))],
-                        search_attributes=TypedSearchAttributes([
-                            SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
-                            SearchAttributePair(KEY_PHASE, "triage")]),
-                        static_summary=f"{node} ({cluster}): remediation incident")
+                await self._signal_with_start(wid, inp, batch, cluster, node)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Temporal away or overloaded: retry later, never drop
@@ -240,6 +228,20 @@ class Router:
         self.stats.routed += len(items)
         self.stats.signals += 1
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev in items}))
+
+    async def _signal_with_start(self, wid: str, inp, batch, cluster: str, node: str) -> None:  # noqa: ANN001
+        from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+        from workflows.remediation import KEY_CLUSTER, KEY_NODE, KEY_PHASE, NodeRemediation
+
+        async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
+            await self.client.start_workflow(
+                NodeRemediation.run, inp, id=wid, task_queue=self.s.task_queue,
+                start_signal="faults", start_signal_args=[batch],
+                search_attributes=TypedSearchAttributes([
+                    SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
+                    SearchAttributePair(KEY_PHASE, "triage")]),
+                static_summary=f"{node} ({cluster}): remediation incident")
 
     async def _retry_later(self, items: list[tuple[Any, FaultEvent]], error: str, bound) -> None:  # noqa: ANN001
         for msg, _ev in items:
