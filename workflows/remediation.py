@@ -540,8 +540,8 @@ class NodeRemediation:
                                                   requested_at=s.permit_requested_at),
             start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
             summary=f"drain permit for {s.node}")
-        self._details(f"awaiting a drain permit from FleetGuard ({s.severity} {s.fault_class}); "
-                      "`fleetmend breaker status` shows the queue")
+        self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
+                   "blast-radius budget decides; `fleetmend breaker status` shows permits held and the queue")
         while True:
             await workflow.wait_condition(lambda: s.permit is not None or self._abort is not None
                                           or bool(self._pending))
