@@ -253,6 +253,10 @@ class PolicySettings(_Section):
     # --- recovery before RMA ------------------------------------------------------------------
     recovery_settle_s: float = Field(default=120.0, ge=0)
     """After a GPU reset or reboot, wait this long (for late XIDs, driver re-init) before verifying."""
+    close_info_after_s: float = Field(default=300.0, ge=0)
+    """An incident that holds only info readings or clearings (an agent that came back, a link that
+    went ACTIVE) closes after 5 min quiet instead of `close_after_idle_s`: nothing to act on, and it
+    should not sit in `fleetmend status`. 0 = no special case."""
     ticket_poll_s: float = Field(default=900.0, ge=0)
     """While awaiting repair, poll the ticket (Jira status, webhook status URL, local ledger) this
     often; a status in `tickets.repaired_statuses` counts as `fleetmend repaired`. 15 min: a repair

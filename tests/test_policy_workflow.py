@@ -164,3 +164,20 @@ async def test_ticket_status_is_a_source_of_repaired(wenv):
     st = await h.result()
     assert st.outcome == "returned_to_service" and len(calls.undrains) == 1
     assert any(e.get("by") == f"ticket:{st.ticket}" for e in st.timeline)
+
+
+async def test_info_only_incident_closes_after_the_short_quiet_time(wenv):
+    """An incident holding only info readings (an agent's nvml_unavailable, a cleared link) closes
+    after close_info_after_s, not the hour that application faults wait."""
+    env, tq, calls, c = wenv
+    h = await start(env.client, tq, c, "i1", [ev(c, "i1", kind="nvml_unavailable", severity="info",
+                                                 action="IGNORE", component=Component.AGENT)],
+                    close_after_idle_s=3600, close_info_after_s=300)
+    await assert_eventually(lambda: phase(h, "triage"))
+    await env.sleep(timedelta(seconds=400))
+    st = await h.result()
+    assert st.outcome == "recorded" and calls.drains == []
+    from datetime import datetime
+
+    open_s = (datetime.fromisoformat(st.closed_at) - datetime.fromisoformat(st.opened_at)).total_seconds()
+    assert open_s < 1000, f"closed after {open_s:.0f}s, not after the 300s quiet time"

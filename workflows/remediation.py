@@ -173,6 +173,8 @@ class PolicySnapshot:
     sbe_window_s: float = 3600.0
     recovery_settle_s: float = 0.0
     ticket_poll_s: float = 0.0
+    close_info_after_s: float = 0.0
+    """An incident holding only info readings / clearings closes after this quiet time (0 = as any)."""
     """While awaiting repair, ask the ticket system this often whether the ticket says repaired
     (0 = only `fleetmend repaired`)."""
     """Defaults here are those of an input that predates the field (replay); the router sends
@@ -454,6 +456,9 @@ class NodeRemediation:
             if self._retest is not None:
                 self._retest = None
             wait_s = self._policy.close_after_idle_s
+            if self._policy.close_info_after_s and not any(
+                    not f.healthy and Severity(f.severity).rank > Severity.INFO.rank for f in s.faults):
+                wait_s = min(wait_s, self._policy.close_info_after_s)  # only info readings / clearings
             if d.debounce:
                 now = workflow.now()
                 ends = [(f.arrived_at or now) + timedelta(seconds=self._policy.debounce_s) for f in d.debounce]
@@ -462,7 +467,7 @@ class NodeRemediation:
                               f"{wait_s:.0f}s unless it clears")
             else:
                 self._details(f"triage: {len(s.faults)} fault(s) recorded, none needs a drain; closes after "
-                              f"{self._policy.close_after_idle_s:.0f}s quiet")
+                              f"{wait_s:.0f}s quiet")
             try:
                 await workflow.wait_condition(lambda: bool(self._pending) or self._abort is not None,
                                               timeout=timedelta(seconds=wait_s))
