@@ -59,7 +59,12 @@ def run(script: str, args: list[str]) -> str:
     p = subprocess.run(cmd, capture_output=True, text=True)
     took = time.monotonic() - t0
     m = re.search(r"\n## .*", p.stdout, re.S)
-    body = m.group(0) if m else f"\n## {script} {' '.join(args)}\n\n(failed, rc {p.returncode})\n```\n{p.stderr[-3000:]}\n```\n"
+    if m:
+        body = m.group(0)
+    elif p.returncode == 0:
+        body = f"\n## {script} {' '.join(args)}\n\n```\n{p.stdout.strip()[-3000:]}\n```\n"
+    else:
+        body = f"\n## {script} {' '.join(args)}\n\n(failed, rc {p.returncode})\n```\n{p.stderr[-3000:]}\n```\n"
     print(body, flush=True)
     return f"{body}\n\nCommand: `python bench/{script}.py {' '.join(args)}` ({took:.0f} s wall)\n"
 

@@ -87,8 +87,13 @@ async def main(nodes: int, events: int, seed: int) -> None:
         checked = ok = 0
         for node in list(per_node)[:10]:
             h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node))
+            got = -1
             for _ in range(300):
-                stt = await h.query(NodeRemediation.status)
+                try:
+                    stt = await h.query(NodeRemediation.status)
+                except Exception:  # noqa: BLE001 - the worker is still replaying the storm's backlog
+                    await asyncio.sleep(1.0)
+                    continue
                 got = sum(f["count"] for f in stt.faults)
                 if got >= per_node[node]:
                     break
