@@ -6,7 +6,7 @@
 
 Started by the router with signal-with-start (`faults` signal); later faults of the same node join
 the open incident. Human commands are updates with validators, so bad input never reaches history:
-`mark_repaired`, `force_retest`, `abort`, `approve`. The `status` query answers `IncidentStatus`.
+`mark_repaired`, `force_retest`, `abort` (FleetGuard takes `reset_breaker`, `pause`, `resume`). The `status` query answers `IncidentStatus`.
 
 Deterministic code only: every side effect is an activity (activities/), time is `workflow.now()`,
 logs go through `workflow.logger`. History stays bounded: after `MAX_HISTORY_EVENTS` (or when the
@@ -304,7 +304,6 @@ class NodeRemediation:
         self._repaired: HumanCommand | None = None
         self._retest: HumanCommand | None = None
         self._abort: HumanCommand | None = None
-        self._approved: HumanCommand | None = None
         self._policy = PolicySnapshot()
 
     # ---------------------------------------------------------------- messages
@@ -367,16 +366,6 @@ class NodeRemediation:
         self._require_by(cmd)
         if self._state.phase == Phase.CLOSED.value:
             raise ValueError(f"incident for {self._state.node} is already closed")
-
-    @workflow.update(name="approve")
-    async def approve(self, cmd: HumanCommand) -> str:
-        self._approved = cmd
-        self._note("approved", by=cmd.by)
-        return "approved"
-
-    @approve.validator
-    def _validate_approve(self, cmd: HumanCommand) -> None:
-        self._require_by(cmd)
 
     # ---------------------------------------------------------------- main
     @workflow.run
