@@ -26,6 +26,7 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 | fleetmend_undrains_total | counter | cluster, scheduler, outcome | undrain activity |
 | fleetmend_time_to_quarantine_seconds | histogram | cluster | drain activity: observed_at → drained |
 | fleetmend_mttr_seconds | histogram | cluster | undrain activity: drained_at → returned |
+| fleetmend_time_between_incidents_seconds | histogram | cluster | worker poller: a node's previous incident closed → next opened |
 | fleetmend_tickets_total | counter | filer, outcome | ticket activities |
 """
 
@@ -74,6 +75,10 @@ TIME_TO_QUARANTINE = Histogram("fleetmend_time_to_quarantine_seconds", "Fault ob
 MTTR = Histogram("fleetmend_mttr_seconds", "Node drained → returned to service.", ["cluster"],
                  buckets=MTTR_BUCKETS_S)
 TICKETS = Counter("fleetmend_tickets", "Ticket operations.", ["filer", "outcome"])
+TIME_BETWEEN_INCIDENTS = Histogram(
+    "fleetmend_time_between_incidents_seconds",
+    "Per node: previous incident closed → next incident opened (MTBF-style; the node is not a label).",
+    ["cluster"], buckets=MTTR_BUCKETS_S)
 
 
 def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> Any:
@@ -206,6 +211,48 @@ async def refresh_incidents(client: Any, cluster: str, limit: int = 10_000) -> d
     DRAINS_IN_FORCE.labels(cluster=cluster).set(drained)
     await refresh_guard(client, cluster)
     return counts
+
+
+async def observe_new_incidents(client: Any, cluster: str, since: datetime, until: datetime | None = None,
+                                limit: int = 1000) -> int:
+    """For each NodeRemediation run of `cluster` started in (`since`, `until`], observe the time since the
+    same node's previous run closed (`fleetmend_time_between_incidents_seconds`).
+
+    One visibility list for the new runs plus one per new run for its predecessor.
+    Returns:
+        How many were observed (first incidents of a node have no predecessor).
+    """
+    window = f"StartTime > '{since.astimezone(timezone.utc).isoformat()}'"
+    if until is not None:
+        window += f" AND StartTime <= '{until.astimezone(timezone.utc).isoformat()}'"
+    new = [wf async for wf in client.list_workflows(
+        f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}' AND {window}", limit=limit)]
+    seen = 0
+    for wf in new:
+        prev = [p async for p in client.list_workflows(
+            f"WorkflowId='{wf.id}' AND CloseTime < '{wf.start_time.astimezone(timezone.utc).isoformat()}'",
+            limit=50)]
+        closed = [p.close_time for p in prev if p.close_time is not None and p.run_id != wf.run_id]
+        if closed:
+            TIME_BETWEEN_INCIDENTS.labels(cluster=cluster).observe(
+                max(0.0, (wf.start_time - max(closed)).total_seconds()))
+            seen += 1
+    return seen
+
+
+class IncidentWatcher:
+    """`refresh()` for the worker's poller: incident gauges, FleetGuard gauges and the time between
+    a node's incidents, remembering where the last refresh left off."""
+
+    def __init__(self, client: Any, cluster: str) -> None:
+        self.client, self.cluster = client, cluster
+        self.since = datetime.now(timezone.utc)
+
+    async def refresh(self) -> None:
+        now = datetime.now(timezone.utc)
+        await refresh_incidents(self.client, self.cluster)
+        await observe_new_incidents(self.client, self.cluster, self.since, until=now)
+        self.since = now  # each run is observed once: windows (since, now] do not overlap
 
 
 async def refresh_guard(client: Any, cluster: str) -> bool | None:

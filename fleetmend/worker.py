@@ -53,8 +53,9 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     from fleetmend import metrics
 
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
+    watcher = metrics.IncidentWatcher(client, settings.cluster)
     poll = asyncio.create_task(metrics.poll_forever(
-        lambda: metrics.refresh_incidents(client, settings.cluster), settings.metrics.poll_interval_s, stop, log,
+        watcher.refresh, settings.metrics.poll_interval_s, stop, log,
         "incidents")) if settings.metrics.worker_port else None
     async with worker:
         await stop.wait()

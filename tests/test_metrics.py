@@ -165,3 +165,36 @@ async def test_worker_process_serves_metrics(nats_server, temporal_server, tmp_p
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def test_time_between_a_nodes_incidents_is_observed(temporal_client, unique):
+    """A node whose incident closed and later opens a new one: the worker's poller observes the gap
+    in fleetmend_time_between_incidents_seconds (cluster label only)."""
+    import uuid
+    from datetime import datetime, timedelta, timezone
+
+    from temporalio.worker import Worker
+
+    from fleetmend import metrics
+    from tests.activity_standins import Calls, stand_ins
+    from tests.test_workflow import fault, start
+    from workflows.remediation import NodeRemediation
+
+    cluster, tq = f"mtbf{unique}", f"tq-{uuid.uuid4().hex[:8]}"
+    since = datetime.now(timezone.utc) - timedelta(seconds=1)
+
+    def count() -> float:
+        return metrics.REGISTRY.get_sample_value("fleetmend_time_between_incidents_seconds_count",
+                                                 {"cluster": cluster}) or 0.0
+
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(Calls())):
+        h = await start(temporal_client, tq, cluster, "m1", [fault(cluster, "m1", 79, drain=True)], observe_only=True)
+        assert (await h.result()).outcome == "observed"
+        assert await metrics.observe_new_incidents(temporal_client, cluster, since) == 0  # first incident: no gap
+        await start(temporal_client, tq, cluster, "m1", [fault(cluster, "m1", 48, drain=True)], observe_only=True)
+
+        async def observed():
+            return await metrics.observe_new_incidents(temporal_client, cluster, since) >= 1
+
+        await assert_eventually(observed, what="second incident observed")
+    assert count() >= 1
