@@ -37,6 +37,7 @@ import structlog
 from pydantic import ValidationError
 
 from fleetmend import __version__
+from agents.commands import run_command, tail
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagRequest, DiagResult
 from fleetmend.events import utcnow
 from fleetmend.subjects import diag_subject
@@ -47,7 +48,6 @@ GPU_CHECKS = frozenset({"nvml_reachable", "gpu_count", "remapped_rows_pending", 
 DEFAULT_LONG_COMMANDS: dict[str, list[str]] = {"dcgm_diag": ["dcgmi", "diag", "-r", "2"]}
 """`dcgmi diag -r 2`: DCGM's medium run (~2 min), the level NVIDIA recommends before return to service."""
 NO_DRIVER = "no NVIDIA driver on this host"
-OUTPUT_TAIL_BYTES = 2000
 
 
 def _real_pynvml() -> Any:
@@ -341,21 +341,16 @@ class DiagResponder:
         if shutil.which(argv[0]) is None:
             return CheckResult(name=name, result=DiagResult.NOT_APPLICABLE,
                                detail=f"{argv[0]} not installed on this host")
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT)
-        try:
-            async with asyncio.timeout(timeout_s):
-                out, _ = await proc.communicate()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        ran = await run_command(argv, timeout_s)
+        if ran is None:
             return CheckResult(name=name, result=DiagResult.UNKNOWN, measured=" ".join(argv),
                                detail=f"timed out after {timeout_s:.0f} s")
-        tail = out[-OUTPUT_TAIL_BYTES:].decode(errors="replace")
+        rc, out = ran
+        last = tail(out)
         if _is_dcgmi_diag(argv):
-            return self._dcgm_result(name, argv, proc.returncode, out.decode(errors="replace"), tail)
-        return CheckResult(name=name, result=DiagResult.PASS if proc.returncode == 0 else DiagResult.FAIL,
-                           measured=f"{' '.join(argv)}: exit {proc.returncode}", expected="exit 0", detail=tail)
+            return self._dcgm_result(name, argv, rc, out.decode(errors="replace"), last)
+        return CheckResult(name=name, result=DiagResult.PASS if rc == 0 else DiagResult.FAIL,
+                           measured=f"{' '.join(argv)}: exit {rc}", expected="exit 0", detail=last)
 
     def _dcgm_result(self, name: str, argv: list[str], rc: int | None, text: str, tail: str) -> CheckResult:
         """`dcgmi diag` output read with the same parser as `fleetmend explain` (agents.parsers.dcgm):

@@ -20,10 +20,10 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
+from agents.commands import run_command, tail
 from fleetmend.policy import RecoveryOp, RecoveryReport, RecoveryRequest, RecoveryResult
 
 QUERY_APPS = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
-OUTPUT_TAIL_BYTES = 2000
 
 
 def _norm_bus(bus: str) -> str:
@@ -109,13 +109,7 @@ class RecoveryHandler:
 
 
 async def _run(argv: list[str], timeout_s: float) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
-    try:
-        async with asyncio.timeout(timeout_s):
-            out, _ = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+    ran = await run_command(argv, timeout_s)
+    if ran is None:
         return -1, f"timed out after {timeout_s:.0f}s"
-    return proc.returncode or 0, out[-OUTPUT_TAIL_BYTES:].decode(errors="replace").strip()
+    return ran[0], tail(ran[1]).strip()
