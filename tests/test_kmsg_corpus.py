@@ -6,6 +6,8 @@ passes when the parser emits no event at all: the operator reading is "nothing t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from agents.kmsg import KmsgParser, parse_text
@@ -71,7 +73,7 @@ def test_other_cases_do_not_crash(case: dict) -> None:
 def test_xid79_and_fallen_off_bus_are_one_event() -> None:
     case = next((c for c in KMSG_CASES if c["id"] == "c005"), None)
     if case is None:
-        pytest.skip("c005 not in corpus")
+        (pytest.fail if os.environ.get("CI") == "true" else pytest.skip)("c005 not in corpus")
     events = parse_text(case["raw"], node="n")
     assert [(e.kind, e.code) for e in events] == [("xid", 79)]
     assert "fallen off the bus" in events[0].raw and "nvidia-bug-report" in events[0].raw
