@@ -1,5 +1,12 @@
 """`python -m agents`: the node agent without the CLI's extra imports (also used by tests that
-run the agent as a subprocess to kill -9 it). `fleetmend agent` is the documented entry point."""
+run the agent as a subprocess to kill -9 it). `fleetmend agent` is the documented entry point and
+comes here directly (fleetmend/cli/entry.py), without typer, rich or temporalio.
+
+Memory (bench/agent_memory.py): nats-py imports aiohttp for its websocket transport whenever aiohttp
+is installed, and structlog imports rich for pretty tracebacks whenever rich is installed; together
+~15 MiB of RSS on every node for code the agent never runs. `lean_imports()` keeps both out of the
+agent's process (aiohttp only when no `ws://`/`wss://` NATS URL is configured).
+"""
 
 from __future__ import annotations
 
@@ -8,29 +15,48 @@ import asyncio
 import sys
 from pathlib import Path
 
-from agents.runner import run_agent
 from fleetmend.config import load_settings
 from fleetmend.errors import ConfigError
-from fleetmend.logs import configure_logging
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m agents", description=__doc__)
+def lean_imports(nats_url: str) -> None:
+    """Make `import aiohttp` (unless a websocket URL is configured) and `import rich` fail in this
+    process, before nats and structlog are imported: both libraries treat them as optional."""
+    if not any(u.strip().startswith(("ws://", "wss://")) for u in nats_url.split(",")):
+        sys.modules.setdefault("aiohttp", None)  # type: ignore[arg-type]
+    sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bool = True) -> int:
+    """Run the agent; `lean=False` when called inside another program (no import blocking)."""
+    ap = argparse.ArgumentParser(prog=prog, description="Node agent: probes → JetStream (spooling to disk "
+                                 "while NATS is away), heartbeats, diagnostics and recovery requests.")
     ap.add_argument("--config", "-c", type=Path, help="TOML config file (FLEETMEND_CONFIG)")
-    ap.add_argument("--node")
-    ap.add_argument("--cluster")
+    ap.add_argument("--node", help="this node's name (default: host name; FLEETMEND_NODE)")
+    ap.add_argument("--cluster", help="cluster name (FLEETMEND_CLUSTER)")
     ap.add_argument("--kmsg-file", type=Path, help="replay a captured kernel log instead of /dev/kmsg")
     ap.add_argument("--inject-file", type=Path, help="also replay a JSON-lines file of FaultEvents")
     ap.add_argument("--no-kmsg", action="store_true", help="leave the kmsg probe out")
     ap.add_argument("--once", action="store_true", help="exit when the probes are done")
     ap.add_argument("--hardware", action=argparse.BooleanOptionalAction, default=None,
                     help="run the nvml/sysfs/udev probes (default: only when live, i.e. no --once and no file)")
+    ap.add_argument("--metrics-port", type=int, help="serve /metrics on this port (0: off)")
     args = ap.parse_args(argv)
+    if args.kmsg_file is not None and not args.kmsg_file.is_file():
+        print(f"--kmsg-file {args.kmsg_file}: no such file", file=sys.stderr)
+        return 2
     try:
         settings = load_settings(args.config, node=args.node, cluster=args.cluster)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.metrics_port is not None:
+        settings.metrics.agent_port = args.metrics_port
+    if lean:
+        lean_imports(settings.nats_url)
+    from agents.runner import run_agent
+    from fleetmend.logs import configure_logging
+
     configure_logging(settings.log_format)
     return asyncio.run(run_agent(settings, kmsg_file=args.kmsg_file, once=args.once,
                                  inject_file=args.inject_file, kmsg=not args.no_kmsg,

@@ -133,6 +133,19 @@ class _Gpu:
         self.unsupported: set[str] = set()  # reads this GPU does not support (not retried)
 
 
+def trim_heap() -> bool:
+    """Hand the heap that nvmlInit and event-set setup allocated and freed back to the OS
+    (glibc's `malloc_trim(0)`; glibc keeps freed heap otherwise). Measured on an H200 host with
+    driver 580.159.04: nvmlInit adds ~19 MiB of RSS that nvmlShutdown does not return, and
+    malloc_trim returns ~10 MiB of it. Returns False where libc has no malloc_trim (musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 class NvmlProbe:
     """NVML probe (`name = "nvml"`).
 
@@ -202,6 +215,7 @@ class NvmlProbe:
         except self.NVMLError:
             pass
         self._log.info("nvml_ready", gpus=len(self.gpus), driver_version=driver)
+        trim_heap()
         return self.conditions.observe("nvml", None, clear_message=f"NVML available: {len(self.gpus)} GPU(s), "
                                                                    f"driver {driver}")
 
@@ -287,6 +301,7 @@ class NvmlProbe:
                     self._log.warning("nvml_xid_register_failed", gpu=g.index, error=str(err))
             if not registered:
                 return
+            trim_heap()
             while not stop.is_set():
                 try:
                     data = self.nvml.nvmlEventSetWait_v2(es, self.xid_wait_ms)

@@ -75,26 +75,13 @@ async def _serve(main, settings: Settings) -> None:  # noqa: ANN001
 
 
 # ------------------------------------------------------------------ processes
-@app.command()
-def agent(
-    node: Optional[str] = typer.Option(None, "--node", help="This node's name (default: host name)."),
-    cluster: Optional[str] = ClusterOpt,
-    kmsg_file: Optional[Path] = typer.Option(None, "--kmsg-file", exists=True, dir_okay=False,
-                                             help="Replay a captured kernel log instead of following /dev/kmsg."),
-    once: bool = typer.Option(False, "--once", help="Exit after the replay is published (or spooled)."),
-    config: Optional[Path] = ConfigOpt,
-    metrics_port: Optional[int] = MetricsPortOpt,
-) -> None:
-    """Node agent: probes → JetStream (spooling to disk while NATS is away), heartbeats, diagnostics."""
-    from agents.runner import run_agent
-    from fleetmend.logs import configure_logging
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def agent(ctx: typer.Context) -> None:
+    """Node agent: probes → JetStream (spooling to disk while NATS is away), heartbeats, diagnostics.
+    `fleetmend agent --help` lists its options (--node, --cluster, --config, --kmsg-file, --once, ...)."""
+    from agents.__main__ import main as agent_main
 
-    s = _settings(config, node=node, cluster=cluster)
-    if metrics_port is not None:
-        s.metrics.agent_port = metrics_port
-    configure_logging(s.log_format)
-    rc = _run(run_agent(s, kmsg_file=kmsg_file, once=once))
-    raise typer.Exit(rc or 0)
+    raise typer.Exit(agent_main(list(ctx.args), prog="fleetmend agent", lean=False))
 
 
 @app.command()

@@ -1,0 +1,25 @@
+"""The `fleetmend` console script.
+
+`fleetmend agent ...` runs on every node of the fleet, so it goes straight to the lean agent entry
+(`agents.__main__`: no typer, rich or temporalio in the process; bench/agent_memory.py shows what
+that saves). Every other command goes to the typer application in `fleetmend.cli.main`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["agent"]:
+        from agents.__main__ import main as agent_main
+
+        sys.exit(agent_main(argv[1:], prog="fleetmend agent"))
+    from fleetmend.cli.main import main as cli_main
+
+    cli_main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

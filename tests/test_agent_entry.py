@@ -1,0 +1,42 @@
+"""The agent's entry point: `fleetmend agent` runs the lean agent (no typer, rich, temporalio or
+aiohttp in a process that runs on every node; bench/agent_memory.py has the figures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("aiohttp", "rich", "typer", "temporalio", "kubernetes")
+
+
+def _modules_after(code: str) -> list[str]:
+    prog = code + f"\nimport sys, json; print(json.dumps(sorted(m for m in {HEAVY!r} if sys.modules.get(m))))"
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, cwd=REPO, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_agent_process_imports_no_heavy_optional_library() -> None:
+    loaded = _modules_after("from agents.__main__ import lean_imports\nlean_imports('nats://10.0.0.1:4222')\n"
+                            "import agents.runner, agents.nvml, agents.diag, agents.recovery, nats, structlog")
+    assert loaded == []
+
+
+def test_websocket_nats_url_keeps_aiohttp_importable() -> None:
+    code = ("from agents.__main__ import lean_imports\nlean_imports('wss://nats.example:443')\n"
+            "import importlib.util, sys\nassert sys.modules.get('aiohttp', 1) is not None\n")
+    assert "rich" not in _modules_after(code)
+
+
+def test_fleetmend_agent_goes_to_the_lean_entry(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("fleetmend")
+    out = subprocess.run([str(exe), "agent", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: fleetmend agent")
+    assert "--kmsg-file" in out.stdout and "--metrics-port" in out.stdout
+    bad = subprocess.run([str(exe), "agent", "--kmsg-file", str(tmp_path / "missing.log"), "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such file" in bad.stderr
