@@ -218,3 +218,16 @@ def test_probe_cursor_round_trip(tmp_path) -> None:
     boot, seq = probe._load_cursor()
     assert seq == 1234
     assert json.loads((tmp_path / "state" / "kmsg.cursor").read_text())["seq"] == 1234
+
+
+def test_a_real_h200_hosts_boot_log_is_not_a_fault() -> None:
+    """tests/h200_boot_dmesg.txt: the whole boot log of a healthy H200 host (driver 580.159.04,
+    read there with scripts/gpu_check.py's run, 2026-11-29). NVRM's boot lines (module load,
+    "FBHUB Interrupt detected. Clearing it.", persistence-mode deprecation) and the rest of a
+    normal boot must yield no fault: a false positive here would drain healthy nodes at boot."""
+    from pathlib import Path
+
+    text = (Path(__file__).with_name("h200_boot_dmesg.txt")).read_text()
+    assert "NVRM: loading NVIDIA UNIX Open Kernel Module" in text
+    events = parse_text(text)
+    assert [e for e in events if not e.healthy] == []
