@@ -193,6 +193,10 @@ class RouterSettings(_Section):
     """fetch(100) + ack measured at ~12k msgs/s here, far above Temporal's rate; bigger gains nothing."""
     max_in_flight: int = 64
     """Concurrent signal-with-start calls; Temporal's dev server saturates near 64-100."""
+    max_unacked: int = Field(default=20_000, ge=1)
+    """Messages held un-acked while they wait for their node's turn. A backlog deeper than the
+    fleet's node count lets each node's signal carry many events (bench/storm.py: 2,000 nodes).
+    Memory: ~4 KiB a held message."""
     ack_wait_s: float = 60.0
     max_deliver: int = Field(default=50, ge=1)
     """After this many deliveries a message is dead-lettered (poison), not retried forever."""

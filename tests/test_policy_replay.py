@@ -43,6 +43,7 @@ def test_histories_are_present() -> None:
     names = {p.stem for p in recorded()}
     assert {"remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort"} <= names
     assert {"remediation_v2_reset_returned", "remediation_v2_abort_awaiting_repair", "fleetguard_v1"} <= names
+    assert "remediation_v3_flap_before_arrival_order" in names
 
 
 def _write(name: str, history) -> None:  # noqa: ANN001
@@ -100,6 +101,16 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
         for name, h in (("remediation_v2_reset_returned", h4), ("remediation_v2_abort_awaiting_repair", h5)):
             await h.result()
             _write(name, await h.fetch_history())
+
+        # v3 (recorded before patch `arrival-order`): a flapping link DOWN, UP, DOWN in one batch was
+        # taken for cleared, so the incident closed as recorded without a drain.
+        from tests.test_policy_workflow import _flap
+
+        h6 = await start(client, tq, cluster, f"v3f-{sfx}", _flap(cluster, f"v3f-{sfx}", "DUD"), debounce_s=1,
+                         close_after_idle_s=2)
+        await assert_eventually(lambda: phase_is(h6, "closed"))
+        await h6.result()
+        _write("remediation_v3_flap_before_arrival_order", await h6.fetch_history())
     await _record_guard(client)
 
 

@@ -74,6 +74,65 @@ async def test_link_fault_that_stays_down_drains_after_the_debounce_window(wenv)
     assert calls.diags[0].checks is None, "initial diagnostics run every QUICK check"
 
 
+def _flap(c: str, node: str, states: str) -> list[RoutedFault]:
+    """A link's states in arrival order: 'D' = Link DOWN, 'U' = ACTIVE again (the clearing event)."""
+    ib = dict(kind="ib_port_down", component=Component.IB, device=Device(name="mlx5_0", port=1), clearable=True)
+    return [ev(c, node, healthy=True, **ib) if x == "U" else
+            ev(c, node, drain=True, severity="fatal", action="DRAIN_DIAGNOSE", **ib) for x in states]
+
+
+@pytest.mark.parametrize("one_batch", [True, False], ids=["one-batch", "signal-each"])
+async def test_flapping_link_that_ends_down_drains_after_the_debounce_window(wenv, one_batch):
+    """DOWN, UP, DOWN: the last word is DOWN. Before patch `arrival-order` the second DOWN merged into
+    the first record, which the UP (later in the list) then 'cleared', and the node was never drained."""
+    env, tq, calls, c = wenv
+    flaps = _flap(c, "f1", "DUD")
+    h = await start(env.client, tq, c, "f1", flaps if one_batch else flaps[:1], debounce_s=30,
+                    close_after_idle_s=600)
+    if not one_batch:
+        for rf in flaps[1:]:
+            await assert_eventually(lambda: phase(h, "triage"))
+            await h.signal(NodeRemediation.faults, FaultBatch(faults=[rf]))
+    await env.sleep(timedelta(seconds=31))
+    st = await assert_eventually(lambda: phase(h, "awaiting_repair"), what="drained after the window")
+    assert [d.node for d in calls.drains] == ["f1"]
+    down = next(f for f in st.faults if not f["healthy"])
+    assert down["count"] == 2 and [f["count"] for f in st.faults if f["healthy"]] == [1]
+
+
+async def test_flapping_link_that_ends_up_drains_nothing(wenv):
+    env, tq, calls, c = wenv
+    h = await start(env.client, tq, c, "f2", _flap(c, "f2", "DUDU"), debounce_s=30, close_after_idle_s=600)
+    await env.sleep(timedelta(seconds=700))
+    st = await h.result()
+    assert st.outcome == "recorded" and calls.drains == []
+
+
+async def test_collapsed_repeats_count_every_new_id_once(wenv):
+    """The router's collapsed form (one RoutedFault with `repeats`) counts and de-duplicates each
+    occurrence as if it had come alone, including ids seen before and ids repeated in the batch."""
+    from workflows.remediation import Occurrence
+
+    env, tq, calls, c = wenv
+    first = ev(c, "k1", code=13)
+    h = await start(env.client, tq, c, "k1", [first], close_after_idle_s=3600, app_xid_repeats=100)
+    await assert_eventually(lambda: phase(h, "triage"))
+    more = ev(c, "k1", code=13)
+    more.repeats = [Occurrence(event_id=first.event.event_id, observed_at=first.event.observed_at),  # seen
+                    Occurrence(event_id="r-1", observed_at=more.event.observed_at),
+                    Occurrence(event_id="r-1", observed_at=more.event.observed_at),  # twice in the batch
+                    Occurrence(event_id="r-2", observed_at=more.event.observed_at)]
+    await h.signal(NodeRemediation.faults, FaultBatch(faults=[more]))
+
+    async def counted():  # noqa: ANN202
+        st = await h.query(NodeRemediation.status)
+        return st if st.faults and st.faults[0]["count"] == 4 else None
+
+    st = await assert_eventually(counted, what="4 distinct occurrences")
+    assert len(st.faults) == 1 and len(st.faults[0]["times"]) == 4 and st.duplicates == 2
+    assert calls.drains == []
+
+
 async def test_repeating_xid13_on_one_gpu_becomes_a_hardware_suspect(wenv):
     env, tq, calls, c = wenv
     h = await start(env.client, tq, c, "a1", [ev(c, "a1", code=13)], app_xid_repeats=3, close_after_idle_s=3600)

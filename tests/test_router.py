@@ -128,7 +128,12 @@ async def _at_least(coro, n):  # noqa: ANN001
 
 
 async def _no_pending(js, unique):  # noqa: ANN001
-    ci = await js.consumer_info(subjects.FAULT_STREAM, f"r-{unique}")
+    from nats.js.errors import NotFoundError
+
+    try:
+        ci = await js.consumer_info(subjects.FAULT_STREAM, f"r-{unique}")
+    except NotFoundError:  # the router has not created its durable consumer yet
+        return False
     return ci.num_ack_pending == 0 and ci.num_pending == 0
 
 
@@ -167,3 +172,90 @@ async def test_temporal_away_means_nak_then_delivery_once_back(nats_server, nc, 
         await task
         proc.stop()
 
+
+
+def _ib(cluster: str, node: str, up: bool) -> FaultEvent:
+    return FaultEvent(cluster=cluster, node=node, component=Component.IB, kind="ib_port_down",
+                      severity=Severity.INFO if up else Severity.DEGRADED, healthy=up, source=Source.INJECT,
+                      device=Device(name="mlx5_0", port=1),
+                      raw=f"mlx5_core 0000:4b:00.0 mlx5_0: Port: 1 Link {'ACTIVE' if up else 'DOWN'}")
+
+
+def test_collapse_keeps_every_occurrence_and_orders_by_the_latest():
+    from fleetmend.router.core import collapse
+
+    d1, u1, x, d2, u2, d3 = (_ib("c", "n", False), _ib("c", "n", True), xid_event("c", "n", 13),
+                             _ib("c", "n", False), _ib("c", "n", True), _ib("c", "n", False))
+    out = collapse([d1, u1, x, d2, u2, d3])
+    assert [(rf.event.event_id, [r.event_id for r in rf.repeats]) for rf in out] == [
+        (x.event_id, []), (u1.event_id, [u2.event_id]), (d1.event_id, [d2.event_id, d3.event_id])]
+    assert collapse([]) == []
+
+
+async def test_a_nodes_storm_is_collapsed_and_every_event_counted(settings, nc, temporal_client, unique):
+    """300 flapping events of one node queued before the router starts: far fewer signals than
+    events, every distinct event counted once in the workflow, and the last word (DOWN) stands."""
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    cluster = settings.cluster
+    events = [_ib(cluster, "s1", up=i % 2 == 1) for i in range(299)] + [_ib(cluster, "s1", up=False)]
+    for ev in events:
+        await js.publish(subjects.fault_subject(cluster, "s1"), ev.to_json_bytes(), headers={"Nats-Msg-Id": ev.event_id})
+    calls = Calls()
+    s = settings.model_copy(update={"policy": settings.policy.model_copy(update={"observe_only": True,
+                                                                                 "debounce_s": 3600.0})})
+    async with Worker(temporal_client, task_queue=s.task_queue, workflows=[NodeRemediation],
+                      activities=stand_ins(calls)):
+        router, stop, task = await run_router(s, nc, temporal_client, cluster, unique)
+        try:
+            await assert_eventually(lambda: _no_pending(js, unique), what="all 300 acked")
+            h = temporal_client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "s1"))
+
+            async def counted():  # noqa: ANN202
+                st = await h.query(NodeRemediation.status)
+                return st if sum(f["count"] for f in st.faults) == 300 else None
+
+            st = await assert_eventually(counted, what="300 occurrences in the incident")
+            assert router.stats.routed == 300 and router.stats.signals < 30, router.stats
+            assert st.duplicates == 0 and calls.drains == []
+            down = next(f for f in st.faults if not f["healthy"])
+            up = next(f for f in st.faults if f["healthy"])
+            assert (down["count"], up["count"]) == (151, 149) and down["last_seq"] > up["last_seq"]
+            hist = await h.fetch_history()
+            signals = [json.loads(e.workflow_execution_signaled_event_attributes.input.payloads[0].data)
+                       for e in hist.events if e.HasField("workflow_execution_signaled_event_attributes")]
+            entries = [len(sig["faults"]) for sig in signals]
+            assert sum(entries) <= 2 * len(signals) < 60, f"collapsed: {entries}"
+            assert sum(1 + len(rf["repeats"]) for sig in signals for rf in sig["faults"]) == 300
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+
+async def test_a_message_held_past_half_its_ack_wait_is_kept_from_redelivery(settings, nc, temporal_client, unique):
+    js = nc.jetstream()
+    s = settings.model_copy(update={"router": settings.router.model_copy(update={"ack_wait_s": 2.0})})
+    r = Router(s, nc, js, temporal_client, load_catalog(), filter_subject=f"fleet.{s.cluster}.fault.*",
+               durable=f"r-{unique}")
+    psub = await r.setup()
+    ev = xid_event(s.cluster, "h1")
+    await js.publish(subjects.fault_subject(s.cluster, "h1"), ev.to_json_bytes())
+    [msg] = await psub.fetch(1, timeout=5)
+    import time
+
+    items = [(msg, ev, time.monotonic() - 1.5)]  # fetched 1.5 s ago: past half of the 2 s ack wait
+    await r._keep_alive(items)
+    assert items[0][2] > time.monotonic() - 0.5, "the hold clock restarts"
+    await asyncio.sleep(1.5)  # past the original deadline
+    from nats.errors import TimeoutError as NatsTimeout
+
+    with pytest.raises((NatsTimeout, asyncio.TimeoutError)):
+        await psub.fetch(1, timeout=0.3)
+    await msg.ack()
+    await asyncio.sleep(2.5)  # and without the keep-alive it would have come back:
+    await js.publish(subjects.fault_subject(s.cluster, "h1"), xid_event(s.cluster, "h1").to_json_bytes())
+    [m2] = await psub.fetch(1, timeout=5)
+    await asyncio.sleep(2.5)
+    [again] = await psub.fetch(1, timeout=5)
+    assert again.metadata.sequence.stream == m2.metadata.sequence.stream and again.metadata.num_delivered == 2
+    await again.ack()

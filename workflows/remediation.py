@@ -34,6 +34,10 @@ patch id                    what changed
                             lemons and RMA-class faults
 `fault-verification`        verification runs the checks chosen from the original fault
 `settle-clean`              the settle period ends early (back to awaiting repair) on a new fault
+`ticket-poll`               awaiting repair polls the ticket system on a timer (`ticket_poll_s`)
+`arrival-order`             a fault counts as cleared only by a clearing event that arrived after its
+                            *latest* occurrence (`FaultRecord.last_seq`), so a flapping link that
+                            ends DOWN is not taken for cleared
 ==========================  =====================================================================
 Also fixed without a patch (no command changes; the old code never completed that path): an abort
 while awaiting repair left `_await_repair` spinning without yielding.
@@ -79,6 +83,7 @@ P_RECOVERY = "recovery-before-rma"
 P_VERIFY = "fault-verification"
 P_SETTLE = "settle-clean"
 P_TICKET_POLL = "ticket-poll"
+P_ORDER = "arrival-order"
 
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
 KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
@@ -144,9 +149,29 @@ class Verdict:
 
 
 @dataclass
+class Occurrence:
+    """One more occurrence of a condition the router collapsed into a `RoutedFault`."""
+
+    event_id: str
+    observed_at: datetime
+
+
+@dataclass
 class RoutedFault:
     event: FaultEvent
+    """The first occurrence in the batch (its text, device and verdict stand for all of them)."""
     verdict: Verdict
+    repeats: list[Occurrence] = field(default_factory=list)
+    """Later occurrences of the same condition (`merge_key`: kind, code, device, healthy) in the same
+    batch, oldest first. The router collapses a storm of one node's repeats into one entry so the
+    signal carries ids and times, not thousands of copies of the same text; the workflow counts and
+    de-duplicates every id exactly as if each had come alone."""
+
+
+def merge_key(ev: FaultEvent) -> tuple[str, int | None, str | None, bool]:
+    """The identity under which repeats of one condition merge into one `FaultRecord` (and the router
+    collapses them): kind, code, device (PCI bus id, else name, else UUID), healthy."""
+    return ev.kind, ev.code, ev.device.pci_bus_id or ev.device.name or ev.device.uuid, ev.healthy
 
 
 @dataclass
@@ -173,11 +198,12 @@ class PolicySnapshot:
     sbe_window_s: float = 3600.0
     recovery_settle_s: float = 0.0
     ticket_poll_s: float = 0.0
-    close_info_after_s: float = 0.0
-    """An incident holding only info readings / clearings closes after this quiet time (0 = as any)."""
     """While awaiting repair, ask the ticket system this often whether the ticket says repaired
     (0 = only `fleetmend repaired`)."""
-    """Defaults here are those of an input that predates the field (replay); the router sends
+    close_info_after_s: float = 0.0
+    """An incident holding only info readings / clearings closes after this quiet time (0 = as any).
+
+    Defaults here are those of an input that predates the field (replay); the router sends
     `PolicySettings`' values."""
 
 
@@ -203,6 +229,9 @@ class FaultRecord:
     arrived_at: str | None = None
     """Workflow time the first occurrence arrived (debounce runs from here)."""
     clearable: bool = False
+    last_seq: int = 0
+    """Arrival order of the latest occurrence (`IncidentState.arrivals`; 0: recorded before the
+    `arrival-order` patch, when list position stood for order)."""
 
 
 @dataclass
@@ -235,11 +264,13 @@ class IncidentState:
     timeline: list[TimelineEntry] = field(default_factory=list)
     last_diag: dict[str, Any] | None = None
     repair_attempts: int = 0
+    arrivals: int = 0
+    """Counter behind `FaultRecord.last_seq` (one step per absorbed condition)."""
     run: int = 1
     decisions: list[str] = field(default_factory=list)
+    """Rules that fired (policy.decide reasons), each noted once."""
     drained_at: str | None = None
     """Workflow time the drain took effect (MTTR runs from here)."""
-    """Rules that fired (policy.decide reasons), each noted once."""
     urgency: str | None = None
     recovery: str | None = None
     device: str | None = None
@@ -877,28 +908,39 @@ class NodeRemediation:
         s = self._state
         batch, self._pending = self._pending, []
         seen = set(s.seen_ids)
+        ordered = bool(batch) and workflow.patched(P_ORDER)
         for rf in batch:
             ev, v = rf.event, rf.verdict
-            if ev.event_id in seen:
-                s.duplicates += 1
+            new_times: list[str] = []
+            for event_id, observed_at in [(ev.event_id, ev.observed_at),
+                                          *((r.event_id, r.observed_at) for r in rf.repeats)]:
+                if event_id in seen:
+                    s.duplicates += 1
+                    continue
+                seen.add(event_id)
+                s.seen_ids.append(event_id)
+                new_times.append(observed_at.isoformat())
+            if not new_times:
                 continue
-            seen.add(ev.event_id)
-            s.seen_ids.append(ev.event_id)
-            dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid
+            _kind, _code, dev, _healthy = merge_key(ev)
             same = next((f for f in reversed(s.faults)
                          if f.kind == ev.kind and f.code == ev.code and f.device == dev and f.healthy == ev.healthy),
                         None)
+            if ordered:
+                s.arrivals += 1
             if same is not None:
-                same.count += 1
-                same.times.append(ev.observed_at.isoformat())
+                same.count += len(new_times)
+                same.times.extend(new_times)
                 del same.times[:-MAX_TIMES_KEPT]
+                if ordered:
+                    same.last_seq = s.arrivals
                 continue
             s.faults.append(FaultRecord(
                 event_id=ev.event_id, kind=ev.kind, code=ev.code, severity=v.severity, component=ev.component.value,
                 device=dev, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
                 observed_at=ev.observed_at.isoformat(), fault_class=v.fault_class, immediate_action=v.immediate_action,
-                drain=v.drain, source=v.source, times=[ev.observed_at.isoformat()], arrived_at=self._now(),
-                clearable=v.clearable))
+                drain=v.drain, source=v.source, count=len(new_times), times=new_times[-MAX_TIMES_KEPT:],
+                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals if ordered else 0))
             if Severity(v.severity).rank > Severity(s.severity).rank and not ev.healthy:
                 s.severity = v.severity
             if s.fault_class is None and not ev.healthy:
@@ -914,7 +956,12 @@ class NodeRemediation:
             self._upsert()
 
     def _cleared(self, f: FaultRecord) -> bool:
-        """A later healthy event of the same kind/device clears an earlier fault."""
+        """A healthy event of the same kind/device that arrived after the fault's latest occurrence
+        clears it (`last_seq`, patch `arrival-order`); records from before the patch: a healthy record
+        later in the list."""
+        if f.last_seq:
+            return any(g.healthy and g.kind == f.kind and g.device == f.device and g.last_seq > f.last_seq
+                       for g in self._state.faults)
         later = False
         for g in self._state.faults:
             if g is f:

@@ -10,6 +10,12 @@ Guarantees (DESIGN.md §The path of one fault, STYLE rule 18):
 - Events of one node keep their order: at most one signal per node in flight, events queued
   behind it go together in the next signal (a nak'ed event comes back behind newer ones; the
   workflow orders by nothing but arrival and dedupes by event id).
+- Repeats of one condition (same `merge_key`: kind, code, device, healthy) queued for a node are
+  collapsed into one `RoutedFault` carrying every occurrence's id and time, ordered by the latest
+  occurrence, so a flapping link's storm costs Temporal ids, not copies of the same text.
+- Up to `router.max_unacked` messages are held un-acked while they wait for their node's turn (a
+  deep backlog then fills each signal with many events); a message held past half of `ack_wait_s`
+  is marked in progress so JetStream does not redeliver it while it waits.
 - Any number of router replicas share the durable consumer.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -114,10 +121,10 @@ class Router:
         self.stream = stream
         self.stats = RouterStats()
         self._sem = asyncio.Semaphore(settings.router.max_in_flight)
-        self._queued: dict[tuple[str, str], list[tuple[Any, FaultEvent]]] = {}
+        self._queued: dict[tuple[str, str], list[tuple[Any, FaultEvent, float]]] = {}
         self._senders: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._held = 0
-        self._max_unacked = max(self.s.router.fetch_batch * 10, 1000)
+        self._max_unacked = max(self.s.router.max_unacked, self.s.router.fetch_batch)
         self._room = asyncio.Event()
 
     async def setup(self):  # noqa: ANN201
@@ -180,7 +187,7 @@ class Router:
                 continue
             metrics.router_event(ev)
             key = (ev.cluster, ev.node)
-            self._queued.setdefault(key, []).append((msg, ev))
+            self._queued.setdefault(key, []).append((msg, ev, time.monotonic()))
             self._held += 1
             if key not in self._senders:
                 self._senders[key] = asyncio.create_task(self._sender(key))
@@ -198,18 +205,21 @@ class Router:
         finally:
             self._senders.pop(key, None)
 
-    async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent]]) -> None:
+    async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
         from workflows.remediation import FaultBatch, IncidentInput, RoutedFault, Verdict
 
+        await self._keep_alive(items)
         faults = []
-        for _msg, ev in items:
+        for rf in collapse([ev for _msg, ev, _t in items]):
+            ev = rf.event
             c = self.catalog.classify(ev)
-            faults.append(RoutedFault(event=ev, verdict=Verdict(
+            rf.verdict = Verdict(
                 severity=str(getattr(c.severity, "value", c.severity)),
                 immediate_action=str(getattr(c.immediate_action, "value", c.immediate_action)),
                 investigatory_action=str(getattr(c.investigatory_action, "value", c.investigatory_action) or ""),
                 fault_class=c.fault_class, drain=bool(c.drain), source=c.source or "",
-                description=c.description or "", clearable=_clearable(self.catalog, ev))))
+                description=c.description or "", clearable=_clearable(self.catalog, ev))
+            faults.append(rf)
         wid = subjects.workflow_id(cluster, node)
         inp = IncidentInput(cluster=cluster, node=node, policy=policy_snapshot(self.s.policy))
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
@@ -222,12 +232,24 @@ class Router:
             except Exception as err:  # noqa: BLE001 - Temporal away or overloaded: retry later, never drop
                 await self._retry_later(items, repr(err), bound)
                 return
-        for msg, _ev in items:
+        for msg, _ev, _t in items:
             await msg.ack()
             metrics.router_accepted(_ev)
         self.stats.routed += len(items)
         self.stats.signals += 1
-        bound.info("events_routed", kinds=sorted({ev.kind for _m, ev in items}))
+        bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
+
+    async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
+        """Tell JetStream that messages held past half their ack wait are still being worked on
+        (`+WPI`), so a deep backlog is not redelivered while it waits for its node's turn."""
+        limit = time.monotonic() - self.s.router.ack_wait_s / 2
+        for i, (msg, ev, held_since) in enumerate(items):
+            if held_since < limit:
+                try:
+                    await msg.in_progress()
+                except Exception as err:  # noqa: BLE001 - at worst JetStream redelivers; the workflow dedupes
+                    log.warning("in_progress_failed", error=repr(err))
+                items[i] = (msg, ev, time.monotonic())
 
     async def _signal_with_start(self, wid: str, inp, batch, cluster: str, node: str) -> None:  # noqa: ANN001
         from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -243,8 +265,9 @@ class Router:
                     SearchAttributePair(KEY_PHASE, "triage")]),
                 static_summary=f"{node} ({cluster}): remediation incident")
 
-    async def _retry_later(self, items: list[tuple[Any, FaultEvent]], error: str, bound) -> None:  # noqa: ANN001
-        for msg, _ev in items:
+    async def _retry_later(self, items: list[tuple[Any, FaultEvent, float]], error: str,
+                           bound) -> None:  # noqa: ANN001
+        for msg, _ev, _t in items:
             delivered = msg.metadata.num_delivered if msg.metadata else 1
             if delivered >= self.s.router.max_deliver:
                 await self.deadletter(msg, f"not accepted by Temporal after {delivered} deliveries: {error}")
@@ -278,6 +301,27 @@ class Router:
         key = metrics.deadletter_reason(reason)
         self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
         log.warning("event_deadlettered", reason=reason, subject=msg.subject)
+
+
+def collapse(events: list[FaultEvent]):  # noqa: ANN201 - list[RoutedFault] (verdicts still to fill)
+    """Collapse one node's queued events, oldest first, by `merge_key` into `RoutedFault`s.
+
+    Each entry keeps its condition's first event and lists the later ones as `repeats` (id and time);
+    entries are ordered by their *latest* occurrence, so the workflow's arrival order still says
+    which of a flapping link's DOWN and UP came last. Verdicts are left for the caller (None).
+    """
+    from workflows.remediation import Occurrence, RoutedFault, merge_key
+
+    groups: dict[tuple, tuple[RoutedFault, list[int]]] = {}
+    for i, ev in enumerate(events):
+        key = merge_key(ev)
+        got = groups.get(key)
+        if got is None:
+            groups[key] = (RoutedFault(event=ev, verdict=None), [i])  # type: ignore[arg-type]
+        else:
+            got[0].repeats.append(Occurrence(event_id=ev.event_id, observed_at=ev.observed_at))
+            got[1][0] = i
+    return [rf for rf, _last in sorted(groups.values(), key=lambda g: g[1][0])]
 
 
 def _clearable(catalog, ev: FaultEvent) -> bool:  # noqa: ANN001 - fleetmend.catalog.Catalog
