@@ -143,3 +143,23 @@ async def connect_temporal(settings: Settings):  # noqa: ANN201
             f"cannot reach Temporal at {settings.temporal_address} namespace {settings.temporal_namespace} "
             f"({err}); is `fleetmend dev up` (or the Temporal server) running? check FLEETMEND_TEMPORAL_ADDRESS"
         ) from err
+
+
+async def close_nats(nc: Any, timeout_s: float = 10.0) -> None:  # noqa: ANN401 - nats.aio.client.Client
+    """Drain `nc` at exit (pending publishes flushed, subscriptions finished) within `timeout_s`;
+    when NATS is away (reconnecting) or the drain does not finish, just close. Never raises: a
+    process that is stopping must stop, whatever state the server is in."""
+    import contextlib
+
+    try:
+        if nc.is_connected:
+            async with asyncio.timeout(timeout_s):
+                await nc.drain()
+    except Exception as err:  # noqa: BLE001 - best effort at exit
+        import structlog
+
+        structlog.get_logger("fleetmend.nats").warning("nats_drain_failed", error=repr(err))
+    finally:
+        if not nc.is_closed:
+            with contextlib.suppress(Exception):
+                await nc.close()

@@ -61,7 +61,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
     nats_host, nats_port = _host_port(s.nats_url, "FLEETMEND_NATS_URL")
     t_host, t_port = _host_port(s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
 
-    stop = stop_on_signals()
+    stop = stop_on_signals(deadline_s=120.0)  # children get 45 s, then the servers 20 s each
 
     started: list[servers.ManagedProcess] = []
     try:

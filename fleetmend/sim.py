@@ -128,7 +128,7 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
     from fleetmend import __version__, subjects
     from fleetmend.events import utcnow
     from fleetmend.catalog import default_catalog
-    from fleetmend.connect import connect_nats
+    from fleetmend.connect import close_nats, connect_nats
     from fleetmend.jetstream import ensure_fault_stream
 
     stop = stop or asyncio.Event()
@@ -212,7 +212,7 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
         await asyncio.gather(*tasks, return_exceptions=True)
         for p in publishers.values():
             await p.replay_once()
-        await nc.drain()
+        await close_nats(nc)
     report.duration_s = time.monotonic() - t0
     log.info("sim_finished", nodes=cfg.nodes, fault_lines=report.fault_lines, published=report.events_published,
              heartbeats=report.heartbeats_sent)

@@ -43,7 +43,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
-    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.connect import close_nats, connect_nats, connect_temporal
 
     nc = await connect_nats(settings, name="fleetmend-worker")
     client = await connect_temporal(settings)
@@ -61,5 +61,5 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         await stop.wait()
     if poll is not None:
         poll.cancel()
-    await nc.drain()
+    await close_nats(nc)
     log.info("worker_stopped")

@@ -14,7 +14,7 @@ log = structlog.get_logger("fleetmend.router")
 async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     """Run one router replica until `stop` is set; then drain the NATS connection."""
     from fleetmend.catalog import load_catalog
-    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.connect import close_nats, connect_nats, connect_temporal
     from fleetmend.router.core import Router
 
     catalog = load_catalog(settings.catalog_overrides)
@@ -39,4 +39,4 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
         heartbeats.cancel()
         if lag is not None:
             lag.cancel()
-        await nc.drain()
+        await close_nats(nc)
