@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import timedelta
 
 import pytest
+from temporalio.client import WorkflowQueryFailedError
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -25,6 +28,12 @@ from workflows.fleetguard import FleetGuard, GuardCommand, GuardPolicy
 from workflows.remediation import HumanCommand, NodeRemediation
 
 BY = HumanCommand(by="tester@ci")
+
+QUERY_TIMEOUT = timedelta(seconds=5)
+"""Deadline for each polling query, so that one stuck query is retried instead of using up the whole
+`assert_eventually` budget. On the time-skipping test server, a query that arrives during the workflow task
+that continues the guard as new is handed to the closed run and never answered. The RPC then blocks for 30 s
+even though the new run already holds the state. The dev server does not do this."""
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +92,14 @@ class Guarded:
         return self.client.get_workflow_handle_for(FleetGuard.run, subjects.fleetguard_workflow_id(self.cluster))
 
     async def guard_status(self):  # noqa: ANN201
-        return await self.guard().query(FleetGuard.status)
+        return await self.guard().query(FleetGuard.status, rpc_timeout=QUERY_TIMEOUT)
 
     def node(self, name: str):  # noqa: ANN201
         return self.client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(self.cluster, name))
 
     async def phases(self, names: list[str]) -> dict[str, str]:
-        sts = await asyncio.gather(*(self.node(n).query(NodeRemediation.status) for n in names))
+        sts = await asyncio.gather(*(self.node(n).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
+                                     for n in names))
         return {n: st.phase for n, st in zip(names, sts)}
 
 
@@ -152,13 +162,17 @@ async def _requested(g: Guarded, node: str) -> bool:
 async def _guard(g: Guarded, pred):  # noqa: ANN001, ANN202
     try:
         st = await g.guard_status()
-    except Exception:  # noqa: BLE001 - the guard may not exist yet
-        return None
+    except (RPCError, WorkflowQueryFailedError) as err:  # no guard yet, or the query timed out: poll again
+        raise AssertionError(f"guard status query failed: {err}") from err
     return st if pred(st) else None
 
 
 async def _all_phase(g: Guarded, names: list[str], phase: str) -> bool:
-    return set((await g.phases(names)).values()) == {phase}
+    try:
+        phases = await g.phases(names)
+    except (RPCError, WorkflowQueryFailedError) as err:  # a status query timed out: poll again
+        raise AssertionError(f"status query failed: {err}") from err
+    return set(phases.values()) == {phase}
 
 
 async def test_failure_domain_becomes_one_infrastructure_incident(tenv):
@@ -184,7 +198,7 @@ async def test_failure_domain_becomes_one_infrastructure_incident(tenv):
 
 async def _incident_settled(g: Guarded, node: str) -> bool:
     try:
-        st = await g.node(node).query(NodeRemediation.status)
+        st = await g.node(node).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
     except Exception:  # noqa: BLE001 - not started yet
         return False
     return st.phase in ("awaiting_repair", "closed")
@@ -233,7 +247,7 @@ async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv
 
 
 async def _closed(g: Guarded, node: str):  # noqa: ANN202
-    st = await g.node(node).query(NodeRemediation.status)
+    st = await g.node(node).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
     return st if st.phase == "closed" else None
 
 
