@@ -43,7 +43,7 @@ def test_histories_are_present() -> None:
     names = {p.stem for p in recorded()}
     assert {"remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort"} <= names
     assert {"remediation_v2_reset_returned", "remediation_v2_abort_awaiting_repair", "fleetguard_v1"} <= names
-    assert "remediation_v3_flap_before_arrival_order" in names
+    assert {"remediation_v3_flap_before_arrival_order", "remediation_v4_signals_before_upsert_on_change"} <= names
 
 
 def _write(name: str, history) -> None:  # noqa: ANN001
@@ -104,13 +104,31 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
 
         # v3 (recorded before patch `arrival-order`): a flapping link DOWN, UP, DOWN in one batch was
         # taken for cleared, so the incident closed as recorded without a drain.
+        # Scenarios recorded before a patch only make sense with the code before it: each runs only
+        # while its history is missing.
         from tests.test_policy_workflow import _flap
 
-        h6 = await start(client, tq, cluster, f"v3f-{sfx}", _flap(cluster, f"v3f-{sfx}", "DUD"), debounce_s=1,
-                         close_after_idle_s=2)
-        await assert_eventually(lambda: phase_is(h6, "closed"))
-        await h6.result()
-        _write("remediation_v3_flap_before_arrival_order", await h6.fetch_history())
+        if not (HISTORIES / "remediation_v3_flap_before_arrival_order.json").exists():
+            h6 = await start(client, tq, cluster, f"v3f-{sfx}", _flap(cluster, f"v3f-{sfx}", "DUD"), debounce_s=1,
+                             close_after_idle_s=2)
+            await assert_eventually(lambda: phase_is(h6, "closed"))
+            await h6.result()
+            _write("remediation_v3_flap_before_arrival_order", await h6.fetch_history())
+
+        # v4 (recorded before patch `upsert-on-change`): a second batch of faults in triage upserted
+        # the unchanged search attributes again.
+        if not (HISTORIES / "remediation_v4_signals_before_upsert_on_change.json").exists():
+            h7 = await start(client, tq, cluster, f"v4u-{sfx}", [fault(cluster, f"v4u-{sfx}", 13, drain=False,
+                                                                       severity="degraded")],
+                             close_after_idle_s=3, app_xid_repeats=100)
+            await assert_eventually(lambda: phase_is(h7, "triage"))
+            from workflows.remediation import FaultBatch
+
+            await h7.signal(NodeRemediation.faults, FaultBatch(faults=[fault(cluster, f"v4u-{sfx}", 13, drain=False,
+                                                                             severity="degraded")]))
+            await assert_eventually(lambda: phase_is(h7, "closed"))
+            await h7.result()
+            _write("remediation_v4_signals_before_upsert_on_change", await h7.fetch_history())
     await _record_guard(client)
 
 

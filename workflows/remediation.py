@@ -38,6 +38,8 @@ patch id                    what changed
 `arrival-order`             a fault counts as cleared only by a clearing event that arrived after its
                             *latest* occurrence (`FaultRecord.last_seq`), so a flapping link that
                             ends DOWN is not taken for cleared
+`upsert-on-change`          search attributes are upserted only when one of them changed (before:
+                            on every batch of faults: a history event and a visibility write each)
 ==========================  =====================================================================
 Also fixed without a patch (no command changes; the old code never completed that path): an abort
 while awaiting repair left `_await_repair` spinning without yielding.
@@ -84,6 +86,7 @@ P_VERIFY = "fault-verification"
 P_SETTLE = "settle-clean"
 P_TICKET_POLL = "ticket-poll"
 P_ORDER = "arrival-order"
+P_SA_CHANGED = "upsert-on-change"
 
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
 KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
@@ -336,6 +339,7 @@ class NodeRemediation:
         self._retest: HumanCommand | None = None
         self._abort: HumanCommand | None = None
         self._policy = PolicySnapshot()
+        self._sa_last: tuple[Any, ...] | None = None
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name="faults")
@@ -1036,6 +1040,10 @@ class NodeRemediation:
             updates.append(KEY_FAULT_CLASS.value_set(s.fault_class))
         if s.ticket:
             updates.append(KEY_TICKET.value_set(s.ticket))
+        values = (s.node, s.cluster, s.phase, s.severity, s.drained, s.fault_class, s.ticket)
+        if values == self._sa_last and workflow.patched(P_SA_CHANGED):
+            return
+        self._sa_last = values
         workflow.upsert_search_attributes(updates)
 
     @staticmethod
