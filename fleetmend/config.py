@@ -206,6 +206,20 @@ class RouterSettings(_Section):
     """An agent silent this long becomes an agent_silent fault (6 missed beats at the agent's default 10 s)."""
 
 
+class WorkerSettings(_Section):
+    """The Temporal worker process (fleetmend/worker.py)."""
+
+    max_concurrent_workflow_tasks: int = Field(default=8, ge=2)
+    """Workflow activations run at once. They share one GIL, so more at once only makes each take
+    longer; past 2 s the SDK's deadlock detector fails an activation (TMPRL1101), and under the
+    storm bench with the SDK's default of 100 the worker failed hundreds of tasks and stalled.
+    8 keeps the worker's throughput (it is CPU-bound either way) and each activation short."""
+    max_cached_workflows: int = Field(default=1000, ge=0)
+    """Workflow runs kept in memory between tasks (sticky cache; an evicted run replays its history
+    on its next task). bench/storm.py prints the worker's peak RSS with 2,000 open incidents."""
+    max_concurrent_activities: int = Field(default=100, ge=1)
+
+
 class PolicySettings(_Section):
     """Knobs the NodeRemediation workflow reads (sent as workflow input, so history is self-contained)."""
 
@@ -332,6 +346,7 @@ class Settings(BaseSettings):
     tickets: TicketSettings = Field(default_factory=TicketSettings)
     agent: AgentSettings = Field(default_factory=AgentSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
     catalog_overrides: Path | None = None
     """TOML file of operator overrides to the fault catalog."""

@@ -39,10 +39,16 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.release_drain_permit, recovery.reset_gpu, recovery.reboot_node],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
+        max_cached_workflows=settings.worker.max_cached_workflows,
+        max_concurrent_activities=settings.worker.max_concurrent_activities,
     )
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+    """Run until `stop` is set (graceful shutdown, exit 0), or until the Temporal worker fails
+    (logged, then `SystemExit(1)`): a worker process that no longer polls must not stay alive
+    looking healthy, so its supervisor (systemd, Kubernetes, dev up) restarts it."""
     from fleetmend.connect import close_nats, connect_nats, connect_temporal
 
     nc = await connect_nats(settings, name="fleetmend-worker")
@@ -57,9 +63,22 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     poll = asyncio.create_task(metrics.poll_forever(
         watcher.refresh, settings.metrics.poll_interval_s, stop, log,
         "incidents")) if settings.metrics.worker_port else None
-    async with worker:
-        await stop.wait()
-    if poll is not None:
-        poll.cancel()
-    await close_nats(nc)
+    running = asyncio.create_task(worker.run(), name="temporal-worker")
+    stopping = asyncio.create_task(stop.wait(), name="stop")
+    failed: BaseException | None = None
+    try:
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            failed = running.exception() or RuntimeError("the Temporal worker stopped polling on its own")
+            log.error("worker_failed", error=repr(failed))
+        else:
+            await worker.shutdown()
+            await asyncio.gather(running, return_exceptions=True)
+    finally:
+        stopping.cancel()
+        if poll is not None:
+            poll.cancel()
+        await close_nats(nc)
+    if failed is not None:
+        raise SystemExit(1)
     log.info("worker_stopped")

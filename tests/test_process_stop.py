@@ -68,3 +68,26 @@ def test_worker_stops_cleanly_after_nats_and_temporal_died(tmp_path: Path) -> No
         worker.kill()
         nats.stop()
         temporal.stop()
+
+
+def test_a_worker_whose_temporal_worker_fails_exits_non_zero(tmp_path: Path) -> None:
+    """A worker process that no longer polls must not stay up looking healthy: it exits 1 and says
+    why, so its supervisor restarts it (here the failure is a namespace the server does not have)."""
+    import asyncio
+
+    np_, tp = servers.free_port(), servers.free_port()
+    nats = servers.start_nats(tmp_path / "js", np_)
+    temporal = servers.start_temporal(tmp_path / "t.db", tp, servers.free_port(), ui=False)
+    try:
+        asyncio.run(servers.wait_temporal_ready(f"127.0.0.1:{tp}"))
+        env = {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{np_}",
+               "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{tp}", "FLEETMEND_TEMPORAL_NAMESPACE": "no-such-namespace",
+               "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_SCHEDULER": "none",
+               "FLEETMEND_METRICS__WORKER_PORT": "0", "FLEETMEND_LOG_FORMAT": "json"}
+        p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "worker"], env=env, capture_output=True,
+                           text=True, timeout=90)
+        assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+        assert '"worker_failed"' in p.stdout and "no-such-namespace" in p.stdout
+    finally:
+        nats.stop()
+        temporal.stop()
