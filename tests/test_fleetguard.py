@@ -210,6 +210,12 @@ async def test_pause_holds_drains_and_resume_grants(tenv):
                                       task_queue=g.tq, start_signal="ensure")
         msg = await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="bob@ops", note="maintenance"))
         assert "no node will be drained" in msg
+
+        async def shows_paused():  # noqa: ANN202 - at once, before any request wakes the guard (pause-publishes)
+            d = await g.guard().describe()
+            return {p.key.name: p.value for p in d.typed_search_attributes}.get("FleetPhase") == "paused"
+
+        await assert_eventually(shows_paused, what="FleetPhase paused right after the pause")
         await start(g.client, g.tq, g.cluster, "p1", [fault(g.cluster, "p1", 79, drain=True)])
         await assert_eventually(lambda: _requested(g, "p1"), what="p1 queued")
         assert (await g.phases(["p1"])) == {"p1": "awaiting_permit"} and g.calls.drains == []

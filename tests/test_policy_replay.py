@@ -43,7 +43,8 @@ def test_histories_are_present() -> None:
     names = {p.stem for p in recorded()}
     assert {"remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort"} <= names
     assert {"remediation_v2_reset_returned", "remediation_v2_abort_awaiting_repair", "fleetguard_v1"} <= names
-    assert {"remediation_v3_flap_before_arrival_order", "remediation_v4_signals_before_upsert_on_change"} <= names
+    assert {"remediation_v3_flap_before_arrival_order", "remediation_v4_signals_before_upsert_on_change",
+            "fleetguard_v2_pause_before_publish"} <= names
 
 
 def _write(name: str, history) -> None:  # noqa: ANN001
@@ -157,3 +158,30 @@ async def _record_guard(client) -> None:  # noqa: ANN001
         await g2.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
         await assert_eventually(lambda: phase_is(g2, "closed"))
         _write("fleetguard_v1", await gh.fetch_history())
+    if not (HISTORIES / "fleetguard_v2_pause_before_publish.json").exists():
+        await _record_guard_pause(client)
+
+
+async def _record_guard_pause(client) -> None:  # noqa: ANN001
+    """Recorded before patch `pause-publishes`: a pause changed nothing visible until the next message."""
+    import asyncio
+
+    from activities.fleetguard import FleetGuardActivities
+    from fleetmend import subjects
+    from tests.test_workflow import fault, phase_is, start
+
+    calls, tq, cluster = Calls(), f"recp-{uuid.uuid4().hex[:8]}", f"recp{uuid.uuid4().hex[:6]}"
+    guard = FleetGuardActivities(client, tq, GuardPolicy(cluster_nodes=100))
+    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
+                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+        p1 = await start(client, tq, cluster, "p1", [fault(cluster, "p1", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(p1, "awaiting_repair"))
+        gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+        await gh.execute_update(FleetGuard.pause, GuardCommand(by="rec@ci", note="maintenance"))
+        await asyncio.sleep(1.0)
+        await gh.execute_update(FleetGuard.resume, GuardCommand(by="rec@ci"))
+        await p1.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await assert_eventually(lambda: phase_is(p1, "closed"))
+        await asyncio.sleep(1.0)
+        _write("fleetguard_v2_pause_before_publish", await gh.fetch_history())

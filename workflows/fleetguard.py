@@ -26,6 +26,10 @@ carries `lemon` (the reason) when the node's fault came back after `lemon_repair
 
 Search attributes: `FleetCluster`, `FleetPhase` (`guarding`, `breaker_tripped`, `paused`). The current
 details say why. History stays bounded: continue-as-new past `MAX_HISTORY_EVENTS`, carrying the state.
+
+Versioning (`workflow.patched`; recorded histories in tests/histories/ replay in CI):
+`pause-publishes`: a pause shows at once in `FleetPhase` and the details (before: only once the next
+request or release woke the guard).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeKey
+
+P_PAUSE_PUBLISHES = "pause-publishes"
 
 with workflow.unsafe.imports_passed_through():
     from activities.tickets import TicketRef, TicketRequest
@@ -263,6 +269,8 @@ class FleetGuard:
         s = self._state
         s.paused, s.paused_by = True, cmd.by
         self._log(f"paused by {cmd.by}{': ' + cmd.note if cmd.note else ''}: no new drains")
+        if workflow.patched(P_PAUSE_PUBLISHES):
+            self._dirty = True
         return "paused: faults are still classified and recorded; no node will be drained"
 
     @pause.validator
