@@ -208,7 +208,6 @@ class Router:
     async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
         from workflows.remediation import FaultBatch, IncidentInput, RoutedFault, Verdict
 
-        await self._keep_alive(items)
         faults = []
         for rf in collapse([ev for _msg, ev, _t in items]):
             ev = rf.event
@@ -225,6 +224,7 @@ class Router:
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         batch = FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
         async with self._sem:
+            await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
                 await self._signal_with_start(wid, inp, batch, cluster, node)
             except asyncio.CancelledError:
