@@ -94,6 +94,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
               "`fleetmend status`; Ctrl-C stops everything", flush=True)
 
         restarts: dict[str, list[float]] = {c.name: [] for c in children}
+        failed = False  # a server died or a process kept failing: exit 1, not a clean stop
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -102,6 +103,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
             for proc in (nats, temporal):
                 if not proc.alive() and not stop.is_set():
                     print(f"{proc.name} exited unexpectedly; stopping. log tail:\n{proc.log_tail()}", flush=True)
+                    failed = True
                     stop.set()
             for c in children:
                 if not c.alive() and not stop.is_set():
@@ -110,12 +112,13 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
                     if len(recent) >= 5:
                         print(f"{c.name} keeps failing (5 restarts in 60 s); stopping. log tail:\n{c.log_tail()}",
                               flush=True)
+                        failed = True
                         stop.set()
                         break
                     print(f"{c.name} exited (code {c.proc.returncode if c.proc else '?'}); restarting", flush=True)
                     restarts[c.name].append(time.monotonic())
                     c.start()
-        return 0
+        return 1 if failed else 0
     except servers.ServerStartError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -110,3 +110,26 @@ def test_dev_up_stops_everything_and_resumes_open_incidents(tmp_path: Path):
     server_pids = [int(x) for x in subprocess.run(["pgrep", "-f", str(state)], capture_output=True,
                                                   text=True).stdout.split()]
     _stop(p, signal.SIGINT, pids + server_pids)
+
+
+def test_dev_up_exits_non_zero_when_a_server_dies(tmp_path: Path):
+    """nats-server killed -9 under dev up: it stops everything and exits 1 (a supervisor or CI must
+    not read that as a clean stop)."""
+    env = {**os.environ, "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
+           "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_UI_PORT": str(free_port()), "FLEETMEND_CLUSTER": "devdie"}
+    env.pop("FLEETMEND_CONFIG", None)
+    log = tmp_path / "devup.log"
+    p, pids = _start(env, log)
+    import psutil
+
+    [nats] = [c for c in psutil.Process(p.pid).children(recursive=True) if c.name() == "nats-server"]
+    pids.append(nats.pid)
+    nats.kill()
+    assert p.wait(timeout=120) == 1, log.read_text()[-2000:]
+    assert "nats-server exited unexpectedly" in log.read_text()
+    deadline = time.monotonic() + 10
+    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [x for x in pids if _alive(x)], "every child of dev up is gone"
