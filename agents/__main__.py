@@ -27,6 +27,13 @@ def lean_imports(nats_url: str) -> None:
     sys.modules.setdefault("rich", None)  # type: ignore[arg-type]
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bool = True) -> int:
     """Run the agent; `lean=False` when called inside another program (no import blocking)."""
     ap = argparse.ArgumentParser(prog=prog, description="Node agent: probes → JetStream (spooling to disk "
@@ -40,11 +47,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
     ap.add_argument("--once", action="store_true", help="exit when the probes are done")
     ap.add_argument("--hardware", action=argparse.BooleanOptionalAction, default=None,
                     help="run the nvml/sysfs/udev probes (default: only when live, i.e. no --once and no file)")
-    ap.add_argument("--metrics-port", type=int, help="serve /metrics on this port (0: off)")
+    ap.add_argument("--metrics-port", type=_port, help="serve /metrics on this port (0: off)")
     args = ap.parse_args(argv)
-    if args.kmsg_file is not None and not args.kmsg_file.is_file():
-        print(f"--kmsg-file {args.kmsg_file}: no such file", file=sys.stderr)
-        return 2
+    for flag, path in (("--kmsg-file", args.kmsg_file), ("--inject-file", args.inject_file)):
+        if path is not None and not path.is_file():
+            print(f"{flag} {path}: {'a directory, not a file' if path.is_dir() else 'no such file'}",
+                  file=sys.stderr)
+            return 2
     try:
         settings = load_settings(args.config, node=args.node, cluster=args.cluster)
     except ConfigError as err:
@@ -58,9 +67,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
     from fleetmend.logs import configure_logging
 
     configure_logging(settings.log_format)
-    return asyncio.run(run_agent(settings, kmsg_file=args.kmsg_file, once=args.once,
-                                 inject_file=args.inject_file, kmsg=not args.no_kmsg,
-                                 hardware=args.hardware))
+    try:
+        return asyncio.run(run_agent(settings, kmsg_file=args.kmsg_file, once=args.once,
+                                     inject_file=args.inject_file, kmsg=not args.no_kmsg,
+                                     hardware=args.hardware))
+    except OSError as err:  # metrics port taken, state dir not writable: say so, no traceback
+        print(f"fleetmend agent: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

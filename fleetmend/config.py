@@ -128,9 +128,9 @@ class MetricsSettings(_Section):
     """Prometheus `/metrics` port per process; 0 turns it off. Distinct defaults let `dev up` run all."""
 
     host: str = "0.0.0.0"
-    agent_port: int = 0
-    router_port: int = 0
-    worker_port: int = 0
+    agent_port: int = Field(default=0, ge=0, le=65535)
+    router_port: int = Field(default=0, ge=0, le=65535)
+    worker_port: int = Field(default=0, ge=0, le=65535)
     poll_interval_s: float = 15.0
     """How often the worker/router refresh gauges from Temporal visibility and JetStream (a Prometheus
     scrape interval)."""

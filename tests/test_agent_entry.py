@@ -40,3 +40,21 @@ def test_fleetmend_agent_goes_to_the_lean_entry(tmp_path: Path) -> None:
     bad = subprocess.run([str(exe), "agent", "--kmsg-file", str(tmp_path / "missing.log"), "--once"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_bad_agent_arguments_are_clear_errors_not_tracebacks(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("fleetmend")
+    cases = {("--inject-file", str(tmp_path / "none.jsonl"), "--once", "--no-kmsg"): "no such file",
+             ("--kmsg-file", str(tmp_path), "--once"): "a directory, not a file",
+             ("--metrics-port", "70000"): "not a TCP port"}
+    for args, said in cases.items():
+        out = subprocess.run([str(exe), "agent", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+    state = tmp_path / "not-a-dir"
+    state.write_text("")
+    log = tmp_path / "k.log"
+    log.write_text("[  1.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=python, Graphics Exception\n")
+    out = subprocess.run([str(exe), "agent", "--kmsg-file", str(log), "--once"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "FLEETMEND_STATE_DIR": str(state),
+                                          "FLEETMEND_NATS_URL": "nats://127.0.0.1:1"})
+    assert out.returncode == 1 and "Not a directory" in out.stderr and "Traceback" not in out.stderr, out.stderr
