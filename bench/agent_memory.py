@@ -10,8 +10,10 @@ on the node maps from the same page cache). Steps:
     nats+structlog     the floor of any asyncio NATS client in Python (bench/agent_cost.py's "bare")
     +pydantic          the event schema's library
     +contract          fleetmend.events + the fault catalog loaded
-    +agent modules     every module the agent imports (runner, probes, parsers, spool, publisher),
-                       with the agent's lean imports (agents/__main__.py: no aiohttp, no rich)
+    +agent modules     every module the agent imports (runner, probes, parsers, spool, publisher)
+
+Every step except the bare interpreter and "nvml alone" uses the agent's lean imports
+(agents/__main__.py: no aiohttp, no rich), as the agent does.
     nvml alone         interpreter + pynvml + nvmlInit(): the floor any in-process NVML reader pays
     +nvml init         the agent's modules plus nvmlInit, GPU handles and the XID event set, then
                        the probe's heap trim (agents/nvml.py trim_heap)
@@ -61,11 +63,15 @@ except Exception as err:
     note = f'NVML unavailable: {type(err).__name__}'
 """
 
+LEAN = "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
+"""Every step but the bare interpreter and `nvml alone` runs with the agent's lean imports (no aiohttp,
+no rich), as the agent does, so each row adds to the one before."""
+
 STEPS: list[tuple[str, str]] = [
     ("interpreter", "note = ''"),
-    ("nats+structlog", "import asyncio, nats, structlog; note = ''"),
-    ("+pydantic", "import asyncio, nats, structlog, pydantic; note = ''"),
-    ("+contract", "import asyncio, nats, structlog\nfrom fleetmend.events import FaultEvent\n"
+    ("nats+structlog", LEAN + "import asyncio, nats, structlog; note = ''"),
+    ("+pydantic", LEAN + "import asyncio, nats, structlog, pydantic; note = ''"),
+    ("+contract", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.events import FaultEvent\n"
                   "from fleetmend.catalog import default_catalog\ndefault_catalog(); note = ''"),
     ("+agent modules", "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
                        "import asyncio, nats, structlog\nfrom fleetmend.catalog import default_catalog\n"
@@ -91,13 +97,16 @@ def measure(code: str) -> dict:
 
 
 def main() -> int:
-    print(f"{'step':18s} {'VmRSS':>8s} {'RssAnon':>8s} {'RssFile':>8s}  MiB   note")
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print(f"{'step (MiB)':18s} {'VmRSS':>8s} {'RssAnon':>8s} {'RssFile':>8s}  note")
     for name, code in STEPS:
         r = measure(code)
         if "error" in r:
             print(f"{name:18s} error: {r['error']}")
             continue
-        print(f"{name:18s} {r['VmRSS']:8.1f} {r['RssAnon']:8.1f} {r['RssFile']:8.1f}        {r['note']}")
+        print(f"{name:18s} {r['VmRSS']:8.1f} {r['RssAnon']:8.1f} {r['RssFile']:8.1f}  {r['note']}")
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,8 @@ async def stack(wal: bool = True):
     finally:
         for p in reversed(st.procs):
             p.stop(20)
+        if os.environ.get("FLEETMEND_BENCH_KEEP") != "1":  # logs and data stay only when asked for
+            shutil.rmtree(root, ignore_errors=True)
 
 
 class CpuMeter:

@@ -1,7 +1,11 @@
 """Run every benchmark at a chosen size and write the tables to a Markdown file.
 
     python bench/run_all.py --size small            # minutes; a smoke run
-    python bench/run_all.py --size full --out bench/RESULTS.md
+    python bench/run_all.py --size full --out /tmp/full.md  # ~35 min; tables only
+
+The tables go to `--out` (overwritten) and stdout. bench/RESULTS.md is the curated record: its
+summary, the GPU section and the 100k-node arithmetic are written by hand around tables copied
+from such a file, so never pass it as `--out`.
 
 Each benchmark runs in its own process (its own NATS + Temporal on free ports) so one cannot
 inherit another's backlog. Sizes:

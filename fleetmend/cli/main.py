@@ -32,7 +32,7 @@ app.add_typer(config_app, name="config")
 
 # Piped output (| less, | grep) gets a wide console instead of rich's 80-column default.
 out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help="TOML config file.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster name (FLEETMEND_CLUSTER).")
