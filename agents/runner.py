@@ -281,18 +281,19 @@ async def _gather(tasks: list[asyncio.Task[None]]) -> None:
 
 
 async def _close(conn: dict[str, Any], timeout_s: float, log: Any) -> None:
+    """Stop the diag responder, then drain and close NATS (`close_nats`), within `timeout_s` in all."""
+    from fleetmend.connect import close_nats
+
     diag: DiagResponder | None = conn.get("diag")
     nc = conn.get("nc")
-    try:
-        async with asyncio.timeout(timeout_s):
-            if diag is not None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    if diag is not None:
+        try:
+            async with asyncio.timeout(timeout_s):
                 await diag.stop()
-            if nc is not None and nc.is_connected:
-                log.info("nats_draining")
-                await nc.drain()
-    except Exception as err:  # noqa: BLE001 - best effort at exit; the spool holds what matters
-        log.warning("nats_drain_failed", error=repr(err))
-    finally:
-        if nc is not None and not nc.is_closed:
-            with contextlib.suppress(Exception):
-                await nc.close()
+        except Exception as err:  # noqa: BLE001 - best effort at exit; the spool holds what matters
+            log.warning("diag_stop_failed", error=repr(err))
+    if nc is not None:
+        log.info("nats_draining")
+        await close_nats(nc, max(0.1, deadline - loop.time()))

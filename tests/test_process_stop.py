@@ -27,6 +27,12 @@ asyncio.run(main())
 """
 
 
+def _worker_env(tmp_path: Path, nats_port: int, temporal_port: int) -> dict[str, str]:
+    return {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{nats_port}",
+            "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{temporal_port}", "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
+            "FLEETMEND_SCHEDULER": "none", "FLEETMEND_METRICS__WORKER_PORT": "0", "FLEETMEND_LOG_FORMAT": "json"}
+
+
 def test_a_stop_that_hangs_exits_after_the_deadline() -> None:
     p = subprocess.Popen([sys.executable, "-c", HANGS], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -44,9 +50,7 @@ def test_worker_stops_cleanly_after_nats_and_temporal_died(tmp_path: Path) -> No
     np_, tp = servers.free_port(), servers.free_port()
     nats = servers.start_nats(tmp_path / "js", np_)
     temporal = servers.start_temporal(tmp_path / "t.db", tp, servers.free_port(), ui=False)
-    env = {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{np_}",
-           "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{tp}", "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
-           "FLEETMEND_SCHEDULER": "none", "FLEETMEND_METRICS__WORKER_PORT": "0", "FLEETMEND_LOG_FORMAT": "json"}
+    env = _worker_env(tmp_path, np_, tp)
     worker = servers.ManagedProcess("worker", [sys.executable, "-m", "fleetmend.cli.main", "worker"],
                                     tmp_path / "worker.log", env=env)
     try:
@@ -80,10 +84,7 @@ def test_a_worker_whose_temporal_worker_fails_exits_non_zero(tmp_path: Path) -> 
     temporal = servers.start_temporal(tmp_path / "t.db", tp, servers.free_port(), ui=False)
     try:
         asyncio.run(servers.wait_temporal_ready(f"127.0.0.1:{tp}"))
-        env = {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{np_}",
-               "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{tp}", "FLEETMEND_TEMPORAL_NAMESPACE": "no-such-namespace",
-               "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_SCHEDULER": "none",
-               "FLEETMEND_METRICS__WORKER_PORT": "0", "FLEETMEND_LOG_FORMAT": "json"}
+        env = {**_worker_env(tmp_path, np_, tp), "FLEETMEND_TEMPORAL_NAMESPACE": "no-such-namespace"}
         p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "worker"], env=env, capture_output=True,
                            text=True, timeout=90)
         assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
