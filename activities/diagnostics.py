@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TypeVar
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from fleetmend import subjects
-from fleetmend.diagnostics import DiagLevel, DiagReport, DiagRequest
+from fleetmend.diagnostics import DiagReport, DiagRequest
+from fleetmend.messages import Activity, DiagActivityRequest
 
 T = TypeVar("T")
 
@@ -45,23 +45,13 @@ async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, 
                                non_retryable=True) from err
 
 
-@dataclass
-class DiagActivityRequest:
-    cluster: str
-    node: str
-    level: DiagLevel = DiagLevel.QUICK
-    checks: list[str] | None = None
-    timeout_s: float = 120.0
-    incident_id: str | None = None
-
-
 class DiagnosticsActivities:
     """Runs diagnostics on a node by asking its agent. Takes a connected `nats.aio.client.Client`."""
 
     def __init__(self, nc) -> None:  # noqa: ANN001 - nats client, not imported by workflows
         self._nc = nc
 
-    @activity.defn(name="run_diagnostics")
+    @activity.defn(name=Activity.RUN_DIAGNOSTICS)
     async def run_diagnostics(self, req: DiagActivityRequest) -> DiagReport:
         """Ask the node's agent for a `DiagReport`.
 

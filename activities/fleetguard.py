@@ -13,19 +13,12 @@ from temporalio import activity
 
 from fleetmend import subjects
 from fleetmend.policy import Topology, load_topology
-from workflows.fleetguard import FleetGuard, GuardInput, GuardPolicy, PermitRelease, PermitRequest
+from fleetmend.messages import Activity, GuardApi, GuardInput, GuardPolicy, PermitRelease, PermitRequest
 
 
 def guard_policy(settings, topology: Topology | None = None) -> GuardPolicy:  # noqa: ANN001 - Settings
-    """`GuardPolicy` from `Settings.policy` (and the topology's node count)."""
-    p = settings.policy
-    return GuardPolicy(
-        max_drained_nodes=p.max_drained_nodes, max_drained_percent=p.max_drained_percent,
-        max_drained_per_rack=p.max_drained_per_rack, cluster_nodes=p.cluster_nodes,
-        breaker_distinct_nodes=p.breaker_distinct_nodes, breaker_window_s=p.breaker_window_s,
-        domain_incident_nodes=p.domain_incident_nodes, domain_window_s=p.domain_window_s,
-        lemon_repairs=p.lemon_repairs, lemon_window_s=p.lemon_window_s, observe_only=p.observe_only,
-        topology_nodes=len(topology) if topology is not None else 0)
+    """`GuardPolicy` from `Settings.policy` and the topology's node count."""
+    return GuardPolicy.from_settings(settings.policy, len(topology) if topology is not None else 0)
 
 
 class FleetGuardActivities:
@@ -46,19 +39,19 @@ class FleetGuardActivities:
 
     async def _signal_with_start(self, cluster: str, signal: str, arg) -> None:  # noqa: ANN001
         await self._client.start_workflow(
-            FleetGuard.run, GuardInput(cluster=cluster, policy=self._policy),
+            GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=self._policy),
             id=subjects.fleetguard_workflow_id(cluster), task_queue=self._task_queue,
             start_signal=signal, start_signal_args=[arg],
             static_summary=f"FleetGuard {cluster}: drain budget and breaker")
 
-    @activity.defn(name="request_drain_permit")
+    @activity.defn(name=Activity.REQUEST_DRAIN_PERMIT)
     async def request_drain_permit(self, req: PermitRequest) -> None:
         """Queue `req` at the cluster's FleetGuard; the decision comes back as a `permit` signal."""
         dom = self._topology.domain(req.node)
         full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
-        await self._signal_with_start(req.cluster, "request_permit", full)
+        await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMIT, full)
 
-    @activity.defn(name="release_drain_permit")
+    @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)
     async def release_drain_permit(self, rel: PermitRelease) -> None:
         """Give a permit back (or withdraw a queued request). Idempotent."""
-        await self._signal_with_start(rel.cluster, "release", rel)
+        await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)

@@ -32,12 +32,10 @@ from typing import Any
 import httpx
 
 import fleetmend
-from activities.tickets import (
-    LocalTicketStore, TicketNotFoundError, TicketRef, TicketRejectedError, TicketRequest, TicketStatus,
-    TicketUpdate,
-)
+from activities.ticket_store import LocalTicketStore
 from fleetmend.config import JiraSettings
-from fleetmend.errors import ConfigError, TicketError
+from fleetmend.errors import ConfigError, TicketError, TicketNotFoundError, TicketRejectedError
+from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
 API = "/rest/api/2"
 DESCRIPTION_MAX_CHARS = 30_000

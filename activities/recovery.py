@@ -8,24 +8,12 @@ disabled, the default) or FAILED. The workflow verifies afterwards; this activit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.diagnostics import ask_agent
-from fleetmend.policy import RecoveryOp, RecoveryReport, RecoveryRequest
-
-
-@dataclass
-class RecoveryActivityRequest:
-    cluster: str
-    node: str
-    op: RecoveryOp
-    pci_bus_id: str | None = None
-    incident_id: str | None = None
-    timeout_s: float = 120.0
-    """Reply wait; `nvidia-smi -r` takes seconds, a reboot request is answered before the reboot."""
+from fleetmend.diagnostics import RecoveryReport, RecoveryRequest
+from fleetmend.messages import Activity, RecoveryActivityRequest
 
 
 class RecoveryActivities:
@@ -41,7 +29,7 @@ class RecoveryActivities:
         return await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, RecoveryReport,
                                what=req.op.value)
 
-    @activity.defn(name="reset_gpu")
+    @activity.defn(name=Activity.RESET_GPU)
     async def reset_gpu(self, req: RecoveryActivityRequest) -> RecoveryReport:
         """Ask the agent to reset one GPU (`nvidia-smi -r -i <bus id>`, only if no process holds it).
 
@@ -52,7 +40,7 @@ class RecoveryActivities:
                                    non_retryable=True)
         return await self._ask(req)
 
-    @activity.defn(name="reboot_node")
+    @activity.defn(name=Activity.REBOOT_NODE)
     async def reboot_node(self, req: RecoveryActivityRequest) -> RecoveryReport:
         """Ask the agent to reboot the node (its configured `reboot_command`; empty = dry run)."""
         return await self._ask(req)

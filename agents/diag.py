@@ -135,7 +135,7 @@ class DiagResponder:
 
     async def _on_msg(self, msg: Any) -> None:
         # --- recovery requests (GPU reset / reboot) share this subject: agents/recovery.py ---
-        from fleetmend.policy import is_recovery_request
+        from fleetmend.diagnostics import is_recovery_request
 
         if is_recovery_request(msg.data):
             if self.recovery is None:

@@ -21,7 +21,7 @@ import structlog
 from pydantic import ValidationError
 
 from agents.commands import run_command, tail
-from fleetmend.policy import RecoveryOp, RecoveryReport, RecoveryRequest, RecoveryResult
+from fleetmend.diagnostics import RecoveryOp, RecoveryReport, RecoveryRequest, RecoveryResult
 
 QUERY_APPS = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
 

@@ -274,7 +274,7 @@ class Chaos:
         from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
         from temporalio.service import RPCError
 
-        from activities.tickets import LocalTicketStore
+        from activities.ticket_store import LocalTicketStore
         from workflows.remediation import NodeRemediation
 
         statuses: dict[str, Any] = {}
@@ -395,7 +395,7 @@ class Chaos:
 
         import nats
 
-        from workflows.converter import data_converter
+        from fleetmend.converter import data_converter
 
         self.t0 = time.monotonic()
         try:

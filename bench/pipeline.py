@@ -89,7 +89,7 @@ async def main(nodes: int, events: int, raw_n: int, sws_calls: int, seed: int) -
     from temporalio.worker import Worker
 
     from bench.sws_workflow import Sink
-    from workflows.converter import data_converter
+    from fleetmend.converter import data_converter
 
     rng = random.Random(seed)
     async with stack() as st:

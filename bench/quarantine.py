@@ -40,8 +40,8 @@ async def measure(st, mode: str, nodes: int, faults: int, gap_s: float, backgrou
     from fleetmend import subjects
     from fleetmend.catalog import default_catalog
     from fleetmend.jetstream import ensure_fault_stream
-    from fleetmend.sim import SimConfig, run_sim
-    from workflows.converter import data_converter
+    from fleetmend.cli.simulate import SimConfig, run_sim
+    from fleetmend.converter import data_converter
 
     cluster = f"q{mode.replace('-', '')}"
     observe = mode == "observe-only"

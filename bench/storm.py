@@ -28,7 +28,7 @@ async def main(nodes: int, events: int, seed: int) -> None:
     from fleetmend import subjects
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
     from fleetmend.jetstream import ensure_fault_stream
-    from workflows.converter import data_converter
+    from fleetmend.converter import data_converter
     from workflows.remediation import NodeRemediation
 
     cluster = "storm"

@@ -28,8 +28,10 @@ async def main(incidents: int, signals: int, cache: int) -> None:
 
     from fleetmend import subjects
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-    from workflows.converter import data_converter
-    from workflows.remediation import FaultBatch, IncidentInput, NodeRemediation, PolicySnapshot, RoutedFault, Verdict
+    from fleetmend.converter import data_converter
+    from fleetmend.messages import FaultBatch, IncidentInput, IncidentPolicy, RoutedFault
+    from workflows.remediation import NodeRemediation
+    from fleetmend.catalog import Verdict
 
     def xid13(node: str) -> RoutedFault:
         ev = FaultEvent(cluster="wm", node=node, component=Component.GPU, kind="xid", code=13,
@@ -51,7 +53,8 @@ async def main(incidents: int, signals: int, cache: int) -> None:
 
         client = await Client.connect(st.temporal_address, data_converter=data_converter)
         rows.append(("worker RSS MiB, idle", rss()))
-        policy = PolicySnapshot(close_after_idle_s=36000, app_xid_repeats=10**6)
+        policy = IncidentPolicy(close_after_idle_s=36000, app_xid_repeats=10**6, debounce_s=0.0, recovery_settle_s=0.0,
+                                ticket_poll_s=0.0, close_info_after_s=0.0)
         handles = []
         for i in range(incidents):
             wid = subjects.workflow_id("wm", f"n{i}")

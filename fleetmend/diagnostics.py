@@ -1,6 +1,7 @@
-"""Diagnostics request/reply contract between the worker (activity) and a node's agent.
+"""Diagnostics and recovery request/reply contract between the worker (activity) and a node's agent.
 
-Subject: `subjects.diag_subject(cluster, node)`; request body `DiagRequest` JSON, reply `DiagReport` JSON.
+Subject: `subjects.diag_subject(cluster, node)`; request body `DiagRequest` JSON, reply `DiagReport` JSON;
+or a `RecoveryRequest` (`"type": "recovery"`), reply `RecoveryReport`.
 """
 
 from __future__ import annotations
@@ -77,3 +78,51 @@ class DiagReport(BaseModel):
     def passed(self) -> bool:
         """Good enough to return the node: no failure and nothing unknown."""
         return self.result in (DiagResult.PASS, DiagResult.NOT_APPLICABLE)
+
+
+class RecoveryOp(StrEnum):
+    """What the worker asks a node's agent to do. Stable wire strings; never reuse."""
+
+    RESET_GPU = "reset_gpu"
+    REBOOT = "reboot"
+
+
+class RecoveryResult(StrEnum):
+    APPLIED = "applied"
+    """The agent ran the reset/reboot command and it exited 0."""
+    REFUSED = "refused"
+    """Not safe now (a process holds the GPU); nothing was done."""
+    NOT_APPLICABLE = "not_applicable"
+    """This host cannot do it (no nvidia-smi, no such GPU)."""
+    DRY_RUN = "dry_run"
+    """Reboot is disabled on this agent (the default): it says what it would have run."""
+    FAILED = "failed"
+
+
+class RecoveryRequest(BaseModel):
+    """Body of a recovery request on `diag_subject(cluster, node)`; `op` tells it from a `DiagRequest`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(default="recovery", pattern="^recovery$")
+    op: RecoveryOp
+    pci_bus_id: str | None = None
+    """GPU to reset (`0000:3b:00.0`); required for RESET_GPU."""
+    incident_id: str | None = None
+    deadline_s: float = 120.0
+
+
+class RecoveryReport(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    node: str
+    cluster: str
+    op: RecoveryOp
+    result: RecoveryResult
+    detail: str = ""
+    command: list[str] = Field(default_factory=list)
+
+
+def is_recovery_request(data: bytes) -> bool:
+    """Cheap test the agent's diag subscriber uses to route a message to the recovery handler."""
+    return b'"type"' in data and b'"recovery"' in data

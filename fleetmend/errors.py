@@ -58,6 +58,22 @@ class TicketError(FleetmendError, RuntimeError):
     pass
 
 
+class TicketRejectedError(TicketError):
+    """The ticket system refused the request (HTTP 4xx): retrying cannot help.
+
+    Attributes:
+        status_code: the HTTP status.
+    """
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class TicketNotFoundError(TicketError, LookupError):
+    """No ticket with that id in the store."""
+
+
 class DiagnosticsError(FleetmendError, RuntimeError):
     pass
 

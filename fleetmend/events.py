@@ -17,7 +17,7 @@ import os
 import time
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -61,6 +61,11 @@ class Severity(StrEnum):
         """0 (info) < 1 (degraded) < 2 (fatal); for max() and ordering."""
         return _SEVERITY_RANK[self]
 
+    @classmethod
+    def worst(cls, *levels: "Severity | str") -> "Severity":
+        """The most severe of `levels` (INFO when none): the one severity order, used everywhere."""
+        return max((cls(x) for x in levels), key=lambda x: x.rank, default=cls.INFO)
+
 
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
 
@@ -95,6 +100,36 @@ class Device(BaseModel):
     port: int | None = None
 
 
+class ConditionKey(NamedTuple):
+    """Identity of one condition on one node: what repeats and clearing events of it share.
+
+    `device` is the PCI bus id, else the kernel name, else the UUID, else `#<index>`, else None.
+    A clearing event (`healthy=True`) has the key of the fault it clears. This is the one identity
+    used everywhere: the agent's condition tracker, the router's coalescing, the workflow's records.
+    """
+
+    kind: str
+    code: int | None
+    device: str | None
+
+    def __str__(self) -> str:
+        code = "" if self.code is None else f":{self.code}"
+        return f"{self.kind}{code}@{self.device or '-'}"
+
+
+def device_label(device: "Device") -> str | None:
+    """The one string that names a device in keys and records (see `ConditionKey`)."""
+    label = device.pci_bus_id or device.name or device.uuid
+    if label is None and device.index is not None:
+        label = f"#{device.index}"
+    return label
+
+
+def condition_key(ev: "FaultEvent") -> ConditionKey:
+    """The `ConditionKey` of an event (healthy or not)."""
+    return ConditionKey(ev.kind, ev.code, device_label(ev.device))
+
+
 def new_event_id(now_ns: int | None = None) -> str:
     """A unique, time-ordered id: 16 hex digits of UTC nanoseconds + 8 random hex digits.
 
@@ -121,7 +156,7 @@ class FaultEvent(BaseModel):
         kind: what was seen, snake_case and stable (`xid`, `gpu_fallen_off_bus`, `aer_fatal`,
             `ib_port_down`, `hung_task`, ...). The catalog is keyed by `kind` (+ `code`).
         code: numeric code where the kind has one (the XID number, SXid number).
-        severity: `Severity` as read by the agent; the router may reclassify by catalog/operator override.
+        severity: `Severity`: the catalog's (`Catalog.classify`), set by the producer when it builds the event.
         healthy: True for a clearing event of an earlier unhealthy `kind` on the same device.
         message: one readable line.
         observed_at: UTC time the agent observed it (kernel timestamps are often relative).
@@ -178,16 +213,9 @@ class FaultEvent(BaseModel):
         return v
 
     @property
-    def fault_key(self) -> str:
-        """Identity of the *condition* (not the occurrence): component/kind/code@device.
-
-        A clearing event (`healthy=True`) has the same key as the fault it clears.
-        """
-        dev = self.device.pci_bus_id or self.device.uuid or self.device.name
-        if dev is None and self.device.index is not None:
-            dev = f"#{self.device.index}"
-        code = "" if self.code is None else f":{self.code}"
-        return f"{self.component.value}/{self.kind}{code}@{dev or '-'}"
+    def condition(self) -> "ConditionKey":
+        """Identity of the *condition* (not the occurrence): `condition_key(self)`."""
+        return condition_key(self)
 
     def to_json_bytes(self) -> bytes:
         return self.model_dump_json(exclude_none=False).encode()

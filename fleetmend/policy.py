@@ -37,63 +37,11 @@ import math
 import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from enum import StrEnum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from fleetmend.errors import ConfigError
-
-# ------------------------------------------------------------------ recovery contract (worker ↔ agent)
-
-
-class RecoveryOp(StrEnum):
-    """What the worker asks a node's agent to do. Stable wire strings; never reuse."""
-
-    RESET_GPU = "reset_gpu"
-    REBOOT = "reboot"
-
-
-class RecoveryResult(StrEnum):
-    APPLIED = "applied"
-    """The agent ran the reset/reboot command and it exited 0."""
-    REFUSED = "refused"
-    """Not safe now (a process holds the GPU); nothing was done."""
-    NOT_APPLICABLE = "not_applicable"
-    """This host cannot do it (no nvidia-smi, no such GPU)."""
-    DRY_RUN = "dry_run"
-    """Reboot is disabled on this agent (the default): it says what it would have run."""
-    FAILED = "failed"
-
-
-class RecoveryRequest(BaseModel):
-    """Body of a recovery request on `diag_subject(cluster, node)`; `op` tells it from a `DiagRequest`."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = Field(default="recovery", pattern="^recovery$")
-    op: RecoveryOp
-    pci_bus_id: str | None = None
-    """GPU to reset (`0000:3b:00.0`); required for RESET_GPU."""
-    incident_id: str | None = None
-    deadline_s: float = 120.0
-
-
-class RecoveryReport(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    node: str
-    cluster: str
-    op: RecoveryOp
-    result: RecoveryResult
-    detail: str = ""
-    command: list[str] = Field(default_factory=list)
-
-
-def is_recovery_request(data: bytes) -> bool:
-    """Cheap test the agent's diag subscriber uses to route a message to the recovery handler."""
-    return b'"type"' in data and b'"recovery"' in data
-
+from fleetmend.events import Severity
+from fleetmend.messages import Recovery, Urgency
 
 # ------------------------------------------------------------------ failure domains
 
@@ -173,21 +121,6 @@ def drain_budget(known_nodes: int, max_drained_nodes: int, max_drained_percent: 
 # ------------------------------------------------------------------ history rules
 
 
-class Urgency(StrEnum):
-    NOW = "now"
-    WHEN_IDLE = "when_idle"
-
-
-class Recovery(StrEnum):
-    """What the incident tries after draining, before a vendor ticket."""
-
-    RESET_GPU = "RESET_GPU"
-    RESTART_BM = "RESTART_BM"
-    RMA = "RMA"
-    DIAGNOSE = "DRAIN_DIAGNOSE"
-    """No automatic recovery: diagnose and file a ticket."""
-
-
 _RECOVERY_BY_ACTION = {
     "RESET_GPU": Recovery.RESET_GPU,
     "RESTART_BM": Recovery.RESTART_BM,
@@ -198,7 +131,6 @@ _RECOVERY_BY_ACTION = {
 }
 """Catalog immediate action → recovery step (NVIDIA XID catalog 'Immediate Action' column)."""
 
-_SEVERITY_RANK = {"info": 0, "degraded": 1, "fatal": 2}
 APP_XIDS = frozenset({13, 31})
 SYMPATHETIC_XIDS = frozenset({45})
 REMAP_XIDS = frozenset({63, 64})
@@ -213,7 +145,7 @@ class FaultView:
     kind: str
     code: int | None
     device: str | None
-    severity: str
+    severity: Severity
     drain: bool
     immediate_action: str
     fault_class: str
@@ -240,7 +172,7 @@ class Decision:
     urgency: Urgency = Urgency.NOW
     recovery: Recovery = Recovery.DIAGNOSE
     fault_class: str | None = None
-    severity: str = "info"
+    severity: Severity = Severity.INFO
     device: str | None = None
     reasons: list[str] = field(default_factory=list)
     """Every rule that fired, in words (they go into the incident's history)."""
@@ -316,16 +248,14 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
         d.reasons.append("waiting " + f"{debounce_s:.0f}s for a clearing event of "
                          + ", ".join(sorted({c[0].fault_class for c in candidates})))
         return d
-    worst = max(firm, key=lambda c: (c[1] is Urgency.NOW, _SEVERITY_RANK.get(c[0].severity, 0),
+    worst = max(firm, key=lambda c: (c[1] is Urgency.NOW, Severity(c[0].severity).rank,
                                      c[2] is not Recovery.DIAGNOSE))
     f, urgency, recovery, _why = worst
     d.drain = True
     d.urgency = Urgency.NOW if any(c[1] is Urgency.NOW for c in firm) else Urgency.WHEN_IDLE
     d.recovery = Recovery.RMA if any(c[2] is Recovery.RMA for c in firm) else recovery
     d.fault_class, d.device = f.fault_class, f.device
-    d.severity = max((c[0].severity for c in firm), key=lambda s: _SEVERITY_RANK.get(s, 0))
-    if d.severity == "info":
-        d.severity = "degraded"
+    d.severity = Severity.worst(Severity.DEGRADED, *(c[0].severity for c in firm))
     d.reasons.extend(c[3] for c in firm)
     return d
 
@@ -357,8 +287,3 @@ def verification_checks(component: str, kind: str, code: int | None) -> list[str
     if component == "ib":
         return ["ib_ports_active"]
     return []
-
-
-def clearable(kind: str, cleared_by: str | None) -> bool:
-    """Whether a fault kind has a clearing event (catalog `cleared_by` names a kind, not 'none: …')."""
-    return bool(cleared_by) and not str(cleared_by).startswith("none:") and kind != "xid"

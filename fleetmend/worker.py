@@ -21,14 +21,13 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from activities.diagnostics import DiagnosticsActivities
     from activities.scheduler import SchedulerActivities, build_scheduler
     from activities.tickets import TicketActivities, build_ticket_filer
-    from workflows.remediation import NodeRemediation
-    # policy (issue 4): FleetGuard per cluster, drain permits, GPU reset / reboot through the agent
     from activities.fleetguard import FleetGuardActivities
     from activities.recovery import RecoveryActivities
     from workflows.fleetguard import FleetGuard
+    from workflows.remediation import NodeRemediation
 
     sched = SchedulerActivities(build_scheduler(settings, js=nc.jetstream()))
-    tickets = TicketActivities(build_ticket_filer(settings), settings.tickets.repaired_statuses)
+    tickets = TicketActivities(build_ticket_filer(settings))
     diag = DiagnosticsActivities(nc)
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)

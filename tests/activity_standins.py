@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 from temporalio import activity
 
-from activities.diagnostics import DiagActivityRequest
-from activities.scheduler import DrainRequest, DrainResult, UndrainRequest, UndrainResult
-from activities.tickets import TicketRef, TicketRequest, TicketStatus, TicketUpdate
+from fleetmend.messages import DiagActivityRequest
+from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
+from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
-from activities.recovery import RecoveryActivityRequest
+from fleetmend.messages import RecoveryActivityRequest
 from fleetmend import subjects
-from fleetmend.policy import RecoveryReport, RecoveryResult
-from workflows.fleetguard import PermitDecision, PermitRelease, PermitRequest
+from fleetmend.diagnostics import RecoveryReport, RecoveryResult
+from fleetmend.messages import PermitDecision, PermitRelease, PermitRequest
 
 
 @dataclass

@@ -83,7 +83,7 @@ async def nc(nats_server):
 async def temporal_client(temporal_server):
     from temporalio.client import Client
 
-    from workflows.converter import data_converter
+    from fleetmend.converter import data_converter
 
     return await Client.connect(temporal_server.address, data_converter=data_converter)
 

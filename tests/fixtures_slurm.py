@@ -169,7 +169,7 @@ class SlurmCluster:
         return self._show(node).get("Reason", "")
 
     def _show(self, node: str) -> dict[str, str]:
-        from activities.scheduler import parse_scontrol_node
+        from activities.slurm import parse_scontrol_node
 
         return parse_scontrol_node(self.run("scontrol", "-o", "show", "node", node).stdout)
 

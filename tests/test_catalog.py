@@ -39,6 +39,12 @@ def test_every_kind_has_a_source(cat) -> None:
         assert e.source.strip(), name
 
 
+def test_clearable_kinds_are_those_with_a_clearing_event(cat) -> None:
+    assert cat.clearable(_ev("ib_port_down")) and cat.verdict(_ev("ib_port_down")).clearable
+    assert not cat.clearable(_ev("aer_fatal"))  # cleared_by "none: ..."
+    assert not cat.clearable(_ev("xid", 79)) and not cat.clearable(_ev("no_such_kind"))
+
+
 def test_every_unhealthy_kind_names_its_clearing_event(cat) -> None:
     for name, e in cat.kinds.items():
         if e.healthy:

@@ -18,7 +18,8 @@ from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import Router
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
-from workflows.remediation import HumanCommand, NodeRemediation
+from fleetmend.messages import AbortCommand
+from workflows.remediation import NodeRemediation
 
 
 def app_event(cluster: str, node: str, xid: int = 13, bus: str = "0000:3b:00.0") -> FaultEvent:
@@ -176,14 +177,15 @@ async def test_message_temporal_never_accepts_is_deadlettered_after_bounded_atte
 
 
 async def test_cli_command_by_is_in_workflow_history(temporal_client, temporal_server, tmp_path, unique):
-    """`fleetmend abort` sends HumanCommand(by=user@host); the update's input, with `by`, is in the
+    """`fleetmend abort` sends AbortCommand(by=user@host); the update's input, with `by`, is in the
     workflow history (what the Temporal UI shows), and the timeline names who."""
     from temporalio.api.enums.v1 import EventType
 
     cluster, node = f"au{unique}", "n4"
     async with Worker(temporal_client, task_queue=f"tq-{unique}", workflows=[NodeRemediation],
                       activities=stand_ins(Calls())):
-        from workflows.remediation import FaultBatch, IncidentInput, RoutedFault, Verdict
+        from fleetmend.messages import FaultBatch, IncidentInput, RoutedFault
+        from fleetmend.catalog import Verdict
 
         ev = app_event(cluster, node)
         h = await temporal_client.start_workflow(
@@ -191,7 +193,7 @@ async def test_cli_command_by_is_in_workflow_history(temporal_client, temporal_s
             task_queue=f"tq-{unique}", start_signal="faults",
             start_signal_args=[FaultBatch(faults=[RoutedFault(event=ev, verdict=Verdict(
                 severity="degraded", immediate_action="RESTART_APP", fault_class="xid13"))])])
-        await h.execute_update("abort", HumanCommand(by="alice@ops-host", note="chaos audit"), result_type=str)
+        await h.execute_update("abort", AbortCommand(by="alice@ops-host", note="chaos audit"), result_type=str)
         await h.result()
         found = False
         async for e in h.fetch_history_events():

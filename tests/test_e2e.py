@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.tickets import LocalTicketStore
+from activities.ticket_store import LocalTicketStore
 from fleetmend import subjects
 from fleetmend.config import SlurmSettings, load_settings
 from fleetmend.connect import connect_nats, connect_temporal

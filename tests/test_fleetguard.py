@@ -23,11 +23,13 @@ from fleetmend.policy import FailureDomain, Topology
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, start
-from workflows.converter import data_converter
-from workflows.fleetguard import FleetGuard, GuardCommand, GuardPolicy
-from workflows.remediation import HumanCommand, NodeRemediation
+from fleetmend.converter import data_converter
+from workflows.fleetguard import FleetGuard
+from fleetmend.messages import GuardCommand, GuardPolicy
+from fleetmend.messages import AbortCommand, RepairedCommand
+from workflows.remediation import NodeRemediation
 
-BY = HumanCommand(by="tester@ci")
+BY = RepairedCommand(by="tester@ci")
 
 QUERY_TIMEOUT = timedelta(seconds=5)
 """Deadline for each polling query, so that one stuck query is retried instead of using up the whole
@@ -227,7 +229,7 @@ async def test_pause_holds_drains_and_resume_grants(tenv):
 
 
 def _guard_input(g: Guarded):  # noqa: ANN202
-    from workflows.fleetguard import GuardInput
+    from fleetmend.messages import GuardInput
 
     return GuardInput(cluster=g.cluster, policy=GuardPolicy(cluster_nodes=100))
 
@@ -242,7 +244,7 @@ async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv
         await assert_eventually(lambda: _all_phase(g, ["h1"], "awaiting_repair"), what="h1 holds the one permit")
         await start(g.client, g.tq, g.cluster, "q1", [fault(g.cluster, "q1", 79, drain=True)])
         await assert_eventually(lambda: _requested(g, "q1"), what="q1 queued")
-        await g.node("q1").execute_update(NodeRemediation.abort, HumanCommand(by="bob@ops", note="false alarm"))
+        await g.node("q1").execute_update(NodeRemediation.abort, AbortCommand(by="bob@ops", note="false alarm"))
         st = await assert_eventually(lambda: _closed(g, "q1"), what="q1 aborted")
         assert st.outcome == "aborted"
         await assert_eventually(lambda: _guard(g, lambda s: s.queue == [] and len(s.held) == 1),
@@ -274,7 +276,7 @@ async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv):
 
 
 async def test_guard_continues_as_new_and_keeps_its_state(tenv):
-    from workflows.fleetguard import GuardInput, PermitRelease, PermitRequest
+    from fleetmend.messages import GuardInput, PermitRelease, PermitRequest
 
     async with Guarded(tenv, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000)) as g:
         policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100)

@@ -70,7 +70,7 @@ async def test_silent_agent_one_fault_across_replicas_then_cleared(nc, unique: s
                                 what="both replicas published the clearing")
         got = await _faults(js, cluster, "quiet")
         assert [(e.kind, e.healthy) for e in got] == [("agent_silent", False), ("agent_silent", True)]
-        assert got[1].attrs["clearing_kind"] == "agent_heartbeat_resumed" and got[1].fault_key == ev.fault_key
+        assert got[1].attrs["clearing_kind"] == "agent_heartbeat_resumed" and got[1].condition == ev.condition
     finally:
         stop.set()
         await asyncio.gather(*tasks)

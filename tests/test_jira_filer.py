@@ -22,10 +22,11 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.jira import JiraTicketFiler, description, incident_label
-from activities.tickets import (
-    LocalTicketStore, TicketActivities, TicketRejectedError, TicketRequest, TicketUpdate, WebhookTicketFiler,
-    build_ticket_filer,
-)
+from activities.ticket_store import LocalTicketStore
+from activities.tickets import TicketActivities, build_ticket_filer
+from fleetmend.errors import TicketRejectedError
+from fleetmend.messages import TicketRequest, TicketUpdate
+from activities.webhook import WebhookTicketFiler
 from fleetmend.config import JiraSettings, Settings
 from fleetmend.errors import ConfigError, TicketError
 

@@ -188,7 +188,7 @@ def test_clearing_events_are_healthy() -> None:
     )
     assert [(e.kind, e.healthy, e.device.port) for e in events] == [("ib_port_down", False, 1), ("ib_port_down", True, 1)]
     assert events[1].attrs["clearing_kind"] == "ib_port_active" and events[1].severity.value == "info"
-    assert events[0].fault_key == events[1].fault_key
+    assert events[0].condition == events[1].condition
 
 
 # ------------------------------------------------------------------ probe

@@ -14,7 +14,8 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.kubernetes import KubernetesScheduler, evictable, taint_value
-from activities.scheduler import DrainRequest, SchedulerActivities, UndrainRequest, build_scheduler
+from fleetmend.messages import DrainRequest, UndrainRequest
+from activities.scheduler import SchedulerActivities, build_scheduler
 from fleetmend.config import KubernetesSettings, Settings
 from fleetmend.errors import NodeNotFoundError, SchedulerError
 

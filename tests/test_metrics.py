@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
-from activities.scheduler import DrainRequest, DrainResult, SchedulerActivities, UndrainRequest, UndrainResult
+from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
+from activities.scheduler import SchedulerActivities
 from fleetmend import metrics, servers, subjects
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings

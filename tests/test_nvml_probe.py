@@ -144,7 +144,7 @@ def test_ecc_steps_publish_once_per_value_and_clear_after_reset() -> None:
     cleared = p.poll_once()
     assert kinds(cleared) == [("ecc_dbe_volatile", True, 1)]
     assert cleared[0].severity is Severity.INFO and cleared[0].attrs["clearing_kind"] == "gpu_memory_healthy"
-    assert cleared[0].fault_key == dbe.fault_key
+    assert cleared[0].condition == dbe.condition
 
 
 @pytest.mark.parametrize(("rows", "kind", "severity"), [

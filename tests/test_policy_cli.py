@@ -16,7 +16,8 @@ from fleetmend.cli.main import app
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start
-from workflows.fleetguard import FleetGuard, GuardPolicy
+from workflows.fleetguard import FleetGuard
+from fleetmend.messages import GuardPolicy
 from workflows.remediation import NodeRemediation
 
 

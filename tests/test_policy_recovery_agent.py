@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities.recovery import RecoveryActivities, RecoveryActivityRequest
+from activities.recovery import RecoveryActivities
+from fleetmend.messages import RecoveryActivityRequest
 from agents.diag import DiagResponder
 from agents.recovery import RecoveryHandler
 from fleetmend.diagnostics import DiagRequest
-from fleetmend.policy import RecoveryOp, RecoveryRequest, RecoveryResult
+from fleetmend.diagnostics import RecoveryOp, RecoveryRequest, RecoveryResult
 from tests.conftest import assert_eventually
 
 BUS = "0000:3b:00.0"

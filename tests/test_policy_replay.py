@@ -1,14 +1,16 @@
-"""Replay recorded `NodeRemediation` histories against today's workflow code (STYLE rule 34).
+"""Replay recorded `NodeRemediation` and `FleetGuard` histories against today's workflow code.
 
-`tests/histories/*.json` were recorded from real runs on the Temporal dev server *before* a
-workflow change (`FLEETMEND_RECORD_HISTORIES=1 pytest tests/test_policy_replay.py -k record`
-re-records them; do that only for a deliberate, versioned break). Every later change to the
-workflow's command sequence must keep these replaying: guard it with `workflow.patched(<id>)`
-(ids listed in the module docstring of `workflows/remediation.py`).
+`tests/histories/*.json` are the baseline recorded from real runs on the Temporal dev server with
+the code of the 0.x versioning reset (every earlier patch folded in). A change to a workflow's
+command sequence must keep them replaying: guard it with `workflow.patched(<id>)` (ids listed in
+the workflow's module docstring) and add a history recorded *before* the change (add a scenario
+below, run `FLEETMEND_RECORD_HISTORIES=1 pytest tests/test_policy_replay.py -k record` on the old
+code; existing files are never overwritten).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -17,14 +19,20 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer, Worker
 
+from fleetmend.converter import data_converter
+from fleetmend.messages import AbortCommand, FaultBatch, GuardCommand, GuardPolicy, RepairedCommand
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
-from workflows.converter import data_converter
-from workflows.fleetguard import FleetGuard, GuardCommand, GuardPolicy
-from workflows.remediation import HumanCommand, NodeRemediation
+from workflows.fleetguard import FleetGuard
+from workflows.remediation import NodeRemediation
 
 HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("FLEETMEND_RECORD_HISTORIES") == "1"
+BASELINE = {
+    "remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort_in_triage",
+    "remediation_reset_returned", "remediation_abort_awaiting_repair", "remediation_flap_ends_down",
+    "remediation_second_batch_in_triage", "fleetguard_breaker", "fleetguard_pause",
+}
 
 
 def recorded() -> list[Path]:
@@ -40,11 +48,7 @@ async def test_recorded_history_replays(path: Path) -> None:
 
 
 def test_histories_are_present() -> None:
-    names = {p.stem for p in recorded()}
-    assert {"remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort"} <= names
-    assert {"remediation_v2_reset_returned", "remediation_v2_abort_awaiting_repair", "fleetguard_v1"} <= names
-    assert {"remediation_v3_flap_before_arrival_order", "remediation_v4_signals_before_upsert_on_change",
-            "fleetguard_v2_pause_before_publish"} <= names
+    assert BASELINE <= {p.stem for p in recorded()}
 
 
 def _write(name: str, history) -> None:  # noqa: ANN001
@@ -56,6 +60,8 @@ def _write(name: str, history) -> None:  # noqa: ANN001
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
 async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
+    from fleetmend.diagnostics import RecoveryResult
+    from tests.test_policy_workflow import _flap, ev
     from tests.test_workflow import fault, phase_is, start
 
     client, calls = temporal_client, Calls()
@@ -65,72 +71,55 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
         sfx = uuid.uuid4().hex[:6]
         h1 = await start(client, tq, cluster, f"fatal-{sfx}", [fault(cluster, f"fatal-{sfx}", 79, drain=True)])
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"))
-        await h1.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci", ticket="RMA-1"))
+        await h1.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci", ticket="RMA-1"))
         await assert_eventually(lambda: phase_is(h1, "closed"))
 
         h2 = await start(client, tq, cluster, f"app-{sfx}", [fault(cluster, f"app-{sfx}", 13, drain=False,
                                                                    severity="degraded")], close_after_idle_s=2)
         await assert_eventually(lambda: phase_is(h2, "closed"))
 
-        # Abort while in triage (an abort in awaiting_repair spun without yielding before patch
-        # `abort-leaves-repair-loop`, so no such history can exist).
         h3 = await start(client, tq, cluster, f"abort-{sfx}", [fault(cluster, f"abort-{sfx}", 31, drain=False,
                                                                      severity="degraded")])
         await assert_eventually(lambda: phase_is(h3, "triage"))
-        await h3.execute_update(NodeRemediation.abort, HumanCommand(by="rec@ci", note="test", undrain=True))
+        await h3.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test", undrain=True))
         await assert_eventually(lambda: phase_is(h3, "closed"))
 
-        for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
-                        ("remediation_abort", h3)):
-            await h.result()
-            _write(name, await h.fetch_history())
-
-        # v2: the policy code paths (permit, recovery before RMA, abort while awaiting repair).
-        from fleetmend.policy import RecoveryResult
-        from tests.test_policy_workflow import ev
-
         calls.recovery_results = [RecoveryResult.APPLIED]
-        h4 = await start(client, tq, cluster, f"v2r-{sfx}", [ev(cluster, f"v2r-{sfx}", code=48, drain=True,
+        h4 = await start(client, tq, cluster, f"rst-{sfx}", [ev(cluster, f"rst-{sfx}", code=48, drain=True,
                                                                 severity="fatal", action="WORKFLOW_XID_48"),
-                                                             ev(cluster, f"v2r-{sfx}", code=63, action="IGNORE")],
+                                                             ev(cluster, f"rst-{sfx}", code=63, action="IGNORE")],
                          recovery_settle_s=1)
         await assert_eventually(lambda: phase_is(h4, "closed"))
-        h5 = await start(client, tq, cluster, f"v2a-{sfx}", [fault(cluster, f"v2a-{sfx}", 79, drain=True)])
+
+        h5 = await start(client, tq, cluster, f"abr-{sfx}", [fault(cluster, f"abr-{sfx}", 79, drain=True)])
         await assert_eventually(lambda: phase_is(h5, "awaiting_repair"))
-        await h5.execute_update(NodeRemediation.abort, HumanCommand(by="rec@ci", note="test", undrain=True))
+        await h5.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test", undrain=True))
         await assert_eventually(lambda: phase_is(h5, "closed"))
-        for name, h in (("remediation_v2_reset_returned", h4), ("remediation_v2_abort_awaiting_repair", h5)):
+
+        # A flapping link DOWN, UP, DOWN in one batch: the last word is DOWN, it drains after the debounce.
+        h6 = await start(client, tq, cluster, f"flp-{sfx}", _flap(cluster, f"flp-{sfx}", "DUD"), debounce_s=1,
+                         close_after_idle_s=2)
+        await assert_eventually(lambda: phase_is(h6, "awaiting_repair"))
+        await h6.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test"))
+        await assert_eventually(lambda: phase_is(h6, "closed"))
+
+        # A second batch of faults while in triage (search attributes upserted only on a change).
+        h7 = await start(client, tq, cluster, f"two-{sfx}", [fault(cluster, f"two-{sfx}", 13, drain=False,
+                                                                   severity="degraded")],
+                         close_after_idle_s=3, app_xid_repeats=100)
+        await assert_eventually(lambda: phase_is(h7, "triage"))
+        await h7.signal(NodeRemediation.faults, FaultBatch(faults=[fault(cluster, f"two-{sfx}", 13, drain=False,
+                                                                         severity="degraded")]))
+        await assert_eventually(lambda: phase_is(h7, "closed"))
+
+        for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
+                        ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
+                        ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
+                        ("remediation_second_batch_in_triage", h7)):
             await h.result()
             _write(name, await h.fetch_history())
-
-        # v3 (recorded before patch `arrival-order`): a flapping link DOWN, UP, DOWN in one batch was
-        # taken for cleared, so the incident closed as recorded without a drain.
-        # Scenarios recorded before a patch only make sense with the code before it: each runs only
-        # while its history is missing.
-        from tests.test_policy_workflow import _flap
-
-        if not (HISTORIES / "remediation_v3_flap_before_arrival_order.json").exists():
-            h6 = await start(client, tq, cluster, f"v3f-{sfx}", _flap(cluster, f"v3f-{sfx}", "DUD"), debounce_s=1,
-                             close_after_idle_s=2)
-            await assert_eventually(lambda: phase_is(h6, "closed"))
-            await h6.result()
-            _write("remediation_v3_flap_before_arrival_order", await h6.fetch_history())
-
-        # v4 (recorded before patch `upsert-on-change`): a second batch of faults in triage upserted
-        # the unchanged search attributes again.
-        if not (HISTORIES / "remediation_v4_signals_before_upsert_on_change.json").exists():
-            h7 = await start(client, tq, cluster, f"v4u-{sfx}", [fault(cluster, f"v4u-{sfx}", 13, drain=False,
-                                                                       severity="degraded")],
-                             close_after_idle_s=3, app_xid_repeats=100)
-            await assert_eventually(lambda: phase_is(h7, "triage"))
-            from workflows.remediation import FaultBatch
-
-            await h7.signal(NodeRemediation.faults, FaultBatch(faults=[fault(cluster, f"v4u-{sfx}", 13, drain=False,
-                                                                             severity="degraded")]))
-            await assert_eventually(lambda: phase_is(h7, "closed"))
-            await h7.result()
-            _write("remediation_v4_signals_before_upsert_on_change", await h7.fetch_history())
     await _record_guard(client)
+    await _record_guard_pause(client)
 
 
 async def _record_guard(client) -> None:  # noqa: ANN001
@@ -151,21 +140,17 @@ async def _record_guard(client) -> None:  # noqa: ANN001
         await assert_eventually(lambda: phase_is(g3, "awaiting_permit"))  # 3 nodes > 2: breaker trips
         gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
         await gh.execute_update(FleetGuard.reset_breaker, GuardCommand(by="rec@ci"))
-        await g1.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await g1.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci"))
         await assert_eventually(lambda: phase_is(g2, "awaiting_repair"))
-        await g3.execute_update(NodeRemediation.abort, HumanCommand(by="rec@ci", note="test"))
+        await g3.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test"))
         await assert_eventually(lambda: phase_is(g3, "closed"))
-        await g2.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await g2.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci"))
         await assert_eventually(lambda: phase_is(g2, "closed"))
-        _write("fleetguard_v1", await gh.fetch_history())
-    if not (HISTORIES / "fleetguard_v2_pause_before_publish.json").exists():
-        await _record_guard_pause(client)
+        _write("fleetguard_breaker", await gh.fetch_history())
 
 
 async def _record_guard_pause(client) -> None:  # noqa: ANN001
-    """Recorded before patch `pause-publishes`: a pause changed nothing visible until the next message."""
-    import asyncio
-
+    """A pause and a resume by hand while a node holds a permit."""
     from activities.fleetguard import FleetGuardActivities
     from fleetmend import subjects
     from tests.test_workflow import fault, phase_is, start
@@ -181,7 +166,7 @@ async def _record_guard_pause(client) -> None:  # noqa: ANN001
         await gh.execute_update(FleetGuard.pause, GuardCommand(by="rec@ci", note="maintenance"))
         await asyncio.sleep(1.0)
         await gh.execute_update(FleetGuard.resume, GuardCommand(by="rec@ci"))
-        await p1.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="rec@ci"))
+        await p1.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci"))
         await assert_eventually(lambda: phase_is(p1, "closed"))
         await asyncio.sleep(1.0)
-        _write("fleetguard_v2_pause_before_publish", await gh.fetch_history())
+        _write("fleetguard_pause", await gh.fetch_history())

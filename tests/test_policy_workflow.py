@@ -12,13 +12,15 @@ from temporalio.worker import Worker
 
 from fleetmend.diagnostics import DiagResult
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.policy import RecoveryOp, RecoveryResult
+from fleetmend.diagnostics import RecoveryOp, RecoveryResult
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_fleetguard import tenv  # noqa: F401 - the module-scoped time-skipping server
 from tests.test_workflow import start
 from workflows.fleetguard import FleetGuard
-from workflows.remediation import FaultBatch, HumanCommand, NodeRemediation, RoutedFault, Verdict
+from fleetmend.messages import FaultBatch, RepairedCommand, RoutedFault
+from workflows.remediation import NodeRemediation
+from fleetmend.catalog import Verdict
 
 GPU = "0000:3b:00.0"
 
@@ -111,7 +113,7 @@ async def test_flapping_link_that_ends_up_drains_nothing(wenv):
 async def test_collapsed_repeats_count_every_new_id_once(wenv):
     """The router's collapsed form (one RoutedFault with `repeats`) counts and de-duplicates each
     occurrence as if it had come alone, including ids seen before and ids repeated in the batch."""
-    from workflows.remediation import Occurrence
+    from fleetmend.messages import Occurrence
 
     env, tq, calls, c = wenv
     first = ev(c, "k1", code=13)
@@ -188,7 +190,7 @@ async def test_reset_that_does_not_hold_during_settle_escalates(wenv):
     st = await assert_eventually(lambda: phase(h, "awaiting_repair"), what="escalated")
     assert any("did not hold: a new drain-worthy fault while settling" in line for line in st.recovery_log)
     assert len(calls.tickets) == 1
-    await h.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="alice@ops"))
+    await h.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="alice@ops"))
     st = await h.result()
     assert st.outcome == "returned_to_service"
     assert "dcgm_diag" in (calls.diags[-1].checks or []), "NVLink fault → DCGM (NVLink) verification"

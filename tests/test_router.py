@@ -21,7 +21,7 @@ from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import MAX_EVENT_BYTES, Router, decode_event
 from tests.conftest import assert_eventually
 from tests.activity_standins import Calls, stand_ins
-from workflows.converter import data_converter
+from fleetmend.converter import data_converter
 from workflows.remediation import NodeRemediation
 
 
@@ -182,14 +182,16 @@ def _ib(cluster: str, node: str, up: bool) -> FaultEvent:
 
 
 def test_collapse_keeps_every_occurrence_and_orders_by_the_latest():
+    from fleetmend.catalog import default_catalog
     from fleetmend.router.core import collapse
 
     d1, u1, x, d2, u2, d3 = (_ib("c", "n", False), _ib("c", "n", True), xid_event("c", "n", 13),
                              _ib("c", "n", False), _ib("c", "n", True), _ib("c", "n", False))
-    out = collapse([d1, u1, x, d2, u2, d3])
+    out = collapse([d1, u1, x, d2, u2, d3], default_catalog())
     assert [(rf.event.event_id, [r.event_id for r in rf.repeats]) for rf in out] == [
         (x.event_id, []), (u1.event_id, [u2.event_id]), (d1.event_id, [d2.event_id, d3.event_id])]
-    assert collapse([]) == []
+    assert collapse([], default_catalog()) == []
+    assert out[0].verdict.fault_class == "xid13" and out[2].verdict.clearable
 
 
 async def test_a_nodes_storm_is_collapsed_and_every_event_counted(settings, nc, temporal_client, unique):

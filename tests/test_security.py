@@ -209,7 +209,7 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
         with pytest.raises(asyncio.TimeoutError):  # the router may not publish faults itself
             await js.publish(subjects.fault_subject(CLUSTER, "n1"), ev.to_json_bytes(), timeout=1.0)
 
-        from activities.scheduler import StandaloneScheduler
+        from activities.standalone import StandaloneScheduler
 
         sched = StandaloneScheduler(worker.jetstream(), bucket=subjects.DRAIN_KV_BUCKET)
         # the bucket is created by an admin at setup (`dev up` / operator); the worker only writes to it

@@ -6,15 +6,9 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.scheduler import (
-    DrainRequest,
-    SchedulerActivities,
-    SlurmScheduler,
-    UndrainRequest,
-    normalize_slurm_state,
-    parse_scontrol_node,
-    strip_reason_suffix,
-)
+from fleetmend.messages import DrainRequest, UndrainRequest
+from activities.scheduler import SchedulerActivities
+from activities.slurm import SlurmScheduler, normalize_slurm_state, parse_scontrol_node, strip_reason_suffix
 from fleetmend.config import SlurmSettings
 from fleetmend.errors import NodeNotFoundError
 from tests.conftest import assert_eventually

@@ -8,15 +8,10 @@ import json
 import pytest
 from nats.js.api import StorageType
 
-from activities.scheduler import (
-    DrainRequest,
-    NoopScheduler,
-    SchedulerActivities,
-    SlurmScheduler,
-    StandaloneScheduler,
-    UndrainRequest,
-    build_scheduler,
-)
+from fleetmend.messages import DrainRequest, UndrainRequest
+from activities.standalone import NoopScheduler, StandaloneScheduler
+from activities.scheduler import SchedulerActivities, build_scheduler
+from activities.slurm import SlurmScheduler
 from fleetmend.config import Settings
 from fleetmend.errors import ConfigError
 

@@ -17,7 +17,7 @@ from agents.parsers.common import Ctx
 from fleetmend.catalog import default_catalog
 from fleetmend.diagnostics import DiagLevel, DiagRequest, DiagResult
 from fleetmend.events import FaultEvent
-from fleetmend.explain import explain_text
+from fleetmend.cli.explain import explain_text
 from tests.corpus_paths import load_cases
 
 CASES = load_cases()

@@ -17,16 +17,11 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.tickets import (
-    LocalTicketStore,
-    TicketActivities,
-    TicketRef,
-    TicketRejectedError,
-    TicketRequest,
-    TicketUpdate,
-    WebhookTicketFiler,
-    build_ticket_filer,
-)
+from activities.ticket_store import LocalTicketStore
+from activities.tickets import TicketActivities, build_ticket_filer
+from fleetmend.messages import TicketRef, TicketRequest, TicketUpdate
+from fleetmend.errors import TicketRejectedError
+from activities.webhook import WebhookTicketFiler
 from fleetmend.config import Settings
 from fleetmend.errors import ConfigError, TicketError
 

@@ -15,9 +15,11 @@ from fleetmend.diagnostics import DiagResult
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
-from workflows.remediation import (
-    FaultBatch, HumanCommand, IncidentInput, NodeRemediation, PolicySnapshot, RoutedFault, Verdict,
+from fleetmend.messages import (
+    FaultBatch, AbortCommand, RepairedCommand, RetestCommand, IncidentInput, IncidentPolicy, RoutedFault,
 )
+from workflows.remediation import NodeRemediation
+from fleetmend.catalog import Verdict
 
 
 def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal", event_id: str | None = None,
@@ -30,10 +32,14 @@ def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal
                                                  "RESTART_APP", fault_class=f"xid{xid}", drain=drain))
 
 
+FAST_POLICY = {"debounce_s": 0.0, "recovery_settle_s": 0.0, "ticket_poll_s": 0.0, "close_info_after_s": 0.0}
+"""Tests run incidents without the production waits (debounce, settle, ticket polling) unless they set them."""
+
+
 async def start(client, tq: str, cluster: str, node: str, faults: list[RoutedFault], **policy):  # noqa: ANN001
     wid = subjects.workflow_id(cluster, node)
     await client.start_workflow(NodeRemediation.run, IncidentInput(cluster=cluster, node=node,
-                                                                   policy=PolicySnapshot(**policy)),
+                                                                   policy=IncidentPolicy(**{**FAST_POLICY, **policy})),
                                 id=wid, task_queue=tq, start_signal="faults",
                                 start_signal_args=[FaultBatch(faults=faults)])
     return client.get_workflow_handle_for(NodeRemediation.run, wid)
@@ -44,7 +50,7 @@ async def phase_is(handle, phase: str):  # noqa: ANN001
     return st if st.phase == phase else None
 
 
-BY = HumanCommand(by="tester@ci")
+BY = RepairedCommand(by="tester@ci")
 
 
 @pytest.fixture
@@ -68,7 +74,7 @@ async def test_fatal_fault_drains_tickets_and_returns_after_repair(env, unique):
     await h.signal(NodeRemediation.faults, FaultBatch(faults=[dup, dup]))
     await assert_eventually(lambda: _dups(h), what="duplicate counted")
 
-    await h.execute_update(NodeRemediation.mark_repaired, HumanCommand(by="alice@ops", ticket="RMA-1", note="swapped"))
+    await h.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="alice@ops", ticket="RMA-1", note="swapped"))
     st = await assert_eventually(lambda: phase_is(h, "closed"), what="closed")
     assert st.outcome == "returned_to_service" and not st.drained
     assert len(calls.drains) == 1 and len(calls.undrains) == 1 and len(calls.tickets) == 1
@@ -98,10 +104,10 @@ async def test_failed_verification_goes_back_to_awaiting_repair(env, unique):
     h = await start(client, tq, unique, "n3", [fault(unique, "n3", 48, drain=True)])
     await assert_eventually(lambda: phase_is(h, "awaiting_repair"))
     with pytest.raises(WorkflowUpdateFailedError):
-        await h.execute_update(NodeRemediation.mark_repaired, HumanCommand(by=""))  # no sender: rejected
+        await h.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by=""))  # no sender: rejected
     await h.execute_update(NodeRemediation.mark_repaired, BY)
     await assert_eventually(lambda: _verification_failed(h, calls), what="verification failed once")
-    await h.execute_update(NodeRemediation.force_retest, BY)
+    await h.execute_update(NodeRemediation.force_retest, RetestCommand(by="tester@ci"))
     st = await assert_eventually(lambda: phase_is(h, "closed"))
     assert st.outcome == "returned_to_service"
     assert "verification_failed" in [u.status for u in calls.updates]
@@ -120,7 +126,7 @@ async def test_commands_rejected_in_wrong_phase(env, unique):
     with pytest.raises(WorkflowUpdateFailedError) as ei:
         await h.execute_update(NodeRemediation.mark_repaired, BY)
     assert "not awaiting_repair" in str(ei.value.cause)
-    await h.execute_update(NodeRemediation.abort, HumanCommand(by="bob@ops", note="false alarm"))
+    await h.execute_update(NodeRemediation.abort, AbortCommand(by="bob@ops", note="false alarm"))
     st = await assert_eventually(lambda: phase_is(h, "closed"))
     assert st.outcome == "aborted" and calls.drains == []
 

@@ -25,187 +25,39 @@ service, per node, pruned to `lemon_window_s`), because the guard outlives every
 carries `lemon` (the reason) when the node's fault came back after `lemon_repairs` repairs.
 
 Search attributes: `FleetCluster`, `FleetPhase` (`guarding`, `breaker_tripped`, `paused`). The current
-details say why. History stays bounded: continue-as-new past `MAX_HISTORY_EVENTS`, carrying the state.
+details say why. History stays bounded: continue-as-new past `GuardInput.max_history_events`, carrying the state.
 
-Versioning (`workflow.patched`; recorded histories in tests/histories/ replay in CI):
-`pause-publishes`: a pause shows at once in `FleetPhase` and the details (before: only once the next
-request or release woke the guard).
+All messages and the carried state are defined in `fleetmend.messages`.
+
+Versioning: the histories in tests/histories/ are the baseline recorded with this code (no patches
+yet); every later change to the command order goes behind `workflow.patched(<id>)`, listed here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeKey
-
-P_PAUSE_PUBLISHES = "pause-publishes"
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.tickets import TicketRef, TicketRequest
     from fleetmend import subjects
+    from fleetmend.events import Severity
+    from fleetmend.messages import (
+        KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardState, GuardStatus, Held,
+        InfraIncident, PermitDecision, PermitRelease, PermitRequest, Queued, RemediationApi, TicketRef, TicketRequest,
+    )
     from fleetmend.policy import drain_budget
 
-MAX_HISTORY_EVENTS = 2_000
-"""Continue-as-new past this many events: a storm of 1k nodes is ~6 events per node."""
 MAX_RETURNS_PER_NODE = 10
 MAX_INFRA_KEPT = 20
 MAX_LOG = 100
-
-KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
-KEY_PHASE = SearchAttributeKey.for_keyword("FleetPhase")
-
-_RANK = {"info": 0, "degraded": 1, "fatal": 2}
-
-
-@dataclass
-class GuardPolicy:
-    """Blast-radius policy (from `PolicySettings`), carried by every request: the newest wins."""
-
-    max_drained_nodes: int = 20
-    max_drained_percent: float = 10.0
-    max_drained_per_rack: int = 2
-    cluster_nodes: int | None = None
-    breaker_distinct_nodes: int = 10
-    breaker_window_s: float = 600.0
-    domain_incident_nodes: int = 3
-    domain_window_s: float = 300.0
-    lemon_repairs: int = 2
-    lemon_window_s: float = 30 * 24 * 3600.0
-    observe_only: bool = False
-    topology_nodes: int = 0
-    """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
-
-
-@dataclass
-class PermitRequest:
-    cluster: str
-    node: str
-    severity: str
-    fault_class: str
-    reason: str = ""
-    rack: str | None = None
-    domains: list[str] = field(default_factory=list)
-    """`rack:…`, `leaf:…`, `pdu:…` from the topology (attached by the activity)."""
-    policy: GuardPolicy = field(default_factory=GuardPolicy)
-    requested_at: str | None = None
-
-
-@dataclass
-class PermitDecision:
-    granted: bool
-    reason: str
-    lemon: str | None = None
-    """Set when the node is a lemon (the reason): the incident goes to RMA instead of recovery."""
-    infra_incident: str | None = None
-
-
-@dataclass
-class PermitRelease:
-    cluster: str
-    node: str
-    outcome: str
-    fault_class: str = ""
-    returned: bool = False
-    """True when the node went back to service after a repair (counts toward the lemon rule)."""
-
-
-@dataclass
-class GuardCommand:
-    by: str
-    note: str = ""
-
-
-@dataclass
-class Held:
-    node: str
-    severity: str
-    fault_class: str
-    rack: str | None
-    granted_at: str
-
-
-@dataclass
-class Queued:
-    node: str
-    severity: str
-    fault_class: str
-    rack: str | None
-    domains: list[str]
-    requested_at: str
-    reason: str = ""
-
-
-@dataclass
-class InfraIncident:
-    domain: str
-    opened_at: str
-    last_fault_at: str
-    nodes: list[str]
-    ticket: str | None = None
-    closed_at: str | None = None
-
-
-@dataclass
-class GuardState:
-    cluster: str
-    policy: GuardPolicy = field(default_factory=GuardPolicy)
-    held: list[Held] = field(default_factory=list)
-    queue: list[Queued] = field(default_factory=list)
-    seen_nodes: list[str] = field(default_factory=list)
-    recent: list[list[str]] = field(default_factory=list)
-    """[node, iso time] of drain-worthy requests within the breaker/domain windows."""
-    breaker_tripped: bool = False
-    breaker_reason: str | None = None
-    breaker_tripped_at: str | None = None
-    breaker_trips: int = 0
-    paused: bool = False
-    paused_by: str | None = None
-    infra: list[InfraIncident] = field(default_factory=list)
-    node_domains: dict[str, list[str]] = field(default_factory=dict)
-    """node → its failure domains, as the requests said (topology stays out of history)."""
-    returns: dict[str, list[list[str]]] = field(default_factory=dict)
-    """node → [[fault_class, iso time], …] of returns to service (lemon rule)."""
-    log: list[str] = field(default_factory=list)
-    grants: int = 0
-    run: int = 1
-
-
-@dataclass
-class GuardInput:
-    cluster: str
-    policy: GuardPolicy = field(default_factory=GuardPolicy)
-    carried: GuardState | None = None
-    pending_requests: list[PermitRequest] = field(default_factory=list)
-    pending_releases: list[PermitRelease] = field(default_factory=list)
-    max_history_events: int = MAX_HISTORY_EVENTS
-    """Continue-as-new threshold (tests lower it)."""
-
-
-@dataclass
-class GuardStatus:
-    cluster: str
-    budget: int
-    known_nodes: int
-    held: list[dict]
-    queue: list[dict]
-    breaker_tripped: bool
-    breaker_reason: str | None
-    breaker_tripped_at: str | None
-    paused: bool
-    paused_by: str | None
-    observe_only: bool
-    infra_incidents: list[dict]
-    recent_nodes: int
-    log: list[str]
-
 
 TICKET_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1),
                            maximum_attempts=0)
 
 
-@workflow.defn(name="FleetGuard")
+@workflow.defn(name=GuardApi.WORKFLOW)
 class FleetGuard:
     @workflow.init
     def __init__(self, inp: GuardInput) -> None:
@@ -224,19 +76,19 @@ class FleetGuard:
         self._published_phase: str | None = None
 
     # ---------------------------------------------------------------- messages
-    @workflow.signal(name="request_permit")
+    @workflow.signal(name=GuardApi.REQUEST_PERMIT)
     def request_permit(self, req: PermitRequest) -> None:
         self._inbox.append(req)
 
-    @workflow.signal(name="release")
+    @workflow.signal(name=GuardApi.RELEASE)
     def release(self, rel: PermitRelease) -> None:
         self._inbox.append(rel)
 
-    @workflow.signal(name="ensure")
+    @workflow.signal(name=GuardApi.ENSURE)
     def ensure(self) -> None:
         """No-op: lets a CLI signal-with-start the guard before its first update."""
 
-    @workflow.query(name="status")
+    @workflow.query(name=GuardApi.STATUS)
     def status(self) -> GuardStatus:
         s = self._state
         return GuardStatus(
@@ -247,7 +99,7 @@ class FleetGuard:
             observe_only=s.policy.observe_only, infra_incidents=[i.__dict__ for i in s.infra],
             recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:])
 
-    @workflow.update(name="reset_breaker")
+    @workflow.update(name=GuardApi.RESET_BREAKER)
     async def reset_breaker(self, cmd: GuardCommand) -> str:
         s = self._state
         was = s.breaker_reason
@@ -264,20 +116,19 @@ class FleetGuard:
     def _v_reset(self, cmd: GuardCommand) -> None:
         _require_by(cmd)
 
-    @workflow.update(name="pause")
+    @workflow.update(name=GuardApi.PAUSE)
     async def pause(self, cmd: GuardCommand) -> str:
         s = self._state
         s.paused, s.paused_by = True, cmd.by
         self._log(f"paused by {cmd.by}{': ' + cmd.note if cmd.note else ''}: no new drains")
-        if workflow.patched(P_PAUSE_PUBLISHES):
-            self._dirty = True
+        self._dirty = True
         return "paused: faults are still classified and recorded; no node will be drained"
 
     @pause.validator
     def _v_pause(self, cmd: GuardCommand) -> None:
         _require_by(cmd)
 
-    @workflow.update(name="resume")
+    @workflow.update(name=GuardApi.RESUME)
     async def resume(self, cmd: GuardCommand) -> str:
         s = self._state
         s.paused, s.paused_by = False, None
@@ -359,7 +210,7 @@ class FleetGuard:
                        infra=inc.domain)
             return
         s.queue = [q for q in s.queue if q.node != req.node]
-        s.queue.append(Queued(node=req.node, severity=req.severity, fault_class=req.fault_class,
+        s.queue.append(Queued(node=req.node, severity=Severity(req.severity).value, fault_class=req.fault_class,
                               rack=req.rack, domains=list(req.domains),
                               requested_at=req.requested_at or self._now(), reason=req.reason))
         # 3. breaker
@@ -433,7 +284,7 @@ class FleetGuard:
                 s.held.append(Held(node=q.node, severity=q.severity, fault_class=q.fault_class, rack=q.rack,
                                    granted_at=self._now()))
                 s.grants += 1
-                lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=q.severity,
+                lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=Severity(q.severity),
                                                   fault_class=q.fault_class), now)
                 self._log(f"{q.node}: permit granted ({q.severity} {q.fault_class}; {len(s.held)}/{budget} held)")
                 self._answers.append((q.node, PermitDecision(
@@ -442,7 +293,7 @@ class FleetGuard:
         for node, decision in answers:
             handle = workflow.get_external_workflow_handle(subjects.workflow_id(s.cluster, node))
             try:
-                await handle.signal("permit", decision)
+                await handle.signal(RemediationApi.PERMIT, decision)
             except Exception as err:  # noqa: BLE001 - the incident closed meanwhile: take the permit back
                 s.held = [h for h in s.held if h.node != node]
                 self._log(f"{node}: could not deliver permit decision ({err}); permit withdrawn")
@@ -453,7 +304,7 @@ class FleetGuard:
         s = self._state
         for inc in incs:
             ref: TicketRef = await workflow.execute_activity(
-                "file_ticket", TicketRequest(
+                Activity.FILE_TICKET, TicketRequest(
                     incident_id=f"{workflow.info().workflow_id}/{inc.domain}/{inc.opened_at}", cluster=s.cluster,
                     node=inc.domain.replace(":", "-"), severity="fatal", fault_class="infrastructure",
                     title=f"[fleetmend] infrastructure incident {inc.domain} in {s.cluster}: {len(inc.nodes)} nodes",
@@ -472,7 +323,7 @@ class FleetGuard:
         self._answers.append((node, PermitDecision(granted=False, reason=reason, infra_incident=infra)))
 
     def _ordered_queue(self) -> list[Queued]:
-        return sorted(self._state.queue, key=lambda q: (-_RANK.get(q.severity, 0), q.requested_at))
+        return sorted(self._state.queue, key=lambda q: (-Severity(q.severity).rank, q.requested_at))
 
     def _known(self) -> int:
         s = self._state
@@ -522,5 +373,4 @@ def _require_by(cmd: GuardCommand) -> None:
         raise ValueError("a command must say who sent it (`by`), for the audit trail")
 
 
-__all__ = ["FleetGuard", "GuardInput", "GuardPolicy", "GuardStatus", "GuardCommand", "PermitRequest",
-           "PermitDecision", "PermitRelease"]
+__all__ = ["FleetGuard"]

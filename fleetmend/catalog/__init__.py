@@ -46,10 +46,10 @@ never drains (DESIGN.md: XID 13/31 repeating and lemon nodes are history rules i
 Imports only stdlib, pydantic and the fleetmend contract.
 """
 
-from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 from importlib import resources
@@ -66,6 +66,7 @@ __all__ = [
     "Catalog",
     "Classification",
     "KindEntry",
+    "Verdict",
     "Nvlink5Decode",
     "Nvlink5Rule",
     "XidEntry",
@@ -259,6 +260,22 @@ class Classification(BaseModel):
     unit: str | None = None
 
 
+@dataclass
+class Verdict:
+    """The catalog's decision about one event, as it travels with the event to the workflow
+    (`Catalog.verdict`): plain fields, so it is stable in workflow history."""
+
+    severity: Severity
+    immediate_action: str
+    investigatory_action: str = ""
+    fault_class: str = ""
+    drain: bool = False
+    source: str = ""
+    description: str = ""
+    clearable: bool = False
+    """The kind has a clearing event (catalog `cleared_by`): debounced before it drains."""
+
+
 def _driver_major(version: str | int | float | bool | None) -> int | None:
     if version is None or isinstance(version, bool):
         return None
@@ -395,6 +412,22 @@ class Catalog:
             drain=entry.drain and not event.healthy,
             component=entry.component,
         )
+
+    def clearable(self, event: FaultEvent) -> bool:
+        """Whether the event's kind has a clearing event (`cleared_by` names a kind, not 'none: …');
+        XIDs never do. Clearable faults are debounced (policy `debounce_s`) before they drain."""
+        if event.kind == "xid":
+            return False
+        entry = self.kinds.get(event.kind)
+        return entry is not None and not entry.cleared_by.startswith("none:")
+
+    def verdict(self, event: FaultEvent) -> Verdict:
+        """`classify` as the `Verdict` the router attaches to the event for the workflow."""
+        c = self.classify(event)
+        return Verdict(severity=c.severity, immediate_action=c.immediate_action.value,
+                       investigatory_action=c.investigatory_action or "", fault_class=c.fault_class,
+                       drain=c.drain, source=c.source or "", description=c.description or "",
+                       clearable=self.clearable(event))
 
     def _classify_xid(self, event: FaultEvent) -> Classification:
         n = int(event.code)  # type: ignore[arg-type]

@@ -135,7 +135,7 @@ def explain(
     as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
 ) -> None:
     """Parse a dmesg/journal/kmsg text (no server needed) and say what each fault means and what to do."""
-    from fleetmend.explain import explain_text, explained_json, render_table
+    from fleetmend.cli.explain import explain_text, explained_json, render_table
 
     if file == "-":
         text = sys.stdin.read()
@@ -171,13 +171,13 @@ async def _incident(s: Settings, node: str) -> dict[str, Any]:
 
     from fleetmend import subjects
     from fleetmend.connect import connect_temporal
-    from workflows.remediation import IncidentStatus, NodeRemediation
+    from fleetmend.messages import IncidentStatus, RemediationApi
 
     client = await connect_temporal(s)
     wid = subjects.workflow_id(s.cluster, node)
-    handle = client.get_workflow_handle_for(NodeRemediation.run, wid)
+    handle = client.get_workflow_handle(wid)
     try:
-        st = await handle.query(NodeRemediation.status)
+        st = await handle.query(RemediationApi.STATUS, result_type=IncidentStatus)
     except RPCError as e:
         if "not found" in str(e).lower():
             raise FleetmendError(f"no incident for node {node} in cluster {s.cluster} (workflow {wid})") from e
@@ -268,19 +268,18 @@ def _short_time(iso: str | None) -> str:
     return iso[5:19].replace("T", " ")
 
 
-async def _command(s: Settings, node: str, update: str, **fields: Any) -> str:
+async def _command(s: Settings, node: str, update: str, cmd: Any) -> str:
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
     from fleetmend import subjects
     from fleetmend.connect import connect_temporal
-    from workflows.remediation import HumanCommand
 
     client = await connect_temporal(s)
     wid = subjects.workflow_id(s.cluster, node)
     handle = client.get_workflow_handle(wid)
     try:
-        return await handle.execute_update(update, HumanCommand(by=_who(), **fields), result_type=str)
+        return await handle.execute_update(update, cmd, result_type=str)
     except WorkflowUpdateFailedError as e:
         raise FleetmendError(f"{node}: {e.cause.message if e.cause else e}") from e
     except RPCError as e:
@@ -298,15 +297,20 @@ def repaired(
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     """Mark NODE repaired: diagnostics re-run, and the node returns to service if they pass."""
+    from fleetmend.messages import RemediationApi, RepairedCommand
+
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, "mark_repaired", ticket=ticket, note=note)))
+    out.print(_run(_command(s, node, RemediationApi.MARK_REPAIRED, RepairedCommand(by=_who(), ticket=ticket,
+                                                                                   note=note))))
 
 
 @app.command()
 def retest(node: str, cluster: Optional[str] = ClusterOpt, config: Optional[Path] = ConfigOpt) -> None:
     """Force NODE's verification diagnostics to run now."""
+    from fleetmend.messages import RemediationApi, RetestCommand
+
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, "force_retest")))
+    out.print(_run(_command(s, node, RemediationApi.FORCE_RETEST, RetestCommand(by=_who()))))
 
 
 @app.command()
@@ -318,14 +322,16 @@ def abort(
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     """Close NODE's incident now (automation stops; the drain stays unless --undrain)."""
+    from fleetmend.messages import AbortCommand, RemediationApi
+
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, "abort", note=note, undrain=undrain)))
+    out.print(_run(_command(s, node, RemediationApi.ABORT, AbortCommand(by=_who(), note=note, undrain=undrain))))
 
 
 @app.command()
 def tickets(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt) -> None:
     """Tickets in the local ticket store."""
-    from activities.tickets import LocalTicketStore
+    from activities.ticket_store import LocalTicketStore
 
     s = _settings(config)
     store = LocalTicketStore(s.state_dir / "tickets")

@@ -75,29 +75,28 @@ async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
 
 
 async def _guard_handle(settings: Settings, *, start: bool):  # noqa: ANN202
-    from activities.fleetguard import guard_policy
     from fleetmend import subjects
     from fleetmend.connect import connect_temporal
     from fleetmend.policy import load_topology
-    from workflows.fleetguard import FleetGuard, GuardInput
+    from fleetmend.messages import GuardApi, GuardInput, GuardPolicy
 
     client = await connect_temporal(settings)
     wid = subjects.fleetguard_workflow_id(settings.cluster)
     if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
-        policy = guard_policy(settings, load_topology(settings.policy.topology_file))
-        await client.start_workflow(FleetGuard.run, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
-                                    task_queue=settings.task_queue, start_signal="ensure")
-    return client.get_workflow_handle_for(FleetGuard.run, wid)
+        policy = GuardPolicy.from_settings(settings.policy, len(load_topology(settings.policy.topology_file)))
+        await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
+                                    task_queue=settings.task_queue, start_signal=GuardApi.ENSURE)
+    return client.get_workflow_handle(wid)
 
 
 async def _guard_status(settings: Settings) -> dict[str, Any]:
     from temporalio.service import RPCError
 
-    from workflows.fleetguard import FleetGuard
+    from fleetmend.messages import GuardApi, GuardStatus
 
     handle = await _guard_handle(settings, start=False)
     try:
-        st = await handle.query(FleetGuard.status)
+        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
     except RPCError as e:
         if "not found" in str(e).lower():
             raise FleetmendError(f"no FleetGuard for cluster {settings.cluster} yet: no drain permit has been "
@@ -111,7 +110,7 @@ async def _guard_update(settings: Settings, update: str, by: str, note: str) -> 
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
-    from workflows.fleetguard import GuardCommand
+    from fleetmend.messages import GuardCommand
 
     handle = await _guard_handle(settings, start=True)
     try:

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
 
         from fleetmend.cli.main import _run, _settings
         from fleetmend.logs import configure_logging
-        from fleetmend.sim import SimConfig, fleet_rate_per_s, run_sim
+        from fleetmend.cli.simulate import SimConfig, fleet_rate_per_s, run_sim
 
         s = _settings(config)
         configure_logging(s.log_format, level="warning")

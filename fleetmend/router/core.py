@@ -1,6 +1,6 @@
 """The router: durable JetStream pull consumer → validate → classify → coalesce → signal-with-start.
 
-Guarantees (DESIGN.md §The path of one fault, STYLE rule 18):
+Guarantees:
 - A message is acked only after Temporal accepted the signal-with-start that carries it.
 - A message that can never be valid (not UTF-8, not JSON, wrong schema, oversized, node ≠ subject)
   is written to `fleet.deadletter` with its reason and then `term()`ed. If the dead-letter write
@@ -10,7 +10,7 @@ Guarantees (DESIGN.md §The path of one fault, STYLE rule 18):
 - Events of one node keep their order: at most one signal per node in flight, events queued
   behind it go together in the next signal (a nak'ed event comes back behind newer ones; the
   workflow orders by nothing but arrival and dedupes by event id).
-- Repeats of one condition (same `merge_key`: kind, code, device, healthy) queued for a node are
+- Repeats of one condition (same `ConditionKey` and `healthy`) queued for a node are
   collapsed into one `RoutedFault` carrying every occurrence's id and time, ordered by the latest
   occurrence, so a flapping link's storm costs Temporal ids, not copies of the same text.
 - Up to `router.max_unacked` messages are held un-acked while they wait for their node's turn (a
@@ -35,7 +35,11 @@ from pydantic import ValidationError
 from fleetmend import metrics, subjects
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
-from fleetmend.events import FaultEvent
+from fleetmend.events import FaultEvent, condition_key
+from fleetmend.messages import (
+    KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase, RemediationApi,
+    RoutedFault,
+)
 
 log = structlog.get_logger("fleetmend.router")
 
@@ -87,16 +91,6 @@ def decode_event(subject: str, data: bytes) -> FaultEvent:
         raise InvalidEventError(
             f"event names {ev.cluster}/{ev.node} but arrived on the subject of {cluster}/{node}", subject=subject)
     return ev
-
-
-def policy_snapshot(p):  # noqa: ANN001, ANN201 - PolicySettings -> PolicySnapshot
-    """The workflow's `PolicySnapshot` from the operator's `PolicySettings`: every field the snapshot
-    has, by name (the snapshot is the workflow-side, replay-stable subset)."""
-    from dataclasses import fields
-
-    from workflows.remediation import PolicySnapshot
-
-    return PolicySnapshot(**{f.name: getattr(p, f.name) for f in fields(PolicySnapshot) if hasattr(p, f.name)})
 
 
 class Router:
@@ -206,21 +200,9 @@ class Router:
             self._senders.pop(key, None)
 
     async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
-        from workflows.remediation import FaultBatch, IncidentInput, RoutedFault, Verdict
-
-        faults = []
-        for rf in collapse([ev for _msg, ev, _t in items]):
-            ev = rf.event
-            c = self.catalog.classify(ev)
-            rf.verdict = Verdict(
-                severity=str(getattr(c.severity, "value", c.severity)),
-                immediate_action=str(getattr(c.immediate_action, "value", c.immediate_action)),
-                investigatory_action=str(getattr(c.investigatory_action, "value", c.investigatory_action) or ""),
-                fault_class=c.fault_class, drain=bool(c.drain), source=c.source or "",
-                description=c.description or "", clearable=_clearable(self.catalog, ev))
-            faults.append(rf)
+        faults = collapse([ev for _msg, ev, _t in items], self.catalog)
         wid = subjects.workflow_id(cluster, node)
-        inp = IncidentInput(cluster=cluster, node=node, policy=policy_snapshot(self.s.policy))
+        inp = IncidentInput(cluster=cluster, node=node, policy=IncidentPolicy.from_settings(self.s.policy))
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         batch = FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
         async with self._sem:
@@ -254,15 +236,13 @@ class Router:
     async def _signal_with_start(self, wid: str, inp, batch, cluster: str, node: str) -> None:  # noqa: ANN001
         from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-        from workflows.remediation import KEY_CLUSTER, KEY_NODE, KEY_PHASE, NodeRemediation
-
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
             await self.client.start_workflow(
-                NodeRemediation.run, inp, id=wid, task_queue=self.s.task_queue,
-                start_signal="faults", start_signal_args=[batch],
+                RemediationApi.WORKFLOW, inp, id=wid, task_queue=self.s.task_queue,
+                start_signal=RemediationApi.FAULTS, start_signal_args=[batch],
                 search_attributes=TypedSearchAttributes([
                     SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
-                    SearchAttributePair(KEY_PHASE, "triage")]),
+                    SearchAttributePair(KEY_PHASE, Phase.TRIAGE.value)]),
                 static_summary=f"{node} ({cluster}): remediation incident")
 
     async def _retry_later(self, items: list[tuple[Any, FaultEvent, float]], error: str,
@@ -303,30 +283,20 @@ class Router:
         log.warning("event_deadlettered", reason=reason, subject=msg.subject)
 
 
-def collapse(events: list[FaultEvent]):  # noqa: ANN201 - list[RoutedFault] (verdicts still to fill)
-    """Collapse one node's queued events, oldest first, by `merge_key` into `RoutedFault`s.
+def collapse(events: list[FaultEvent], catalog) -> list[RoutedFault]:  # noqa: ANN001 - Catalog
+    """Collapse one node's queued events, oldest first, by condition into `RoutedFault`s.
 
-    Each entry keeps its condition's first event and lists the later ones as `repeats` (id and time);
-    entries are ordered by their *latest* occurrence, so the workflow's arrival order still says
-    which of a flapping link's DOWN and UP came last. Verdicts are left for the caller (None).
+    Each entry keeps its condition's first event (with the catalog's `Verdict` on it) and lists the
+    later ones as `repeats` (id and time); entries are ordered by their *latest* occurrence, so the
+    workflow's arrival order still says which of a flapping link's DOWN and UP came last.
     """
-    from workflows.remediation import Occurrence, RoutedFault, merge_key
-
     groups: dict[tuple, tuple[RoutedFault, list[int]]] = {}
     for i, ev in enumerate(events):
-        key = merge_key(ev)
+        key = (condition_key(ev), ev.healthy)
         got = groups.get(key)
         if got is None:
-            groups[key] = (RoutedFault(event=ev, verdict=None), [i])  # type: ignore[arg-type]
+            groups[key] = (RoutedFault(event=ev, verdict=catalog.verdict(ev)), [i])
         else:
             got[0].repeats.append(Occurrence(event_id=ev.event_id, observed_at=ev.observed_at))
             got[1][0] = i
     return [rf for rf, _last in sorted(groups.values(), key=lambda g: g[1][0])]
-
-
-def _clearable(catalog, ev: FaultEvent) -> bool:  # noqa: ANN001 - fleetmend.catalog.Catalog
-    """Whether the event's kind has a clearing event (policy debounce applies); XIDs never do."""
-    from fleetmend.policy import clearable
-
-    entry = catalog.kinds.get(ev.kind) if ev.kind != "xid" else None
-    return clearable(ev.kind, entry.cleared_by if entry is not None else None)

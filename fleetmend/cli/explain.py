@@ -38,7 +38,7 @@ def explain_text(text: str, catalog: Catalog | None = None, node: str = "local")
     Returns:
         `Explained` per event, in log order.
     """
-    from agents.parsers import parse_any  # the agent package is optional for importers of the contract
+    from agents.parsers import parse_any  # lazily: only this command needs the agent's parsers
 
     cat = catalog or default_catalog()
     events = parse_any(text, cluster="local", node=node, catalog=cat)

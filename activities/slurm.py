@@ -1,0 +1,241 @@
+"""`SlurmScheduler`: drain and RESUME a node with `scontrol` (one `SchedulerAdapter`).
+
+`scontrol update NodeName=<n> State=DRAIN Reason="<prefix> <reason> [incident <id>]"`, ownership by the
+reason prefix (`SlurmSettings.reason_prefix`, default `fleetmend:`): only a drain whose reason carries
+it is ever resumed. Verified against Slurm 22.05.8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+from fleetmend.config import SlurmSettings
+from fleetmend.errors import NodeNotFoundError, SchedulerError
+from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
+
+
+_REASON_SUFFIX = re.compile(r"\s*\[[^\[\]@]*@[^\[\]]*\]\s*$")
+_INCIDENT = re.compile(r"\[incident ([^\]]+)\]")
+_KEY_SPLIT = re.compile(r"\s+(?=[A-Za-z][A-Za-z0-9_:/]*=)")
+
+
+def parse_scontrol_node(text: str) -> dict[str, str]:
+    """Parse one `scontrol -o show node X` line into its Key=Value fields.
+
+    Values may hold spaces (`OS=Linux 6.18 #1 SMP …`); `Reason=` is always last in 22.05 and runs
+    to the end of the line (it may contain `=` and brackets), so it is cut off before splitting.
+
+    Args:
+        text: the line (leading/trailing whitespace ignored).
+    Returns:
+        dict of field → value, e.g. `{"NodeName": "node3", "State": "IDLE+DRAIN",
+        "Reason": "fleetmend: xid 79 [incident i-1] [root@2026-11-29T14:50:26]"}`.
+    """
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    fields: dict[str, str] = {}
+    idx = line.find(" Reason=")
+    if idx >= 0:
+        fields["Reason"] = line[idx + len(" Reason="):].strip()
+        line = line[:idx]
+    for token in _KEY_SPLIT.split(line):
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value.strip()
+    return fields
+
+
+def strip_reason_suffix(reason: str) -> str:
+    """`"maint x [root@2026-11-29T14:50:26]"` → `"maint x"` (Slurm appends who and when)."""
+    return _REASON_SUFFIX.sub("", reason or "").strip()
+
+
+def normalize_slurm_state(raw: str) -> str:
+    """scontrol's State → sinfo's long word: `IDLE+DRAIN` → drained, `ALLOCATED+DRAIN` → draining,
+    `DOWN*` → down*, `MIXED` → mixed. Flags other than DRAIN (e.g. `+COMPLETING`) are dropped."""
+    if not raw:
+        return "unknown"
+    not_responding = "*" in raw
+    parts = raw.replace("*", "").split("+")
+    base, flags = parts[0].lower(), {p.upper() for p in parts[1:]}
+    if "DRAIN" in flags:
+        if base in ("allocated", "mixed", "completing") or "COMPLETING" in flags:
+            word = "draining"
+        else:
+            word = "drained"
+    else:
+        word = base
+    return word + ("*" if not_responding else "")
+
+
+def _is_drained(raw: str) -> bool:
+    parts = {p for p in raw.replace("*", "").split("+")}
+    return bool(parts & {"DRAIN", "DRAINED", "DRAINING", "DOWN", "FAIL", "FAILING"})
+
+
+class SlurmScheduler:
+    """Drain and RESUME through `scontrol` (asyncio subprocesses, never a shell).
+
+    Args:
+        settings: `SlurmSettings` (binaries, SLURM_CONF, `reason_prefix`, `command_timeout_s`).
+    """
+
+    name = "slurm"
+
+    def __init__(self, settings: SlurmSettings) -> None:
+        self.settings = settings
+        self.prefix = settings.reason_prefix.strip()
+        self.env = dict(os.environ)
+        if settings.slurm_conf:
+            self.env["SLURM_CONF"] = settings.slurm_conf
+        self.update_calls = 0
+        """How many `scontrol update` commands this instance ran (visible idempotency)."""
+
+    # -- subprocess plumbing -------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return f"{self.settings.scontrol} (SLURM_CONF={self.env.get('SLURM_CONF', 'default /etc/slurm/slurm.conf')})"
+
+    async def _run(self, *argv: str) -> tuple[int, str, str]:
+        try:
+            async with asyncio.timeout(self.settings.command_timeout_s):
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env)
+                try:
+                    out, err = await proc.communicate()
+                except asyncio.CancelledError:
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+                    raise
+        except TimeoutError as err:
+            raise SchedulerError(
+                f"{' '.join(argv)} did not finish within {self.settings.command_timeout_s}s; "
+                f"is slurmctld reachable? ({self._where()})") from err
+        except FileNotFoundError as err:
+            raise SchedulerError(f"{argv[0]} not found; set slurm.scontrol/slurm.sinfo or install slurm-client") from err
+        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+
+    async def show(self, node: str) -> dict[str, str]:
+        """`scontrol -o show node <node>` parsed (see `parse_scontrol_node`).
+
+        Raises:
+            NodeNotFoundError: slurmctld does not know `node`.
+            SchedulerError: scontrol failed otherwise (stderr in the message).
+        """
+        rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node", node)
+        if rc != 0 or not out.strip():
+            text = (err or out).strip()
+            if "not found" in text.lower():
+                raise NodeNotFoundError(f"node {node!r} not found by {self._where()}: {text}")
+            raise SchedulerError(f"scontrol show node {node} failed (rc {rc}): {text} [{self._where()}]")
+        return parse_scontrol_node(out)
+
+    async def _update(self, node: str, *fields: str) -> None:
+        self.update_calls += 1
+        rc, out, err = await self._run(self.settings.scontrol, "update", f"NodeName={node}", *fields)
+        if rc != 0:
+            text = (err or out).strip()
+            if "invalid node name" in text.lower():
+                raise NodeNotFoundError(f"node {node!r} not found by {self._where()}: {text}")
+            raise SchedulerError(
+                f"scontrol update NodeName={node} {' '.join(fields)} failed (rc {rc}): {text} [{self._where()}]")
+
+    def _owned(self, reason: str) -> bool:
+        return bool(self.prefix) and reason.startswith(self.prefix)
+
+    def format_reason(self, reason: str, incident_id: str) -> str:
+        """`"<prefix> <reason> [incident <id>]"`, on one line, without quotes (Slurm stores it verbatim)."""
+        clean = " ".join(reason.replace('"', "'").split())[:200]
+        return f"{self.prefix} {clean} [incident {incident_id}]"
+
+    # -- adapter API ---------------------------------------------------------------------------
+
+    async def state(self, node: str) -> str:
+        """Normalized state of `node` (idle, draining, drained, down*, …). Raises NodeNotFoundError."""
+        return normalize_slurm_state((await self.show(node)).get("State", ""))
+
+    async def drain(self, node: str, reason: str, incident_id: str) -> DrainResult:
+        """Drain `node` unless it is already drained or down.
+
+        Args:
+            node: Slurm NodeName.
+            reason: why (e.g. "xid 79 GPU fell off the bus"); stored after the prefix.
+            incident_id: recorded in the reason as `[incident <id>]`.
+        Returns:
+            `DrainResult`. Already drained by fleetmend → owned=True with no second update; drained or
+            DOWN by someone else → operator_drained=True, owned=False, untouched.
+        Raises:
+            NodeNotFoundError: unknown node.
+            SchedulerError: scontrol failed or timed out.
+        """
+        fields = await self.show(node)
+        raw = fields.get("State", "")
+        current = strip_reason_suffix(fields.get("Reason", ""))
+        if _is_drained(raw):
+            if self._owned(current):
+                return DrainResult(node, True, True, False, normalize_slurm_state(raw),
+                                   f"already drained by fleetmend ({current!r}); no update sent",
+                                   reason=current, raw_state=raw)
+            return DrainResult(node, True, False, True, normalize_slurm_state(raw),
+                               f"already {raw} by someone else (reason {current!r}); left as is, "
+                               "fleetmend will not resume it", reason=current, raw_state=raw)
+        await self._update(node, "State=DRAIN", f"Reason={self.format_reason(reason, incident_id)}")
+        after = await self.show(node)
+        raw = after.get("State", "")
+        now_reason = strip_reason_suffix(after.get("Reason", ""))
+        owned = self._owned(now_reason)
+        return DrainResult(node, _is_drained(raw), owned, _is_drained(raw) and not owned,
+                           normalize_slurm_state(raw),
+                           f"scontrol State=DRAIN set; now {raw}" if owned else
+                           f"drain raced with another writer: reason now {now_reason!r}",
+                           reason=now_reason, raw_state=raw)
+
+    async def undrain(self, node: str, incident_id: str) -> UndrainResult:
+        """RESUME `node` if, and only if, its drain reason carries our prefix.
+
+        Returns:
+            `UndrainResult`: resumed=True after `State=RESUME`; resumed=False (a success) when the node
+            was not drained; resumed=False with operator_drained=True when the drain is someone else's.
+        Raises:
+            NodeNotFoundError, SchedulerError: as `drain`.
+        """
+        fields = await self.show(node)
+        raw = fields.get("State", "")
+        current = strip_reason_suffix(fields.get("Reason", ""))
+        if not _is_drained(raw):
+            return UndrainResult(node, False, normalize_slurm_state(raw), f"not drained ({raw}); nothing to resume")
+        if not self._owned(current):
+            return UndrainResult(node, False, normalize_slurm_state(raw),
+                                 f"drain is not fleetmend's: reason {current!r} lacks prefix {self.prefix!r}; "
+                                 "left for the operator", operator_drained=True)
+        m = _INCIDENT.search(current)
+        note = "" if not m or m.group(1) == incident_id else f" (drain was set by incident {m.group(1)})"
+        await self._update(node, "State=RESUME")
+        raw_after = (await self.show(node)).get("State", "")
+        return UndrainResult(node, True, normalize_slurm_state(raw_after),
+                             f"scontrol State=RESUME; now {raw_after}{note}")
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        """Every node slurmctld knows (`scontrol -o show node`), with state, reason and owner.
+
+        Raises:
+            SchedulerError: scontrol failed.
+        """
+        rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node")
+        if rc != 0:
+            raise SchedulerError(f"scontrol show node failed (rc {rc}): {(err or out).strip()} [{self._where()}]")
+        rows = []
+        for line in out.splitlines():
+            if not line.startswith("NodeName="):
+                continue
+            f = parse_scontrol_node(line)
+            raw, reason = f.get("State", ""), strip_reason_suffix(f.get("Reason", ""))
+            owner = None
+            if _is_drained(raw):
+                owner = OWNER_FLEETMEND if self._owned(reason) else OWNER_OPERATOR
+            m = _INCIDENT.search(reason) if owner == OWNER_FLEETMEND else None
+            rows.append(NodeInfo(f.get("NodeName", "?"), normalize_slurm_state(raw), reason, owner,
+                                 m.group(1) if m else None))
+        return rows

@@ -1,0 +1,211 @@
+"""Adapters for hosts without a workload scheduler (each a `SchedulerAdapter`).
+
+- `StandaloneScheduler`: the drained set is a JetStream key-value bucket (`subjects.DRAIN_KV_BUCKET`),
+  written with optimistic concurrency (create / update-with-revision).
+- `NoopScheduler`: `scheduler = "none"`; drains nothing, says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from fleetmend import subjects
+from fleetmend.errors import SchedulerError
+from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+
+_WRONG_LAST_SEQUENCE = 10071
+"""JetStream API error code: expected last subject sequence mismatch (optimistic concurrency)."""
+
+
+class StandaloneScheduler:
+    """The drained set of a cluster without a scheduler, in a JetStream KV bucket.
+
+    Key = node name; value = JSON `{"reason", "incident_id", "owner": "fleetmend"|"operator", "at"}`.
+    A deleted key (tombstone; history ≥ 5 keeps the trail) means "in service". Writes use
+    `create` / `update(last=revision)` / `delete(last=revision)` so concurrent workers can't
+    double-drain or remove a drain that changed under them.
+
+    Args:
+        js: JetStream context.
+        bucket: KV bucket name (created if missing: file storage, history 5).
+        op_timeout_s: bound on each KV round trip.
+    """
+
+    name = "standalone"
+    STATE_DRAINED = "drained"
+    STATE_IN_SERVICE = "in_service"
+
+    def __init__(self, js: JetStreamContext, bucket: str = subjects.DRAIN_KV_BUCKET,
+                 op_timeout_s: float = 10.0) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.op_timeout_s = op_timeout_s
+        self._kv: KeyValue | None = None
+
+    async def kv(self) -> KeyValue:
+        """The bucket, created on first use if missing."""
+        if self._kv is None:
+            from nats.js.api import KeyValueConfig, StorageType
+            from nats.js.errors import BucketNotFoundError
+
+            async with asyncio.timeout(self.op_timeout_s):
+                try:
+                    self._kv = await self.js.key_value(self.bucket)
+                except BucketNotFoundError:
+                    self._kv = await self.js.create_key_value(KeyValueConfig(
+                        bucket=self.bucket, history=5, storage=StorageType.FILE,
+                        description="fleetmend drained nodes (standalone scheduler)"))
+        return self._kv
+
+    async def _entry(self, node: str) -> tuple[dict[str, Any] | None, int]:
+        """(value, revision) of `node`'s key; (None, 0) when not drained."""
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self.kv()
+        async with asyncio.timeout(self.op_timeout_s):
+            try:
+                e = await kv.get(node)
+            except KeyNotFoundError:  # never written, or a delete tombstone (`create` handles both)
+                return None, 0
+        if not e.value or e.operation in ("DEL", "PURGE"):
+            return None, 0
+        return json.loads(e.value), e.revision or 0
+
+    @staticmethod
+    def _doc(reason: str, incident_id: str | None, owner: str) -> bytes:
+        return json.dumps({"reason": reason, "incident_id": incident_id, "owner": owner,
+                           "at": datetime.now(timezone.utc).isoformat()}).encode()
+
+    async def _write(self, node: str, value: bytes, revision: int) -> bool:
+        """create (revision 0) or update-with-revision. False when someone else wrote first."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        kv = await self.kv()
+        async with asyncio.timeout(self.op_timeout_s):
+            try:
+                if revision == 0:
+                    await kv.create(node, value)
+                else:
+                    await kv.update(node, value, last=revision)
+                return True
+            except KeyWrongLastSequenceError:
+                return False
+
+    async def state(self, node: str) -> str:
+        """`drained` or `in_service` (the standalone adapter has no inventory: any name is valid)."""
+        entry, _ = await self._entry(node)
+        return self.STATE_DRAINED if entry else self.STATE_IN_SERVICE
+
+    async def drain(self, node: str, reason: str, incident_id: str) -> DrainResult:
+        """Record `node` as drained by fleetmend unless any drain entry exists.
+
+        Returns:
+            `DrainResult` (same ownership semantics as `SlurmScheduler.drain`).
+        Raises:
+            SchedulerError: the KV write kept conflicting (5 attempts).
+        """
+        for _ in range(5):
+            entry, rev = await self._entry(node)
+            if entry:
+                owned = entry.get("owner") == OWNER_FLEETMEND
+                who = "fleetmend" if owned else f"the {entry.get('owner', 'operator')}"
+                return DrainResult(node, True, owned, not owned, self.STATE_DRAINED,
+                                   f"already drained by {who} (reason {entry.get('reason')!r}, "
+                                   f"incident {entry.get('incident_id')}); no write",
+                                   reason=entry.get("reason", ""), raw_state=json.dumps(entry))
+            if await self._write(node, self._doc(reason, incident_id, OWNER_FLEETMEND), rev):
+                return DrainResult(node, True, True, False, self.STATE_DRAINED,
+                                   f"drain recorded in KV bucket {self.bucket}", reason=reason)
+        raise SchedulerError(f"drain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
+
+    async def undrain(self, node: str, incident_id: str) -> UndrainResult:
+        """Remove `node`'s entry if fleetmend owns it (delete with the read revision).
+
+        Returns:
+            `UndrainResult` as `SlurmScheduler.undrain`.
+        Raises:
+            SchedulerError: the entry kept changing (5 attempts).
+        """
+        from nats.js.errors import APIError
+
+        kv = await self.kv()
+        for _ in range(5):
+            entry, rev = await self._entry(node)
+            if not entry:
+                return UndrainResult(node, False, self.STATE_IN_SERVICE, "not drained; nothing to resume")
+            if entry.get("owner") != OWNER_FLEETMEND:
+                return UndrainResult(node, False, self.STATE_DRAINED,
+                                     f"drain is the {entry.get('owner')}'s (reason {entry.get('reason')!r}); "
+                                     "left for the operator", operator_drained=True)
+            try:
+                async with asyncio.timeout(self.op_timeout_s):
+                    await kv.delete(node, last=rev)
+            except APIError as err:
+                if err.err_code == _WRONG_LAST_SEQUENCE:
+                    continue
+                raise SchedulerError(f"undrain of {node} in KV bucket {self.bucket}: {err}") from err
+            note = "" if entry.get("incident_id") == incident_id else f" (drain was set by incident {entry.get('incident_id')})"
+            return UndrainResult(node, True, self.STATE_IN_SERVICE, f"drain entry removed{note}")
+        raise SchedulerError(f"undrain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
+
+    async def operator_drain(self, node: str, reason: str) -> None:
+        """An operator's drain (CLI `fleetmend drain`): owner "operator", never removed by `undrain`.
+        Overwrites a fleetmend entry (the operator takes the drain over, as a new Slurm reason would)."""
+        kv = await self.kv()
+        async with asyncio.timeout(self.op_timeout_s):
+            await kv.put(node, self._doc(reason, None, OWNER_OPERATOR))
+
+    async def operator_undrain(self, node: str) -> bool:
+        """An operator returns `node` to service whoever drained it. Returns False if it wasn't drained."""
+        entry, _ = await self._entry(node)
+        if not entry:
+            return False
+        kv = await self.kv()
+        async with asyncio.timeout(self.op_timeout_s):
+            await kv.delete(node)
+        return True
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        """The drained nodes (in-service nodes are not recorded)."""
+        from nats.js.errors import NoKeysError
+
+        kv = await self.kv()
+        async with asyncio.timeout(self.op_timeout_s):
+            try:
+                keys = await kv.keys()
+            except NoKeysError:
+                return []
+        rows = []
+        for k in sorted(keys):
+            entry, _ = await self._entry(k)
+            if entry:
+                rows.append(NodeInfo(k, self.STATE_DRAINED, entry.get("reason", ""), entry.get("owner"),
+                                     entry.get("incident_id")))
+        return rows
+
+
+
+class NoopScheduler:
+    """`scheduler = "none"`: remediation runs (diagnose, ticket) but nothing is ever drained."""
+
+    name = "none"
+
+    async def drain(self, node: str, reason: str, incident_id: str) -> DrainResult:
+        return DrainResult(node, False, False, False, "unknown", "scheduler none: nothing drained")
+
+    async def undrain(self, node: str, incident_id: str) -> UndrainResult:
+        return UndrainResult(node, False, "unknown", "scheduler none: nothing to resume")
+
+    async def state(self, node: str) -> str:
+        return "unknown"
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        return []

@@ -1,0 +1,682 @@
+"""Every message that crosses a process or stage boundary after the router, defined once.
+
+No `from __future__ import annotations` here (nor in `fleetmend.catalog`): the workflow sandbox
+resolves dataclass annotations that are strings in its own module table, where they may be missing.
+
+Next to `fleetmend.events.FaultEvent` (agent → router), this module holds what the router, the
+workflows, the activities and the CLI say to each other:
+
+- router → `NodeRemediation`: `IncidentInput` (start), `FaultBatch` of `RoutedFault`s (signal `faults`);
+- CLI → `NodeRemediation`: one dataclass per update (`RepairedCommand`, `RetestCommand`,
+  `AbortCommand`), answered by the `status` query's `IncidentStatus`;
+- `NodeRemediation` → activities: drain/undrain, ticket, diagnostics, recovery and permit requests
+  and their results, called by the names in `Activity`;
+- `FleetGuard` ↔ everyone: `PermitRequest`, `PermitDecision`, `PermitRelease`, `GuardCommand`,
+  `GuardInput`, `GuardStatus`;
+- the incident's own typed state (`IncidentState`, `FaultRecord`), carried across continue-as-new.
+
+Workflow, signal, query and update names (`RemediationApi`, `GuardApi`) and the search-attribute
+keys live here too, so the router and the CLI address workflows without importing them.
+
+Payloads travel through Temporal's pydantic data converter (`fleetmend.converter`): dataclasses
+with enums and `datetime` fields round-trip as themselves. Imports only the contract, pydantic
+and `temporalio.common` (search-attribute keys).
+"""
+
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from temporalio.common import SearchAttributeKey
+
+from fleetmend.catalog import Verdict
+from fleetmend.config import PolicySettings
+from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult, RecoveryOp
+from fleetmend.events import Component, ConditionKey, FaultEvent, Severity
+
+# ------------------------------------------------------------------ names
+
+
+class Activity:
+    """Activity names: the worker registers them (`@activity.defn(name=...)`), workflows call them."""
+
+    DRAIN_NODE = "drain_node"
+    UNDRAIN_NODE = "undrain_node"
+    FILE_TICKET = "file_ticket"
+    UPDATE_TICKET = "update_ticket"
+    POLL_TICKET = "poll_ticket"
+    RUN_DIAGNOSTICS = "run_diagnostics"
+    RESET_GPU = "reset_gpu"
+    REBOOT_NODE = "reboot_node"
+    REQUEST_DRAIN_PERMIT = "request_drain_permit"
+    RELEASE_DRAIN_PERMIT = "release_drain_permit"
+
+
+class RemediationApi:
+    """The `NodeRemediation` workflow's type, signal, query and update names."""
+
+    WORKFLOW = "NodeRemediation"
+    FAULTS = "faults"
+    PERMIT = "permit"
+    STATUS = "status"
+    MARK_REPAIRED = "mark_repaired"
+    FORCE_RETEST = "force_retest"
+    ABORT = "abort"
+
+
+class GuardApi:
+    """The `FleetGuard` workflow's type, signal, query and update names."""
+
+    WORKFLOW = "FleetGuard"
+    REQUEST_PERMIT = "request_permit"
+    RELEASE = "release"
+    ENSURE = "ensure"
+    STATUS = "status"
+    RESET_BREAKER = "reset_breaker"
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
+KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
+KEY_PHASE = SearchAttributeKey.for_keyword("FleetPhase")
+KEY_FAULT_CLASS = SearchAttributeKey.for_keyword("FleetFaultClass")
+KEY_TICKET = SearchAttributeKey.for_keyword("FleetTicket")
+KEY_SEVERITY = SearchAttributeKey.for_keyword("FleetSeverity")
+KEY_DRAINED = SearchAttributeKey.for_bool("FleetDrained")
+
+
+def iso(at: datetime | None) -> str | None:
+    """`2026-11-29T17:20:24+00:00`: how times are shown (status, timeline, evidence)."""
+    return at.isoformat(timespec="seconds") if at is not None else None
+
+
+# ------------------------------------------------------------------ incident phases and outcomes
+
+
+class Phase(StrEnum):
+    TRIAGE = "triage"
+    AWAITING_PERMIT = "awaiting_permit"
+    DRAINING = "draining"
+    DIAGNOSING = "diagnosing"
+    RECOVERING = "recovering"
+    AWAITING_REPAIR = "awaiting_repair"
+    VERIFYING = "verifying"
+    RETURNING = "returning"
+    CLOSED = "closed"
+
+
+class Outcome(StrEnum):
+    RETURNED = "returned_to_service"
+    RECORDED = "recorded"
+    """Only faults that need no drain (application-side); nothing was touched."""
+    OBSERVED = "observed"
+    """Observe-only mode: a drain would have happened; nothing was touched."""
+    ABORTED = "aborted"
+    OPERATOR_OWNED = "operator_owned"
+    """The node was already drained by an operator; fleetmend recorded and left it."""
+    INFRASTRUCTURE = "infrastructure_incident"
+    """Part of a correlated failure-domain incident (FleetGuard): not drained, a human was paged."""
+    DENIED = "permit_denied"
+
+
+class Urgency(StrEnum):
+    NOW = "now"
+    WHEN_IDLE = "when_idle"
+
+
+class Recovery(StrEnum):
+    """What the incident tries after draining, before a vendor ticket."""
+
+    RESET_GPU = "RESET_GPU"
+    RESTART_BM = "RESTART_BM"
+    RMA = "RMA"
+    DIAGNOSE = "DRAIN_DIAGNOSE"
+    """No automatic recovery: diagnose and file a ticket."""
+
+
+# ------------------------------------------------------------------ router → NodeRemediation
+
+
+@dataclass
+class Occurrence:
+    """One more occurrence of a condition the router collapsed into a `RoutedFault`."""
+
+    event_id: str
+    observed_at: datetime
+
+
+@dataclass
+class RoutedFault:
+    event: FaultEvent
+    """The first occurrence in the batch (its text, device and verdict stand for all of them)."""
+    verdict: Verdict
+    repeats: list[Occurrence] = field(default_factory=list)
+    """Later occurrences of the same condition (`ConditionKey` and `healthy`) in the same batch,
+    oldest first. The router collapses a storm of one node's repeats into one entry so the signal
+    carries ids and times, not thousands of copies of the same text; the workflow counts and
+    de-duplicates every id exactly as if each had come alone."""
+
+
+@dataclass
+class FaultBatch:
+    """Signal payload: one node's events coalesced by the router, oldest first."""
+
+    faults: list[RoutedFault]
+    routed_at: datetime | None = None
+
+
+def _policy_default(name: str) -> Any:
+    f = PolicySettings.model_fields[name]
+    return f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
+
+
+@dataclass
+class IncidentPolicy:
+    """The `PolicySettings` knobs one incident runs with, fixed at its start (kept in history).
+
+    Built by `from_settings` from the operator's `[policy]` section; every default is
+    `PolicySettings`' own (one place). Units: seconds for every `_s` field.
+    """
+
+    observe_only: bool = _policy_default("observe_only")
+    repair_escalation_s: float = _policy_default("repair_escalation_s")
+    settle_s: float = _policy_default("settle_s")
+    diag_timeout_s: float = _policy_default("diag_timeout_s")
+    close_after_idle_s: float = _policy_default("close_after_idle_s")
+    debounce_s: float = _policy_default("debounce_s")
+    app_xid_repeats: int = _policy_default("app_xid_repeats")
+    app_xid_window_s: float = _policy_default("app_xid_window_s")
+    sbe_events_per_window: int = _policy_default("sbe_events_per_window")
+    sbe_window_s: float = _policy_default("sbe_window_s")
+    recovery_settle_s: float = _policy_default("recovery_settle_s")
+    ticket_poll_s: float = _policy_default("ticket_poll_s")
+    close_info_after_s: float = _policy_default("close_info_after_s")
+
+    @classmethod
+    def from_settings(cls, p: PolicySettings) -> "IncidentPolicy":
+        from dataclasses import fields
+
+        return cls(**{f.name: getattr(p, f.name) for f in fields(cls)})
+
+
+# ------------------------------------------------------------------ NodeRemediation's state
+
+
+@dataclass
+class FaultRecord:
+    """One condition recorded by an incident (repeats counted, not copied)."""
+
+    event_id: str
+    kind: str
+    code: int | None
+    severity: Severity
+    component: Component
+    device: str | None
+    healthy: bool
+    raw: str
+    message: str
+    observed_at: datetime
+    fault_class: str
+    immediate_action: str
+    drain: bool
+    source: str
+    count: int = 1
+    times: list[datetime] = field(default_factory=list)
+    """observed_at of the most recent occurrences (bounded), for the repeat/rate rules."""
+    arrived_at: datetime | None = None
+    """Workflow time the first occurrence arrived (debounce runs from here)."""
+    clearable: bool = False
+    last_seq: int = 0
+    """Arrival order of the latest occurrence (`IncidentState.arrivals`)."""
+
+    @property
+    def key(self) -> ConditionKey:
+        return ConditionKey(self.kind, self.code, self.device)
+
+    def view(self) -> dict[str, Any]:
+        """JSON-safe dict (enums as strings, times ISO-8601 to the second): status and evidence."""
+        d = dict(self.__dict__)
+        d["severity"], d["component"] = self.severity.value, self.component.value
+        d["observed_at"] = iso(self.observed_at)
+        d["times"] = [iso(t) for t in self.times]
+        d["arrived_at"] = iso(self.arrived_at)
+        return d
+
+
+@dataclass
+class TimelineEntry:
+    at: datetime
+    phase: Phase
+    text: str
+    by: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"at": iso(self.at), "phase": self.phase.value, "text": self.text, "by": self.by}
+
+
+@dataclass
+class DiagOutcome:
+    """The last diagnostics an incident ran: the agent's report, or why there is none."""
+
+    result: DiagResult
+    report: DiagReport | None = None
+    error: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        d: dict[str, Any] = self.report.model_dump(mode="json") if self.report is not None else {"checks": []}
+        d["result"] = self.result.value
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+    @property
+    def failed(self) -> list[str]:
+        return [c.name for c in self.report.checks if c.result is DiagResult.FAIL] if self.report else []
+
+
+@dataclass
+class PermitDecision:
+    granted: bool
+    reason: str
+    lemon: str | None = None
+    """Set when the node is a lemon (the reason): the incident goes to RMA instead of recovery."""
+    infra_incident: str | None = None
+
+
+@dataclass
+class IncidentState:
+    cluster: str
+    node: str
+    phase: Phase = Phase.TRIAGE
+    outcome: Outcome | None = None
+    drained: bool = False
+    drain_owned: bool = False
+    operator_drained: bool = False
+    ticket: str | None = None
+    ticket_url: str | None = None
+    fault_class: str | None = None
+    severity: Severity = Severity.INFO
+    opened_at: datetime | None = None
+    closed_at: datetime | None = None
+    faults: list[FaultRecord] = field(default_factory=list)
+    faults_dropped: int = 0
+    duplicates: int = 0
+    seen_ids: list[str] = field(default_factory=list)
+    timeline: list[TimelineEntry] = field(default_factory=list)
+    last_diag: DiagOutcome | None = None
+    repair_attempts: int = 0
+    arrivals: int = 0
+    """Counter behind `FaultRecord.last_seq` (one step per absorbed condition)."""
+    run: int = 1
+    decisions: list[str] = field(default_factory=list)
+    """Rules that fired (policy.decide reasons), each noted once."""
+    drained_at: datetime | None = None
+    """Workflow time the drain took effect (MTTR runs from here)."""
+    urgency: Urgency | None = None
+    recovery: Recovery | None = None
+    device: str | None = None
+    permit_requested: bool = False
+    permit_requested_at: datetime | None = None
+    permit_held: bool = False
+    permit: PermitDecision | None = None
+    lemon: str | None = None
+    recovery_tried: list[RecoveryOp] = field(default_factory=list)
+    recovery_log: list[str] = field(default_factory=list)
+
+
+@dataclass
+class IncidentInput:
+    cluster: str
+    node: str
+    policy: IncidentPolicy = field(default_factory=IncidentPolicy)
+    carried: IncidentState | None = None
+    """State carried across continue-as-new."""
+    pending: list[RoutedFault] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ CLI → NodeRemediation
+
+
+@dataclass
+class RepairedCommand:
+    """`mark_repaired`: the hardware was repaired; verification runs next."""
+
+    by: str
+    """Who sent it (CLI user@host, or `ticket:<id>`); recorded in history for audit."""
+    note: str = ""
+    ticket: str | None = None
+
+
+@dataclass
+class RetestCommand:
+    """`force_retest`: run the verification diagnostics now."""
+
+    by: str
+    note: str = ""
+
+
+@dataclass
+class AbortCommand:
+    """`abort`: close the incident now; `undrain` returns a node fleetmend drained."""
+
+    by: str
+    note: str = ""
+    undrain: bool = False
+
+
+@dataclass
+class IncidentStatus:
+    """The `status` query's answer: JSON-safe views (times ISO-8601 to the second)."""
+
+    workflow_id: str
+    node: str
+    cluster: str
+    phase: Phase
+    outcome: Outcome | None
+    drained: bool
+    ticket: str | None
+    fault_class: str | None
+    severity: Severity
+    opened_at: str | None
+    closed_at: str | None
+    faults: list[dict[str, Any]]
+    faults_dropped: int
+    duplicates: int
+    timeline: list[dict[str, Any]]
+    last_diag: dict[str, Any] | None
+    operator_drained: bool
+    permit_held: bool = False
+    decisions: list[str] = field(default_factory=list)
+    recovery_log: list[str] = field(default_factory=list)
+    lemon: str | None = None
+
+
+# ------------------------------------------------------------------ activities: scheduler
+
+OWNER_FLEETMEND = "fleetmend"
+OWNER_OPERATOR = "operator"
+
+
+@dataclass
+class DrainRequest:
+    cluster: str
+    node: str
+    reason: str
+    incident_id: str
+    wait_drained_s: float = 0.0
+    """Seconds `drain_node` waits (heartbeating) for DRAINING → DRAINED, i.e. running jobs to end.
+    0 returns as soon as the drain is set (the node may still be `draining`)."""
+    observed_at: datetime | None = None
+    """When the fault that caused the drain was observed (the event's `observed_at`); given, the
+    activity observes `fleetmend_time_to_quarantine_seconds`."""
+
+
+@dataclass
+class DrainResult:
+    node: str
+    drained: bool
+    """The node is (now) drained or draining (or down): no new work lands on it."""
+    owned: bool
+    """fleetmend set this drain (reason carries the prefix / KV entry owner is fleetmend)."""
+    operator_drained: bool
+    """Someone else drained (or downed) it first; fleetmend leaves it and never undrains it."""
+    state: str
+    """Normalized state: idle, allocated, mixed, draining, drained, down, … (`*` = not responding)."""
+    detail: str
+    reason: str = ""
+    """The scheduler's current drain reason (without Slurm's `[user@time]` suffix)."""
+    raw_state: str = ""
+    """The scheduler's own state text, e.g. Slurm `ALLOCATED+DRAIN`."""
+
+
+@dataclass
+class UndrainRequest:
+    cluster: str
+    node: str
+    incident_id: str
+    drained_at: datetime | None = None
+    """When the node was drained; given, a successful undrain observes `fleetmend_mttr_seconds`."""
+
+
+@dataclass
+class UndrainResult:
+    node: str
+    resumed: bool
+    """True only when this call returned a fleetmend-owned drain to service."""
+    state: str
+    detail: str
+    operator_drained: bool = False
+    """The drain belongs to someone else and was left in place (resumed is False)."""
+
+
+@dataclass
+class NodeInfo:
+    """One row of `list_nodes()` (for `fleetmend nodes` / `fleetmend status`)."""
+
+    name: str
+    state: str
+    reason: str
+    owner: str | None
+    """"fleetmend", "operator", or None when the node is not drained."""
+    incident_id: str | None = None
+
+
+# ------------------------------------------------------------------ activities: tickets
+
+
+@dataclass
+class TicketRequest:
+    incident_id: str
+    cluster: str
+    node: str
+    title: str
+    severity: str
+    fault_class: str
+    evidence: dict
+    """Raw lines, classification, diagnostics report: stored (and sent) in full."""
+
+
+@dataclass
+class TicketRef:
+    ticket_id: str
+    url: str | None
+    created: bool
+    """False when the incident already had a ticket (idempotent re-file)."""
+
+
+@dataclass
+class TicketUpdate:
+    ticket_id: str
+    incident_id: str
+    status: str
+    comment: str
+
+
+@dataclass
+class TicketStatus:
+    """What `poll_ticket` reports: the ticket system's own status and whether it means repaired."""
+
+    ticket_id: str
+    status: str
+    """The remote status name as the ticket system says it (Jira "Done", a webhook's "repaired", …)."""
+    repaired: bool
+    """`status` is one of `tickets.repaired_statuses` (case-insensitive)."""
+    url: str | None = None
+    detail: str = ""
+
+
+# ------------------------------------------------------------------ activities: diagnostics, recovery
+
+
+@dataclass
+class DiagActivityRequest:
+    cluster: str
+    node: str
+    level: DiagLevel = DiagLevel.QUICK
+    checks: list[str] | None = None
+    timeout_s: float = 120.0
+    incident_id: str | None = None
+
+
+@dataclass
+class RecoveryActivityRequest:
+    cluster: str
+    node: str
+    op: RecoveryOp
+    pci_bus_id: str | None = None
+    incident_id: str | None = None
+    timeout_s: float = 120.0
+    """Reply wait; `nvidia-smi -r` takes seconds, a reboot request is answered before the reboot."""
+
+
+# ------------------------------------------------------------------ FleetGuard
+
+
+@dataclass
+class GuardPolicy:
+    """Blast-radius policy (`from_settings`), carried by every request: the newest wins. Defaults are
+    `PolicySettings`' own."""
+
+    max_drained_nodes: int = _policy_default("max_drained_nodes")
+    max_drained_percent: float = _policy_default("max_drained_percent")
+    max_drained_per_rack: int = _policy_default("max_drained_per_rack")
+    cluster_nodes: int | None = _policy_default("cluster_nodes")
+    breaker_distinct_nodes: int = _policy_default("breaker_distinct_nodes")
+    breaker_window_s: float = _policy_default("breaker_window_s")
+    domain_incident_nodes: int = _policy_default("domain_incident_nodes")
+    domain_window_s: float = _policy_default("domain_window_s")
+    lemon_repairs: int = _policy_default("lemon_repairs")
+    lemon_window_s: float = _policy_default("lemon_window_s")
+    observe_only: bool = _policy_default("observe_only")
+    topology_nodes: int = 0
+    """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
+
+    @classmethod
+    def from_settings(cls, p: PolicySettings, topology_nodes: int = 0) -> "GuardPolicy":
+        from dataclasses import fields
+
+        return cls(**{f.name: getattr(p, f.name) for f in fields(cls) if f.name != "topology_nodes"},
+                   topology_nodes=topology_nodes)
+
+
+@dataclass
+class PermitRequest:
+    cluster: str
+    node: str
+    severity: Severity
+    fault_class: str
+    reason: str = ""
+    rack: str | None = None
+    domains: list[str] = field(default_factory=list)
+    """`rack:…`, `leaf:…`, `pdu:…` from the topology (attached by the activity)."""
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    requested_at: str | None = None
+
+
+@dataclass
+class PermitRelease:
+    cluster: str
+    node: str
+    outcome: str
+    fault_class: str = ""
+    returned: bool = False
+    """True when the node went back to service after a repair (counts toward the lemon rule)."""
+
+
+@dataclass
+class GuardCommand:
+    """`reset_breaker`, `pause`, `resume`: who (`by`, for the audit trail) and why."""
+
+    by: str
+    note: str = ""
+
+
+@dataclass
+class Held:
+    node: str
+    severity: str
+    fault_class: str
+    rack: str | None
+    granted_at: str
+
+
+@dataclass
+class Queued:
+    node: str
+    severity: str
+    fault_class: str
+    rack: str | None
+    domains: list[str]
+    requested_at: str
+    reason: str = ""
+
+
+@dataclass
+class InfraIncident:
+    domain: str
+    opened_at: str
+    last_fault_at: str
+    nodes: list[str]
+    ticket: str | None = None
+    closed_at: str | None = None
+
+
+@dataclass
+class GuardState:
+    cluster: str
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    held: list[Held] = field(default_factory=list)
+    queue: list[Queued] = field(default_factory=list)
+    seen_nodes: list[str] = field(default_factory=list)
+    recent: list[list[str]] = field(default_factory=list)
+    """[node, iso time] of drain-worthy requests within the breaker/domain windows."""
+    breaker_tripped: bool = False
+    breaker_reason: str | None = None
+    breaker_tripped_at: str | None = None
+    breaker_trips: int = 0
+    paused: bool = False
+    paused_by: str | None = None
+    infra: list[InfraIncident] = field(default_factory=list)
+    node_domains: dict[str, list[str]] = field(default_factory=dict)
+    """node → its failure domains, as the requests said (topology stays out of history)."""
+    returns: dict[str, list[list[str]]] = field(default_factory=dict)
+    """node → [[fault_class, iso time], …] of returns to service (lemon rule)."""
+    log: list[str] = field(default_factory=list)
+    grants: int = 0
+    run: int = 1
+
+
+GUARD_MAX_HISTORY_EVENTS = 2_000
+"""FleetGuard continues-as-new past this many events: a storm of 1k nodes is ~6 events per node."""
+
+
+@dataclass
+class GuardInput:
+    cluster: str
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    carried: GuardState | None = None
+    pending_requests: list[PermitRequest] = field(default_factory=list)
+    pending_releases: list[PermitRelease] = field(default_factory=list)
+    max_history_events: int = GUARD_MAX_HISTORY_EVENTS
+    """Continue-as-new threshold (tests lower it)."""
+
+
+@dataclass
+class GuardStatus:
+    cluster: str
+    budget: int
+    known_nodes: int
+    held: list[dict]
+    queue: list[dict]
+    breaker_tripped: bool
+    breaker_reason: str | None
+    breaker_tripped_at: str | None
+    paused: bool
+    paused_by: str | None
+    observe_only: bool
+    infra_incidents: list[dict]
+    recent_nodes: int
+    log: list[str]
