@@ -8,7 +8,7 @@ A polling probe reads the same hardware every period. What reaches NATS is the *
   when the kind changes, the old kind is cleared first (so every published kind is closed);
 - a slot that returns to healthy emits one clearing event: the same component, kind and device
   (same `fault_key`) with `healthy=True`, severity info and `attrs["clearing_kind"]` naming the
-  clearing kind from the catalog (`cleared_by`, STYLE 12), as the kmsg parser does;
+  clearing kind from the catalog (`cleared_by`), as the kmsg parser does;
 - `UNKNOWN` (the value could not be read this time, or must not be judged now, e.g. an idle GPU's
   PCIe generation) keeps the slot's state and emits nothing;
 - a slot that is healthy on first sight emits nothing (there is nothing to clear).

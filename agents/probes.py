@@ -1,4 +1,4 @@
-"""The probe protocol and the explicit registry of probes (STYLE 3).
+"""The probe protocol and the explicit registry of probes.
 
 A probe watches one source of hardware truth and calls `emit(event)` for every `FaultEvent` it
 builds. Probes never see NATS: `emit` is `Publisher.emit`, which queues (with backpressure) and

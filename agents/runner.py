@@ -1,5 +1,5 @@
 """The node agent process: probes → bounded queue → publisher (JetStream or spool), heartbeats,
-diagnostics responder — one `asyncio.TaskGroup` (STYLE 20).
+diagnostics responder — one `asyncio.TaskGroup`.
 
 Start: apply `agent.cpu_affinity` / `agent.nice`, open the spool under
 `<state_dir>/agent/<node>/spool`, start publisher and replay, connect to NATS in the background
@@ -38,7 +38,7 @@ from fleetmend.subjects import heartbeat_subject
 SHUTDOWN_TIMEOUT_S = 10.0
 """Flush + drain budget at exit; systemd's default stop timeout is 90 s, Kubernetes' grace 30 s."""
 PROBE_RESTART_MIN_S, PROBE_RESTART_MAX_S = 1.0, 300.0
-"""A failing probe is restarted after 1 s, doubling to at most 5 min (STYLE 24)."""
+"""A failing probe is restarted after 1 s, doubling to at most 5 min."""
 NATS_ERROR_LOG_EVERY_S = 60.0
 
 

@@ -20,7 +20,7 @@ dedupe (duplicate window) drops the copies.
 Bound: the segment files never hold more than `max_bytes`. When an append would cross it, acked
 records are compacted away first, then the oldest INFO events are evicted (counted in `dropped`,
 persisted). Degraded and fatal events are never evicted: if only they remain and the spool is
-still full, `append` raises `SpoolFullError` (STYLE 22: never block silently).
+still full, `append` raises `SpoolFullError` (never block silently).
 
 Not thread-safe: one owner (the publisher, on the event loop).
 """

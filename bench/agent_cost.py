@@ -9,7 +9,7 @@ agent with psutil for `--seconds` (≥ 60 s): CPU % = (user+system CPU seconds) 
 core, RSS mean and max (children included). Beside it, the RSS of a bare
 `python -c 'import nats, structlog, asyncio'` (with the agent's lean imports: no aiohttp, no rich)
 measured in the same run: the floor any asyncio NATS client in Python pays. bench/agent_memory.py
-breaks the agent's RSS down by layer (NVML's share shows only on a host with the driver). Target (issue 3): < 1 % of one core and < 60 MiB RSS.
+breaks the agent's RSS down by layer (NVML's share shows only on a host with the driver). Target: < 1 % of one core and < 60 MiB RSS.
 Not a timed test: it prints figures.
 """
 

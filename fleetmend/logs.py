@@ -3,7 +3,7 @@
 Stdlib loggers (nats, temporalio, asyncio) are routed through `structlog.stdlib.ProcessorFormatter`,
 so one process writes one format. Bind context once (`log = structlog.get_logger().bind(cluster=…,
 node=…)`); event names are snake_case past tense (`fault_published`, `spool_replayed`).
-Inside workflows use `workflow.logger`, never structlog (STYLE 30).
+Inside workflows use `workflow.logger`, never structlog (`workflow.logger` stays quiet while a history replays).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Prometheus metrics of the agent, router and worker (`prometheus-client`), one place for all.
 
-Labels come from bounded sets only (STYLE 31): cluster, component, kind, source, severity, action,
+Labels come from bounded sets only (an unbounded label is a memory leak in Prometheus): cluster, component, kind, source, severity, action,
 scheduler, filer, outcome, phase, reason (one of `DEADLETTER_REASONS`). Never a node, event or
 incident id: per-node questions go to Temporal visibility (`fleetmend status`, the UI).
 

@@ -24,7 +24,7 @@ sbe_or_remap_idle       a rising SBE rate (`sbe_events_per_window` SBE events wi
                         the node is idle, and no job is cut short (NVIDIA: pending remaps are applied
                         at the next reset, which needs the GPU idle).
 debounce                a fault whose kind has a clearing event (`clearable`) waits `debounce_s`;
-                        if its clearing event arrives first, nothing drains (DESIGN: flapping is
+                        if its clearing event arrives first, nothing drains (flapping is
                         damped).
 lemon                   (FleetGuard) the same fault class returning after `lemon_repairs` repairs
                         within `lemon_window_s` → RMA instead of another recovery loop.

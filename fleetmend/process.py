@@ -1,4 +1,4 @@
-"""Process lifecycle shared by every long-running command (STYLE 20)."""
+"""Process lifecycle shared by every long-running command."""
 
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ def temporal_dev_server(db_file: Path, port: int, ui_port: int, host: str = "127
                         log_path: Path | None = None, ui: bool = True) -> ManagedProcess:
     """Build (not start) `temporal server start-dev` with a SQLite file and WAL pragmas.
 
-    WAL + synchronous=NORMAL lifts the dev server ~3× (shared/notes/raw-limits.md §4a); a crash
+    WAL + synchronous=NORMAL lifts the dev server ~3× (measured on the dev box); a crash
     can lose at most the last transactions not yet checkpointed to the WAL on power loss, not on
     a process kill (the WAL is in the page cache).
     """

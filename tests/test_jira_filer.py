@@ -312,8 +312,8 @@ async def test_webhook_and_local_tickets_are_pollable(jira: FakeJira, tmp_path) 
     with pytest.raises(ApplicationError) as ei:
         await env.run(acts.poll_ticket, "nope")
     assert ei.value.type == "TicketNotFound"
-    # The local store polls its own ledger.
-    lacts = TicketActivities(local, ["resolved"])
+    # The local store polls its own ledger, with its own repaired statuses.
+    lacts = TicketActivities(LocalTicketStore(tmp_path / "ledger", repaired_statuses=["resolved"]))
     assert (await env.run(lacts.poll_ticket, ref.ticket_id)).status == "open"
     await local.update(TicketUpdate(ref.ticket_id, "inc-7", "resolved", "done"))
     assert (await env.run(lacts.poll_ticket, ref.ticket_id)).repaired

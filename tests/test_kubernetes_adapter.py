@@ -1,6 +1,6 @@
 """KubernetesScheduler against kmock's KubernetesEmulator through the official `kubernetes` client.
 
-No real kube-apiserver runs here (shared/notes/what-runs-here.md §2). kmock stores objects and
+No real kube-apiserver runs in CI. kmock stores objects and
 answers read/list/create/patch/delete over HTTP like the API server; it does not have the Eviction
 subresource, PodDisruptionBudgets, selectors or resourceVersion. The eviction endpoint is scripted
 below the way the API server behaves (policy/v1 Eviction → 201 and the pod goes; 429 with a Status

@@ -3,7 +3,7 @@
 Files (package data, validated once at load):
 
 - `xid.toml`: NVIDIA's XID catalog (Ampere+ catalog + r555 legacy cause matrix), generated from the
-  shared corpus by `scripts/gen_xid_catalog.py`. One `[xid.N]` table per XID.
+  XID catalog TSV by `scripts/gen_xid_catalog.py`. One `[xid.N]` table per XID.
 - `nvlink5.toml`: the catalog's 'Xid 144-150 Decode' sheet: `[[rule]]` tables matching the NVLink5
   intrinfo word (32-bit pattern with `-` wildcards; v1 for drivers < R575, v2 for >= R575) and the
   error-status word to a unit, severity and resolution.
@@ -37,11 +37,11 @@ XID_154 (recovery action changed)                       per the new action print
                                                         fatal + drain, Drain P2P -> degraded, else info
 ======================================================  ===========  =======
 
-Why: the corpus' operator readings (shared/corpus/cases.jsonl `expected.severity`) put restart-the-app
+Why: operator readings of real kernel logs (the corpus the decoder tests read, `expected.severity`) put restart-the-app
 faults (XID 13, 31, 45) at degraded, a pending row remap (XID 63, IGNORE but hardware) at degraded, and
 anything needing a GPU reset or reboot (XID 79, 95, 119, 120, 48, 74, 149 Fatal) at fatal. Automation
 drains only when the device is untrustworthy until reset/reboot/replacement; an application fault alone
-never drains (DESIGN.md: XID 13/31 repeating and lemon nodes are history rules in the router, not here).
+never drains (XID 13/31 repeating and lemon nodes are history rules, fleetmend/policy.py, not here).
 
 Imports only stdlib, pydantic and the fleetmend contract.
 """

@@ -139,7 +139,7 @@ class Router:
         """Fetch continuously into per-node queues; each node has at most one signal in flight.
 
         Events of a node that arrive while its signal is in flight are sent together in the next
-        call (the "coalesce" design of shared/notes/raw-limits.md: the deeper the backlog, the more
+        call (coalescing: the deeper the backlog, the more
         events per Temporal call). At most `max_unacked` messages are held un-acked.
         """
         from nats.errors import TimeoutError as NatsTimeout
