@@ -1,17 +1,27 @@
 """Quarantine latency: a fault line entering the agent → the drain issued by the scheduler adapter.
 
-    python bench/quarantine.py --nodes 10000 --faults 50
+    python bench/quarantine.py --nodes 10000 --faults 200 --rate 20
+    python bench/quarantine.py --nodes 10000 --modes burst --burst 1000
 
 A simulated fleet of NODES nodes sends heartbeats (every 10 s each) and background faults from the
-Llama 3 mix; meanwhile FAULTS measured XID 79 lines, one every `--gap` seconds on distinct nodes,
-go through the agent's real `KmsgParser` + `Publisher`. Two modes, each with its own router and
-worker processes:
+Llama 3 mix; meanwhile the measured XID 79 lines, on distinct nodes `m00000…`, go through the
+agent's real `KmsgParser` + `Publisher`. Each mode has its own router and worker processes:
 
 - real-drain: standalone scheduler; the drain lands in the JetStream KV bucket, watched here.
+  The blast-radius budget and breaker are opened (they would queue most of the measured nodes,
+  which is their job), so the figure is the permit path's latency, not the safety queue.
 - observe-only: `policy.observe_only`; the decision is the workflow closing with outcome "observed".
+- burst: BURST nodes fail at once under a real budget (`--budget` nodes, `--per-rack` per rack of
+  `--rack-size` nodes; breaker and failure-domain incidents opened so the budget is what queues).
+  Within `--burst-window` seconds every measured node must be drained, or shown by `fleetmend
+  status` in phase `awaiting_permit` with the reason it waits.
 
-The fleet's blast-radius budget and breaker are opened for this measurement (they would queue most
-of the measured nodes, which is their job); XID 79 has no debounce (it has no clearing event).
+Measured faults go out at `--rate` per second (one burst when the mode is `burst`). Only the
+measured nodes count: the bench waits for each of them up to `--deadline` seconds after its fault,
+names any that are missing, and exits 1 when one is missing (or, in a burst, neither drained nor
+visibly queued). In every drain mode the bench replays the drain records (the KV bucket's puts and
+deletes, in order) and reports the most nodes drained at once, per cluster and per rack, against the
+budget; more than the budget allows is also exit 1. The guard's own counters are not consulted.
 
 For reference, NVIDIA NVSentinel's published scale test reports a quarantine decision p50 of
 0.37 s and p90 of 0.48 s at 1,500 nodes (about 2.5 nodes/s).
@@ -23,14 +33,47 @@ import argparse
 import asyncio
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CpuMeter, machine, pct, stack, table  # noqa: E402
 
+XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+OPEN = "100000"
 
-async def measure(st, mode: str, nodes: int, faults: int, gap_s: float, background_rate: float) -> dict:  # noqa: ANN001
+
+def node_of(key: str) -> str:
+    """The node a drain record's key names (`node`, or a cluster-qualified `cluster.node`)."""
+    return key.rsplit(".", 1)[-1]
+
+
+def replay_drains(records: list[tuple[float, str, bool]], rack_of: dict[str, str]) -> tuple[int, int, str | None]:
+    """From drain records (time, key, drained?) in bucket order: (most nodes drained at once, most in one
+    rack at once, that rack)."""
+    drained: set[str] = set()
+    peak = peak_rack = 0
+    worst = None
+    per_rack: Counter[str] = Counter()
+    for _, key, on in records:
+        node = node_of(key)
+        rack = rack_of.get(node)
+        if on and node not in drained:
+            drained.add(node)
+            if rack:
+                per_rack[rack] += 1
+        elif not on and node in drained:
+            drained.discard(node)
+            if rack:
+                per_rack[rack] -= 1
+        peak = max(peak, len(drained))
+        if rack and per_rack[rack] > peak_rack:
+            peak_rack, worst = per_rack[rack], rack
+    return peak, peak_rack, worst
+
+
+async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001, C901
     import nats
     from temporalio.client import Client
 
@@ -40,75 +83,149 @@ async def measure(st, mode: str, nodes: int, faults: int, gap_s: float, backgrou
     from fleetmend import subjects
     from fleetmend.catalog import default_catalog
     from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.policy import drain_budget
     from fleetmend.cli.simulate import SimConfig, run_sim
     from fleetmend.converter import data_converter
 
     cluster = f"q{mode.replace('-', '')}"
     observe = mode == "observe-only"
-    s = st.settings(cluster=cluster, scheduler="standalone", task_queue=f"tq-{cluster}",
-                    policy={"observe_only": observe})
-    # The blast-radius budget and breaker would (rightly) queue most of 30+ nodes faulting within
-    # seconds; opened here so the figure is the decision path's latency, not the safety queue.
-    wide_open = {"FLEETMEND_POLICY__MAX_DRAINED_NODES": "100000", "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
-                 "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": "100000",
-                 "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": "100000",
-                 "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": "100000"}
-    worker = st.spawn("worker", s, wide_open)
-    router = st.spawn("router", s, wide_open)
+    burst = mode == "burst"
+    count = a.burst if burst else a.faults
+    measured = [f"m{i:05d}" for i in range(count)]
+    rack_of = {n: f"r{i // a.rack_size:03d}" for i, n in enumerate(measured)} if burst else {}
+    topo = None
+    if rack_of:
+        topo = st.root / f"topology-{cluster}.toml"
+        topo.write_text("".join(f'[node.{n}]\nrack = "{r}"\n' for n, r in rack_of.items()))
+    known = a.nodes + count
+    policy = {"observe_only": observe, "cluster_nodes": known}
+    if topo is not None:
+        policy["topology_file"] = str(topo)
+    s = st.settings(cluster=cluster, scheduler="standalone", task_queue=f"tq-{cluster}", policy=policy)
+    env = {"FLEETMEND_POLICY__CLUSTER_NODES": str(known),
+           "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": OPEN, "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": OPEN}
+    if topo is not None:
+        env["FLEETMEND_POLICY__TOPOLOGY_FILE"] = str(topo)
+    if burst:
+        env.update({"FLEETMEND_POLICY__MAX_DRAINED_NODES": str(a.budget), "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
+                    "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": str(a.per_rack)})
+        budget, rack_cap = drain_budget(known, a.budget, 100.0), a.per_rack
+    else:
+        env.update({"FLEETMEND_POLICY__MAX_DRAINED_NODES": OPEN, "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
+                    "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": OPEN})
+        budget, rack_cap = int(OPEN), int(OPEN)
+    worker = st.spawn("worker", s, env)
+    router = st.spawn("router", s, env)
     nc = await nats.connect(st.nats_url)
     js = nc.jetstream()
     await ensure_fault_stream(js)
     client = await Client.connect(st.temporal_address, data_converter=data_converter)
-    kv = await js.create_key_value(bucket=subjects.DRAIN_KV_BUCKET, history=5) if not observe else None
+    want = set(measured)
     seen: dict[str, float] = {}
-    if kv is not None:
+    records: list[tuple[float, str, bool]] = []
+    wtask = None
+    if not observe:
+        kv = await js.create_key_value(bucket=subjects.DRAIN_KV_BUCKET, history=5)
         watcher = await kv.watchall()
 
         async def watch() -> None:
             async for entry in watcher:
-                if entry is not None and entry.key not in seen and entry.value:
-                    seen[entry.key] = time.monotonic()
+                if entry is None:
+                    continue
+                now = time.monotonic()
+                on = bool(entry.value) and entry.operation not in ("DEL", "PURGE")
+                records.append((now, entry.key, on))
+                node = node_of(entry.key)
+                if on and node in want and node not in seen:
+                    seen[node] = now
 
         wtask = asyncio.create_task(watch())
     await asyncio.sleep(3)  # processes up
     stop = asyncio.Event()
-    sim_cfg = SimConfig(nodes=nodes, cluster=cluster, node_prefix="bg", duration_s=1e9, seed=7,
-                        fault_rate_per_s=background_rate, state_dir=st.root / "sim")
+    sim_cfg = SimConfig(nodes=a.nodes, cluster=cluster, node_prefix="bg", duration_s=1e9, seed=7,
+                        fault_rate_per_s=a.background, state_dir=st.root / "sim")
     sim_task = asyncio.create_task(run_sim(s, sim_cfg, stop=stop))
+    await asyncio.sleep(2)  # the fleet heartbeating
     meter = CpuMeter({"router": router.pid, "worker": worker.pid, "temporal": st.procs[1].pid})
     catalog = default_catalog()
-    started: dict[str, float] = {}
-    waits = []
-    for i in range(faults):
-        node = f"m{i:05d}"
+    senders = []
+    for node in measured:
         pub = Publisher(nc, js, Spool(st.root / "spool" / cluster / node, 1 << 20), cluster, node)
         pub.attach(nc, js)
-        parser = KmsgParser(cluster, node, "bench", catalog=catalog)
-        line = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+        senders.append((node, pub, KmsgParser(cluster, node, "bench", catalog=catalog)))
+    started: dict[str, float] = {}
+    waits = []
+
+    async def send(node: str, pub, parser) -> None:  # noqa: ANN001
         started[node] = time.monotonic()  # the line enters the agent
-        for ev in parser.feed(line) + parser.flush():
+        for ev in parser.feed(XID79) + parser.flush():
             await pub.publish(ev)
         if observe:
-            h = client.get_workflow_handle(subjects.workflow_id(cluster, node))
-            waits.append(asyncio.create_task(_closed(h, node, seen)))
-        await asyncio.sleep(gap_s)
-    deadline = time.monotonic() + 300
-    while len(seen) < faults and time.monotonic() < deadline:
+            waits.append(asyncio.create_task(_closed(client.get_workflow_handle(
+                subjects.workflow_id(cluster, node)), node, seen, a.deadline)))
+
+    t_first = time.monotonic()
+    if burst:
+        await asyncio.gather(*(send(*x) for x in senders))
+    else:
+        for i, x in enumerate(senders):  # paced on the schedule, not on each send's duration
+            delay = t_first + i / a.rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await send(*x)
+    t_sent = time.monotonic()
+    window = None
+    if burst:
+        window = await _burst_window(s, client, cluster, measured, seen, t_first, a.burst_window)
+    while not burst and len(seen.keys() & want) < len(want) and time.monotonic() < t_sent + a.deadline:
         await asyncio.sleep(0.05)
     cpu = meter.read()
     stop.set()
     await asyncio.gather(sim_task, *waits, return_exceptions=True)
-    if kv is not None:
+    if wtask is not None:
+        await asyncio.sleep(0.5)
         wtask.cancel()
-    lat = [seen[n] - started[n] for n in started if n in seen]
+    lat = [seen[n] - started[n] for n in measured if n in seen]
+    missing = [n for n in measured if n not in seen]
+    peak, peak_rack, worst_rack = replay_drains(sorted(records), rack_of)
     await nc.close()
     router.stop()
     worker.stop()
-    return {"mode": mode, "lat": lat, "missing": faults - len(lat), "cpu": cpu}
+    return {"mode": mode, "lat": lat, "missing": missing, "count": count, "cpu": cpu,
+            "send_s": t_sent - t_first, "window": window, "peak": peak, "peak_rack": peak_rack,
+            "worst_rack": worst_rack, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records)}
 
 
-async def _closed(handle, node: str, seen: dict[str, float]) -> None:  # noqa: ANN001
-    for _ in range(600):
+async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],  # noqa: ANN001
+                        t0: float, window_s: float) -> dict:
+    """Poll, as `fleetmend status` sees it, until every measured node is drained or visibly queued
+    (phase `awaiting_permit` and a reason), or `window_s` after the burst began."""
+    from fleetmend.cli.main import _list_incidents
+    from fleetmend.cli.permits import permit_waits
+
+    result: dict = {}
+    while True:
+        elapsed = time.monotonic() - t0
+        try:
+            rows = {r["node"]: r for r in await _list_incidents(s, 100_000) if r["status"] == "running"}
+            waits = await permit_waits(client, cluster)
+        except Exception as err:  # noqa: BLE001 - a slow visibility read: try again
+            result["error"] = str(err)
+            rows, waits = {}, {}
+        drained = [n for n in measured if n in seen]
+        queued = [n for n in measured if n not in seen and (rows.get(n) or {}).get("phase") == "awaiting_permit"
+                  and waits.get(n)]
+        neither = [n for n in measured if n not in seen and n not in queued]
+        result = {"at_s": elapsed, "drained": len(drained), "queued": len(queued), "neither": neither,
+                  "reasons": Counter(waits[n].split(":")[0] for n in queued).most_common(4)}
+        if not neither or elapsed >= window_s:
+            return result
+        await asyncio.sleep(1.0)
+
+
+async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) -> None:  # noqa: ANN001
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
         try:
             await handle.result()
             seen[node] = time.monotonic()
@@ -117,27 +234,59 @@ async def _closed(handle, node: str, seen: dict[str, float]) -> None:  # noqa: A
             await asyncio.sleep(0.05)
 
 
-async def main(nodes: int, faults: int, gap_s: float, background_rate: float, modes: list[str]) -> None:
+async def main(a: argparse.Namespace) -> int:
     async with stack() as st:
-        results = [await measure(st, m, nodes, faults, gap_s, background_rate) for m in modes]
-    rows = [("machine", machine()), ("simulated nodes (heartbeat 10 s each)", f"{nodes:,}"),
-            ("background fault lines/s", f"{background_rate}"), ("measured XID 79 faults per mode", f"{faults}")]
+        results = [await measure(st, m, a) for m in a.modes.split(",")]
+    rows = [("machine", machine()), ("simulated nodes (heartbeat 10 s each)", f"{a.nodes:,}"),
+            ("background fault lines/s", f"{a.background}")]
+    bad = False
     for r in results:
-        lat = r["lat"]
-        rows.append((f"{r['mode']}: p50 / p90 / p99 s",
-                     f"{pct(lat, 50):.3f} / {pct(lat, 90):.3f} / {pct(lat, 99):.3f}  (missing {r['missing']})"))
-        rows.append((f"{r['mode']}: CPU % router / worker / temporal",
+        lat, m = r["lat"], r["mode"]
+        how = (f"{r['count']} at once (sent in {r['send_s']:.2f} s)" if m == "burst"
+               else f"{r['count']} at {a.rate:g}/s (sent in {r['send_s']:.1f} s)")
+        rows.append((f"{m}: measured XID 79 faults", how))
+        rows.append((f"{m}: p50 / p90 / p99 / max s" + (" (of those drained)" if m == "burst" else ""),
+                     f"{pct(lat, 50):.3f} / {pct(lat, 90):.3f} / {pct(lat, 99):.3f} / "
+                     f"{max(lat) if lat else float('nan'):.3f}  (missing {len(r['missing'])} of {r['count']}"
+                     f" after {a.deadline:g} s)"))
+        if r["missing"] and m != "burst":  # a burst is judged by its window: the budget queues most
+            bad = True
+            rows.append((f"{m}: MISSING", ", ".join(r["missing"][:20]) + (" …" if len(r["missing"]) > 20 else "")))
+        if m != "observe-only":
+            over = r["peak"] > r["budget"] or r["peak_rack"] > r["rack_cap"]
+            bad |= over
+            cap = "open" if r["budget"] >= int(OPEN) else str(r["budget"])
+            rcap = "open" if r["rack_cap"] >= int(OPEN) else str(r["rack_cap"])
+            rows.append((f"{m}: most drained at once (drain records) / budget",
+                         f"{r['peak']} / {cap}; per rack {r['peak_rack']} ({r['worst_rack'] or '-'}) / {rcap}"
+                         f"{'  OVER BUDGET' if over else ''}  ({r['drain_records']} records)"))
+        w = r["window"]
+        if w is not None:
+            bad |= bool(w["neither"])
+            rows.append((f"{m}: drained or visibly queued", f"{w['drained']} drained + {w['queued']} queued of "
+                         f"{r['count']} at {w['at_s']:.1f} s (window {a.burst_window:g} s); reasons "
+                         f"{w['reasons']}; neither {len(w['neither'])}"
+                         + (f": {', '.join(w['neither'][:10])}" if w["neither"] else "")))
+        rows.append((f"{m}: CPU % router / worker / temporal",
                      " / ".join(f"{r['cpu'][k][0]:.0f}" for k in ("router", "worker", "temporal"))))
     rows.append(("NVSentinel reference (1,500 nodes)", "p50 0.37 s, p90 0.48 s"))
     table(f"Quarantine latency ({time.strftime('%Y-%m-%d %H:%M')})", rows)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=10_000)
-    ap.add_argument("--faults", type=int, default=50)
-    ap.add_argument("--gap", type=float, default=0.5, help="seconds between measured faults")
+    ap.add_argument("--nodes", type=int, default=10_000, help="simulated background nodes")
+    ap.add_argument("--faults", type=int, default=50, help="measured faults (distinct nodes) per paced mode")
+    ap.add_argument("--rate", type=float, default=2.0, help="measured failing nodes per second")
+    ap.add_argument("--burst", type=int, default=1000, help="nodes failing at once in mode `burst`")
+    ap.add_argument("--burst-window", type=float, default=30.0,
+                    help="seconds within which a burst must be drained or visibly queued")
+    ap.add_argument("--budget", type=int, default=20, help="burst: max drained nodes")
+    ap.add_argument("--per-rack", type=int, default=2, help="burst: max drained per rack")
+    ap.add_argument("--rack-size", type=int, default=16, help="burst: measured nodes per rack")
+    ap.add_argument("--deadline", type=float, default=60.0, help="seconds to wait for each measured node")
     ap.add_argument("--background", type=float, default=1.0, help="background fault lines per second")
-    ap.add_argument("--modes", default="observe-only,real-drain")
+    ap.add_argument("--modes", default="observe-only,real-drain", help="observe-only, real-drain, burst")
     a = ap.parse_args()
-    asyncio.run(main(a.nodes, a.faults, a.gap, a.background, a.modes.split(",")))
+    sys.exit(asyncio.run(main(a)))
