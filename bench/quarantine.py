@@ -147,6 +147,14 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     sim_task = asyncio.create_task(run_sim(s, sim_cfg, stop=stop))
     await asyncio.sleep(2)  # the fleet heartbeating
     meter = CpuMeter({"router": router.pid, "worker": worker.pid, "temporal": st.procs[1].pid})
+    spy = None
+    if a.profile:  # py-spy (PyPI) samples the worker for the measured window
+        import subprocess
+
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-r", "50", "-f", "speedscope", "-o",
+                                str(Path(a.profile) / f"worker-{mode}.json"), "--pid", str(worker.pid)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     catalog = default_catalog()
     senders = []
     for node in measured:
@@ -180,6 +188,17 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     while not burst and len(seen.keys() & want) < len(want) and time.monotonic() < t_sent + a.deadline:
         await asyncio.sleep(0.05)
     cpu = meter.read()
+    if spy is not None:
+        import signal
+
+        spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+        spy.wait(30)
+    guard = None
+    if a.profile:
+        guard = await _guard_tasks(client, subjects.fleetguard_workflow_id(cluster))
+        mid = measured[len(measured) // 2]
+        (Path(a.profile) / f"timeline-{mode}-{mid}.txt").write_text(
+            await _timeline(client, subjects.workflow_id(cluster, mid)) + "\n")
     stop.set()
     await asyncio.gather(sim_task, *waits, return_exceptions=True)
     if wtask is not None:
@@ -193,7 +212,7 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     worker.stop()
     return {"mode": mode, "lat": lat, "missing": missing, "count": count, "cpu": cpu,
             "send_s": t_sent - t_first, "window": window, "peak": peak, "peak_rack": peak_rack,
-            "worst_rack": worst_rack, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records)}
+            "worst_rack": worst_rack, "guard": guard, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records)}
 
 
 async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],  # noqa: ANN001
@@ -221,6 +240,53 @@ async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict
         if not neither or elapsed >= window_s:
             return result
         await asyncio.sleep(1.0)
+
+
+async def _guard_tasks(client, wid: str) -> str:  # noqa: ANN001
+    """The FleetGuard's workflow tasks over all its runs: how many, how fast, and where a task's time
+    went (scheduled → started: waiting for a worker slot; started → completed: running)."""
+    from temporalio.api.enums.v1 import EventType
+
+    tasks = events = runs = 0
+    first = last = None
+    wait, work = [], []
+    async for wf in client.list_workflows(f"WorkflowId = '{wid}'"):
+        runs += 1
+        hist = await client.get_workflow_handle(wid, run_id=wf.run_id).fetch_history()
+        sched = started = None
+        for ev in hist.events:
+            events += 1
+            t = ev.event_time.ToDatetime()
+            first = t if first is None or t < first else first
+            last = t if last is None or t > last else last
+            if ev.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+                sched = t
+            elif ev.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED and sched is not None:
+                started = t
+                wait.append((t - sched).total_seconds())
+            elif ev.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                tasks += 1
+                if started is not None:
+                    work.append((t - started).total_seconds())
+    span = (last - first).total_seconds() if first and last else 0.0
+    return (f"{tasks} workflow tasks, {events} events, {runs} run(s) over {span:.0f} s "
+            f"({tasks / span if span else 0:.1f} tasks/s); per task: waiting p50 {pct(wait, 50) * 1000:.0f} / "
+            f"p99 {pct(wait, 99) * 1000:.0f} ms, running p50 {pct(work, 50) * 1000:.0f} / p99 {pct(work, 99) * 1000:.0f} ms")
+
+
+async def _timeline(client, wid: str) -> str:  # noqa: ANN001
+    """One incident's history as `+seconds EVENT` steps from its start (where a drain's time went)."""
+    from temporalio.api.enums.v1 import EventType
+
+    hist = await client.get_workflow_handle(wid).fetch_history()
+    t0 = None
+    out = []
+    for ev in hist.events[:40]:
+        t = ev.event_time.ToDatetime()
+        t0 = t0 or t
+        name = EventType.Name(ev.event_type).removeprefix("EVENT_TYPE_")
+        out.append(f"+{(t - t0).total_seconds():.2f} {name}")
+    return "; ".join(out)
 
 
 async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) -> None:  # noqa: ANN001
@@ -267,6 +333,8 @@ async def main(a: argparse.Namespace) -> int:
                          f"{r['count']} at {w['at_s']:.1f} s (window {a.burst_window:g} s); reasons "
                          f"{w['reasons']}; neither {len(w['neither'])}"
                          + (f": {', '.join(w['neither'][:10])}" if w["neither"] else "")))
+        if r["guard"]:
+            rows.append((f"{m}: FleetGuard history", r["guard"]))
         rows.append((f"{m}: CPU % router / worker / temporal",
                      " / ".join(f"{r['cpu'][k][0]:.0f}" for k in ("router", "worker", "temporal"))))
     rows.append(("NVSentinel reference (1,500 nodes)", "p50 0.37 s, p90 0.48 s"))
@@ -288,5 +356,6 @@ if __name__ == "__main__":
     ap.add_argument("--deadline", type=float, default=60.0, help="seconds to wait for each measured node")
     ap.add_argument("--background", type=float, default=1.0, help="background fault lines per second")
     ap.add_argument("--modes", default="observe-only,real-drain", help="observe-only, real-drain, burst")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy the worker into DIR; report the FleetGuard's task rate")
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a)))
