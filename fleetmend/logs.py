@@ -1,4 +1,7 @@
-"""Logging for every fleetmend process: structlog JSON on stdout, console renderer in a tty.
+"""Logging for every fleetmend process: structlog JSON on stderr, console renderer in a tty.
+
+Logs never go to stdout: stdout belongs to a command's result (`fleetmend status --json | jq` must
+read JSON only), and container runtimes, systemd and `dev up` collect stderr the same way.
 
 Stdlib loggers (nats, temporalio, asyncio) are routed through `structlog.stdlib.ProcessorFormatter`,
 so one process writes one format. Bind context once (`log = structlog.get_logger().bind(cluster=…,
@@ -21,14 +24,14 @@ def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
     """Configure structlog and the stdlib root logger. Idempotent (safe to call twice).
 
     Args:
-        fmt: "auto" (console when stdout is a tty, else JSON), "json" or "console".
+        fmt: "auto" (console when stderr is a tty, else JSON), "json" or "console".
         level: minimum level for both structlog and stdlib loggers ("debug", "info", ... or an int).
     Raises:
         ValueError: unknown `fmt`, listing the valid ones.
     """
     if fmt not in _FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; expected {', '.join(_FORMATS)}")
-    console = fmt == "console" or (fmt == "auto" and sys.stdout.isatty())
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     lvl = logging.getLevelName(level.upper()) if isinstance(level, str) else level
 
     shared: list[Any] = [
@@ -47,7 +50,7 @@ def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,

@@ -88,7 +88,7 @@ def test_a_worker_whose_temporal_worker_fails_exits_non_zero(tmp_path: Path) -> 
         p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "worker"], env=env, capture_output=True,
                            text=True, timeout=90)
         assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
-        assert '"worker_failed"' in p.stdout and "no-such-namespace" in p.stdout
+        assert '"worker_failed"' in p.stderr and "no-such-namespace" in p.stderr  # logs go to stderr
     finally:
         nats.stop()
         temporal.stop()

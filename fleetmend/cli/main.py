@@ -23,7 +23,16 @@ from rich.table import Table
 from fleetmend.config import Settings, load_settings
 from fleetmend.errors import ConfigError, FleetmendError
 
-app = typer.Typer(no_args_is_help=True, add_completion=True, rich_markup_mode=None,
+EXIT_STATUSES = """Exit statuses:
+
+\b
+  0    done (for a listing: it was read, even when empty)
+  1    could not be done: a server unreachable, no such incident, the workflow refused the command
+  2    bad usage or configuration (unknown option, invalid value, config file error)
+  130  interrupted (Ctrl-C)
+
+With --json, stdout holds only the JSON result; logs and errors go to stderr."""
+app = typer.Typer(no_args_is_help=True, add_completion=True, rich_markup_mode=None, epilog=EXIT_STATUSES,
                   help="fleetmend: find bad GPU nodes, take them out, bring them back proven good.")
 dev_app = typer.Typer(no_args_is_help=True, help="Local pipeline with embedded NATS and Temporal.")
 config_app = typer.Typer(no_args_is_help=True, help="Configuration.")
@@ -38,6 +47,28 @@ ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster name (FLEETMEND_CLUSTER).")
 MetricsPortOpt = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here (0: off; "
                                                          "FLEETMEND_METRICS__<PROCESS>_PORT).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("fleetmend")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            v = "unknown (not installed)"
+        sys.stdout.write(f"fleetmend {v}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _cli(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                      help="Print the version and exit.")) -> None:
+    # One-shot commands log warnings and errors only, to stderr (stdout is the result); the long-running
+    # processes (worker, router, dev up) configure their own level and format at start.
+    from fleetmend.logs import configure_logging
+
+    configure_logging(os.environ.get("FLEETMEND_LOG_FORMAT", "auto"), level="warning")
 
 
 def _settings(config: Optional[Path] = None, **overrides: Any) -> Settings:

@@ -1,0 +1,56 @@
+"""Machine output of the CLI: `--json` puts only JSON on stdout (logs and errors go to stderr),
+`--version`, and the exit statuses `--help` documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLEETMEND, *args], capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_version_prints_the_installed_version() -> None:
+    p = _cli("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"fleetmend {version('fleetmend')}\n"
+
+
+def test_help_documents_exit_statuses() -> None:
+    p = _cli("--help")
+    assert p.returncode == 0
+    for line in ("0    done", "1    could not be done", "2    bad usage or configuration", "130  interrupted"):
+        assert line in p.stdout, p.stdout
+    bad = _cli("status", "--no-such-option")
+    assert bad.returncode == 2 and bad.stdout == ""
+
+
+def test_a_log_line_never_lands_on_stdout_before_the_json(tmp_path: Path) -> None:
+    """NATS unreachable: nats-py's connect error is logged (a structlog warning) while the command
+    fails; before, the warning was printed on stdout ahead of any JSON."""
+    env = {"FLEETMEND_NATS_URL": "nats://127.0.0.1:1", "FLEETMEND_NATS_CONNECT_TIMEOUT_S": "1",
+           "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_SCHEDULER": "standalone"}
+    p = _cli("nodes", "--json", env=env)
+    assert p.returncode == 1
+    assert p.stdout == "", p.stdout
+    assert "nats_error" in p.stderr and "cannot reach NATS" in p.stderr
+
+
+def test_json_logs_go_to_stderr_in_every_process_format() -> None:
+    code = ("from fleetmend.logs import configure_logging\nimport logging, structlog\n"
+            "configure_logging('json')\nstructlog.get_logger('t').warning('probe_logged', n=1)\n"
+            "logging.getLogger('nats').error('stdlib_logged')\nprint('RESULT')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "RESULT\n"
+    lines = [json.loads(x) for x in p.stderr.splitlines()]
+    assert [x["event"] for x in lines] == ["probe_logged", "stdlib_logged"]
