@@ -16,6 +16,10 @@ ROUTER_DURABLE = "fleetmend-router"
 DRAIN_KV_BUCKET = "fleetmend_drains"
 """JetStream key-value bucket of the standalone scheduler adapter (drained set, durable)."""
 TICKET_KV_BUCKET = "fleetmend_tickets"
+LEASE_KV_BUCKET = "fleetmend_leases"
+"""Leases electing the one replica that publishes a cluster's fleet-level gauges (`fleetmend.lease`)."""
+NOTIFY_KV_BUCKET = "fleetmend_notified"
+"""Notifications already delivered, by deduplication key and channel (a retried activity skips them)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
