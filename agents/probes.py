@@ -83,6 +83,7 @@ PROBES: dict[str, str] = {
     "sysfs": "agents.sysfs:SysfsProbe",
     "udev": "agents.udev:UdevProbe",
     "inject": "agents.probes:InjectProbe",
+    "lastboot": "agents.lastboot:LastBootProbe",
 }
 """Probe name → `module:Class`, imported lazily so one missing optional module (or a probe whose
 hardware library is absent) cannot stop the others."""
@@ -98,14 +99,17 @@ def probe_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-HARDWARE_PROBES = ("nvml", "sysfs", "udev")
+HARDWARE_PROBES = ("nvml", "sysfs", "udev", "lastboot")
 """Probes of live hardware state; left out when the agent replays a file or runs `--once`."""
 
 
-def _hardware_probe(name: str, settings: Settings, catalog: Any) -> Any:
+def _hardware_probe(name: str, settings: Settings, catalog: Any, agent_state_dir: Path | None) -> Any:
     a = settings.agent
     common = dict(cluster=settings.cluster, node=settings.node, agent_version=__version__, catalog=catalog)
     cls = probe_class(name)
+    if name == "lastboot":
+        state = agent_state_dir or settings.state_dir / "agent" / settings.node
+        return cls(a.host_root, state, journal="default" if a.lastboot_journal else None, **common)
     if name == "nvml":
         return cls("default", poll_interval_s=a.nvml_poll_interval_s, retry_interval_s=a.nvml_retry_interval_s,
                    xid_events=a.nvml_xid_events, xid_wait_ms=a.nvml_xid_wait_ms,
@@ -118,7 +122,8 @@ def _hardware_probe(name: str, settings: Settings, catalog: Any) -> Any:
 
 
 def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: Path | None = None,
-                 inject_file: Path | None = None, kmsg: bool = True, hardware: bool = True) -> list[Any]:
+                 inject_file: Path | None = None, kmsg: bool = True, hardware: bool = True,
+                 agent_state_dir: Path | None = None) -> list[Any]:
     """The probes this agent runs.
 
     Args:
@@ -128,7 +133,9 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
         state_dir: where the kmsg probe keeps its cursor (live mode only).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out (e.g. a drill that only injects).
-        hardware: add the nvml, sysfs and udev probes that `settings.agent.*_enabled` turn on.
+        hardware: add the nvml, sysfs, udev and lastboot probes that `settings.agent.*_enabled` turn on.
+        agent_state_dir: the agent's state directory (lastboot keeps what it published there);
+            default `<state_dir>/agent/<node>`.
     Raises:
         fleetmend.errors.CatalogError: `settings.catalog_overrides` is invalid (fail at startup).
     Returns:
@@ -159,7 +166,7 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
             if not getattr(settings.agent, f"{name}_enabled"):
                 continue
             try:
-                probes.append(_hardware_probe(name, settings, catalog))
+                probes.append(_hardware_probe(name, settings, catalog, agent_state_dir))
             except ImportError as err:
                 probes.append(UnavailableProbe(name, f"{name} probe unavailable: {err}"))
     if inject_file is not None:

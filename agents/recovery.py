@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -37,8 +38,12 @@ class RecoveryHandler:
     """Answers `RecoveryRequest`s for one node. `reboot_command=[]` is a dry run (the default)."""
 
     def __init__(self, cluster: str, node: str, *, reboot_command: list[str] | None = None,
-                 gpu_reset_command: list[str] | None = None) -> None:
+                 gpu_reset_command: list[str] | None = None,
+                 on_reboot: Callable[[RecoveryRequest], None] | None = None) -> None:
+        """`on_reboot(req)` runs right before the reboot command (the agent records the ordered reboot,
+        so the next boot is not reported as unexpected); an exception from it is logged, not raised."""
         self.cluster, self.node = cluster, node
+        self.on_reboot = on_reboot
         self.reboot_command = list(reboot_command or [])
         self.gpu_reset_command = list(gpu_reset_command or ["nvidia-smi", "-r", "-i"])
         self._lock = asyncio.Lock()
@@ -102,6 +107,11 @@ class RecoveryHandler:
         argv = list(self.reboot_command)
 
         async def after() -> None:
+            if self.on_reboot is not None:
+                try:
+                    self.on_reboot(req)
+                except Exception as err:  # noqa: BLE001 - the reboot goes ahead; the next boot may read as unexpected
+                    self._log.warning("reboot_not_recorded", error=repr(err))
             rc, out = await _run(argv, req.deadline_s)
             self._log.info("reboot_command_ran", rc=rc, output=out[:300])
 

@@ -152,7 +152,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         if hardware is None:
             hardware = not once and kmsg_file is None and inject_file is None
         probes = build_probes(settings, kmsg_file=kmsg_file, state_dir=state / "kmsg",
-                              inject_file=inject_file, kmsg=kmsg, hardware=hardware)
+                              inject_file=inject_file, kmsg=kmsg, hardware=hardware, agent_state_dir=state)
+    lastboot = any(p.name == "lastboot" for p in probes)  # live: boots and clean stops are recorded
     # -- metrics (fleetmend/metrics.py): /metrics port, spool depth at scrape time
     from fleetmend import metrics
 
@@ -197,8 +198,12 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                              expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg_path)
         from agents.recovery import RecoveryHandler  # recovery requests share the diag subject
 
+        from agents.lastboot import record_reboot_ordered
+
         diag.recovery = RecoveryHandler(settings.cluster, settings.node, reboot_command=settings.policy.reboot_command,
-                                        gpu_reset_command=settings.policy.gpu_reset_command)
+                                        gpu_reset_command=settings.policy.gpu_reset_command,
+                                        on_reboot=(lambda req: record_reboot_ordered(state, req.incident_id))
+                                        if lastboot else None)
         await diag.start()
         conn["diag"] = diag
         connected.set()
@@ -260,6 +265,13 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         spool.close()
         for sig in signals:
             loop.remove_signal_handler(sig)
+    if lastboot:
+        from agents.lastboot import record_clean_stop
+
+        try:
+            record_clean_stop(state, settings.agent.host_root)  # the next boot is not an unexpected one
+        except OSError as err:
+            log.warning("clean_stop_not_recorded", error=repr(err))
     left = spool.depth
     log.info("agent_stopped", published=publisher.published_count, spooled=publisher.spooled_count,
              replayed=publisher.replayed_count, lost=publisher.lost_count, spool_depth=left,

@@ -179,6 +179,14 @@ class AgentSettings(_Section):
     """auto ('udev' where /run/udev/control exists, else the kernel's own uevents), udev or kernel."""
     udev_include_virtual_net: bool = False
     """Also report removal of virtual netdevs (veth, bridges); off: container churn is no fault."""
+    # -- what survived the previous boot (agents/lastboot.py), read once at start when the agent runs live
+    host_root: Path = Path("/")
+    """The host's `/` as the agent sees it (a container mounting the host at /host sets "/host"): pstore,
+    kdump, journal files and /proc are read under it."""
+    lastboot_enabled: bool = True
+    """Publish a crash that survived the reboot (pstore, kdump, previous boot's journal) and unexpected reboots."""
+    lastboot_journal: bool = True
+    """Also read the previous boot's kernel journal (`journalctl -k -b -1`; needs journalctl and a persistent journal)."""
 
     @field_validator("udev_source")
     @classmethod

@@ -23,7 +23,7 @@ def test_registry_names_every_probe() -> None:
     assert set(PROBES) >= {"kmsg", "nvml", "sysfs", "udev", "inject"}
     for name in PROBES:
         assert probe_class(name).name == name
-    with pytest.raises(KeyError, match="expected inject, kmsg, nvml, sysfs, udev"):
+    with pytest.raises(KeyError, match="expected inject, kmsg, lastboot, nvml, sysfs, udev"):
         probe_class("nvlm")
 
 
@@ -35,7 +35,7 @@ def test_build_probes_follows_the_enable_flags(tmp_path: Path) -> None:
     assert probes["nvml"].poll_interval_s == 5 and probes["sysfs"].root == tmp_path
     assert probes["udev"].source == "kernel"
     off = s.model_copy(update={"agent": s.agent.model_copy(update={"nvml_enabled": False, "udev_enabled": False})})
-    assert [p.name for p in build_probes(off)] == ["kmsg", "sysfs"]
+    assert [p.name for p in build_probes(off)] == ["kmsg", "sysfs", "lastboot"]
     assert [p.name for p in build_probes(s, hardware=False)] == ["kmsg"]
 
 
@@ -51,7 +51,8 @@ async def test_live_agent_runs_every_probe_and_nvml_reports_once(nats_server, nc
     (tmp_path / "kmsg").write_text("")
     s = Settings(cluster=cluster, node=node, nats_url=nats_server.url, state_dir=tmp_path / "state",
                  agent=AgentSettings(nice=0, heartbeat_interval_s=0.2, kmsg_path=tmp_path / "kmsg",
-                                     nvml_retry_interval_s=0.05, sysfs_root=tmp_path, sysfs_poll_interval_s=0.05))
+                                     nvml_retry_interval_s=0.05, sysfs_root=tmp_path, sysfs_poll_interval_s=0.05,
+                                     host_root=tmp_path))
     beats: list[dict] = []
 
     async def on_hb(msg) -> None:
