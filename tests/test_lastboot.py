@@ -363,3 +363,34 @@ async def test_live_agent_publishes_a_surviving_panic_once(nats_server, nc, uniq
     data = json.loads((tmp_path / "state" / "agent" / node / "lastboot.json").read_text())
     assert data["boot"]["boot_id"] == BOOT_B and data["boot"]["clean_stop_at"]
     assert lastboot.STATE_FILE == "lastboot.json"
+
+
+def test_journalctl_is_asked_for_the_previous_boot_under_the_host_root(tmp_path: Path, monkeypatch) -> None:
+    """The production opener runs `journalctl -k -b -1 -o export` with `-D <root>/var/log/journal`; a
+    stand-in journalctl on PATH records its argv and prints a recorded export stream."""
+    root = make_root(tmp_path)
+    export = tmp_path / "prev.export"
+    export.write_bytes(journal_export(_text("sched_irq_panic.txt"), BOOT_A, BOOT_A_START))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "journalctl").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\ncat {export}\n')
+    (bindir / "journalctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    state = tmp_path / "state"
+    previous_boot_state(state)
+    [ev] = collect(LastBootProbe(root, state, cluster="c1", node="n1"))
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:6] == ["-k", "-b", "-1", "-o", "export", "-n"] and argv[-2:] == ["-D", f"{root}/var/log/journal"]
+    assert ev.attrs["crash_source"] == "journal" and ev.attrs["previous_boot_id"] == BOOT_A
+
+
+def test_real_journalctl_without_a_journal_reads_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("journalctl") is None:
+        pytest.skip("journalctl not installed")
+    from agents.kmsg import KmsgParser
+
+    root = make_root(tmp_path)
+    tail = lastboot.read_journal(lastboot.journalctl_export(root), KmsgParser("c1", "n1", "t"))
+    assert tail.entries == 0 and tail.dump is None

@@ -1,0 +1,176 @@
+"""Kernel-log parsing of a stream of any size in bounded memory, at a small multiple of a bare read.
+
+`parse_stream(stream, ...)` reads bytes in chunks of `CHUNK_BYTES`, finds the lines that hold any of
+`TOKENS` in one Aho-Corasick pass over the chunk (ahocorasick_rs; a regex alternation of the same
+words costs more per line than the parser itself), decodes and feeds `KmsgParser` only those lines and the lines that
+follow them while the parser has a record open (call traces, register dumps, GHES bodies carry no
+token but belong to the record before them). Lines between are skipped without being looked at.
+
+Why skipping gives the same events as feeding every line: a line without a token starts no record
+(every head matcher in `matchers.match_head` and every fact `KmsgParser` learns from a line needs one
+of `TOKENS` in the line); when no record is open, such a line completes nothing and closes nothing.
+The one piece of state a skipped line would change is the running total of `dmesg -H` deltas
+(`[  +0.004974]`); such stamps are among the tokens, so those lines are always fed. tests/test_explain_stream.py
+checks the equality on every kernel-log text of the repository's corpus.
+
+A matcher for a new kind whose head line holds none of `TOKENS` must add its word here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import IO
+
+from agents.kmsg.parser import KmsgParser
+from fleetmend.events import FaultEvent
+
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Bytes read at a time (memory holds about two chunks)."""
+
+TOKENS = (
+    # GPU / NVIDIA driver (learned facts: the driver banner and 'GPU at PCI:' lines hold NVRM)
+    "Xid", "NVRM", "GPU", "fsp", "FSP", "GSP", "gsp", "NVLink", "nvlink", "peermem",
+    # errors, failures, resets, timeouts (NIC, NVMe, firmware, generic)
+    "rror", "RROR", "fail", "Fail", "FAIL", "fatal", "Fatal", "FATAL", "timeout", "Timeout", "timed out",
+    "TX", "Tx", "tx", "reset", "Reset", "RESET", "ecovery", "WATCHDOG", "watchdog", "Watchdog", "health",
+    "Health", "FW", "syndrome", "abort", "Abort", "critical", "Critical", "corrupt", "Unable", "unable",
+    "compromised", "WARNING",
+    # PCIe / RAS / CPU
+    "PCIe", "AER", "EDAC", "Hardware", "mce", "MCE", "Machine", "machine check", "ECC", "ecc", "fallen",
+    "throttl", "NMI",
+    # links and devices
+    "mlx5", "Link is", "link status", "bond", "slave", "active interface", "nvme",
+    # kernel crashes, lockups, memory
+    "panic", "Panic", "lockup", "LOCKUP", "BUG", "Oops", "protection", "opcode", "divide", "blocked for",
+    "hung", "stall", "stuck", "oom", "OOM", "Kill", "of memory",
+    # `dmesg -H` delta stamps: the deframer keeps their running total, so every such line is fed
+    "[+", "[ +", "[  +", "[   +", "[    +", "[<+", "[< +",
+)
+"""Words one of which every line that starts a fault record holds (case-sensitive substrings)."""
+
+
+
+def _interesting_starts(chunk: str) -> list[int]:
+    """Sorted offsets of the starts of lines in `chunk` that hold a token."""
+    starts: set[int] = set()
+    find, rfind = chunk.find, chunk.rfind
+    for tok in TOKENS:
+        i = find(tok)
+        while i != -1:
+            s = rfind("\n", 0, i) + 1
+            starts.add(s)
+            e = find("\n", i)
+            if e == -1:
+                break
+            i = find(tok, e + 1)
+    return sorted(starts)
+
+
+def _line_starts_ac(chunk: bytes, automaton) -> list[int]:  # noqa: ANN001
+    """As `_interesting_starts`, on bytes, with one Aho-Corasick pass (ahocorasick_rs)."""
+    rfind = chunk.rfind
+    starts: list[int] = []
+    last_start, last_end = -1, -1
+    for _, i, _e in automaton.find_matches_as_indexes(chunk):
+        if i < last_end:  # still in the line found last
+            continue
+        s = rfind(b"\n", 0, i) + 1
+        starts.append(s)
+        last_start = s
+        e = chunk.find(b"\n", i)
+        last_end = e if e != -1 else len(chunk)
+    return starts
+
+
+def _automaton():  # noqa: ANN202
+    try:
+        import ahocorasick_rs
+    except ImportError:  # pragma: no cover - a dependency; the str.find scan is the slow fallback
+        return None
+    return ahocorasick_rs.BytesAhoCorasick([t.encode() for t in TOKENS])
+
+
+def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CHUNK_BYTES,
+                 full: bool = False) -> Iterator[FaultEvent]:
+    """Yield the events of a kernel log read from a binary stream, in log order.
+
+    Args:
+        stream: binary stream (a file opened "rb", `sys.stdin.buffer`); lines are decoded as UTF-8
+            with undecodable bytes replaced (U+FFFD), like `open(errors="replace")`.
+        parser: the `KmsgParser` to feed (its cluster/node/catalog stamp the events).
+        chunk_bytes: bytes read at a time.
+        full: True feeds every line (no skipping; for comparison).
+    Raises:
+        OSError from `stream.read`.
+    Memory: about two chunks plus the open record (at most `MAX_RECORD_LINES` lines).
+    """
+    ac = _automaton()
+    carry = b""
+    feed = parser.feed
+    busy = False  # the last line fed held a token, or the parser has a record open
+
+    def is_open() -> bool:
+        return parser._record is not None  # noqa: SLF001 - same package; the parser's record state
+
+    def complete() -> list[FaultEvent]:
+        out: list[FaultEvent] = []
+        parser._complete_pending(out)  # noqa: SLF001 - what feeding a non-continuation line does first
+        return out
+
+    def line(chunk: bytes, pos: int, end: int) -> str:
+        return chunk[pos:end].decode("utf-8", "replace")
+
+    while True:
+        data = stream.read(chunk_bytes)
+        if not data:
+            break
+        chunk = carry + data if carry else data
+        cut = chunk.rfind(b"\n")
+        if cut == -1:
+            carry = chunk
+            continue
+        carry = chunk[cut + 1:]
+        chunk = chunk[:cut + 1]
+        if full:
+            for ln in chunk.decode("utf-8", "replace").splitlines():
+                yield from feed(ln)
+            continue
+        if ac is not None:
+            starts = _line_starts_ac(chunk, ac)
+        else:
+            text = chunk.decode("latin-1")  # byte offsets = character offsets
+            starts = _interesting_starts(text)
+            del text
+        pos, n = 0, len(chunk)
+        find = chunk.find
+        for s in starts:
+            if s < pos:
+                continue
+            while busy and pos < s:
+                e = find(b"\n", pos)
+                yield from feed(line(chunk, pos, e))
+                pos = e + 1
+                busy = is_open()
+            if s > pos and chunk[s:s + 1] in (b" ", b"\t"):
+                # an indented line continues the line before it: give the parser that line too
+                prev = chunk.rfind(b"\n", 0, s - 1) + 1
+                yield from feed(line(chunk, prev, s - 1))
+            e = find(b"\n", s)
+            yield from feed(line(chunk, s, e))
+            pos = e + 1
+            if chunk[pos:pos + 1] in (b" ", b"\t"):
+                busy = True  # the next line may continue this one: feed it
+            else:
+                # Judge the line now (as the next line's arrival would) instead of feeding a line
+                # only to learn that this one starts nothing.
+                yield from complete()
+                busy = is_open()
+        while busy and pos < n:
+            e = find(b"\n", pos)
+            yield from feed(line(chunk, pos, e))
+            pos = e + 1
+            busy = is_open()
+        del chunk
+    if carry:
+        yield from feed(carry.decode("utf-8", "replace"))
+    yield from parser.flush()
