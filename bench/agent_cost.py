@@ -16,6 +16,7 @@ Not a timed test: it prints figures.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -64,10 +65,40 @@ def bare_rss() -> int:
     return rss
 
 
+def crash_root(root: Path, agent_state: Path) -> Path:
+    """A host root for the lastboot read: a previous boot recorded, a ramoops oops and an efi panic in
+    pstore, and a 16 MiB kdump vmcore-dmesg.txt (a real boot log repeated, a panic at its end)."""
+    import json
+
+    texts = REPO / "tests" / "crash_texts"
+    (root / "proc/sys/kernel/random").mkdir(parents=True)
+    (root / "proc/sys/kernel/random/boot_id").write_text("d2b8f1a0-33c4-4b7e-a0e1-5c9e7d4f2a61\n")
+    (root / "proc/stat").write_text(f"btime {int(time.time()) - 60}\n")
+    ps = root / "sys/fs/pstore"
+    ps.mkdir(parents=True)
+    (ps / "dmesg-ramoops-0").write_text("Oops#1 Part1\n" + (texts / "mlx5_flower_oops.txt").read_text())
+    (ps / "dmesg-efi-159313241100101001").write_text("Panic#1 Part1\n" + (texts / "sched_irq_panic.txt").read_text())
+    kd = root / "var/crash/127.0.0.1-2026-01-01-00:00:00"
+    kd.mkdir(parents=True)
+    boot = (REPO / "tests" / "h200_boot_dmesg.txt").read_text()
+    with (kd / "vmcore-dmesg.txt").open("w") as f:
+        while f.tell() < 16 * 1024 * 1024:
+            f.write(boot)
+        f.write((texts / "ghes_fatal_pcie_panic.txt").read_text())
+    agent_state.mkdir(parents=True)
+    (agent_state / "lastboot.json").write_text(json.dumps({"boot": {
+        "boot_id": "6f1c3c3e-8a57-4f0e-9d55-0a4a2d3c9b10", "boot_started_at": "2026-01-01T00:00:00+00:00"}}))
+    return root
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup-s", type=float, default=10.0)
+    ap.add_argument("--lastboot", choices=("on", "off", "crash"), default="on",
+                    help="the start-time read of what survived the previous boot: on (this host's root), "
+                         "off, or crash (a host root holding a 16 MiB kdump log, pstore dumps and a "
+                         "previous boot, so the read parses them)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fm-agent-cost-") as tmp:
         d = Path(tmp)
@@ -75,6 +106,10 @@ def main() -> int:
         nats = servers.start_nats(d / "js", port)
         env = {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{port}", "FLEETMEND_STATE_DIR": str(d / "state"),
                "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_AGENT__NICE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if args.lastboot == "off":
+            env["FLEETMEND_AGENT__LASTBOOT_ENABLED"] = "false"
+        elif args.lastboot == "crash":
+            env["FLEETMEND_AGENT__HOST_ROOT"] = str(crash_root(d / "host", d / "state" / "agent" / "bench"))
         log = open(d / "agent.log", "wb")
         agent = subprocess.Popen([sys.executable, "-m", "agents", "--node", "bench", "--cluster", "bench", "--hardware"],
                                  env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -98,14 +133,15 @@ def main() -> int:
             nats.stop()
         started = [line for line in (d / "agent.log").read_text().splitlines() if '"agent_starting"' in line]
         failed = sum('"probe_failed"' in line for line in (d / "agent.log").read_text().splitlines())
+        kinds = [json.loads(line).get("kind") for line in (d / "agent.log").read_text().splitlines()
+                 if '"fault_published"' in line]
     cpu_pct = 100.0 * (cpu1 - cpu0) / (t1 - t0)
     mib = 1024 * 1024
     probes = "?"
     if started:
-        import json
-
         probes = ", ".join(json.loads(started[0]).get("probes", []))
-    print(f"agent probes: {probes}; probe failures logged: {failed}")
+    print(f"agent probes: {probes}; probe failures logged: {failed}; lastboot: {args.lastboot}; "
+          f"published at start: {', '.join(str(k) for k in kinds) or 'nothing'}")
     print(f"window {t1 - t0:.1f} s after {args.warmup_s:g} s warm-up")
     print(f"agent CPU     {cpu_pct:.3f} % of one core   (target < 1 %)")
     print(f"agent RSS     mean {sum(rss) / len(rss) / mib:.1f} MiB, max {max(rss) / mib:.1f} MiB   (target < 60 MiB)")
