@@ -44,6 +44,7 @@ Everything runs once, in a worker thread, at start; nothing stays in memory afte
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from agents.kmsg.parser import KmsgParser
+from agents.nvml import trim_heap
 from fleetmend.catalog import Catalog, default_catalog
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source, utcnow
 
@@ -74,9 +76,9 @@ lines, a panic the last lines of the boot; 3,000 bound the work on a boot that l
 JOURNAL_TIMEOUT_S = 60.0
 CONTEXT_LINES = 600
 """Lines of context kept before a panic line found in a stream (the oops that led to it)."""
-READ_MAX_BYTES = 16 * 1024 * 1024
-"""A dump file larger than this is read from its last 16 MiB (a vmcore-dmesg.txt of a 2^24-byte log
-buffer); the crash is at the end."""
+READ_MAX_BYTES = 1024 * 1024
+"""A dump file larger than this is read from its last 1 MiB (~12,000 lines; a vmcore-dmesg.txt holds the
+whole log buffer, up to 2^25 bytes): the crash and what led to it are at the end."""
 
 JournalOpener = Callable[[], contextlib.AbstractContextManager[IO[bytes]]]
 """Returns a context manager yielding a binary stream in journald's export format."""
@@ -223,11 +225,15 @@ class Dump:
 
 
 def _read_text(path: Path) -> str:
+    """The file's text, or its last `READ_MAX_BYTES` from the first whole line on."""
     with path.open("rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size > READ_MAX_BYTES:
+        cut = size > READ_MAX_BYTES
+        if cut:
             f.seek(size - READ_MAX_BYTES)
         data = f.read(READ_MAX_BYTES)
+    if cut:
+        data = data[data.find(b"\n") + 1:]
     return data.decode("utf-8", "replace")
 
 
@@ -644,6 +650,9 @@ class LastBootProbe:
         for ev in events:
             await emit(ev)
         await asyncio.to_thread(commit)
+        del events, commit
+        gc.collect()
+        trim_heap()  # hand the freed text back to the OS: the agent lives on at its idle size
 
     def collect(self) -> tuple[list[FaultEvent], Callable[[], None]]:
         """Read every source, decide, and return (events to publish, a function that records them as
