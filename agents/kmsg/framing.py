@@ -10,10 +10,16 @@ Framings handled (any nesting order that occurs in practice, applied repeatedly)
 - syslog / journald short and ISO (`Mon DD HH:MM:SS[.us] [host] kernel: `, host may be missing, the
   message may carry the `[uptime]` stamp too); non-kernel programs (`systemd[1]:`) are *foreign*;
 - talosctl (`10.0.0.1: kern: warning: [RFC3339]: `);
+- collector prefixes, stripped with their wall-clock time kept in `Framed.wall`: console servers
+  (`YYYY-MM-DD HH:MM:SS` then spaces or a tab, then the kernel's `[uptime]`), Open MPI
+  `mpirun --tag-output/--timestamp-output` (`2019-05-10T04:29:11.340Z: [1,12]<stdout>:`, and Open MPI
+  4's `Mon Nov 30 17:51:57 2026[1,12]<stdout>:`; orte/mca/iof/base/iof_base_output.c), pdsh/pssh/clush
+  `host: ` before a timestamped line, and mail quoting `> ` / `>> ` (any depth);
 - bare lines; `$ sudo dmesg ...` command lines and `[...]`, `...` elisions (ignored, end a record).
 
 An indented line with no framing (`               NVRM: fallen off the bus...`) continues the previous
-logical message.
+logical message; so does an unindented, unframed line right after a timestamped line that a mail client
+wrapped (see `KmsgParser`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ class Framed:
     framed: bool = False
     seq: int | None = None
     kmsg: bool = False
+    wall: str | None = None
+    """The wall-clock stamp of an outer collector framing (console server, mpirun, syslog around an
+    `[uptime]` stamp), as printed; None when the only stamp is the kernel's own."""
+    quoted: int = 0
+    """Length of the mail-quote prefix (`> `, `>> `) removed from the line."""
 
 
 IGNORE = "ignore"
@@ -78,6 +89,17 @@ _BRACKET_ISO = re.compile(rf"^\[(?P<ts>{_ISO})\] ?(?P<msg>.*)$")
 _COMMAND = re.compile(r"^\s*(?:\$|#|>>>|\w+@[\w.-]+[:~][^$#]*[$#]) ")
 _ELISION = re.compile(r"^\s*(?:\[\s*(?:\.\.\.|…)\s*\]|\.\.\.+|…|<snip>|\[snip\])\s*$", re.I)
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
+_QUOTE = re.compile(r"^(?:[ \t]?>)+[ \t]?")
+_CTIME_BARE = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) [A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d \d{4}"
+_MPI = re.compile(
+    rf"^(?:(?P<ts>{_ISO}|{_CTIME_BARE}):? ?)?\[\d+,\d+\]<(?:stdout|stderr|stddiag)>: ?(?P<msg>.*)$"
+)
+_CONSOLE = re.compile(rf"^(?P<ts>{_ISO})(?: *:)?[ \t]+(?P<msg>.*)$")
+_COLLECTOR_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9_.-]{0,62}): (?P<msg>.*)$")
+_TIMESTAMPED = re.compile(
+    rf"^(?:\[ *\d+\.\d+\]|\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) |\[<? *\+ *\d|<\d{{1,3}}>\[|\d{{1,4}},\d+,\d+,|{_ISO}[ \t]|"
+    r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +\d{1,2} \d\d:\d\d:\d\d )"
+)
 
 
 def _iso_ts(s: str) -> float | None:
@@ -126,9 +148,20 @@ class Deframer:
         if self.last_was_kmsg and _KMSG_DICT.match(line):
             return IGNORE
         self.last_was_kmsg = False
+        quoted = 0
+        if ">" in line[:8]:
+            q = _QUOTE.match(line)
+            if q:
+                quoted = q.end()
+                line = line[quoted:]
+                if not line.strip():
+                    return IGNORE
         if _ELISION.match(line) or _COMMAND.match(line):
             return IGNORE
-        f = Framed(text=line, raw=line)
+        f = Framed(text=line, raw=line, quoted=quoted)
+        if ":" in line[:64] and line[:1].isalnum():
+            self._strip_collector(f)
+            line = f.text
         m = _KMSG.match(line)
         if m:
             pri = int(m["pri"])
@@ -141,6 +174,22 @@ class Deframer:
             if not self._strip_once(f):
                 break
         return f
+
+    @staticmethod
+    def _strip_collector(f: Framed) -> None:
+        """Remove one outer collector prefix (mpirun tag, pdsh/pssh `host: ` before a timestamped line)."""
+        t = f.text
+        if "]<std" in t:
+            m = _MPI.match(t)
+            if m:
+                f.text, f.framed = m["msg"], True
+                if m["ts"]:
+                    f.wall = m["ts"]
+                    f.ts = _iso_ts(m["ts"]) if m["ts"][:1].isdigit() else None
+                return
+        m = _COLLECTOR_HOST.match(t)
+        if m and m["host"] != "kernel" and _TIMESTAMPED.match(m["msg"]):
+            f.text, f.framed = m["msg"], True
 
     def _strip_once(self, f: Framed) -> bool:
         t = f.text
@@ -159,6 +208,8 @@ class Deframer:
                 f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
             return True
         m = _SYSLOG.match(t)
+        if m and m["iso"] and m["host"] is None and m["tag"] != "kernel":
+            m = None  # `2025-01-21T04:41:44,283302+00:00 NVRM: ...` (dmesg --time-format iso): no host, not syslog
         if m:
             f.text, f.framed = m["msg"], True
             if m["iso"]:
@@ -168,6 +219,7 @@ class Deframer:
                 f.ts = _soy(m["mon"], m["day"], m["hms"]) + (float("0." + m["frac"]) if m["frac"] else 0.0)
             if m["tag"] != "kernel":
                 f.foreign = True
+            f.wall = f.wall or f.stamp
             return True
         m = _PRIO.match(t)
         if m:
@@ -198,6 +250,14 @@ class Deframer:
             f.text, f.framed, f.stamp = m["msg"], True, f"{m['mon']} {m['day']} {m['hm']}"
             f.ts = _soy(m["mon"], m["day"], m["hm"] + ":00")
             return True
+        if t[:1].isdigit():
+            m = _CONSOLE.match(t)
+            if m:
+                ts = _iso_ts(m["ts"])
+                if ts is not None:
+                    f.text, f.framed, f.stamp, f.ts = m["msg"], True, m["ts"], ts
+                    f.wall = f.wall or m["ts"]
+                    return True
         if not f.framed:
             m = _HOST_KERNEL.match(t)
             if m and (m["host"] is None or not t.startswith(" ")):

@@ -65,9 +65,26 @@ class Candidate:
 
 # ------------------------------------------------------------------------------------------ XID
 
-_XID = re.compile(
-    rf"NVRM: Xid \((?:PCI:)?(?P<bdf>{_BDF_RAW})(?:[ ,][^)]*)?\):\s*(?P<xid>\d+)\s*(?:,\s*(?P<rest>.*))?$"
-)
+_XID = re.compile(r"NVRM: Xid \((?P<id>[^)]*)\):\s*(?P<xid>\d+)\s*(?:,\s*(?P<rest>.*))?$")
+_XID_ID = re.compile(rf"^(?:PCI:)?(?P<bdf>{_BDF_RAW})(?:[ ,].*)?$")
+_XID_OLD_ID = re.compile(r"^(?P<bus>[0-9a-fA-F]{4}):(?P<slot>[0-9a-fA-F]{2})$")
+
+
+def xid_device(ident: str) -> str | None:
+    """The PCI address in an `NVRM: Xid (...)` parenthesis, normalised; None when redacted or absent.
+
+    Framings (NVIDIA driver r1xx to r580): `PCI:0000:3b:00` (domain:bus:device), `0000:03:00` (no
+    `PCI:`), `0003:00` (pre-r300 drivers print `%04x:%02x` = bus:slot, domain 0), `PCI:0000:3b:00 GPU-I:..`
+    (MIG suffix); `PCI:...`, `PCI:xxxx` and the like are redactions (None, the XID is still read).
+    """
+    t = ident.strip()
+    m = _XID_ID.match(t)
+    if m:
+        return normalize_bdf(m["bdf"])
+    m = _XID_OLD_ID.match(t)
+    if m:
+        return f"0000:{int(m['bus'], 16):02x}:{int(m['slot'], 16):02x}.0" if int(m["bus"], 16) < 256 else None
+    return None
 _PID = re.compile(r"^pid=(?:'(?P<q>[^']*)'|\"(?P<dq>[^\"]*)\"|(?P<pid>-?\d+)|(?P<other>[^,\s]*))\s*(?:,\s*|$)")
 _NAME = re.compile(r"^name=(?P<name>.*?)(?:,\s+|$)")
 _NVL5 = re.compile(
@@ -85,7 +102,7 @@ def _xid(text: str) -> Candidate | None:
     m = _XID.search(text)
     if not m:
         return None
-    bdf = normalize_bdf(m["bdf"])
+    bdf = xid_device(m["id"])
     xid = int(m["xid"])
     rest = (m["rest"] or "").strip()
     pid: int | None = None
@@ -142,7 +159,7 @@ def _xid(text: str) -> Candidate | None:
 
 Rule = tuple[re.Pattern[str], "callable"]  # type: ignore[valid-type]
 
-_FALLEN = re.compile(rf"(?:GPU\s+|NVIDIA GPU\s+)(?P<bdf>{_BDF_RAW})\b.*?fallen off the bus", re.I)
+_FALLEN = re.compile(rf"(?:GPU\s+|NVIDIA GPU\s+)(?:at\s+)?(?:PCI:)?(?P<bdf>{_BDF_RAW})\b.*?fallen off the bus", re.I)
 _FALLEN_ANY = re.compile(r"NVRM:.*fallen off the bus", re.I)
 _RESET_REQ = re.compile(r"NV_ERR_RESET_REQUIRED|\bReset required\b", re.I)
 _GSP = re.compile(
@@ -169,12 +186,7 @@ _PCIE_BW = re.compile(
     r"PCIe x(?P<cw>\d+) link\)"
 )
 _EDAC = re.compile(r"EDAC (?:[\w-]+ )?(?P<mc>MC\d+): (?P<n>\d+) (?P<t>CE|UE|Corrected|Uncorrected)\b(?P<rest>.*)")
-_MCE_LOGGED = re.compile(r"mce: \[Hardware Error\]: Machine check events logged", re.I)
-_MCE_UC = re.compile(
-    r"mce: (?:\[Hardware Error\]: .*Machine Check Exception|Uncorrected hardware memory error|"
-    r"\[Hardware Error\]: .*(?:PROCESSOR|STATUS) .*UC\b)",
-    re.I,
-)
+_MCE_LOGGED = re.compile(r"(?:mce: )?\[Hardware Error\]: Machine check events logged", re.I)
 _GHES = re.compile(r"\{\d+\}\[Hardware Error\]: Hardware error from APEI Generic Hardware Error Source")
 _IB_PORT = re.compile(
     rf"mlx5_core (?P<bdf>{_BDF_RAW})(?: (?P<dev>\w+))?:?\s+Port: (?P<port>\d+) Link (?P<st>DOWN|INIT|ACTIVE|ARMED|POLLING)\b",
@@ -191,11 +203,30 @@ _BOND_SLAVE = re.compile(
 )
 _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active interface")
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
+_NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
 _NVME_TIMEOUT = re.compile(
-    r"nvme (?P<dev>nvme\d+): (?:I/O (?:tag )?\d+ (?:\([^)]*\) )?QID \d+ timeout|controller is down; will reset)"
+    rf"nvme {_NVME_ID}: (?:I/O (?:tag )?\d+ (?:\([^)]*\) )?QID \d+ timeout|controller is down; will reset)"
 )
-_NVME_NOTREADY = re.compile(r"nvme (?P<dev>nvme\d+): Device not ready; aborting reset")
-_NVME_REMOVED = re.compile(r"nvme (?P<dev>nvme\d+): Removing after probe failure")
+"""drivers/nvme/host/pci.c nvme_timeout(): `I/O %d QID %d timeout, aborting|reset controller`, `controller is
+down; will reset: CSTS=0x%x, PCI_STATUS=0x%hx`; printed with the controller (`nvme nvme0:`) or, in older
+kernels and some paths, the PCI device (`nvme 0000:5e:00.0:`)."""
+_NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
+_NVME_REMOVED = re.compile(
+    rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
+    r"Unable to change power state from D3\w* to D0, device inaccessible)"
+)
+_NVME_RESET = re.compile(rf"nvme {_NVME_ID}: (?:resetting controller|Abort status: 0x[0-9a-f]+|Shutdown timeout)")
+
+
+def _nvme_dev(dev: str) -> dict:
+    """`nvme0` -> device name; a PCI address -> normalised bus id."""
+    return {"dev_name": dev} if dev.startswith("nvme") else {"bdf": normalize_bdf(dev)}
+
+
+def _pci_prefixed(t: str) -> bool:
+    """Cheap test for a driver-model prefix `<driver> dddd:bb:dd.f ...` (dev_printk with a PCI device)."""
+    sp = t.find(" ", 0, 40)
+    return sp > 0 and t[sp + 5:sp + 6] == ":" and t[sp + 8:sp + 9] == ":"
 _PANIC = re.compile(r"Kernel panic - not syncing: ?(?P<reason>.*)")
 _OOPS = re.compile(
     r"^(?:BUG: unable to handle (?:kernel )?(?:NULL pointer dereference|paging request|page fault)|"
@@ -211,6 +242,306 @@ _OOM_KILL = re.compile(
     r"(?:Memory cgroup out of memory|Out of memory(?: \([^)]*\))?): Kill(?:ed)? process (?P<pid>\d+) \((?P<comm>[^)]*)\)"
 )
 _OOM_KILLED = re.compile(r"^Killed process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
+
+
+
+# ------------------------------------------------------------------------------------------ NIC transmit timeouts
+
+_NETDEV_WD = re.compile(
+    r"NETDEV WATCHDOG: (?:(?P<if>[\w.@:-]+) \((?P<drv>[^)]*)\): transmit queue (?P<q>\d+) timed out(?: (?P<ms>\d+) ms)?|"
+    r"CPU: (?P<cpu>\d+): transmit queue (?P<q2>\d+) timed out(?: (?P<ms2>\d+) ms)?|"
+    r"(?P<if3>[\w.@:-]+): transmit timed out)"
+)
+"""net/sched/sch_generic.c dev_watchdog(): `NETDEV WATCHDOG: %s (%s): transmit queue %u timed out[ %u ms]`
+inside a WARN_ONCE (v2.6.27..v6.7), `netdev_crit(dev, "NETDEV WATCHDOG: CPU: %d: transmit queue %u timed out
+%u ms")` since v6.8 (the netdev prefix names driver, bus id and interface), `NETDEV WATCHDOG: %s: transmit
+timed out` before v2.6.27."""
+_NETDEV_PREFIX = re.compile(r"^(?P<drv>[\w.-]+) (?P<bus>\S+) (?P<if>[\w.@-]+)(?: \([\w ]+\))?: ")
+_WD_WARN = re.compile(r"^WARNING: (?:CPU: \d+ PID: \d+ )?at net/sched/sch_generic\.c:\d+ dev_watchdog\b")
+_NIC_DEV = re.compile(rf"^(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW}) (?P<if>[\w.@-]+): (?P<msg>.*)$")
+_NIC_TX_FOLLOW = re.compile(
+    r"TX timeout on queue: ?(?P<q>\d+)|TX timeout detected|"  # mlx5e en_main.c mlx5e_tx_timeout_work / bnxt.c
+    r"Found a Tx that wasn't completed on time, qid (?P<q2>\d+)|"  # ena_netdev.c check_missing_comp_in_tx_queue
+    r"TX q (?P<q3>\d+) is paused for too long|"  # ena_netdev.c
+    r"tx_timeout: VSI_(?:num|seid): \d+, Q (?P<q4>\d+)|tx_timeout recovery level \d+|"  # ice_main.c / i40e_main.c
+    r"Detected Tx Unit Hang|Detected Hardware Unit Hang|tx hang \d+ detected on queue (?P<q5>\d+)|"  # ixgbe/igb/e1000e
+    r"initiating reset due to tx timeout|transmit timed out, resetting|"  # ixgbe / tg3.c tg3_tx_timeout
+    r"<--- start FTQ dump --->|"  # bnx2.c bnx2_tx_timeout -> bnx2_dump_ftq
+    r"(?:tx|transmit)[ _-]?(?:timeout|timed out|hang)(?!: \d+$)",
+    re.I,
+)
+_NIC_RESET = re.compile(
+    r"lost tx completions is above the threshold|Trigger reset is on|Keep alive watchdog timeout|"  # ena
+    r"Device reset completed successfully|"  # ena
+    r"starting reset task|Reset adapter|resetting adapter|PF reset (?:requested|done)",
+    re.I,
+)
+_NIC_UNRECOVERABLE = re.compile(
+    r"tx_timeout recovery unsuccessful|device is in (?:un|non-)recoverable state|"  # ice_main.c / i40e_main.c
+    r"Device reset failed|Reset indication didn't turn off|"  # ena_netdev.c ena_restore_device / ena_com
+    r"(?:adapter|device) reset failed|failed to reset (?:the )?(?:adapter|device)|Abort FW reset",
+    re.I,
+)
+
+
+def _nic_tx(t: str) -> Candidate | None:
+    """NIC transmit timeouts, driver resets and unrecoverable resets (family `nic_tx`).
+
+    Sources: net/sched/sch_generic.c dev_watchdog; drivers/net/ethernet/mellanox/mlx5/core/en_main.c
+    (`TX timeout on queue: %d, SQ: 0x%x, CQ: 0x%x, SQ Cons: 0x%x SQ Prod: 0x%x, usecs since last trans: %u`);
+    broadcom/bnxt/bnxt.c (`TX timeout detected, starting reset task!`); amazon/ena/ena_netdev.c (`Found a Tx
+    that wasn't completed on time, qid %d, index %d.`, `The number of lost tx completions is above the
+    threshold (%d > %d). Reset the device`, `Trigger reset is on`, `Device reset completed successfully`);
+    intel/ice/ice_main.c and i40e/i40e_main.c (`tx_timeout: VSI_num: %d, Q %u, NTC: ...`, `tx_timeout recovery
+    level %d, txqueue %u`, `tx_timeout recovery unsuccessful, device is in unrecoverable state.`);
+    intel/ixgbe/ixgbe_main.c (`Detected Tx Unit Hang`, `tx hang %d detected on queue %d, resetting adapter`,
+    `initiating reset due to tx timeout`); igb/e1000e (`Detected Tx Unit Hang`, `Detected Hardware Unit
+    Hang`); broadcom/tg3.c (`transmit timed out, resetting`); broadcom/bnx2.c (FTQ dump on tx timeout).
+    """
+    if "NETDEV WATCHDOG" in t:
+        m = _NETDEV_WD.search(t)
+        if m:
+            attrs: dict[str, Attr] = {}
+            bdf = None
+            ifname = m["if"] or m["if3"]
+            drv = m["drv"]
+            pm = _NETDEV_PREFIX.match(t)
+            if pm and t.find("NETDEV WATCHDOG") > 0:
+                drv = drv or pm["drv"]
+                ifname = ifname or pm["if"]
+                bdf = normalize_bdf(pm["bus"])
+            q, ms = m["q"] or m["q2"], m["ms"] or m["ms2"]
+            if q is not None:
+                attrs["queue"] = int(q)
+            if ms is not None:
+                attrs["timed_out_ms"] = int(ms)
+            if m["cpu"] is not None:
+                attrs["cpu"] = int(m["cpu"])
+            if drv:
+                attrs["driver"] = drv
+            if ifname:
+                attrs["interface"] = ifname
+            return Candidate(kind="nic_tx_timeout", component=Component.NIC, bdf=bdf, dev_name=ifname,
+                             family="nic_tx", priority=2, attrs=attrs)
+    if "dev_watchdog" in t and _WD_WARN.search(t):
+        return Candidate(kind="nic_tx_timeout", component=Component.NIC, family="nic_tx", detail=True, priority=0)
+    m = _NIC_DEV.match(t)
+    if m is None:
+        return None
+    low = m["msg"].lower()
+    if not any(k in low for k in ("tx", "transmit", "reset", "hang", "ftq", "recover", "abort")):
+        return None
+    attrs = {"driver": m["drv"], "interface": m["if"]}
+    base = dict(component=Component.NIC, bdf=normalize_bdf(m["bdf"]), dev_name=m["if"], family="nic_tx")
+    if _NIC_UNRECOVERABLE.search(m["msg"]):
+        return Candidate(kind="nic_reset_failed", priority=5, attrs=attrs, **base)  # type: ignore[arg-type]
+    fm = _NIC_TX_FOLLOW.search(m["msg"])
+    if fm:
+        q = next((g for g in fm.groups() if g is not None), None)
+        if q is not None:
+            attrs["queue"] = int(q)
+        return Candidate(kind="nic_tx_timeout", priority=1, attrs=attrs, **base)  # type: ignore[arg-type]
+    if _NIC_RESET.search(m["msg"]):
+        return Candidate(kind="nic_tx_timeout", priority=0, detail=True, attrs=dict(attrs, reset=True), **base)  # type: ignore[arg-type]
+    return None
+
+
+# ------------------------------------------------------------------------------------------ mlx5 firmware
+
+_MLX5_DEV = re.compile(rf"^(?P<drv>mlx5_core|mlx5_ib|mlx5e?)\s+(?P<bdf>{_BDF_RAW})(?:\s+(?P<if>[\w.@-]+))?:\s*(?P<msg>.*)$")
+_MLX5_CMD_TIMEOUT = re.compile(
+    r"(?:cmd\[-?\d+\]: )?(?P<cmd>[A-Z][A-Z0-9_]+)\(0x(?P<op>[0-9a-fA-F]+)\)\s*(?:Async, )?"
+    r"(?:timeout\. Will cause a leak|No done completion|canceled on out of queue timeout|"
+    r"(?P<rec>(?:Async, )?recovered after timeout|completion arrived after timeout))"
+)
+"""drivers/net/ethernet/mellanox/mlx5/core/cmd.c: wait_func() `%s(0x%x) timeout. Will cause a leak of a
+command resource`, `%s(0x%x) canceled on out of queue timeout.`; wait_func_handle_exec_timeout() `cmd[%d]:
+%s(0x%x) No done completion` / `cmd[%d]: %s(0x%x) recovered after timeout`; cb_timeout_handler() `cmd[%d]:
+%s(0x%x) Async, timeout. Will cause a leak of a command resource`."""
+_MLX5_FW_FATAL = re.compile(
+    r"device's health compromised|health poll failed|Fatal error \d+ detected|"
+    r"FW is unable to respond to initialization segment reads|synd 0x[0-9a-f]+: \w|"
+    r"unrecoverable hardware error|mlx5_enter_error_state|System error event triggered|"
+    r"PCI channel state was permanently failed|crdump: .*collected",
+    re.I,
+)
+"""drivers/net/ethernet/mellanox/mlx5/core/health.c: poll_health() `device's health compromised - reached
+miss count`, `Fatal error %u detected`, print_health_info() `synd 0x%x: %s` (hsynd_str: `firmware internal
+error`, `unrecoverable hardware error`, ...), mlx5_enter_error_state() `start`/`end` and `System error
+event triggered`."""
+_MLX5_HEALTH_ISSUE = re.compile(r"Health issue observed, (?P<what>.*?), severity\((?P<sev>\d+)\)")
+"""health.c (v6.3+) mlx5_health_... `Health issue observed, %s, severity(%d) %s:`; severity is a syslog level."""
+_MLX5_LINK = re.compile(r"^Link (?P<st>up|down)\b", re.I)
+"""drivers/net/ethernet/mellanox/mlx5/core/en_main.c mlx5e_update_carrier: `Link up` / `Link down`."""
+
+
+def _mlx5(t: str) -> Candidate | None:
+    m = _MLX5_DEV.match(t)
+    if m is None:
+        if "mlx5" in t and _MLX5_FW_FATAL.search(t) and "synd" in t:  # `mlx5_core: INFO: synd 0x8: ...`
+            return Candidate(kind="mlx5_fw_fatal", component=Component.IB, family="mlx5_fw", detail=True, priority=1)
+        return None
+    msg = m["msg"]
+    bdf = normalize_bdf(m["bdf"])
+    base: dict = dict(bdf=bdf, family="mlx5_fw")
+    attrs: dict[str, Attr] = {"driver": m["drv"]}
+    if m["if"]:
+        attrs["interface"] = m["if"]
+    lm = _MLX5_LINK.match(msg)
+    if lm and m["if"]:
+        up = lm["st"].lower() == "up"
+        return Candidate(kind="nic_link_up" if up else "nic_link_down", component=Component.NIC, bdf=bdf,
+                         dev_name=m["if"], healthy=up, attrs=attrs)
+    if "(0x" in msg:
+        cm = _MLX5_CMD_TIMEOUT.search(msg)
+        if cm:
+            attrs["command"] = cm["cmd"]
+            attrs["opcode"] = "0x" + cm["op"].lower()
+            if cm["rec"]:
+                return Candidate(kind="mlx5_cmd_recovered", component=Component.IB, priority=0, attrs=attrs, **base)
+            return Candidate(kind="mlx5_cmd_timeout", component=Component.IB, priority=3, attrs=attrs, **base)
+    if "Health issue" in msg:
+        hm = _MLX5_HEALTH_ISSUE.search(msg)
+        if hm:
+            attrs["health_issue"] = hm["what"][:128]
+            attrs["health_severity"] = int(hm["sev"])
+            kind = "mlx5_fw_fatal" if int(hm["sev"]) <= 3 else "mlx5_health_warning"
+            return Candidate(kind=kind, component=Component.IB, priority=1, attrs=attrs, **base)
+    if _MLX5_FW_FATAL.search(msg):
+        return Candidate(kind="mlx5_fw_fatal", component=Component.IB, priority=2, attrs=attrs, **base)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ machine checks
+
+_MCE_HEAD = re.compile(
+    r"\[Hardware Error\]: CPU (?P<cpu>\d+): Machine Check(?P<exc> Exception)?: (?P<mcg>[0-9a-fA-F]+) "
+    r"Bank (?P<bank>\d+): (?P<status>[0-9a-fA-F]{1,16})"
+)
+"""arch/x86/kernel/cpu/mce/core.c __print_mce(): `HW_ERR "CPU %d: Machine Check%s: %Lx Bank %d: %016Lx"`
+(` Exception` when MCG_STATUS.MCIP is set), HW_ERR = `[Hardware Error]: `, pr_fmt `mce: ` since v4.x (older
+kernels print no `mce: `)."""
+_MCE_FATAL_TEXT = re.compile(
+    r"\[Hardware Error\]: (?:Machine check: )?(?:Processor context corrupt|Action required: .*|"
+    r"Machine check from unknown source|Uncorrected, software (?:restartable|containable) error|"
+    r"Some CPUs didn't answer in synchronization|Timeout: Not all CPUs entered broadcast exception handler)|"
+    r"mce: Uncorrected hardware memory error|Memory error not recovered|Fatal local machine check",
+    re.I,
+)
+"""mce/severity.c severity texts used as the panic message (`Processor context corrupt`, `Action required:
+...`), mce/core.c (`Machine check from unknown source`, `Timeout: Not all CPUs entered broadcast exception
+handler`), edac/mce_amd.c decode_mce (`Uncorrected, software restartable error.`)."""
+_MCE_CORRECTED_TEXT = re.compile(r"\[Hardware Error\]: (?:Corrected error, no action required|Deferred error)")
+_HW_PANIC = re.compile(r"(?P<mce>Fatal (?:local )?[Mm]achine check|[Mm]achine check|MCE)|(?P<ghes>Fatal hardware error)")
+"""Panic reasons that name a hardware cause: mce/core.c mce_panic (`Fatal machine check`, `Fatal Machine
+check` in 2.6.x, `Machine check from unknown source`), drivers/acpi/apei/ghes.c __ghes_panic
+(`Fatal hardware error!`)."""
+
+MCI_UC = 1 << 61
+MCI_PCC = 1 << 57
+MCI_VAL = 1 << 63
+
+
+def mce_kind(status: int) -> str:
+    """MCi_STATUS -> kind (Intel SDM vol. 3B 15.3.2.2, AMD APM vol. 2 9.3): VAL and UC with PCC (processor
+    context corrupt) -> mce_uncorrected (fatal); UC without PCC (software recoverable: SRAO/SRAR, the
+    kernel poisons the page and kills the consumer) -> mce_recoverable; UC clear -> mce (corrected)."""
+    if status & MCI_UC:
+        return "mce_uncorrected" if status & MCI_PCC else "mce_recoverable"
+    return "mce"
+
+
+def _mce(t: str) -> Candidate | None:
+    m = _MCE_HEAD.search(t)
+    if m:
+        status = int(m["status"], 16)
+        kind = mce_kind(status)
+        return Candidate(kind=kind, family="ras", priority=2 if kind != "mce" else 0,
+                         attrs={"cpu": int(m["cpu"]), "bank": int(m["bank"]), "mci_status": f"0x{status:016x}",
+                                "mcg_status": f"0x{int(m['mcg'], 16):x}", "exception": bool(m["exc"])})
+    if _MCE_FATAL_TEXT.search(t):
+        return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=1, attrs={"mce_text": t[:200]})
+    if _MCE_CORRECTED_TEXT.search(t):
+        return Candidate(kind="mce", family="ras", detail=True, priority=0)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ GHES body lines
+
+_GHES_BODY = re.compile(
+    r"(?:\{\d+\})?\[Hardware Error\]:\s+(?:event severity: (?P<sev>\w+)|section_type: (?P<sec>.+?)\s*$|"
+    r"Error \d+, type: (?P<type>\w+)|It has been corrected by h/w)"
+)
+"""drivers/acpi/apei/ghes.c + drivers/firmware/efi/cper.c: a record's lines all carry the `{N}[Hardware
+Error]: ` prefix (`{N}` since v4.x); `event severity: recoverable|fatal|corrected|info`, `Error N, type:`,
+`section_type: PCIe error|memory error|general processor error|ARM processor error`, `device_id: dddd:bb:dd.f`.
+A record whose header line was lost or wrapped is still recognised from these lines."""
+_GHES_SEV_KIND = {"fatal": "ghes_fatal", "corrected": "ghes_corrected", "info": "ghes_corrected",
+                  "informational": "ghes_corrected", "recoverable": "ghes_recoverable"}
+
+
+def ghes_component(section: str) -> Component | None:
+    """CPER section type (cper.c cper_sec_type_strs / section GUID names) -> component."""
+    s = section.lower()
+    if "pci" in s:
+        return Component.PCIE
+    if "memory" in s:
+        return Component.MEMORY
+    if "processor" in s or "cpu" in s:
+        return Component.CPU
+    return None
+
+
+def _ghes_body(t: str) -> Candidate | None:
+    m = _GHES_BODY.search(t)
+    if not m:
+        return None
+    attrs: dict[str, Attr] = {}
+    if m["sev"]:
+        kind = _GHES_SEV_KIND.get(m["sev"].lower(), "ghes_recoverable")
+        attrs["cper_severity"] = m["sev"].lower()
+    elif m["type"]:
+        kind = _GHES_SEV_KIND.get(m["type"].lower(), "ghes_recoverable")
+    elif m["sec"]:
+        kind = "ghes_recoverable"
+        attrs["ghes_section"] = m["sec"]
+    else:
+        kind = "ghes_corrected"
+    c = Candidate(kind=kind, family="ras", detail=True, priority=1, attrs=attrs)
+    if m["sec"]:
+        c.component = ghes_component(m["sec"])
+    return c
+
+
+# ------------------------------------------------------------------------------------------ GPU boot (no Xid)
+
+_GPU_INIT = re.compile(
+    rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:RmInitAdapter failed!?(?: \((?P<code>[^)]*)\))?|"
+    r"rm_init_adapter failed|RmInitAdapter: .*failed)",
+    re.I,
+)
+"""NVIDIA open-gpu-kernel-modules kernel-open/nvidia/nv.c / src/nvidia/arch/nvalloc/unix/src/osinit.c:
+`NVRM: GPU %04x:%02x:%02x.%x: RmInitAdapter failed! (0x%x:0x%x:%d)`, `rm_init_adapter failed, device minor
+number %d` (older: `NVRM: RmInitAdapter failed! (0x26:0xffff:1228)`)."""
+_GPU_FSP = re.compile(r"NVRM: (?:GPU (?P<bdf>" + _BDF_RAW + r"): )?(?P<fn>kfsp\w+|\w*[Ff]sp\w*)(?::| ).*", re.I)
+"""open-gpu-kernel-modules src/nvidia/src/kernel/gpu/fsp/ (kern_fsp.c, arch/hopper/kern_fsp_gh100.c):
+`kfspDumpDebugState_GH100: NV_PFSP_FALCON_COMMON_SCRATCH_GROUP_2(%d) = 0x%x`, `kfspWaitForSecureBoot_GH100:
+Timeout waiting for GFW_BOOT...`, FSP boot-command and RPC failures: the GPU never finished secure boot."""
+_GPU_FSP_BAD = re.compile(r"DumpDebugState|fail|error|timeout|timed out|not (?:responding|ready)", re.I)
+
+
+def _gpu_boot(t: str) -> Candidate | None:
+    m = _GPU_INIT.search(t)
+    if m:
+        attrs: dict[str, Attr] = {"init_error": m["code"]} if m["code"] else {}
+        return Candidate(kind="gpu_init_failed", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,
+                         family="gpu_boot", priority=3, attrs=attrs)
+    if "sp" in t:
+        m = _GPU_FSP.search(t)
+        if m and _GPU_FSP_BAD.search(t):
+            return Candidate(kind="gpu_fsp_error", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,
+                             family="gpu_boot", priority=2, attrs={"fsp_function": m["fn"][:64]})
+    return None
 
 
 def _aer_kind(sev: str) -> str:
@@ -247,6 +578,10 @@ def match_head(text: str) -> Candidate | None:
             return Candidate(kind="gpu_reset_required", family="gsp", priority=6)
         if _GSP.search(t):
             return Candidate(kind="gsp_error", family="gsp", priority=1)
+        if "NVRM" in t:
+            c = _gpu_boot(t)
+            if c:
+                return c
         if _NVL_DISC.search(t):
             return Candidate(kind="nvlink_discovery_failed")
     if "SXid" in t:
@@ -302,14 +637,18 @@ def match_head(text: str) -> Candidate | None:
                 kind="edac_ue" if ue else "edac_ce", dev_name=m["mc"].lower(), family="ras", priority=3,
                 attrs={"error_count": int(m["n"]), "edac_detail": m["rest"].strip()[:256]},
             )
-    if "Hardware Error" in t or "mce:" in t:
+    if "Hardware Error" in t or "mce:" in t or "achine check" in t or "Memory error" in t:
         if _GHES.search(t):
             return Candidate(kind="ghes_recoverable", family="ras", priority=2)
-        if _MCE_UC.search(t):
-            return Candidate(kind="mce_uncorrected", family="ras", priority=1)
+        c = _mce(t) or _ghes_body(t)
+        if c:
+            return c
         if _MCE_LOGGED.search(t):
             return Candidate(kind="mce", family="ras", detail=True, priority=0)
     if "mlx5" in t:
+        c = _mlx5(t)
+        if c:
+            return c
         m = _IB_PORT.search(t)
         if m:
             st = m["st"].upper()
@@ -323,6 +662,10 @@ def match_head(text: str) -> Candidate | None:
             return Candidate(kind="ib_insufficient_power", bdf=normalize_bdf(m["bdf"]))
         if _ACCESS_REG.search(t):
             return Candidate(kind="ib_access_reg_noise")
+    if "NETDEV WATCHDOG" in t or "dev_watchdog" in t or _pci_prefixed(t):
+        c = _nic_tx(t)
+        if c:
+            return c
     if "Link is" in t:
         m = _NIC_LINK.search(t)
         if m:
@@ -348,17 +691,25 @@ def match_head(text: str) -> Candidate | None:
     if "nvme" in t:
         m = _NVME_TIMEOUT.search(t)
         if m:
-            return Candidate(kind="nvme_timeout", dev_name=m["dev"], family="nvme", priority=1)
+            return Candidate(kind="nvme_timeout", family="nvme", priority=1, **_nvme_dev(m["dev"]))
         m = _NVME_NOTREADY.search(t)
         if m:
-            return Candidate(kind="nvme_timeout", dev_name=m["dev"], family="nvme", detail=True, priority=1)
+            return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
         m = _NVME_REMOVED.search(t)
         if m:
-            return Candidate(kind="nvme_removed", dev_name=m["dev"], family="nvme", priority=2)
+            return Candidate(kind="nvme_removed", family="nvme", priority=2, **_nvme_dev(m["dev"]))
+        m = _NVME_RESET.search(t)
+        if m:
+            return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
     m = _PANIC.search(t)
     if m:
         reason = m["reason"].strip()
         attrs: dict[str, Attr] = {"panic_reason": reason[:256]}
+        hw = _HW_PANIC.search(reason)
+        if hw:  # the panic names its hardware cause: the event is that cause (merges into its record)
+            if hw["ghes"]:
+                return Candidate(kind="ghes_fatal", family="ras", detail=True, priority=3, attrs=attrs)
+            return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=3, attrs=attrs)
         hm = _HARD.search(reason)
         if hm:
             attrs["cpu"] = int(hm["cpu"])

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agents.kmsg.framing import IGNORE, Deframer, Framed
-from agents.kmsg.matchers import Attr, Candidate, detail, match_head, normalize_bdf
+from agents.kmsg.matchers import Attr, Candidate, detail, ghes_component, match_head, normalize_bdf
 from fleetmend.catalog import Catalog, default_catalog
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 
@@ -35,6 +35,20 @@ FAMILY_WINDOW_S = {"nvme": 120.0}
 """An NVMe timeout -> reset -> 'Device not ready' -> removal chain spans ~25 s per step (admin command
 timeout 30 s default); heads of that family on the same controller merge within 120 s."""
 
+CAUSE_FAMILIES = {"ras", "mlx5_fw", "gpu_boot"}
+CAUSE_WINDOW_S = 30.0
+"""A crash (panic, Oops, BUG, lockup) within 30 s after an open hardware record of these families
+(machine check, GHES/CPER, EDAC; ConnectX firmware command timeout or health failure; GPU boot failure)
+is that record's consequence: it is absorbed into the record (attrs `followed_by`, `panic_reason`) and
+the hardware fault stays the primary event, with its component and device. mce/core.c panics right after
+printing the bank; ghes.c panics right after the record; a dead ConnectX leaves the health timer reading
+freed memory (the Oops comes seconds later)."""
+
+MAIL_WRAP_MIN = 66
+MAIL_WRAP_MAX = 80
+"""Mail clients wrap quoted text at 66-80 columns (git send-email/Thunderbird 72, Outlook/Gmail 76-78):
+a line longer than 80 was not wrapped, and a wrap happened only where the next word did not fit."""
+
 _DRIVER = re.compile(r"NVRM: loading NVIDIA UNIX .*?Kernel Module(?: for \S+)?\s+(?P<ver>\d+\.\d+(?:\.\d+)?)")
 _GPU_AT = re.compile(r"NVRM: GPU at PCI:(?P<bdf>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 _SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
@@ -48,6 +62,7 @@ class _Record:
     ts_first: float | None
     ts_last: float | None
     stamp: str | None
+    wall: str | None = None
     count: int = 1
 
     def near(self, ts: float | None, window_s: float = RECORD_WINDOW_S) -> bool:
@@ -96,8 +111,10 @@ class KmsgParser:
         self._ctx = _Context(driver_version=driver_version)
         self._pending: Framed | None = None
         self._pending_raw: list[str] = []
+        self._last_len = 0
         self._record: _Record | None = None
         self._aer_history: dict[str, deque[float | None]] = {}
+        self._repeat_history: dict[str, deque[float | None]] = {}
         self.parse_errors = 0
         self.lines_seen = 0
         self.last_seq: int | None = None
@@ -128,7 +145,8 @@ class KmsgParser:
         assert isinstance(f, Framed)
         if f.seq is not None:
             self.last_seq = f.seq
-        if self._is_continuation(f):
+        last_len, self._last_len = self._last_len, len(f.raw) + f.quoted
+        if self._is_continuation(f) or self._is_mail_wrap(f, last_len):
             assert self._pending is not None
             self._pending.text = self._join(self._pending.text, f.text)
             self._pending_raw.append(f.raw)
@@ -160,6 +178,17 @@ class KmsgParser:
             and f.text[:1] in (" ", "\t")
             and not self._pending.foreign
         )
+
+    def _is_mail_wrap(self, f: Framed, last_len: int) -> bool:
+        """A mail client wrapped the previous (timestamped) line here: this line has no framing and no
+        indentation, starts no fault of its own, and its first word would not have fitted on the
+        previous line within the narrowest common wrap width (66 columns; clients wrap at 66-80)."""
+        p = self._pending
+        if p is None or f.framed or p.foreign or not p.framed or p.ts is None or f.text[:1] in (" ", "\t", ""):
+            return False
+        if last_len > MAIL_WRAP_MAX or last_len + 1 + len(f.text.split(None, 1)[0]) <= MAIL_WRAP_MIN:
+            return False
+        return match_head(f.text) is None
 
     @staticmethod
     def _join(head: str, cont: str) -> str:
@@ -196,6 +225,10 @@ class KmsgParser:
             elif rec is not None:
                 self._close(out)
             return
+        if rec is not None and self._absorb(rec, cand, f, text):
+            rec.lines.extend(raw)
+            rec.ts_last = f.ts if f.ts is not None else rec.ts_last
+            return
         if rec is not None and self._merge(rec, cand, f):
             rec.lines.extend(raw)
             rec.ts_last = f.ts if f.ts is not None else rec.ts_last
@@ -203,7 +236,7 @@ class KmsgParser:
         self._close(out)
         if cand.message == "":
             cand.message = text.strip()
-        self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp)
+        self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp, wall=f.wall)
 
     def _learn(self, text: str) -> None:
         m = _DRIVER.search(text)
@@ -238,9 +271,33 @@ class KmsgParser:
         for k in ("aer_status", "aer_mask", "ghes_section"):
             if k in d:
                 c.attrs.setdefault(k, d[k])
+        if "ghes_section" in d and c.component is None:
+            c.component = ghes_component(str(d["ghes_section"]))
         if "aer_error" in d:
             prev = c.attrs.get("aer_errors")
             c.attrs["aer_errors"] = f"{prev}; {d['aer_error']}" if prev else d["aer_error"]
+
+    def _absorb(self, rec: _Record, cand: Candidate, f: Framed, text: str) -> bool:
+        """Lines that belong to the open record although they match a head: a crash caused by an open
+        hardware record (`CAUSE_FAMILIES`), and the body lines of an open GHES record (its `event severity:`
+        line sets the kind; a panic upgrades it to ghes_fatal)."""
+        a = rec.cand
+        if cand.family == "crash" and a.family in CAUSE_FAMILIES and rec.near(f.ts, CAUSE_WINDOW_S):
+            if len(rec.lines) >= MAX_RECORD_LINES:
+                return False
+            a.attrs.setdefault("followed_by", cand.kind)
+            if "panic_reason" in cand.attrs:
+                a.attrs.setdefault("panic_reason", cand.attrs["panic_reason"])
+            return True
+        if a.kind.startswith("ghes_") and cand.kind.startswith("ghes_") and cand.detail and rec.near(f.ts):
+            if "cper_severity" in cand.attrs or "panic_reason" in cand.attrs:
+                a.kind = cand.kind
+            for k, v in cand.attrs.items():
+                a.attrs.setdefault(k, v)
+            a.component = a.component or cand.component
+            self._apply_detail(rec, text)
+            return True
+        return False
 
     def _sev(self, kind: str) -> int:
         entry = self.catalog.kinds.get(kind)
@@ -260,6 +317,14 @@ class KmsgParser:
             return True
         if a.family is None or a.family != cand.family:
             return False
+        if a.kind == cand.kind and a.bdf is None and a.dev_name is None and (cand.bdf or cand.dev_name):
+            # a device-less first line (e.g. the WARNING at dev_watchdog) refined by the line naming the device
+            a.bdf, a.dev_name, a.port = cand.bdf, cand.dev_name, cand.port
+            a.component = a.component or cand.component
+            for k, v in cand.attrs.items():
+                a.attrs.setdefault(k, v)
+            a.message = f.text.strip()
+            return True
         compatible = (
             (a.bdf is None or cand.bdf is None or a.bdf == cand.bdf)
             and (a.dev_name is None or cand.dev_name is None or a.dev_name == cand.dev_name)
@@ -273,6 +338,7 @@ class KmsgParser:
             new.bdf = new.bdf or a.bdf
             new.dev_name = new.dev_name or a.dev_name
             new.pid = new.pid if new.pid is not None else a.pid
+            new.component = new.component or a.component
             for k, v in a.attrs.items():
                 new.attrs.setdefault(k, v)
             new.message = a.message if cand.detail else (new.message or "")
@@ -307,6 +373,8 @@ class KmsgParser:
             attrs["count"] = rec.count
         if rec.stamp:
             attrs["kernel_time"] = rec.stamp
+        if rec.wall and rec.wall != rec.stamp:
+            attrs["collector_time"] = rec.wall
         if c.kind == "aer_corrected" and c.bdf:
             hist = self._aer_history.setdefault(c.bdf, deque(maxlen=64))
             for _ in range(rec.count):
@@ -316,6 +384,7 @@ class KmsgParser:
             if len(recent) >= AER_BURST_COUNT:
                 c.kind = "aer_corrected_burst"
                 attrs["burst_count"] = len(recent)
+        self._escalate(rec, attrs)
         if c.kind == "xid":
             if self._ctx.driver_version:
                 attrs.setdefault("driver_version", self._ctx.driver_version)
@@ -353,6 +422,27 @@ class KmsgParser:
             attrs["resolution"] = cls.resolution.value
         component = c.component or cls.component or Component.KERNEL
         return draft.model_copy(update={"severity": cls.severity, "component": component, "attrs": attrs})
+
+
+    def _escalate(self, rec: _Record, attrs: dict[str, Attr]) -> None:
+        """Repeats of a kind on one device within the catalog's window become its `escalate_to` kind
+        (`[kind.X] escalate_to/escalate_count/escalate_window_s`, e.g. nic_tx_timeout ->
+        nic_tx_timeout_repeated). One record (one episode: a watchdog line and its driver follow-ups) counts
+        once. Records without timestamps count as within the window."""
+        c = rec.cand
+        entry = self.catalog.kinds.get(c.kind)
+        if entry is None or not entry.escalate_to or not entry.escalate_count:
+            return
+        key = f"{c.kind}|{c.bdf or c.dev_name or ''}"
+        hist = self._repeat_history.setdefault(key, deque(maxlen=max(entry.escalate_count, 1) * 4))
+        hist.append(rec.ts_last)
+        now = rec.ts_last
+        window = entry.escalate_window_s or 0.0
+        recent = [t for t in hist if t is None or now is None or 0 <= now - t <= window]
+        if len(recent) >= entry.escalate_count:
+            attrs["repeat_count"] = len(recent)
+            attrs["repeat_window_s"] = window
+            c.kind = entry.escalate_to
 
 
 def parse_text(

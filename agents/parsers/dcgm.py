@@ -33,7 +33,7 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def looks_like(text: str) -> bool:
-    return bool(re.search(r"DCGM_|dcgmi|\|\s*Diagnostic\s*\|\s*Result|Health Monitor Report|Overall Health|"
+    return bool(re.search(r"DCGM_|dcgmi|(?m:^#\s*Entity\s)|\|\s*Diagnostic\s*\|\s*Result|Health Monitor Report|Overall Health|"
                           r"NvLink Link Status|\|\s*(?:Deployment|Hardware|Integration|Stress|Memory|Diagnostic)\b|"
                           r"\|\s*(?:Pass|Fail|Warn|Skip)\b",
                           text))
@@ -42,7 +42,7 @@ def looks_like(text: str) -> bool:
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     health = _health(text, ctx)
     diag = [] if HEALTH_REPORT.search(text) else parse_diag(text, ctx)
-    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx)
+    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx) + _dmon(text, ctx)
 
 
 def component_of(name: str) -> Component:
@@ -226,9 +226,16 @@ def _exporter(text: str, ctx: Ctx) -> list[FaultEvent]:
                      pci_bus_id=normalize_bdf(labels.get("pci_bus_id")))
         where = f"GPU {dev.index if dev.index is not None else dev.uuid}"
         if name == "DCGM_FI_DEV_XID_ERRORS":
-            if value > 0:
-                out.append(ctx.xid(int(value), SRC, f"{where}: dcgm-exporter last XID {int(value)}", device=dev,
-                                   raw=line.strip(), attrs={"metric": name}))
+            # dcgm-exporter >= 3.3 labels the last XID `err_code` (and `err_msg`); the sample value is the XID
+            # too, or a timestamp in some versions, so the label wins when present.
+            code = to_int(labels["err_code"]) if "err_code" in labels else (int(value) if value < 1000 else None)
+            if code:
+                attrs = {"metric": name}
+                if labels.get("err_msg"):
+                    attrs["err_msg"] = labels["err_msg"][:256]
+                out.append(ctx.xid(code, SRC, f"{where}: dcgm-exporter last XID {code}"
+                                   + (f" ({labels['err_msg']})" if labels.get("err_msg") else ""), device=dev,
+                                   raw=line.strip(), attrs=attrs))
             continue
         if "XID" in name and "xid" in labels:
             xid = to_int(labels["xid"])
@@ -251,4 +258,58 @@ def _exporter(text: str, ctx: Ctx) -> list[FaultEvent]:
         where = f"GPU {dev.index if dev.index is not None else dev.uuid}"
         for kind, sev, msg in judge_memory(r, where):
             out.append(ctx.event(kind, Component.GPU, sev, msg, SRC, device=dev, raw="\n".join(lines), attrs=r))
+    return out
+
+
+# ---------------------------------------------------------------------- dcgmi dmon
+
+_DMON_HEAD = re.compile(r"^#\s*Entity\s+(.*\S)\s*$")
+_DMON_ROW = re.compile(r"^\s*(GPU|GPU-I|GPU-CI|NvSwitch|Switch)\s+(\d+)\s+(.*\S)\s*$")
+_DMON_CMD = re.compile(r"dmon\b.*?-e\s+([\d,]+)")
+_DMON_FIELDS = {230: "xid", 310: "sbe_volatile", 311: "dbe_volatile", 312: "sbe_aggregate", 313: "dbe_aggregate",
+                390: "retired_sbe", 391: "retired_dbe", 392: "retired_pending", 393: "remap_unc",
+                394: "remap_corr", 395: "remap_failure", 396: "remap_pending"}
+"""dcgm_fields.h field ids read from `dcgmi dmon -e ...` (230 DCGM_FI_DEV_XID_ERRORS = the last XID, 0 none;
+310-313 ECC SBE/DBE volatile/aggregate totals; 390-392 retired pages; 393-396 row remapping)."""
+
+
+def _dmon(text: str, ctx: Ctx) -> list[FaultEvent]:
+    """`dcgmi dmon -e F1,F2,... [-c N]`: a `#Entity  TAG1  TAG2` header, an `ID` line, then rows
+    `GPU 0  v1  v2` (`N/A` for blank values). Columns are named by the field ids on the command line when
+    the text has it, else by tag (a tag containing `XID` is field 230). Non-zero XID → that XID's event;
+    the ECC/retirement/remap columns go through the NVML probe's memory rules."""
+    if "Entity" not in text:
+        return []
+    cmd = _DMON_CMD.search(text)
+    ids = [int(x) for x in cmd.group(1).split(",") if x] if cmd else []
+    out: list[FaultEvent] = []
+    tags: list[str] | None = None
+    seen: set[tuple[int, int]] = set()
+    for line in text.splitlines():
+        h = _DMON_HEAD.match(line.strip())
+        if h:
+            tags = h.group(1).split()
+            continue
+        m = _DMON_ROW.match(line)
+        if not m or tags is None:
+            continue
+        vals = m.group(3).split()
+        idx = int(m.group(2))
+        dev = Device(index=idx) if m.group(1) == "GPU" else Device(name=f"{m.group(1)} {idx}")
+        r: dict[str, Any] = {}
+        for i, v in enumerate(vals[: len(tags)]):
+            fid = ids[i] if len(ids) == len(tags) else (230 if "XID" in tags[i].upper() else None)
+            key = _DMON_FIELDS.get(fid) if fid is not None else None
+            n = to_int(v)
+            if key is None or n is None:
+                continue
+            if key == "xid":
+                if n > 0 and (idx, n) not in seen:
+                    seen.add((idx, n))
+                    out.append(ctx.xid(n, SRC, f"GPU {idx}: dcgmi dmon field 230 (last XID) = {n}", device=dev,
+                                       raw=line.strip(), attrs={"field_id": 230, "text_kind": "dcgmi dmon"}))
+                continue
+            r[key] = bool(n) if key in _BOOL else n
+        for kind, sev, msg in judge_memory(r, f"GPU {idx}") if r else []:
+            out.append(ctx.event(kind, Component.GPU, sev, msg, SRC, device=dev, raw=line.strip(), attrs=r))
     return out

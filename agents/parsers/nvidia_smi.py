@@ -30,7 +30,12 @@ _BDF = r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]"
 _HEADER = re.compile(rf"^GPU\s+({_BDF})\s*$")
 _KV = re.compile(r"^(\s*)([^:]+?)\s*:\s*(.*?)\s*$")
 _SECTION = re.compile(r"^(\s*)(\S[^:]*?)\s*$")
-_HANDLE = re.compile(rf"Unable to determine the device handle for (?:GPU|gpu)\s*({_BDF})\s*:\s*(.+)")
+_HANDLE = re.compile(rf"Unable to determine the device handle for (?:GPU|gpu)\s*(?:\d+\s*:\s*)?({_BDF})\s*:\s*(.+)")
+_NVL_GPU = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: ([^)]*)\))?\s*$")
+_NVL_LINK = re.compile(r"^\s+Link (\d+): (.+?)\s*$")
+_NVL_COUNTER = re.compile(r"^([A-Za-z][A-Za-z ()-]*?(?:Errors?|Counter))\s*:\s*(\d+)$")
+_RECOVERY_SEV = {"reset": Severity.FATAL, "gpu reset": Severity.FATAL, "drain and reset": Severity.FATAL,
+                 "reboot": Severity.FATAL, "node reboot": Severity.FATAL, "drain p2p": Severity.DEGRADED}
 _DRIVER = re.compile(r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver|"
                      r"Failed to initialize NVML:\s*(.+)|^No devices were found", re.M)
 _ROW = re.compile(rf"^\|\s*(\d+)\s+(.*?)\|\s*({_BDF})\s+(\S+)\s*\|\s*(.*?)\s*\|")
@@ -41,6 +46,7 @@ _CLOCKS = {"hw slowdown": "clocks_hw_slowdown", "hw thermal slowdown": "clocks_t
 def looks_like(text: str) -> bool:
     return bool(re.search(r"NVIDIA-SMI|nvidia-smi|Volatile Uncorr\. ECC|Remapped Rows|Retired [Pp]ages|"
                           r"ECC Errors|remapped_rows\.|ecc\.errors\.|Unable to determine the device handle|"
+                          r"gpu_recovery_action|^\s+Link \d+: (?:<inactive>|[\d.]+ GB/s|\w[\w ]*Errors?: \d)|"
                           rf"^GPU\s+{_BDF}\s*$|Clocks (?:Event|Throttle) Reasons", text, re.M))
 
 
@@ -58,6 +64,66 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     out += _table(text, ctx)
     out += _query(text, ctx)
     out += _csv(text, ctx)
+    out += _nvlink(text, ctx)
+    return out
+
+
+# ---------------------------------------------------------------------- nvlink -s / -e
+
+def _nvlink(text: str, ctx: Ctx) -> list[FaultEvent]:
+    """`nvidia-smi nvlink -s` (per link `Link N: 25.781 GB/s` or `<inactive>`) and `nvidia-smi nvlink -e`
+    (per link `Link N: Replay Errors: 0`, `Recovery Errors`, `CRC Errors`, and on newer drivers
+    `Link N:` followed by indented counters) under `GPU i: <name> (UUID: ...)` headers.
+
+    Judgement: inactive links on a GPU whose other links are up, or all of its links inactive → nvlink_down
+    (degraded: P2P falls back to PCIe); any non-zero error counter → nvlink_errors (degraded).
+    """
+    if "Link " not in text:
+        return []
+    out: list[FaultEvent] = []
+    gpus: list[tuple[int, str | None, str, list[str], dict[int, str], dict[str, int]]] = []
+    cur_link: int | None = None
+    for line in text.splitlines():
+        h = _NVL_GPU.match(line.strip())
+        if h and not line.startswith((" ", "\t")):
+            uuid = h.group(3) if h.group(3) and h.group(3).startswith("GPU-") else None
+            gpus.append((int(h.group(1)), uuid, h.group(2), [line], {}, {}))
+            cur_link = None
+            continue
+        if not gpus:
+            continue
+        idx, uuid, name, raw, links, errors = gpus[-1]
+        lm = _NVL_LINK.match(line)
+        if lm:
+            cur_link = int(lm.group(1))
+            value = lm.group(2)
+            cm = _NVL_COUNTER.match(value)
+            if cm:
+                if int(cm.group(2)):
+                    errors[f"link{cur_link}_{cm.group(1).lower().replace(' ', '_')}"] = int(cm.group(2))
+                    raw.append(line)
+            elif value:
+                links[cur_link] = value
+                raw.append(line)
+            continue
+        cm = _NVL_COUNTER.match(line.strip())
+        if cm and cur_link is not None and line.startswith((" ", "\t")):
+            if int(cm.group(2)):
+                errors[f"link{cur_link}_{cm.group(1).lower().replace(' ', '_')}"] = int(cm.group(2))
+                raw.append(line)
+    for idx, uuid, name, raw, links, errors in gpus:
+        dev = Device(index=idx, uuid=uuid)
+        inactive = sorted(k for k, v in links.items() if "inactive" in v.lower())
+        if inactive:
+            out.append(ctx.event("nvlink_down", Component.NVLINK, Severity.DEGRADED,
+                                 f"GPU {idx} ({name}): {len(inactive)} of {len(links)} NVLinks inactive (links {inactive})",
+                                 SRC, device=dev, raw="\n".join(raw),
+                                 attrs={"links_down": len(inactive), "links": len(links), "text_kind": "nvlink -s"}))
+        if errors:
+            out.append(ctx.event("nvlink_errors", Component.NVLINK, Severity.DEGRADED,
+                                 f"GPU {idx} ({name}): NVLink error counters non-zero: "
+                                 + ", ".join(f"{k}={v}" for k, v in sorted(errors.items())[:12]),
+                                 SRC, device=dev, raw="\n".join(raw), attrs=dict(errors, text_kind="nvlink -e")))
     return out
 
 
@@ -226,13 +292,22 @@ def _csv(text: str, ctx: Ctx) -> list[FaultEvent]:
             continue
         cells = [c.strip() for c in s.split(",")]
         names = [re.sub(r"\s*\[.*?\]$", "", c).lower() for c in cells]
-        if any(n in _CSV_FIELDS or n in ("pci.bus_id", "gpu_uuid", "uuid", "index") for n in names) and \
+        if any(n in _CSV_FIELDS or n in ("pci.bus_id", "gpu_uuid", "uuid", "index", "gpu_recovery_action") for n in names) and \
                 all(re.fullmatch(r"[a-z_.]+", n) for n in names):
             header = names
             continue
         if header is None or len(cells) != len(header):
             continue
         row = dict(zip(header, cells))
+        action = row.get("gpu_recovery_action", "").strip()
+        if action and action.lower() not in ("none", "n/a", "[n/a]", "not supported", "[not supported]"):
+            bdf0 = normalize_bdf(row.get("pci.bus_id"))
+            idx0 = to_int(row.get("index")) if "index" in row else None
+            sev = _RECOVERY_SEV.get(action.lower(), Severity.DEGRADED)
+            out.append(ctx.event("gpu_recovery_action", Component.GPU, sev,
+                                 f"GPU {bdf0 or row.get('uuid') or idx0}: recovery action {action}", SRC,
+                                 device=Device(index=idx0, pci_bus_id=bdf0, uuid=row.get("uuid") or row.get("gpu_uuid")),
+                                 raw=line.strip(), attrs={"recovery_action": action}))
         r: dict[str, Any] = {}
         for name, key in _CSV_FIELDS.items():
             if name in row:

@@ -11,16 +11,28 @@ Formats and rules:
   context corrupt" → mce_uncorrected (fatal), "Corrected error" → mce (info).
 - ibstat / ibv_devinfo: per-port State Down / PORT_DOWN → ib_port_down, Init/Armed → ib_port_init.
 - ibdev2netdev: `mlx5_0 port 1 ==> ib0 (Down)` → ib_port_down (IB netdev) or nic_link_down (Ethernet).
-- BMC SEL (`id | date | time | sensor | event | Asserted`): Uncorrectable ECC → edac_ue (memory, fatal),
-  Correctable ECC → edac_ce (info), Processor IERR/machine check → mce_uncorrected, PCI PERR/SERR or
-  bus uncorrectable/fatal → aer_fatal. Deasserted lines are recoveries and publish nothing.
+- BMC SEL (`ipmitool sel list|elist`: `id | [date | time |] sensor | event | Asserted`): Uncorrectable ECC →
+  edac_ue (memory, fatal), Correctable ECC → edac_ce (info), Processor/CPU IERR or machine check →
+  mce_uncorrected, PCI PERR/SERR or bus uncorrectable/fatal → aer_fatal. Deasserted lines are recoveries and
+  publish nothing.
+- BMC logs in vendor layouts, judged by the same rules on their message text: Dell iDRAC `racadm getsel`
+  (`Severity:` / `Description:` records) and Lifecycle log `racadm lclog view` (`Message ID = MEM0001`,
+  `Severity = Critical`, `Message = ...`); HPE iLO IML (`CRITICAL: Uncorrectable Machine Check Exception
+  (...)`, or table rows with a `Critical`/`Caution` column). Informational/OK records publish nothing.
+- rasdaemon `ras-mc-ctl --errors` / `--summary`: memory controller events (Corrected → edac_ce,
+  Uncorrected/Fatal → edac_ue), PCIe AER events (aer_corrected/aer_nonfatal/aer_fatal), MCE events
+  (Corrected → mce, otherwise mce_uncorrected), one event per section, kind and device.
+- NCCL `NET/IB : Got async event : local catastrophic error` (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal
+  (fatal: the HCA is dead until reset).
+- IBM Autopilot node labels (`autopilot.ibm.com/dcgm.level.3=ERR_<time>_<test>.<gpu>`,
+  `autopilot.ibm.com/gpuhealth=EVICT`) → dcgm_diag_fail (fatal) for the failed DCGM test.
 """
 
 from __future__ import annotations
 
 import re
 
-from agents.parsers.common import Ctx
+from agents.parsers.common import Ctx, to_int
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 
 _PLUGIN_XID = re.compile(r"XidCriticalError:\s*Xid=(\d+)(?:\s+on\s+Device=(\S+?)[;,]?(?:\s|$))?")
@@ -36,6 +48,15 @@ _IBV_PORT = re.compile(r"^\s*port:\s*(\d+)\s*$")
 _IBV_STATE = re.compile(r"^\s*state:\s*PORT_(\w+)")
 _IB2NET = re.compile(r"^(\S+) port (\d+) ==> (\S+) \((\w+)\)")
 _SEL = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)?", re.M)
+_SEL_SHORT = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)\s*$", re.M)
+_NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?Got async event\s*:\s*local catastrophic error"
+                         r"(?:\s*\((?P<dev2>[^)]*)\))?", re.I)
+_AUTOPILOT = re.compile(r"autopilot\.ibm\.com/(?P<key>[\w.-]+)=(?P<val>\S+)")
+_KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
+_IML = re.compile(r"^\s*(?:(?P<sev>CRITICAL|CAUTION|REPAIRED|INFORMATIONAL)\s*:\s*|.*\b(?P<sev2>Critical|Caution)\b.*?\|\s*)(?P<msg>.+?)\s*$")
+_RAS_SECTION = re.compile(r"^(?P<name>Memory controller events|PCIe AER events|MCE (?:events|records)|Extlog|"
+                          r"Memory failure events)", re.I)
+_BDF_ANY = re.compile(r"\b(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
 
 
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
@@ -54,7 +75,16 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
         out.append(ctx.event("gpu_fallen_off_bus", Component.GPU, Severity.FATAL,
                              f"application: {_line_of(text, m.start()).strip()}", Source.INJECT,
                              raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
+    for m in _NCCL_FATAL.finditer(text):
+        dev = m.group("dev") or m.group("dev2")
+        out.append(ctx.event("ib_device_fatal", Component.IB, Severity.FATAL, f"NCCL NET/IB: local catastrophic error"
+                             + (f" on {dev}" if dev else "") + " (IBV_EVENT_DEVICE_FATAL: the HCA is dead)",
+                             Source.INJECT, device=Device(name=dev.split(":")[0] if dev else None),
+                             raw=_line_of(text, m.start()), attrs={"text_kind": "nccl"}))
+        break
     for m in _NCCL_IB.finditer(text):
+        if "catastrophic" in m.group(1):
+            continue
         status = int(m.group(2)) if m.group(2) else None
         if status == 0:
             continue
@@ -65,6 +95,161 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     out += _mcelog(text, ctx)
     out += _ib_tools(text, ctx)
     out += _sel(text, ctx)
+    out += _vendor_bmc(text, ctx)
+    out += _ras_mc_ctl(text, ctx)
+    out += _autopilot(text, ctx)
+    return out
+
+
+def classify_hw_text(text: str) -> tuple[str, Component, Severity] | None:
+    """A BMC/IML/SEL message → (kind, component, severity), or None for text that names no fault.
+
+    Rules (IPMI 2.0 sensor-specific offsets for Memory/Processor/Critical Interrupt; Dell iDRAC event
+    message reference MEM/CPU/PCI ids; HPE IML messages): uncorrectable or multi-bit memory → edac_ue;
+    correctable memory / single-bit → edac_ce; processor IERR, machine check, internal error →
+    mce_uncorrected; PCI(e) bus fatal/uncorrectable, PERR/SERR → aer_fatal.
+    """
+    e = text.lower()
+    if re.search(r"uncorrectable (?:ecc|memory)|multi-?bit (?:memory|ecc)|uncorrectable machine check.*memory|"
+                 r"memory .*uncorrectable", e):
+        return "edac_ue", Component.MEMORY, Severity.FATAL
+    if re.search(r"processor|cpu", e) and re.search(r"ierr|internal error|machine check|\bmce\b|thermal trip", e) \
+            or "machine check exception" in e:
+        return "mce_uncorrected", Component.CPU, Severity.FATAL
+    if re.search(r"pci (?:perr|serr)|bus (?:uncorrectable|fatal) error|(?:uncorrectable|fatal) pci(?:e| express)? "
+                 r"(?:express )?error|pci(?:e| express)? (?:bus )?(?:fatal|uncorrectable) error|bus fatal error", e):
+        return "aer_fatal", Component.PCIE, Severity.FATAL
+    if re.search(r"correctable (?:ecc|memory)|single-?bit (?:memory|ecc)|corrected memory error", e):
+        return "edac_ce", Component.MEMORY, Severity.INFO
+    return None
+
+
+def _vendor_bmc(text: str, ctx: Ctx) -> list[FaultEvent]:
+    out: list[FaultEvent] = []
+    if re.search(r"^\s*(?:Severity|Message ID|Description)\s*[:=]", text, re.M | re.I):
+        rec: dict[str, str] = {}
+        lines: list[str] = []
+
+        def flush() -> None:
+            msg = rec.get("description") or rec.get("message") or ""
+            sev = rec.get("severity", "").lower()
+            if msg and sev not in ("ok", "informational", "info", "normal"):
+                hit = classify_hw_text(msg)
+                if hit:
+                    kind, comp, s = hit
+                    out.append(ctx.event(kind, comp, s, f"BMC: {rec.get('message id', '')} {msg}".replace("BMC:  ", "BMC: "),
+                                         Source.KMSG, raw="\n".join(lines),
+                                         attrs={"text_kind": "bmc_log", "bmc_severity": rec.get("severity"),
+                                                "message_id": rec.get("message id") or rec.get("messageid")}))
+            rec.clear()
+            lines.clear()
+
+        for line in text.splitlines():
+            m = _KV_REC.match(line)
+            if m:
+                k = m.group("k").lower()
+                if k in rec and k in ("severity", "description", "message", "record"):
+                    flush()
+                rec[k] = m.group("v")
+                lines.append(line)
+            elif set(line.strip()) <= set("-=") and line.strip():
+                flush()
+        flush()
+    for line in text.splitlines():
+        if "|" in line and re.match(r"^\s*[0-9a-fA-F]+\s*\|", line):
+            continue  # ipmitool rows: _sel
+        m = _IML.match(line)
+        if not m:
+            continue
+        sev = (m.group("sev") or m.group("sev2") or "").upper()
+        if sev not in ("CRITICAL", "CAUTION"):
+            continue
+        hit = classify_hw_text(m.group("msg"))
+        if hit:
+            kind, comp, s = hit
+            out.append(ctx.event(kind, comp, s, f"BMC IML: {m.group('msg').strip()}", Source.KMSG, raw=line.strip(),
+                                 attrs={"text_kind": "iml", "bmc_severity": sev.lower()}))
+    return out
+
+
+def _ras_mc_ctl(text: str, ctx: Ctx) -> list[FaultEvent]:
+    if not re.search(r"^(?:Memory controller events|PCIe AER events|MCE (?:events|records))", text, re.M | re.I):
+        return []
+    section = ""
+    groups: dict[tuple[str, str | None], tuple[Component, Severity, list[str]]] = {}
+    for line in text.splitlines():
+        sm = _RAS_SECTION.match(line.strip())
+        if sm and line.strip().endswith(":"):
+            section = sm.group("name").lower()
+            continue
+        t = line.strip()
+        if not t or not section or t.lower().startswith("no "):
+            continue
+        low = t.lower()
+        dev: str | None = None
+        if section.startswith("memory controller"):
+            kind, comp = ("edac_ue", Component.MEMORY) if re.search(r"uncorrected|fatal", low) else ("edac_ce", Component.MEMORY)
+            dm = re.search(r"(?:DIMM Label\(s\): '([^']*)'|error at (\S+))", t)
+            dev = (dm.group(1) or dm.group(2)) if dm else None
+        elif section.startswith("pcie aer"):
+            if "non-fatal" in low or "nonfatal" in low:
+                kind = "aer_nonfatal"
+            elif "fatal" in low:
+                kind = "aer_fatal"
+            else:
+                kind = "aer_corrected"
+            comp = Component.PCIE
+            bm = _BDF_ANY.search(t)
+            dev = bm.group(0) if bm else None
+        elif section.startswith("mce"):
+            comp = Component.CPU
+            kind = "mce" if re.search(r"corrected_error|\bcorrected\b", low) and "uncorrected" not in low else "mce_uncorrected"
+        else:
+            continue
+        entry = ctx.catalog.kinds.get(kind)
+        sev = entry.severity if entry else Severity.DEGRADED
+        key = (kind, dev)
+        if key not in groups:
+            groups[key] = (comp, sev, [])
+        groups[key][2].append(t)
+    out: list[FaultEvent] = []
+    from agents.kmsg.matchers import normalize_bdf
+
+    for (kind, dev), (comp, sev, lines) in groups.items():
+        bdf = normalize_bdf(dev) if dev and comp is Component.PCIE else None
+        device = Device(pci_bus_id=bdf) if bdf else Device(name=dev[:64] if dev else None)
+        out.append(ctx.event(kind, comp, sev, f"ras-mc-ctl: {lines[0]}" + (f" (+{len(lines) - 1} more)" if len(lines) > 1 else ""),
+                             Source.KMSG, device=device, raw="\n".join(lines[:50]),
+                             attrs={"text_kind": "ras-mc-ctl", "records": len(lines)}))
+    return out
+
+
+def _autopilot(text: str, ctx: Ctx) -> list[FaultEvent]:
+    if "autopilot.ibm.com/" not in text:
+        return []
+    out: list[FaultEvent] = []
+    evict = None
+    for m in _AUTOPILOT.finditer(text):
+        key, val = m.group("key"), m.group("val")
+        if key.startswith("dcgm.level") and val.upper().startswith("ERR"):
+            parts = val.split("_")
+            test = "_".join(p for p in parts[3:]) if len(parts) > 3 else val
+            gpu = None
+            if "." in test:
+                test, _, ids = test.partition(".")
+                gpu = to_int(ids.split(".")[0]) if ids[:1].isdigit() else None
+            from agents.parsers.dcgm import component_of
+
+            out.append(ctx.event("dcgm_diag_fail", component_of(test), Severity.FATAL,
+                                 f"Autopilot {key}: DCGM test {test} failed" + (f" on GPU {gpu}" if gpu is not None else ""),
+                                 Source.DCGM, device=Device(index=gpu), raw=_line_of(text, m.start()).strip(),
+                                 attrs={"text_kind": "autopilot", "test": test}))
+        elif key == "gpuhealth" and val.upper() == "EVICT":
+            evict = m
+    if evict is not None and not out:
+        out.append(ctx.event("dcgm_health_failure", Component.GPU, Severity.FATAL,
+                             "Autopilot gpuhealth=EVICT: the node's GPUs failed a health check", Source.DCGM,
+                             raw=_line_of(text, evict.start()).strip(), attrs={"text_kind": "autopilot"}))
     return out
 
 
@@ -145,13 +330,13 @@ def _sel(text: str, ctx: Ctx) -> list[FaultEvent]:
         e = f"{sensor} {event}".lower()
         raw = m.group(0).strip()
         attrs = {"text_kind": "bmc_sel", "sensor": sensor}
-        if "uncorrectable ecc" in e or "uncorrectable machine check" in e and "memory" in e:
+        if "uncorrectable ecc" in e or "uncorrectable machine check" in e and "memory" in e or "multi-bit" in e:
             out.append(ctx.event("edac_ue", Component.MEMORY, Severity.FATAL, f"BMC SEL: {sensor}: {event}",
                                  Source.KMSG, device=Device(name=sensor), raw=raw, attrs=attrs))
         elif "correctable ecc" in e:
             out.append(ctx.event("edac_ce", Component.MEMORY, Severity.INFO, f"BMC SEL: {sensor}: {event}",
                                  Source.KMSG, device=Device(name=sensor), raw=raw, attrs=attrs))
-        elif "processor" in e and ("ierr" in e or "machine check" in e or "thermal trip" in e):
+        elif ("processor" in e or "cpu" in e) and ("ierr" in e or "machine check" in e or "thermal trip" in e):
             out.append(ctx.event("mce_uncorrected", Component.CPU, Severity.FATAL, f"BMC SEL: {sensor}: {event}",
                                  Source.KMSG, device=Device(name=sensor), raw=raw, attrs=attrs))
         elif re.search(r"pci (?:perr|serr)|bus (?:uncorrectable|fatal) error", e):

@@ -169,6 +169,12 @@ class KindEntry(_Entry):
     healthy: bool = False
     clears: list[str] = Field(default_factory=list)
     cleared_by: str = Field(min_length=1)
+    escalate_to: str | None = None
+    """Kind that `escalate_count` occurrences on one device within `escalate_window_s` become."""
+    escalate_count: int | None = Field(default=None, ge=2)
+    escalate_window_s: float | None = Field(default=None, gt=0)
+    escalate_reason: str | None = None
+    """Why that threshold (required with `escalate_to`)."""
 
     @field_validator("cleared_by")
     @classmethod
@@ -576,6 +582,12 @@ def load_catalog(overrides: Path | None = None) -> Catalog:
                 raise CatalogError(f"{where_k[name]}: [kind.{name}]: clears unknown kind {cleared!r}")
         if not entry.cleared_by.startswith("none:") and entry.cleared_by not in kinds:
             raise CatalogError(f"{where_k[name]}: [kind.{name}]: cleared_by unknown kind {entry.cleared_by!r}")
+        if entry.escalate_to is not None and (
+            entry.escalate_to not in kinds or not entry.escalate_count or not entry.escalate_window_s
+            or not entry.escalate_reason
+        ):
+            raise CatalogError(f"{where_k[name]}: [kind.{name}]: escalate_to needs a known kind, "
+                               "escalate_count, escalate_window_s and escalate_reason")
     return Catalog(xids, kinds, rules)
 
 
