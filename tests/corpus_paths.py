@@ -1,4 +1,11 @@
-"""Where the shared corpus lives for the decoder tests (kept beside the repo as ../shared/corpus)."""
+"""Where the decoder tests' corpus lives: `tests/corpus/` in the repository (a copy of the shared corpus plus
+the cases added here), so a fresh clone tests with nothing beside it.
+
+Files: `cases.jsonl` and `cases-new.jsonl` (the shared corpus, verbatim), `cases-more.jsonl` (real texts
+found in public issue trackers, mailing lists and driver sources, each with its source), the XID catalog
+TSVs the catalog generator reads. `$FLEETMEND_CORPUS` points the tests at another directory with the same
+layout (e.g. a newer shared corpus); its missing files are then simply absent.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +13,42 @@ import json
 import os
 from pathlib import Path
 
-import pytest
+CASE_FILES = ("cases.jsonl", "cases-new.jsonl", "cases-more.jsonl")
 
 
 def corpus_dir() -> Path:
-    """`$FLEETMEND_CORPUS`, else `<repo>/../shared/corpus`."""
+    """`$FLEETMEND_CORPUS`, else `tests/corpus` of this checkout."""
     env = os.environ.get("FLEETMEND_CORPUS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    return Path(env) if env else Path(__file__).resolve().parent / "corpus"
 
 
 def load_cases(kind: str | None = None) -> list[dict]:
-    """Cases from cases.jsonl (optionally of one `kind`). Missing corpus: fail under CI=true, else []."""
-    path = corpus_dir() / "cases.jsonl"
-    if not path.exists():
-        if os.environ.get("CI", "").lower() == "true":
-            raise RuntimeError(f"corpus missing at {path}: set FLEETMEND_CORPUS or lay shared/ beside the repo")
-        return []
-    cases = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """Cases from every case file (optionally of one `kind`). Raises RuntimeError when none is found."""
+    d = corpus_dir()
+    cases: list[dict] = []
+    for name in CASE_FILES:
+        path = d / name
+        if path.exists():
+            cases += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not cases:
+        raise RuntimeError(f"no corpus cases under {d} (tests/corpus is part of the repository)")
+    ids = [c["id"] for c in cases]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise RuntimeError(f"duplicate corpus case ids: {dupes}")
     return [c for c in cases if kind is None or c["kind"] == kind]
 
 
 def need_corpus() -> Path:
-    """The corpus dir, or skip (fail under CI=true) when it is absent."""
+    """The corpus dir (always present in the repository)."""
     d = corpus_dir()
     if not (d / "cases.jsonl").exists():
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"corpus missing at {d} (CI=true)")
-        pytest.skip(f"corpus not found at {d}")
+        raise RuntimeError(f"corpus missing at {d}")
     return d
 
 
 def corpus_case(case_id: str) -> dict:
-    """One case by id (e.g. "c005"); skips (fails under CI=true) when the corpus is absent."""
-    need_corpus()
+    """One case by id (e.g. "c005")."""
     for c in load_cases():
         if c["id"] == case_id:
             return c

@@ -35,8 +35,6 @@ def _observed(e: FaultEvent) -> dict:
 
 
 def test_corpus_has_every_kind() -> None:
-    if not CASES:
-        pytest.skip("corpus not found")
     assert {c["kind"] for c in CASES} >= {"kmsg", "nvidia-smi", "dcgm", "other"}
 
 

@@ -9,7 +9,8 @@ Framings handled (any nesting order that occurs in practice, applied repeatedly)
   (`kern  :warn  : 2025-01-21T04:41:44,283302+00:00 `), `dmesg -r` / pstore `<N>` priorities;
 - syslog / journald short and ISO (`Mon DD HH:MM:SS[.us] [host] kernel: `, host may be missing, the
   message may carry the `[uptime]` stamp too); non-kernel programs (`systemd[1]:`) are *foreign*;
-- talosctl (`10.0.0.1: kern: warning: [RFC3339]: `);
+- talosctl (`10.0.0.1: kern: warning: [RFC3339]: `); OpenWrt/busybox `logread`
+  (`Tue Aug 12 16:40:43 2025 kern.crit kernel: `);
 - collector prefixes, stripped with their wall-clock time kept in `Framed.wall`: console servers
   (`YYYY-MM-DD HH:MM:SS` then spaces or a tab, then the kernel's `[uptime]`), Open MPI
   `mpirun --tag-output/--timestamp-output` (`2019-05-10T04:29:11.340Z: [1,12]<stdout>:`, and Open MPI
@@ -28,6 +29,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+_WEEKDAYS = frozenset("Mon Tue Wed Thu Fri Sat Sun".split())
 _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
 
 
@@ -76,6 +78,11 @@ _SYSLOG = re.compile(
     rf"|(?P<iso>{_ISO}))"
     r" +(?:(?P<host>[^\s:\[]*[^\s:]) +)?(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
 )
+_LOGREAD = re.compile(
+    r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d) (?P<year>\d{4}) "
+    rf"(?P<fac>{_FACILITIES})\.(?P<lvl>[a-z]+) (?P<tag>[\w./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
+)
+"""OpenWrt/busybox `logread`: `Tue Aug 12 16:40:43 2025 kern.crit kernel: [1317557.006117] ...`."""
 _HOST_KERNEL = re.compile(r"^(?:(?P<host>[^\s:\[]*[^\s:]) +)?kernel: ?(?P<msg>.*)$")
 _PRIO = re.compile(r"^<(?P<pri>\d{1,3})>(?P<msg>.*)$")
 _UPTIME = re.compile(r"^\[ *(?P<ts>\d+\.\d+)\] ?(?P<msg>.*)$")
@@ -207,6 +214,15 @@ class Deframer:
             if m2:
                 f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
             return True
+        if t[:3] in _WEEKDAYS:
+            m = _LOGREAD.match(t)
+            if m:
+                f.text, f.framed = m["msg"], True
+                f.stamp = f"{m['mon']} {m['day']} {m['hms']} {m['year']}"
+                f.wall = f.wall or f.stamp
+                f.ts = int(m["year"]) * 400 * 86400.0 + _soy(m["mon"], m["day"], m["hms"])
+                f.foreign = f.foreign or m["tag"] != "kernel"
+                return True
         m = _SYSLOG.match(t)
         if m and m["iso"] and m["host"] is None and m["tag"] != "kernel":
             m = None  # `2025-01-21T04:41:44,283302+00:00 NVRM: ...` (dmesg --time-format iso): no host, not syslog

@@ -257,8 +257,15 @@ inside a WARN_ONCE (v2.6.27..v6.7), `netdev_crit(dev, "NETDEV WATCHDOG: CPU: %d:
 %u ms")` since v6.8 (the netdev prefix names driver, bus id and interface), `NETDEV WATCHDOG: %s: transmit
 timed out` before v2.6.27."""
 _NETDEV_PREFIX = re.compile(r"^(?P<drv>[\w.-]+) (?P<bus>\S+) (?P<if>[\w.@-]+)(?: \([\w ]+\))?: ")
-_WD_WARN = re.compile(r"^WARNING: (?:CPU: \d+ PID: \d+ )?at net/sched/sch_generic\.c:\d+ dev_watchdog\b")
-_NIC_DEV = re.compile(rf"^(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW}) (?P<if>[\w.@-]+): (?P<msg>.*)$")
+_WD_WARN = re.compile(r"^WARNING: (?:CPU: \d+ PID: \d+ )?at \S*net/sched/sch_generic\.c:\d+ dev_watchdog\b")
+_NIC_DEV = re.compile(rf"^(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW})(?: (?P<if>[\w.@-]+))?: (?P<msg>.*)$")
+NIC_DRIVERS = frozenset(
+    "igb igc e1000 e1000e ixgbe ixgbevf i40e iavf ice idpf fm10k bnxt_en bnx2 bnx2x tg3 ena mlx4_en mlx5_core "
+    "r8169 r8125 r8152 qede qlcnic be2net enic vmxnet3 virtio_net hns3 atlantic cxgb4 sfc nfp ionic gve txgbe "
+    "ngbe 8139too via-rhine".split()
+)
+"""NIC drivers whose device-level messages (`igb 0000:09:00.0: Detected Tx Unit Hang`, no interface name)
+are read as NIC events; a message with an interface name (netdev_printk) is a NIC message whatever the driver."""
 _NIC_TX_FOLLOW = re.compile(
     r"TX timeout on queue: ?(?P<q>\d+)|TX timeout detected|"  # mlx5e en_main.c mlx5e_tx_timeout_work / bnxt.c
     r"Found a Tx that wasn't completed on time, qid (?P<q2>\d+)|"  # ena_netdev.c check_missing_comp_in_tx_queue
@@ -326,12 +333,14 @@ def _nic_tx(t: str) -> Candidate | None:
     if "dev_watchdog" in t and _WD_WARN.search(t):
         return Candidate(kind="nic_tx_timeout", component=Component.NIC, family="nic_tx", detail=True, priority=0)
     m = _NIC_DEV.match(t)
-    if m is None:
+    if m is None or (m["if"] is None and m["drv"] not in NIC_DRIVERS):
         return None
     low = m["msg"].lower()
-    if not any(k in low for k in ("tx", "transmit", "reset", "hang", "ftq", "recover", "abort")):
+    if not any(k in low for k in ("tx", "transmit", "reset", "hang", "ftq", "recover", "abort", "watchdog")):
         return None
-    attrs = {"driver": m["drv"], "interface": m["if"]}
+    attrs = {"driver": m["drv"]}
+    if m["if"]:
+        attrs["interface"] = m["if"]
     base = dict(component=Component.NIC, bdf=normalize_bdf(m["bdf"]), dev_name=m["if"], family="nic_tx")
     if _NIC_UNRECOVERABLE.search(m["msg"]):
         return Candidate(kind="nic_reset_failed", priority=5, attrs=attrs, **base)  # type: ignore[arg-type]
@@ -416,7 +425,7 @@ def _mlx5(t: str) -> Candidate | None:
 
 _MCE_HEAD = re.compile(
     r"\[Hardware Error\]: CPU (?P<cpu>\d+): Machine Check(?P<exc> Exception)?: (?P<mcg>[0-9a-fA-F]+) "
-    r"Bank (?P<bank>\d+): (?P<status>[0-9a-fA-F]{1,16})"
+    r"Bank (?P<bank>\d+)(?:: (?P<status>[0-9a-fA-F]{1,16}))?"
 )
 """arch/x86/kernel/cpu/mce/core.c __print_mce(): `HW_ERR "CPU %d: Machine Check%s: %Lx Bank %d: %016Lx"`
 (` Exception` when MCG_STATUS.MCIP is set), HW_ERR = `[Hardware Error]: `, pr_fmt `mce: ` since v4.x (older
@@ -454,11 +463,15 @@ def mce_kind(status: int) -> str:
 def _mce(t: str) -> Candidate | None:
     m = _MCE_HEAD.search(t)
     if m:
-        status = int(m["status"], 16)
-        kind = mce_kind(status)
-        return Candidate(kind=kind, family="ras", priority=2 if kind != "mce" else 0,
-                         attrs={"cpu": int(m["cpu"]), "bank": int(m["bank"]), "mci_status": f"0x{status:016x}",
-                                "mcg_status": f"0x{int(m['mcg'], 16):x}", "exception": bool(m["exc"])})
+        attrs: dict[str, Attr] = {"cpu": int(m["cpu"]), "bank": int(m["bank"]),
+                                  "mcg_status": f"0x{int(m['mcg'], 16):x}", "exception": bool(m["exc"])}
+        if m["status"]:
+            status = int(m["status"], 16)
+            kind = mce_kind(status)
+            attrs["mci_status"] = f"0x{status:016x}"
+        else:  # status elided: an exception (MCG_STATUS.MCIP) is taken as uncorrected until its text says more
+            kind = "mce_uncorrected" if m["exc"] else "mce"
+        return Candidate(kind=kind, family="ras", priority=2 if kind != "mce" else 0, attrs=attrs)
     if _MCE_FATAL_TEXT.search(t):
         return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=1, attrs={"mce_text": t[:200]})
     if _MCE_CORRECTED_TEXT.search(t):
@@ -517,16 +530,20 @@ def _ghes_body(t: str) -> Candidate | None:
 
 _GPU_INIT = re.compile(
     rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:RmInitAdapter failed!?(?: \((?P<code>[^)]*)\))?|"
-    r"rm_init_adapter failed|RmInitAdapter: .*failed)",
+    r"rm_init_adapter failed|RmInitAdapter: (?:.*failed|Cannot initialize.*))",
     re.I,
 )
 """NVIDIA open-gpu-kernel-modules kernel-open/nvidia/nv.c / src/nvidia/arch/nvalloc/unix/src/osinit.c:
 `NVRM: GPU %04x:%02x:%02x.%x: RmInitAdapter failed! (0x%x:0x%x:%d)`, `rm_init_adapter failed, device minor
 number %d` (older: `NVRM: RmInitAdapter failed! (0x26:0xffff:1228)`)."""
-_GPU_FSP = re.compile(r"NVRM: (?:GPU (?P<bdf>" + _BDF_RAW + r"): )?(?P<fn>kfsp\w+|\w*[Ff]sp\w*)(?::| ).*", re.I)
+_GPU_FSP = re.compile(
+    r"NVRM: (?:GPU (?P<bdf>" + _BDF_RAW + r"): )?(?P<fn>kfsp\w+|\w*Fsp\w*|\w*GfwBoot\w*)(?::| ).*"
+)
 """open-gpu-kernel-modules src/nvidia/src/kernel/gpu/fsp/ (kern_fsp.c, arch/hopper/kern_fsp_gh100.c):
 `kfspDumpDebugState_GH100: NV_PFSP_FALCON_COMMON_SCRATCH_GROUP_2(%d) = 0x%x`, `kfspWaitForSecureBoot_GH100:
-Timeout waiting for GFW_BOOT...`, FSP boot-command and RPC failures: the GPU never finished secure boot."""
+Timeout waiting for GFW_BOOT...`, FSP boot-command and RPC failures; on pre-Hopper GPUs the VBIOS boot wait
+(gpu/arch/turing `gpuWaitForGfwBootComplete_TU102: failed to wait for GFW_BOOT`, `kgspWaitForGfwBootOk_TU102`):
+the GPU never finished its firmware boot."""
 _GPU_FSP_BAD = re.compile(r"DumpDebugState|fail|error|timeout|timed out|not (?:responding|ready)", re.I)
 
 
@@ -536,7 +553,7 @@ def _gpu_boot(t: str) -> Candidate | None:
         attrs: dict[str, Attr] = {"init_error": m["code"]} if m["code"] else {}
         return Candidate(kind="gpu_init_failed", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,
                          family="gpu_boot", priority=3, attrs=attrs)
-    if "sp" in t:
+    if "sp" in t or "Gfw" in t:
         m = _GPU_FSP.search(t)
         if m and _GPU_FSP_BAD.search(t):
             return Candidate(kind="gpu_fsp_error", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,
@@ -758,6 +775,7 @@ _GHES_SEV = re.compile(r"\[Hardware Error\]: event severity: (?P<sev>\w+)")
 _GHES_SECTION = re.compile(r"\[Hardware Error\]:\s+section_type: (?P<st>.+)$")
 _GHES_DEVICE = re.compile(rf"\[Hardware Error\]:\s+device_id: (?P<bdf>{_BDF_RAW})\s*$")
 
+_NVME_PCI_LINE = re.compile(rf"^nvme (?P<bdf>{_BDF_RAW}): ")
 CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task"}
 
 
@@ -789,6 +807,10 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         m = _AER_BIT.match(parts[1].strip() if len(parts) == 2 else t)
         if m:
             out["aer_error"] = m["name"] + (" (First)" if m["first"] else "")
+    elif kind.startswith("nvme_"):
+        m = _NVME_PCI_LINE.match(t)
+        if m:
+            out["bdf"] = normalize_bdf(m["bdf"])
     elif kind.startswith("ghes_"):
         m = _GHES_SEV.search(t)
         if m:

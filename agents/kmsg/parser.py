@@ -267,7 +267,8 @@ class KmsgParser:
             c.kind = str(d["kind"])
         if d.get("bdf") and c.bdf is None:
             c.bdf = str(d["bdf"])
-            c.component = Component.PCIE
+            if c.kind.startswith("ghes_"):
+                c.component = Component.PCIE
         for k in ("aer_status", "aer_mask", "ghes_section"):
             if k in d:
                 c.attrs.setdefault(k, d[k])
