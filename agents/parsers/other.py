@@ -71,7 +71,7 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
         out.append(ctx.event("cuda_uncorrectable_ecc", Component.GPU, Severity.FATAL,
                              f"application: {_line_of(text, m.start()).strip()}", Source.INJECT,
                              raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
-    if not out and (m := _LOST.search(text)) and "NVRM" not in text:
+    if not out and (m := _LOST.search(text)) and "NVRM" not in text and "DCGM_" not in _line_of(text, m.start()):
         out.append(ctx.event("gpu_fallen_off_bus", Component.GPU, Severity.FATAL,
                              f"application: {_line_of(text, m.start()).strip()}", Source.INJECT,
                              raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
@@ -134,7 +134,10 @@ def _vendor_bmc(text: str, ctx: Ctx) -> list[FaultEvent]:
             msg = rec.get("description") or rec.get("message") or ""
             sev = rec.get("severity", "").lower()
             if msg and sev not in ("ok", "informational", "info", "normal"):
-                hit = classify_hw_text(msg)
+                mid = (rec.get("message id") or rec.get("messageid") or "").strip()
+                # Dell message-id families name the part: CPUnnnn processor, MEMnnnn memory, PCInnnn PCI bus
+                area = {"CPU": "processor", "MEM": "memory", "PCI": "pci bus"}.get(mid[:3].upper(), "")
+                hit = classify_hw_text(f"{area} {msg}" if area else msg)
                 if hit:
                     kind, comp, s = hit
                     out.append(ctx.event(kind, comp, s, f"BMC: {rec.get('message id', '')} {msg}".replace("BMC:  ", "BMC: "),
