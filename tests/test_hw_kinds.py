@@ -431,3 +431,23 @@ def test_ras_mc_ctl_errors_and_summary() -> None:
 def test_nccl_local_catastrophic_error_is_a_dead_hca() -> None:
     text = "node-a01:34050:34121 [0] transport/net_ib.cc:93 NCCL WARN NET/IB : Got async event : local catastrophic error"
     assert kinds(text) == [("ib_device_fatal", "ib", None, None, None, "fatal")]
+
+
+def test_one_stuck_queue_firing_the_watchdog_again_and_again_is_fatal() -> None:
+    text = "\n".join(f"[{1000 + 5 * i:.6f}] mtk_soc_eth 1e100000.ethernet eth0: NETDEV WATCHDOG: CPU: 1: transmit "
+                     f"queue 3 timed out {5000 * (i + 1)} ms" for i in range(4))
+    evs = parse_text(text, node="n")
+    assert [(e.kind, e.severity.value, e.attrs["repeat_count"]) for e in evs] == [("nic_tx_timeout_repeated", "fatal", 4)]
+    # a driver reporting one hang every 2 s (igb/e1000e) is one episode
+    hang = "\n".join(f"[{50 + 2 * i:.6f}] e1000e 0000:00:19.0 eth0: Detected Hardware Unit Hang:" for i in range(5))
+    assert [(e.kind, e.severity.value) for e in parse_text(hang, node="n")] == [("nic_tx_timeout", "degraded")]
+
+
+def test_ghes_record_whose_header_was_wrapped() -> None:
+    text = ("{1}[Hardware Error]: Hardware error from APEI Generic Hardware\n"
+            "Error Source: 1\n"
+            "{1}[Hardware Error]: event severity: fatal\n"
+            "{1}[Hardware Error]:  Error 0, type: fatal\n"
+            "{1}[Hardware Error]:   section_type: PCIe error\n"
+            "{1}[Hardware Error]:   device_id: 0000:af:00.0\n")
+    assert shape(one(text)) == ("ghes_fatal", "pcie", "0000:af:00.0", None, "fatal")

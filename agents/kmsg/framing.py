@@ -199,48 +199,76 @@ class Deframer:
             f.text, f.framed = m["msg"], True
 
     def _strip_once(self, f: Framed) -> bool:
+        """Remove one framing layer. The first character picks the candidates (bracketed stamps, `<N>`
+        priorities, or the word/date-led framings), so a line costs a few regex attempts, not all of them."""
         t = f.text
-        m = _TALOS.match(t)
-        if m:
-            f.text, f.framed, f.stamp = m["msg"], True, m["ts"]
-            f.ts = _iso_ts(m["ts"]) if f.ts is None else f.ts
-            f.foreign = f.foreign or m["fac"] != "kern"
-            return True
-        m = _DECODE.match(t)
-        if m:
-            f.text, f.framed = m["msg"], True
-            f.foreign = f.foreign or m["fac"] != "kern"
-            m2 = _ISO_LEAD.match(f.text)
-            if m2:
-                f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
-            return True
-        if t[:3] in _WEEKDAYS:
-            m = _LOGREAD.match(t)
+        c = t[:1]
+        if c == "[":
+            return self._strip_bracket(f, t)
+        if c == "<":
+            m = _PRIO.match(t)
             if m:
                 f.text, f.framed = m["msg"], True
-                f.stamp = f"{m['mon']} {m['day']} {m['hms']} {m['year']}"
-                f.wall = f.wall or f.stamp
-                f.ts = int(m["year"]) * 400 * 86400.0 + _soy(m["mon"], m["day"], m["hms"])
-                f.foreign = f.foreign or m["tag"] != "kernel"
                 return True
-        m = _SYSLOG.match(t)
-        if m and m["iso"] and m["host"] is None and m["tag"] != "kernel":
-            m = None  # `2025-01-21T04:41:44,283302+00:00 NVRM: ...` (dmesg --time-format iso): no host, not syslog
-        if m:
-            f.text, f.framed = m["msg"], True
-            if m["iso"]:
-                f.stamp, f.ts = m["iso"], _iso_ts(m["iso"])
-            else:
-                f.stamp = f"{m['mon']} {m['day']} {m['hms']}"
-                f.ts = _soy(m["mon"], m["day"], m["hms"]) + (float("0." + m["frac"]) if m["frac"] else 0.0)
-            if m["tag"] != "kernel":
-                f.foreign = True
-            f.wall = f.wall or f.stamp
-            return True
-        m = _PRIO.match(t)
-        if m:
-            f.text, f.framed = m["msg"], True
-            return True
+            return False
+        if not c or c in " \t":
+            return False
+        if ": " in t:
+            m = _TALOS.match(t)
+            if m:
+                f.text, f.framed, f.stamp = m["msg"], True, m["ts"]
+                f.ts = _iso_ts(m["ts"]) if f.ts is None else f.ts
+                f.foreign = f.foreign or m["fac"] != "kern"
+                return True
+        if c.isalpha():
+            m = _DECODE.match(t)
+            if m:
+                f.text, f.framed = m["msg"], True
+                f.foreign = f.foreign or m["fac"] != "kern"
+                m2 = _ISO_LEAD.match(f.text)
+                if m2:
+                    f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
+                return True
+            if t[:3] in _WEEKDAYS:
+                m = _LOGREAD.match(t)
+                if m:
+                    f.text, f.framed = m["msg"], True
+                    f.stamp = f"{m['mon']} {m['day']} {m['hms']} {m['year']}"
+                    f.wall = f.wall or f.stamp
+                    f.ts = int(m["year"]) * 400 * 86400.0 + _soy(m["mon"], m["day"], m["hms"])
+                    f.foreign = f.foreign or m["tag"] != "kernel"
+                    return True
+        if c.isdigit() or t[:3] in _MONTHS:
+            m = _SYSLOG.match(t)
+            if m and m["iso"] and m["host"] is None and m["tag"] != "kernel":
+                m = None  # `2025-01-21T04:41:44,283302+00:00 NVRM: ...` (dmesg --time-format iso): no host, not syslog
+            if m:
+                f.text, f.framed = m["msg"], True
+                if m["iso"]:
+                    f.stamp, f.ts = m["iso"], _iso_ts(m["iso"])
+                else:
+                    f.stamp = f"{m['mon']} {m['day']} {m['hms']}"
+                    f.ts = _soy(m["mon"], m["day"], m["hms"]) + (float("0." + m["frac"]) if m["frac"] else 0.0)
+                if m["tag"] != "kernel":
+                    f.foreign = True
+                f.wall = f.wall or f.stamp
+                return True
+        if c.isdigit():
+            m = _CONSOLE.match(t)
+            if m:
+                ts = _iso_ts(m["ts"])
+                if ts is not None:
+                    f.text, f.framed, f.stamp, f.ts = m["msg"], True, m["ts"], ts
+                    f.wall = f.wall or m["ts"]
+                    return True
+        if not f.framed and "kernel:" in t:
+            m = _HOST_KERNEL.match(t)
+            if m:
+                f.text, f.framed = m["msg"], True
+                return True
+        return False
+
+    def _strip_bracket(self, f: Framed, t: str) -> bool:
         m = _UPTIME.match(t)
         if m:
             f.text, f.framed = m["msg"], True
@@ -266,17 +294,4 @@ class Deframer:
             f.text, f.framed, f.stamp = m["msg"], True, f"{m['mon']} {m['day']} {m['hm']}"
             f.ts = _soy(m["mon"], m["day"], m["hm"] + ":00")
             return True
-        if t[:1].isdigit():
-            m = _CONSOLE.match(t)
-            if m:
-                ts = _iso_ts(m["ts"])
-                if ts is not None:
-                    f.text, f.framed, f.stamp, f.ts = m["msg"], True, m["ts"], ts
-                    f.wall = f.wall or m["ts"]
-                    return True
-        if not f.framed:
-            m = _HOST_KERNEL.match(t)
-            if m and (m["host"] is None or not t.startswith(" ")):
-                f.text, f.framed = m["msg"], True
-                return True
         return False

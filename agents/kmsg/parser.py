@@ -31,9 +31,12 @@ MAX_RECORD_LINES = 400
 AER_BURST_COUNT = 3
 AER_BURST_WINDOW_S = 60.0
 """3 corrected AER errors on one port within 60 s = `aer_corrected_burst` (kinds.toml states why)."""
-FAMILY_WINDOW_S = {"nvme": 120.0}
+FAMILY_WINDOW_S = {"nvme": 120.0, "nic_tx": 10.0}
 """An NVMe timeout -> reset -> 'Device not ready' -> removal chain spans ~25 s per step (admin command
-timeout 30 s default); heads of that family on the same controller merge within 120 s."""
+timeout 30 s default); heads of that family on the same controller merge within 120 s. A NIC transmit-timeout
+episode (watchdog line, driver dump, reset) continues while its lines come within 10 s (ENA checks missing
+completions every second, igb/e1000e report a hang every 2 s); each `NETDEV WATCHDOG` line in it is one
+timeout for the repeat count (dev_watchdog fires once per watchdog period while the queue stays stuck)."""
 
 CAUSE_FAMILIES = {"ras", "mlx5_fw", "gpu_boot"}
 CAUSE_WINDOW_S = 30.0
@@ -436,7 +439,9 @@ class KmsgParser:
             return
         key = f"{c.kind}|{c.bdf or c.dev_name or ''}"
         hist = self._repeat_history.setdefault(key, deque(maxlen=max(entry.escalate_count, 1) * 4))
-        hist.append(rec.ts_last)
+        occurrences = sum("NETDEV WATCHDOG" in line for line in rec.lines) or 1
+        for _ in range(min(occurrences, hist.maxlen or 1)):
+            hist.append(rec.ts_last)
         now = rec.ts_last
         window = entry.escalate_window_s or 0.0
         recent = [t for t in hist if t is None or now is None or 0 <= now - t <= window]
