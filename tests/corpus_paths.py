@@ -1,10 +1,10 @@
-"""Where the decoder tests' corpus lives: `tests/corpus/` in the repository (a copy of the shared corpus plus
-the cases added here), so a fresh clone tests with nothing beside it.
+"""Where the decoder tests' corpus lives: `tests/corpus/` in the repository, so a fresh clone tests with
+nothing beside it.
 
-Files: `cases.jsonl` and `cases-new.jsonl` (the shared corpus, verbatim), `cases-more.jsonl` (real texts
-found in public issue trackers, mailing lists and driver sources, each with its source), the XID catalog
-TSVs the catalog generator reads. `$FLEETMEND_CORPUS` points the tests at another directory with the same
-layout (e.g. a newer shared corpus); its missing files are then simply absent.
+Files: `cases.jsonl` and `cases-new.jsonl` (real fault texts with operator readings), `cases-more.jsonl`
+(further real texts found in public issue trackers, mailing lists and driver sources, each with its
+source), the XID catalog TSVs the catalog generator reads. `$FLEETMEND_CORPUS` points the tests at another
+directory with the same layout; its missing files are then simply absent.
 """
 
 from __future__ import annotations

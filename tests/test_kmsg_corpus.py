@@ -1,5 +1,5 @@
-"""Every `kind == "kmsg"` case of the in-repo corpus (tests/corpus: the shared corpus' cases.jsonl and
-cases-new.jsonl, and cases-more.jsonl): some emitted event matches `expected` on every field.
+"""Every `kind == "kmsg"` case of the corpus (tests/corpus: cases.jsonl, cases-new.jsonl, cases-more.jsonl):
+some emitted event matches `expected` on every field.
 
 A case with `expected.severity == "info"` and nothing to act on (e.g. a falcon core-dump TRACE alone)
 passes when the parser emits no event at all: the operator reading is "nothing to do".

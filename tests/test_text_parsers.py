@@ -1,4 +1,4 @@
-"""Every case of the shared corpus (all kinds) through `parse_any` / `explain_text`, as
+"""Every case of the corpus (tests/corpus, all kinds) through `parse_any` / `explain_text`, as
 tests/test_kmsg_corpus.py does for kmsg; format tests for nvidia-smi, DCGM and other tools beyond the
 corpus; hypothesis: no input crashes a parser; the diagnostics responder reads `dcgmi diag` output."""
 
