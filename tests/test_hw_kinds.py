@@ -451,3 +451,24 @@ def test_ghes_record_whose_header_was_wrapped() -> None:
             "{1}[Hardware Error]:   section_type: PCIe error\n"
             "{1}[Hardware Error]:   device_id: 0000:af:00.0\n")
     assert shape(one(text)) == ("ghes_fatal", "pcie", "0000:af:00.0", None, "fatal")
+
+
+def test_recovery_action_severity_is_the_catalogs_too() -> None:
+    text = "index, pci.bus_id, gpu_recovery_action\n1, 00000000:2A:00.0, Reset\n4, 00000000:9A:00.0, Drain P2P\n"
+    cat = default_catalog()
+    got = [(e.attrs["recovery_action"], e.severity, cat.classify(e).severity, cat.classify(e).drain)
+           for e in parse_any(text, node="n")]
+    assert [(a, s1.value, s2.value, d) for a, s1, s2, d in got] == [("Reset", "fatal", "fatal", True),
+                                                                  ("Drain P2P", "degraded", "degraded", False)]
+
+
+def test_new_kinds_classify_as_the_parser_says() -> None:
+    """Every event of the corpus and of these tests carries the severity the catalog gives its kind (one
+    classification: the router's verdict agrees with what the parser printed)."""
+    from tests.corpus_paths import load_cases
+
+    cat = default_catalog()
+    for case in load_cases():
+        for e in parse_any(case["raw"], node="n"):
+            if e.kind != "xid" and not e.healthy and e.kind in cat.kinds:
+                assert cat.classify(e).severity == e.severity, (case["id"], e.kind, e.severity)

@@ -169,6 +169,9 @@ class KindEntry(_Entry):
     healthy: bool = False
     clears: list[str] = Field(default_factory=list)
     cleared_by: str = Field(min_length=1)
+    follows_recovery_action: bool = False
+    """Severity and drain follow `attrs["recovery_action"]` (Reset/Reboot: fatal + drain, Drain P2P:
+    degraded), as for XID 154; `severity` is the reading when the action is unknown."""
     escalate_to: str | None = None
     """Kind that `escalate_count` occurrences on one device within `escalate_window_s` become."""
     escalate_count: int | None = Field(default=None, ge=2)
@@ -408,14 +411,21 @@ class Catalog:
                 drain=False,
                 component=entry.component,
             )
+        severity, drain = entry.severity, entry.drain
+        if entry.follows_recovery_action:
+            action = str(event.attrs.get("recovery_action", ""))
+            for rx, sev, dr in _RECOVERY_SEVERITY:
+                if rx.search(action):
+                    severity, drain = sev, dr
+                    break
         return Classification(
-            severity=Severity.INFO if event.healthy or entry.healthy else entry.severity,
+            severity=Severity.INFO if event.healthy or entry.healthy else severity,
             immediate_action=entry.immediate_action,
             investigatory_action=entry.investigatory_action,
             source=entry.source,
             fault_class=entry.name,
             description=entry.description,
-            drain=entry.drain and not event.healthy,
+            drain=drain and not event.healthy,
             component=entry.component,
         )
 
