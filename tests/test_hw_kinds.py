@@ -272,7 +272,7 @@ def collected(draw) -> tuple[str, str | None]:
     return line, wall
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(collected())
 def test_collector_prefixes_are_stripped_and_their_time_kept(case) -> None:
     line, wall = case
@@ -283,7 +283,7 @@ def test_collector_prefixes_are_stripped_and_their_time_kept(case) -> None:
         assert wall in (evs[0].attrs.get("collector_time"), evs[0].attrs.get("kernel_time")), (line, evs[0].attrs)
 
 
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)
 @given(st.integers(min_value=40, max_value=78), st.sampled_from(["", "> ", ">> "]))
 def test_mail_wrapped_lines_read_like_the_unwrapped_ones(width, quote) -> None:
     import textwrap
