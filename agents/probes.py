@@ -24,7 +24,8 @@ from fleetmend import __version__
 from fleetmend.config import Settings
 from fleetmend.events import FaultEvent, Source
 
-Emit = Callable[[FaultEvent], Awaitable[None]]
+Emit = Callable[[FaultEvent], Awaitable[Any]]
+"""`await emit(event)`; the agent's returns a future settled once the event is published or spooled."""
 
 
 @runtime_checkable

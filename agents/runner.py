@@ -188,10 +188,10 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         conn["nc"] = nc
         js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
         try:
-            async with asyncio.timeout(settings.agent.publish_timeout_s):
-                await ensure_fault_stream(js)
+            await ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
         except Exception as err:  # noqa: BLE001 - e.g. no permission: the router/operator owns the stream
             log.warning("fault_stream_not_ensured", error=repr(err))
+        publisher.ensure_stream = lambda: ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
         publisher.attach(nc, js)
         log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,
@@ -212,7 +212,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             if nc.is_connected:
                 hb = {"node": settings.node, "cluster": settings.cluster, "agent_version": __version__,
                       "at": utcnow().isoformat(), "probes": dict(status), "spool_depth": spool.depth,
-                      "spool_dropped": spool.dropped_count}
+                      "spool_dropped": spool.dropped_count, "faults_lost": publisher.lost_count,
+                      "spool_error": spool.error}
                 with contextlib.suppress(Exception):  # core NATS, fire and forget; next beat retries
                     await nc.publish(subject, orjson.dumps(hb))
             with contextlib.suppress(TimeoutError):
@@ -257,11 +258,14 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                 done_task.cancel()
     finally:
         await _close(conn, shutdown_timeout_s, log)
+        publisher.close()  # the spool I/O thread finishes its call; the spool is ours again
         # Anything still queued (shutdown timeout) goes to disk rather than being lost.
         while not publisher.queue.empty():
-            ev = publisher.queue.get_nowait()
-            with contextlib.suppress(Exception):
+            ev, _fut = publisher.queue.get_nowait()
+            try:
                 spool.append(ev.to_json_bytes(), ev.severity, ev.event_id)
+            except Exception as err:  # noqa: BLE001 - counted and logged; the agent is stopping anyway
+                publisher.record_lost(ev.event_id, getattr(err, "reason", type(err).__name__), str(err), kind=ev.kind)
         spool.close()
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -6,7 +6,9 @@ from the stdlib type they resemble, so `except OSError` still catches a full spo
     ├── CatalogError(ValueError)           fault catalog entry invalid (at load)
     ├── ParseError(ValueError)             a text could not be decoded (kmsg, nvidia-smi, ...)
     ├── InvalidEventError(ValueError)      a wire message can never become a FaultEvent
-    ├── SpoolFullError(OSError)            the agent's on-disk spool is at its bound
+    ├── SpoolError(OSError)                the agent's on-disk spool could not keep an event
+    │   ├── SpoolFullError                 the spool is at its bound (`agent.spool_max_bytes`)
+    │   └── SpoolWriteError                the disk refused the write (`reason`: ENOSPC, EROFS, EIO…)
     ├── SchedulerError(RuntimeError)       scontrol / API call failed
     │   └── NodeNotFoundError(LookupError) scheduler does not know the node
     ├── TicketError(RuntimeError)          ticket filing/reading failed
@@ -42,8 +44,25 @@ class InvalidEventError(FleetmendError, ValueError):
         self.subject = subject
 
 
-class SpoolFullError(FleetmendError, OSError):
-    pass
+class SpoolError(FleetmendError, OSError):
+    """The spool could not keep an event; `reason` is a short, bounded label for logs and metrics."""
+
+    reason = "spool_error"
+
+
+class SpoolFullError(SpoolError):
+    reason = "spool_full"
+
+
+class SpoolWriteError(SpoolError):
+    """A write, fsync or open under the spool directory failed (disk full, read-only, I/O error).
+
+    `reason` is the errno name (`ENOSPC`, `EROFS`, `EDQUOT`, `EIO`, …), `cause` the `OSError`."""
+
+    def __init__(self, message: str, *, reason: str, cause: OSError | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.cause = cause
 
 
 class SchedulerError(FleetmendError, RuntimeError):

@@ -13,6 +13,7 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 |---|---|---|---|
 | fleetmend_agent_events_total | counter | cluster, source, component, kind, severity | agent (each event a probe emits) |
 | fleetmend_agent_spool_depth | gauge | cluster | agent (read at scrape time) |
+| fleetmend_agent_faults_lost_total | counter | cluster, reason | agent: events it could not keep (`spool_full`, errno name such as `ENOSPC`/`EROFS`, `refused`) |
 | fleetmend_router_events_total | counter | cluster, source, component, kind, severity | router (valid events) |
 | fleetmend_router_deadletters_total | counter | reason | router |
 | fleetmend_router_naks_total | counter | | router (Temporal away) |
@@ -55,6 +56,8 @@ _EVENT_LABELS = ("cluster", "source", "component", "kind", "severity")
 AGENT_EVENTS = Counter("fleetmend_agent_events", "Fault events emitted by the agent's probes.", _EVENT_LABELS)
 AGENT_SPOOL_DEPTH = Gauge("fleetmend_agent_spool_depth", "Events waiting in the agent's on-disk spool.",
                           ["cluster"])
+AGENT_FAULTS_LOST = Counter("fleetmend_agent_faults_lost", "Fault events the agent could not keep (neither "
+                            "published nor spooled), by reason.", ["cluster", "reason"])
 ROUTER_EVENTS = Counter("fleetmend_router_events", "Valid fault events the router received.", _EVENT_LABELS)
 ROUTER_DEADLETTERS = Counter("fleetmend_router_deadletters", "Messages dead-lettered by the router.", ["reason"])
 ROUTER_NAKS = Counter("fleetmend_router_naks", "Messages nak'ed for redelivery (Temporal away or slow).")

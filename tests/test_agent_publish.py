@@ -253,3 +253,28 @@ async def test_kmsg_file_replay_once_through_real_probe(nats_server, nc, unique:
     assert [(e.kind, e.code, e.device.pci_bus_id) for _, e in got] == [
         ("xid", 79, "0000:3b:00.0"), ("xid", 48, "0000:86:00.0"), ("xid", 13, "0000:3b:00.0")]
     assert all(mid == e.event_id and e.source is Source.KMSG for mid, e in got)
+
+
+async def test_spool_io_runs_off_the_event_loop(tmp_path: Path) -> None:
+    """Every spool call (append + fsync, peek, ack, commit) runs in the spool's I/O thread: a burst
+    spooled while NATS is away never blocks heartbeats or diagnostics on the event loop."""
+    import threading
+
+    spool = Spool(tmp_path / "spool", 1 << 22)
+    threads: set[str] = set()
+    for name in ("append", "peek", "ack", "commit"):
+        real = getattr(spool, name)
+
+        def spy(*a, _real=real, **kw):  # noqa: ANN002, ANN003
+            threads.add(threading.current_thread().name)
+            return _real(*a, **kw)
+
+        setattr(spool, name, spy)
+    pub = Publisher(None, None, spool, "c1", "n1")
+    runner = asyncio.create_task(pub.run())
+    futs = [await pub.emit(_event("c1", "n1", i)) for i in range(200)]
+    assert all(await asyncio.gather(*futs)), "NATS away: every event spooled"
+    runner.cancel()
+    pub.close()
+    assert spool.depth == 200
+    assert threads and threading.main_thread().name not in threads, threads

@@ -136,7 +136,7 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
     state = (cfg.state_dir or settings.state_dir / "sim") / cfg.cluster
     nc = await connect_nats(settings, name=f"fleetmend-sim-{cfg.cluster}")
     js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
-    await ensure_fault_stream(js)
+    await ensure_fault_stream(js, settings)
     catalog = default_catalog()
     report = SimReport(nodes=cfg.nodes, duration_s=cfg.duration_s)
     publishers: dict[str, Publisher] = {}
@@ -146,10 +146,14 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
     makers = {c: m for c, _n, m in FAILURE_MIX}
     t0 = time.monotonic()
 
+    import concurrent.futures
+
+    spool_io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-spool-io")
+
     def publisher(node: str) -> Publisher:
         if node not in publishers:
             spool = Spool(state / node / "spool", settings.agent.spool_max_bytes)
-            p = Publisher(nc, js, spool, cfg.cluster, node, settings.agent.publish_timeout_s)
+            p = Publisher(nc, js, spool, cfg.cluster, node, settings.agent.publish_timeout_s, io_pool=spool_io)
             p.attach(nc, js)
             publishers[node] = p
             parsers[node] = KmsgParser(cfg.cluster, node, __version__, catalog=catalog)
