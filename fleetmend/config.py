@@ -214,6 +214,28 @@ class RouterSettings(_Section):
     """An agent silent this long becomes an agent_silent fault (6 missed beats at the agent's default 10 s)."""
 
 
+class StreamSettings(_Section):
+    """JetStream streams fleetmend creates when they are missing (`fleetmend/jetstream.py`). An
+    existing stream is the operator's: never updated, a difference is one warning at start."""
+
+    replicas: int = Field(default=1, ge=1, le=5)
+    """Copies of each stream in a NATS cluster (3 in production clusters, deploy/nats; 1 on one server)."""
+    fault_max_bytes: int = Field(default=4 * 1024**3, ge=1024 * 1024)
+    """Bound of the fault stream (bytes): 4 GiB ≈ 4 million events of ~1 KiB; the oldest go first."""
+    fault_max_age_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    """Fault events older than this are removed (7 days: far beyond any router outage)."""
+    fault_max_msgs_per_node: int = Field(default=100_000, ge=1000)
+    """At most this many events per node subject: one node's storm drops its own oldest events,
+    never other nodes' (100k ≈ an hour of a runaway 30 events/s flapping link)."""
+    fault_max_msg_bytes: int = Field(default=256 * 1024, ge=64 * 1024)
+    """Largest message the fault stream stores (an event is < 64 KiB; the server refuses larger)."""
+    deadletter_max_bytes: int = Field(default=1024**3, ge=1024 * 1024)
+    """Bound of the dead-letter stream (bytes); records carry at most 64 KiB of the original message."""
+    deadletter_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    duplicate_window_s: float = Field(default=120.0, gt=0)
+    """Nats-Msg-Id dedupe window of the fault stream (seconds)."""
+
+
 class WorkerSettings(_Section):
     """The Temporal worker process (fleetmend/worker.py)."""
 
@@ -355,6 +377,7 @@ class Settings(BaseSettings):
     agent: AgentSettings = Field(default_factory=AgentSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    streams: StreamSettings = Field(default_factory=StreamSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
     catalog_overrides: Path | None = None
     """TOML file of operator overrides to the fault catalog."""

@@ -1,5 +1,11 @@
-"""JetStream streams fleetmend needs, created or updated idempotently by whoever starts first
-(agent, router, `fleetmend dev up`). The only place stream configuration is written.
+"""JetStream streams fleetmend needs. The only place stream configuration is written.
+
+Streams are the operator's: whoever starts first (agent, router, `fleetmend dev up`) creates a
+stream that is missing, with the configured replicas and limits (`[streams]` in the settings,
+`StreamSettings`), and never changes one that exists. An existing stream whose settings differ from
+the configuration (e.g. raised to 3 replicas, or created by an older release without byte limits)
+is left exactly as it is and reported by one warning per process (`stream_settings_differ`), naming
+each difference; an operator changes a stream with the NATS tools (`nats stream edit`).
 """
 
 from __future__ import annotations
@@ -7,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
@@ -18,61 +25,126 @@ from fleetmend.subjects import (
     all_faults_subject,
 )
 
+log = structlog.get_logger("fleetmend.jetstream")
+
 DEFAULT_DUPLICATE_WINDOW_S = 120.0
 """Nats-Msg-Id dedupe window. 120 s covers an agent replaying its spool right after a reconnect
 (re-sends happen within seconds); a longer window costs server memory per message id."""
 
+_COMPARED = ("subjects", "num_replicas", "max_bytes", "max_age", "max_msgs_per_subject", "max_msg_size",
+             "duplicate_window", "storage", "retention", "discard")
+_warned: set[str] = set()
 
-async def _ensure(js: JetStreamContext, cfg: StreamConfig, timeout_s: float) -> Any:
+
+def _value(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
+def differences(want: StreamConfig, have: StreamConfig) -> dict[str, tuple[Any, Any]]:
+    """Settings fleetmend would create that the existing stream does not have: name → (have, want).
+    Only the fields fleetmend sets are compared; durations within 1 ms are equal."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for f in _COMPARED:
+        w, h = _value(getattr(want, f)), _value(getattr(have, f))
+        if w is None:
+            continue
+        if f == "num_replicas" and h is None:
+            h = 1
+        if f in ("max_age", "duplicate_window") and h is not None and abs(float(w) - float(h)) < 1e-3:
+            continue
+        if f == "subjects":
+            w, h = sorted(w), sorted(h or [])
+        if w != h:
+            out[f] = (h, w)
+    return out
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: float = 5.0) -> Any:
+    """Create stream `cfg.name` if it is missing; otherwise leave it as it is, with one warning per
+    process when its settings differ from `cfg` (`differences`).
+
+    Returns:
+        `nats.js.api.StreamInfo` of the stream as it is on the server.
+    Raises:
+        nats.js.errors.APIError: the server refused to create it (insufficient storage for
+            `max_bytes`, overlapping subjects of another stream, no permission).
+        TimeoutError: no answer within `timeout_s` (JetStream not enabled, or NATS away).
+    """
     assert cfg.name is not None
     async with asyncio.timeout(timeout_s):
         try:
-            await js.stream_info(cfg.name)
+            info = await js.stream_info(cfg.name)
         except NotFoundError:
-            return await js.add_stream(cfg)
-        return await js.update_stream(cfg)
+            info = await js.add_stream(cfg)
+            log.info("stream_created", stream=cfg.name, replicas=cfg.num_replicas, max_bytes=cfg.max_bytes,
+                     max_age_s=cfg.max_age)
+            return info
+    diff = differences(cfg, info.config)
+    if diff and cfg.name not in _warned:
+        _warned.add(cfg.name)
+        log.warning("stream_settings_differ", stream=cfg.name,
+                    differences={k: {"stream": h, "configured": w} for k, (h, w) in diff.items()},
+                    note="the stream is left as it is (streams are the operator's); change it with "
+                         "`nats stream edit` or align the [streams] settings")
+    return info
 
 
-async def ensure_fault_stream(js: JetStreamContext, subjects: list[str] | None = None,
-                              duplicate_window_s: float = DEFAULT_DUPLICATE_WINDOW_S,
-                              max_age_s: float = 7 * 24 * 3600.0, timeout_s: float = 5.0) -> Any:
-    """Create (or update to this config) stream `FAULT_STREAM`, file storage, limits retention.
+def _settings(streams: Any) -> Any:
+    if streams is None:
+        from fleetmend.config import StreamSettings
 
-    Args:
-        js: a JetStream context.
-        subjects: default `["fleet.*.fault.*"]` (`subjects.all_faults_subject()`).
-        duplicate_window_s: Nats-Msg-Id dedupe window (seconds).
-        max_age_s: messages older than this are removed (7 days: far beyond any router outage).
-        timeout_s: per JetStream API call.
-    Returns:
-        `nats.js.api.StreamInfo`.
-    Raises:
-        nats.js.errors.APIError: the server refused (e.g. overlapping subjects of another stream).
-        TimeoutError: no answer within `timeout_s` (JetStream not enabled, or NATS away).
-    """
-    cfg = StreamConfig(
+        return StreamSettings()
+    return getattr(streams, "streams", streams)  # Settings or StreamSettings
+
+
+def fault_stream_config(streams: Any = None, subjects: list[str] | None = None) -> StreamConfig:
+    """`StreamConfig` of `FAULT_STREAM` from `StreamSettings` (or `Settings`; None: defaults):
+    file storage, limits retention, discard old, `max_bytes`, `max_age`, per-node message limit."""
+    s = _settings(streams)
+    return StreamConfig(
         name=FAULT_STREAM,
         subjects=subjects or [all_faults_subject()],
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
         discard=DiscardPolicy.OLD,
-        duplicate_window=duplicate_window_s,
-        max_age=max_age_s,
+        duplicate_window=s.duplicate_window_s,
+        max_age=s.fault_max_age_s,
+        max_bytes=s.fault_max_bytes,
+        max_msgs_per_subject=s.fault_max_msgs_per_node,
+        max_msg_size=s.fault_max_msg_bytes,
+        num_replicas=s.replicas,
     )
-    return await _ensure(js, cfg, timeout_s)
 
 
-async def ensure_deadletter_stream(js: JetStreamContext, max_age_s: float = 30 * 24 * 3600.0,
-                                   timeout_s: float = 5.0) -> Any:
-    """Create (or update) stream `DEADLETTER_STREAM` on subject `fleet.deadletter`, file storage.
-
-    Returns `StreamInfo`. Raises `nats.js.errors.APIError`.
-    """
-    cfg = StreamConfig(
+def deadletter_stream_config(streams: Any = None) -> StreamConfig:
+    """`StreamConfig` of `DEADLETTER_STREAM` (subject `fleet.deadletter`) from `StreamSettings`."""
+    s = _settings(streams)
+    return StreamConfig(
         name=DEADLETTER_STREAM,
         subjects=[DEADLETTER_SUBJECT],
         storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS,
-        max_age=max_age_s,
+        discard=DiscardPolicy.OLD,
+        max_age=s.deadletter_max_age_s,
+        max_bytes=s.deadletter_max_bytes,
+        num_replicas=s.replicas,
     )
-    return await _ensure(js, cfg, timeout_s)
+
+
+async def ensure_fault_stream(js: JetStreamContext, streams: Any = None, *, subjects: list[str] | None = None,
+                              timeout_s: float = 5.0) -> Any:
+    """Create `FAULT_STREAM` if missing (`fault_stream_config`); an existing one is left as it is.
+
+    Args:
+        js: a JetStream context.
+        streams: `StreamSettings` or `Settings` (None: the defaults).
+        subjects: default `["fleet.*.fault.*"]` (`subjects.all_faults_subject()`).
+        timeout_s: per JetStream API call.
+    Returns `StreamInfo`. Raises as `ensure_stream`.
+    """
+    return await ensure_stream(js, fault_stream_config(streams, subjects), timeout_s)
+
+
+async def ensure_deadletter_stream(js: JetStreamContext, streams: Any = None, *, timeout_s: float = 5.0) -> Any:
+    """Create `DEADLETTER_STREAM` if missing (`deadletter_stream_config`). Returns `StreamInfo`."""
+    return await ensure_stream(js, deadletter_stream_config(streams), timeout_s)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agents.kmsg.framing import IGNORE, Deframer, Framed
@@ -67,6 +68,7 @@ class _Record:
     stamp: str | None
     wall: str | None = None
     count: int = 1
+    origin: int | None = None  # where its first line was read (kmsg SEQ or file offset), for the event id
 
     def near(self, ts: float | None, window_s: float = RECORD_WINDOW_S) -> bool:
         return ts is None or self.ts_last is None or abs(ts - self.ts_last) <= window_s
@@ -96,6 +98,12 @@ class KmsgParser:
     Use `feed(line)` per physical line and `flush()` when input pauses (the probe calls it when
     /dev/kmsg has nothing more to read) or ends. Both return the events whose records completed.
     `parse_errors` counts lines that raised inside a matcher (logged, skipped).
+
+    `event_id_for`: None (default) gives every event a fresh `new_event_id()`. The kmsg probe sets
+    it to `f(origin, n) -> str`, where `origin` is where the record's first line was read (the
+    /dev/kmsg SEQ, or a replayed file's byte offset, passed to `feed`) and `n` counts events of one
+    origin (0, 1, …): reading the same record again then yields the same id, which JetStream's
+    duplicate window and the workflow drop.
     """
 
     def __init__(
@@ -121,16 +129,24 @@ class KmsgParser:
         self.parse_errors = 0
         self.lines_seen = 0
         self.last_seq: int | None = None
+        self.event_id_for: Callable[[int, int], str] | None = None
+        self._origin: int | None = None  # of the line being fed
+        self._pending_origin: int | None = None  # of the pending logical message's first line
+        self._logical_origin: int | None = None  # of the logical message being matched
+        self._last_id_origin: tuple[int | None, int] = (None, 0)
 
     # ------------------------------------------------------------------ public
 
-    def feed(self, line: str) -> list[FaultEvent]:
+    def feed(self, line: str, origin: int | None = None) -> list[FaultEvent]:
         """Consume one physical line (with or without its newline).
 
+        Args:
+            origin: where the line was read (kmsg SEQ, file byte offset), for `event_id_for`.
         Returns:
             Events completed by this line (usually none; a record completes when the next starts).
         """
         self.lines_seen += 1
+        self._origin = origin
         out: list[FaultEvent] = []
         try:
             f = self._deframer.deframe(line)
@@ -160,9 +176,11 @@ class KmsgParser:
             for i, part in enumerate(f.text.split("\n")):
                 sub = Framed(text=part, ts=f.ts, stamp=f.stamp, raw=part, foreign=f.foreign, framed=True, seq=f.seq)
                 self._pending, self._pending_raw = sub, [f.raw] if i == 0 else []
+                self._pending_origin = self._origin
                 self._complete_pending(out)
             return out
         self._pending, self._pending_raw = f, [f.raw]
+        self._pending_origin = self._origin
         return out
 
     def flush(self) -> list[FaultEvent]:
@@ -206,6 +224,7 @@ class KmsgParser:
         self._pending, self._pending_raw = None, []
         if f is None:
             return
+        self._logical_origin = self._pending_origin
         try:
             self._logical(f, raw, out)
         except Exception as err:  # a decoder bug must not stop the agent; counted and logged
@@ -239,7 +258,8 @@ class KmsgParser:
         self._close(out)
         if cand.message == "":
             cand.message = text.strip()
-        self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp, wall=f.wall)
+        self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp, wall=f.wall,
+                               origin=self._logical_origin)
 
     def _learn(self, text: str) -> None:
         m = _DRIVER.search(text)
@@ -425,7 +445,13 @@ class KmsgParser:
         if cls.resolution is not None:
             attrs["resolution"] = cls.resolution.value
         component = c.component or cls.component or Component.KERNEL
-        return draft.model_copy(update={"severity": cls.severity, "component": component, "attrs": attrs})
+        update: dict[str, object] = {"severity": cls.severity, "component": component, "attrs": attrs}
+        if self.event_id_for is not None and rec.origin is not None:
+            last, n = self._last_id_origin
+            n = n + 1 if last == rec.origin else 0
+            self._last_id_origin = (rec.origin, n)
+            update["event_id"] = self.event_id_for(rec.origin, n)
+        return draft.model_copy(update=update)
 
 
     def _escalate(self, rec: _Record, attrs: dict[str, Attr]) -> None:

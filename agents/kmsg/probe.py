@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
+import hashlib
 import json
 import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from agents.kmsg.parser import KmsgParser
 from fleetmend.catalog import Catalog
@@ -17,7 +20,8 @@ from fleetmend.events import FaultEvent
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[FaultEvent], Awaitable[None]]
+Emit = Callable[[FaultEvent], Awaitable[Any]]
+"""`await emit(event)`; may return a future that settles once the event is published or spooled."""
 
 KMSG_READ_BYTES = 8192
 """/dev/kmsg returns one record per read(); records are at most ~1 KiB of text plus the dictionary,
@@ -31,6 +35,35 @@ def _boot_id() -> str | None:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return None
+
+
+def _seek(fd: int, whence: int) -> None:
+    """lseek /dev/kmsg to its oldest record (SEEK_SET) or past the newest (SEEK_END); a character
+    device without a record buffer (a pty carrying kmsg records) has nothing to seek: ESPIPE is fine."""
+    try:
+        os.lseek(fd, 0, whence)
+    except OSError as err:
+        if err.errno != errno.ESPIPE:
+            raise
+
+
+def kmsg_event_id(scope: str, origin: int, n: int = 0) -> str:
+    """Deterministic event id of the `n`-th event whose record starts at `origin` within `scope`.
+
+    `scope` names the input: `kmsg|<cluster>|<node>|<boot id>` (origin = kmsg SEQ) or
+    `file|<cluster>|<node>|<device>:<inode>|<sha256 of the first 4 KiB>` (origin = byte offset).
+    Returns 24 hex digits (the length of `new_event_id`), the start of SHA-256(scope|origin|n).
+    """
+    return hashlib.sha256(f"{scope}|{origin}|{n}".encode()).hexdigest()[:24]
+
+
+def file_scope(path: Path, cluster: str, node: str) -> str:
+    """`kmsg_event_id` scope of a replayed file: its device, inode and first 4 KiB (so a file
+    rewritten in place with other content is a new input)."""
+    st = path.stat()
+    with path.open("rb") as f:
+        head = hashlib.sha256(f.read(4096)).hexdigest()[:16]
+    return f"file|{cluster}|{node}|{st.st_dev}:{st.st_ino}|{head}"
 
 
 class KmsgProbe:
@@ -52,9 +85,12 @@ class KmsgProbe:
           EPIPE and logged as `kmsg_records_lost`).
         - With a cursor from an earlier boot (boot id differs), the whole buffer of this boot is
           read from the oldest record, so boot-time faults are reported.
-        - The cursor is written only after the parser was flushed and its events were emitted, so a
-          crash between emit and cursor write repeats those events (at-least-once; the router and
-          workflow dedupe by fault key).
+        - The cursor advances only past records whose events were published to JetStream or kept
+          in the spool (or counted as lost when neither could take them: `fault_lost`), never past
+          events still queued in memory; a crash repeats at most the records after it.
+        - Event ids are derived from the record (`kmsg_event_id`: boot id + SEQ; for a replayed
+          file, the file's identity + byte offset), so a repeated record carries the same id and
+          JetStream's duplicate window, then the workflow, drop the copy.
     """
 
     name = "kmsg"
@@ -79,6 +115,12 @@ class KmsgProbe:
         self.follow = follow
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.records_lost = 0
+        self.cluster, self.node = self.parser.cluster, self.parser.node
+        self.cursor_error: str | None = None
+        self._cur_seq: int | None = None  # SEQ of the kmsg record being fed
+        self._origin_of: dict[str, int] = {}
+        # (origin of the record, future of its event) for events not yet published/spooled
+        self._unsettled: collections.deque[tuple[int, asyncio.Future[bool]]] = collections.deque()
 
     # ------------------------------------------------------------------ cursor
 
@@ -100,13 +142,32 @@ class KmsgProbe:
             return None, None
 
     def _save_cursor(self, seq: int | None) -> None:
+        """Persist `seq`; a disk that refuses (full, read-only) is logged once per error, never fatal:
+        the cursor then stays behind and a restart repeats records (same ids: deduplicated)."""
         p = self.cursor_path
         if p is None or seq is None:
             return
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"boot_id": _boot_id(), "seq": seq}))
-        os.replace(tmp, p)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"boot_id": _boot_id(), "seq": seq}))
+            os.replace(tmp, p)
+        except OSError as err:
+            why = f"{errno.errorcode.get(err.errno or -1, 'OSError')}: {err.strerror or err}"
+            if why != self.cursor_error:
+                log.warning("kmsg_cursor_not_saved", extra={"path": str(p), "error": why, "seq": seq})
+            self.cursor_error = why
+            return
+        self.cursor_error = None
+
+    def _settled_through(self, last_seq: int | None) -> int | None:
+        """The highest SEQ the cursor may take: just before the first record with an event still
+        in memory (not yet published or spooled), else `last_seq`."""
+        while self._unsettled and self._unsettled[0][1].done():
+            self._unsettled.popleft()
+        if self._unsettled:
+            return self._unsettled[0][0] - 1
+        return last_seq
 
     # ------------------------------------------------------------------ run
 
@@ -121,34 +182,56 @@ class KmsgProbe:
         else:
             await self._run_file(emit)
 
-    async def _emit_all(self, emit: Emit, events: list[FaultEvent]) -> None:
+    async def _emit_all(self, emit: Emit, events: list[FaultEvent], origins: bool = False) -> None:
         for ev in events:
-            await emit(ev)
+            fut = await emit(ev)
+            if origins and isinstance(fut, asyncio.Future) and not fut.done():
+                origin = self._origin_of.get(ev.event_id, self._cur_seq)
+                if origin is not None:
+                    self._unsettled.append((origin, fut))
 
     async def _run_kmsg(self, emit: Emit) -> None:
-        fd = os.open(self.source, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(self.source, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         loop = asyncio.get_running_loop()
+        scope = f"kmsg|{self.cluster}|{self.node}|{_boot_id()}"
+        def event_id_for(origin: int, n: int) -> str:
+            eid = kmsg_event_id(scope, origin, n)
+            self._origin_of[eid] = origin
+            return eid
+
+        self.parser.event_id_for = event_id_for
         boot_id, cursor = self._load_cursor()
         skip_upto: int | None = None
         if cursor is not None and boot_id == _boot_id():
-            os.lseek(fd, 0, os.SEEK_SET)
+            _seek(fd, os.SEEK_SET)
             skip_upto = cursor
         elif cursor is not None:
-            os.lseek(fd, 0, os.SEEK_SET)  # new boot: read this boot's buffer from its oldest record
+            _seek(fd, os.SEEK_SET)  # new boot: read this boot's buffer from its oldest record
         else:
-            os.lseek(fd, 0, os.SEEK_END)
+            _seek(fd, os.SEEK_END)
         last_seq: int | None = cursor if skip_upto is not None else None
         try:
             while True:
                 try:
                     data = os.read(fd, KMSG_READ_BYTES)
                 except BlockingIOError:
-                    await self._emit_all(emit, self.parser.flush())
-                    self._save_cursor(last_seq)
-                    fut: asyncio.Future[None] = loop.create_future()
-                    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+                    await self._emit_all(emit, self.parser.flush(), origins=True)
+                    self._origin_of.clear()
+                    saved = self._settled_through(last_seq)
+                    self._save_cursor(saved)
+                    readable: asyncio.Future[None] = loop.create_future()
+                    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
                     try:
-                        await fut
+                        # Wake for new records, or to move the cursor once queued events settle.
+                        while not readable.done():
+                            waits: list[asyncio.Future[Any]] = [readable]
+                            if self._unsettled:
+                                waits.append(self._unsettled[0][1])
+                            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                            now = self._settled_through(last_seq)
+                            if now != saved:
+                                self._save_cursor(now)
+                                saved = now
                     finally:
                         loop.remove_reader(fd)
                     continue
@@ -161,8 +244,10 @@ class KmsgProbe:
                 if not data:
                     # EOF: /dev/kmsg never returns it (it blocks or raises EAGAIN); another character
                     # device (e.g. /dev/null given as --kmsg-file) does. End instead of spinning.
-                    await self._emit_all(emit, self.parser.flush())
-                    self._save_cursor(last_seq)
+                    await self._emit_all(emit, self.parser.flush(), origins=True)
+                    if self._unsettled:
+                        await asyncio.gather(*(f for _o, f in self._unsettled))
+                    self._save_cursor(self._settled_through(last_seq))
                     return
                 text = data.decode("utf-8", "replace")
                 head = text.split(";", 1)[0].split(",")
@@ -175,31 +260,38 @@ class KmsgProbe:
                         log.warning("kmsg_records_lost", extra={"missing": seq - last_seq - 1})
                     skip_upto = None
                     last_seq = seq
+                self._cur_seq = seq
                 for line in text.split("\n"):
                     if line:
-                        await self._emit_all(emit, self.parser.feed(line))
+                        await self._emit_all(emit, self.parser.feed(line, origin=seq), origins=True)
         finally:
             os.close(fd)
 
     async def _run_file(self, emit: Emit) -> None:
-        pos = 0
-        buf = ""
+        pos = 0  # bytes read so far
+        buf = b""  # an incomplete last line
+        scope = file_scope(self.source, self.cluster, self.node)
+        self.parser.event_id_for = lambda origin, n: kmsg_event_id(scope, origin, n)
         while True:
             size = self.source.stat().st_size
-            if size < pos:  # truncated or replaced: start over
-                pos, buf = 0, ""
+            if size < pos:  # truncated or replaced: start over, as a new input
+                pos, buf = 0, b""
+                scope = file_scope(self.source, self.cluster, self.node)
             if size > pos:
                 with self.source.open("rb") as f:
                     f.seek(pos)
                     chunk = f.read()
+                start = pos - len(buf)  # file offset of buf's first byte
                 pos += len(chunk)
-                buf += chunk.decode("utf-8", "replace")
-                *lines, buf = buf.split("\n")
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
                 for line in lines:
-                    await self._emit_all(emit, self.parser.feed(line))
+                    text = line.decode("utf-8", "replace")
+                    await self._emit_all(emit, self.parser.feed(text, origin=start))
+                    start += len(line) + 1
             if not self.follow:
                 if buf:
-                    await self._emit_all(emit, self.parser.feed(buf))
+                    await self._emit_all(emit, self.parser.feed(buf.decode("utf-8", "replace"), origin=pos - len(buf)))
                 await self._emit_all(emit, self.parser.flush())
                 return
             await self._emit_all(emit, self.parser.flush())

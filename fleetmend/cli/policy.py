@@ -65,7 +65,7 @@ async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
     nc = await connect_nats(settings, name="fleetmend-inject")
     try:
         js = nc.jetstream(timeout=10)
-        await ensure_fault_stream(js)
+        await ensure_fault_stream(js, settings)
         subject = subjects.fault_subject(event.cluster, event.node)
         ack = await js.publish(subject, event.to_json_bytes(), headers={"Nats-Msg-Id": subjects.msg_id(event.event_id)})
         return {"event_id": event.event_id, "subject": subject, "stream": ack.stream, "seq": ack.seq,

@@ -126,8 +126,8 @@ class Router:
 
         from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
 
-        await ensure_fault_stream(self.js)
-        await ensure_deadletter_stream(self.js)
+        await ensure_fault_stream(self.js, self.s)
+        await ensure_deadletter_stream(self.js, self.s)
         cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
                              deliver_policy=DeliverPolicy.ALL, ack_wait=self.s.router.ack_wait_s,
                              max_deliver=self.s.router.max_deliver, filter_subject=self.filter_subject,

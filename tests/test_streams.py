@@ -1,0 +1,120 @@
+"""Streams are the operator's: fleetmend creates a missing stream with the configured replicas and
+limits, never changes an existing one (a difference is one warning), and an agent recreates a fault
+stream that NATS lost. Each test runs its own nats-server (it changes stream settings)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import nats
+import pytest
+import structlog
+
+from agents.runner import run_agent
+from fleetmend import jetstream, servers
+from fleetmend.config import AgentSettings, Settings, StreamSettings
+from fleetmend.events import Component, FaultEvent, Severity, Source
+from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, fault_stream_config
+from fleetmend.subjects import DEADLETTER_STREAM, FAULT_STREAM, fault_subject
+from tests.conftest import assert_eventually
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path):
+    port = servers.free_port()
+    proc = servers.start_nats(tmp_path / "js", port)
+    yield f"nats://127.0.0.1:{port}"
+    proc.stop()
+
+
+async def test_missing_streams_are_created_with_limits(own_nats: str) -> None:
+    nc = await nats.connect(own_nats)
+    js = nc.jetstream()
+    s = StreamSettings(fault_max_bytes=64 * 1024**2, fault_max_age_s=3600, deadletter_max_bytes=8 * 1024**2)
+    await ensure_fault_stream(js, s)
+    await ensure_deadletter_stream(js, s)
+    f = (await js.stream_info(FAULT_STREAM)).config
+    d = (await js.stream_info(DEADLETTER_STREAM)).config
+    assert f.max_bytes == 64 * 1024**2 and f.max_age == 3600 and f.max_msgs_per_subject == s.fault_max_msgs_per_node
+    assert f.num_replicas == 1 and f.max_msg_size == s.fault_max_msg_bytes
+    assert d.max_bytes == 8 * 1024**2 and d.max_age == s.deadletter_max_age_s
+    await nc.close()
+
+
+async def test_an_existing_stream_is_never_rewritten_one_warning(own_nats: str) -> None:
+    """The operator changed the stream (here: limits; in a cluster: replicas 3). Agent and router
+    starts leave it as it is and say so once."""
+    nc = await nats.connect(own_nats)
+    js = nc.jetstream()
+    jetstream._warned.clear()
+    await ensure_fault_stream(js)
+    cfg = fault_stream_config()
+    cfg.max_bytes, cfg.max_age = 2 * 1024**3, 30 * 24 * 3600.0
+    await js.update_stream(cfg)  # the operator's edit
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):  # agent, router, another agent
+            await ensure_fault_stream(js, StreamSettings())
+    after = (await js.stream_info(FAULT_STREAM)).config
+    assert after.max_bytes == 2 * 1024**3 and after.max_age == 30 * 24 * 3600.0, "left as the operator set it"
+    warned = [e for e in logs if e["event"] == "stream_settings_differ"]
+    assert len(warned) == 1, logs
+    assert set(warned[0]["differences"]) == {"max_bytes", "max_age"}
+    await nc.close()
+
+
+async def test_agent_recreates_a_fault_stream_nats_lost(own_nats: str, tmp_path: Path) -> None:
+    cluster, node = "clost", "n1"
+    s = Settings(cluster=cluster, node=node, nats_url=own_nats, state_dir=tmp_path / "state",
+                 nats_connect_timeout_s=5,
+                 agent=AgentSettings(nice=0, heartbeat_interval_s=0.2, publish_timeout_s=2,
+                                     kmsg_path=tmp_path / "no-kmsg"))
+
+    class Probe:
+        name = "one"
+
+        def __init__(self) -> None:
+            self.q: asyncio.Queue[FaultEvent] = asyncio.Queue()
+
+        async def run(self, emit) -> None:  # noqa: ANN001
+            while True:
+                await emit(await self.q.get())
+
+    probe = Probe()
+    nc = await nats.connect(own_nats)
+    js = nc.jetstream()
+    stop = asyncio.Event()
+    agent = asyncio.create_task(run_agent(s, stop=stop, probes=[probe], shutdown_timeout_s=5))
+    try:
+        await assert_eventually(lambda: _has_stream(js), timeout_s=20, what="the agent created the stream")
+        await js.delete_stream(FAULT_STREAM)  # NATS lost it (storage wiped, stream deleted by mistake)
+        ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=79,
+                        severity=Severity.FATAL, source=Source.INJECT, message="xid 79")
+        probe.q.put_nowait(ev)
+
+        async def stored() -> int:
+            try:
+                info = await js.stream_info(FAULT_STREAM, subjects_filter=fault_subject(cluster, node))
+            except Exception:  # noqa: BLE001
+                return 0
+            return (info.state.subjects or {}).get(fault_subject(cluster, node), 0)
+
+        await assert_eventually(lambda: _eq(stored(), 1), timeout_s=40, what="event in the recreated stream")
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(agent, 20)
+        await nc.close()
+
+
+async def _has_stream(js) -> bool:  # noqa: ANN001
+    try:
+        await js.stream_info(FAULT_STREAM)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+async def _eq(coro, n: int) -> bool:  # noqa: ANN001
+    return (await coro) == n
