@@ -6,11 +6,22 @@ a local agent as child processes (the same `fleetmend worker|router|agent` comma
 Children that die are restarted with backoff. SIGINT/SIGTERM stop everything in reverse order.
 Starting again with the same state directory resumes open incidents where they were (Temporal
 and JetStream state are files).
+
+Nothing outlives `dev up`, even when it is killed with SIGKILL: every child runs in its own process
+group with a parent-death signal (SIGTERM), and a small watchdog process (`watchdog_main`) notices
+when `dev up` is gone, sends SIGTERM to each child's process group (so what a child started goes
+too), and SIGKILL to whatever is left after `WATCHDOG_GRACE_S`. The children's groups are listed in
+`STATE/devup.pids` (pid and start time, so a reused pid is never signalled).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +35,72 @@ from fleetmend.errors import ConfigError
 from fleetmend.process import stop_on_signals
 
 log = structlog.get_logger("fleetmend.devup")
+
+WATCHDOG_GRACE_S = 10.0
+"""After `dev up` died: how long its children get to stop on SIGTERM before SIGKILL."""
+WATCHDOG_POLL_S = 0.2
+
+
+def _write_pids(path: Path, procs: list[servers.ManagedProcess]) -> None:
+    import psutil
+
+    rows = []
+    for p in procs:
+        if p.alive() and p.pid is not None:
+            with contextlib.suppress(psutil.Error):
+                rows.append({"name": p.name, "pid": p.pid, "started": psutil.Process(p.pid).create_time()})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    os.replace(tmp, path)
+
+
+def start_watchdog(pid_file: Path) -> subprocess.Popen:
+    """Start the watchdog of this process (see module docstring); it exits when it is terminated
+    (a clean stop) or after cleaning up once this process is gone."""
+    code = "import sys; from fleetmend.devup import watchdog_main; watchdog_main(sys.argv[1:])"
+    return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(pid_file)],
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def watchdog_main(argv: list[str]) -> None:
+    """`<parent pid> <pid file>`: wait until the parent is gone, then stop the process groups listed
+    in the pid file (SIGTERM, then SIGKILL after `WATCHDOG_GRACE_S`). SIGTERM to the watchdog
+    itself (the parent's clean stop) ends it without touching anything."""
+    import psutil
+
+    parent, pid_file = int(argv[0]), Path(argv[1])
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while os.getppid() == parent:
+        time.sleep(WATCHDOG_POLL_S)
+    try:
+        rows = json.loads(pid_file.read_text())
+    except (OSError, ValueError):
+        return  # a clean stop removed it
+    groups = []
+    for r in rows:
+        try:
+            if abs(psutil.Process(r["pid"]).create_time() - r["started"]) < 0.01:
+                groups.append(r["pid"])
+        except psutil.Error:
+            continue
+    for pid in groups:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + WATCHDOG_GRACE_S
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    while time.monotonic() < deadline and any(running(p) for p in groups):
+        time.sleep(WATCHDOG_POLL_S)
+    for pid in groups:  # leaders past their grace, and whatever they left in their group
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        pid_file.unlink()
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
@@ -64,13 +141,18 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
     stop = stop_on_signals(deadline_s=120.0)  # children get 45 s, then the servers 20 s each
 
     started: list[servers.ManagedProcess] = []
+    pid_file = state / "devup.pids"
+    _write_pids(pid_file, [])
+    watchdog = start_watchdog(pid_file)
     try:
         nats = servers.start_nats(state / "nats", nats_port, host=nats_host, log_path=state / "logs" / "nats.log")
         started.append(nats)
+        _write_pids(pid_file, started)
         print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
         temporal = servers.start_temporal(state / "temporal.db", t_port, s.temporal_ui_port, host=t_host,
                                           log_path=state / "logs" / "temporal.log")
         started.append(temporal)
+        _write_pids(pid_file, started)
         await servers.wait_temporal_ready(s.temporal_address, s.temporal_namespace)
         print(f"temporal        {s.temporal_address}  (SQLite {state / 'temporal.db'})", flush=True)
         print(f"Temporal UI     {s.temporal_ui_url}/namespaces/{s.temporal_namespace}/workflows", flush=True)
@@ -88,6 +170,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
         for c in children:
             c.start()
             started.append(c)
+            _write_pids(pid_file, started)
             print(f"{c.name:<15} pid {c.pid}  log {c.log_path}", flush=True)
         print(f"state           {state}", flush=True)
         print("ready: replay a log with `fleetmend agent --node NAME --kmsg-file FILE --once`; "
@@ -118,6 +201,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
                     print(f"{c.name} exited (code {c.proc.returncode if c.proc else '?'}); restarting", flush=True)
                     restarts[c.name].append(time.monotonic())
                     c.start()
+                    _write_pids(pid_file, started)
         return 1 if failed else 0
     except servers.ServerStartError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -132,4 +216,8 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
             await asyncio.to_thread(p.stop, 45.0)
         for p in reversed([p for p in started if p not in pipeline]):
             await asyncio.to_thread(p.stop, 20.0)
+        with contextlib.suppress(OSError):
+            pid_file.unlink()
+        watchdog.terminate()
+        await asyncio.to_thread(watchdog.wait, 10)
         print("stopped", flush=True)

@@ -9,6 +9,7 @@ line or an early exit raises `ServerStartError` with the tail of the log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -98,23 +99,34 @@ class ManagedProcess:
             return ""
         return "\n".join(lines[-n:])
 
+    def _signal_group(self, sig: int) -> None:
+        """Signal the process and everything it started (its own session = its own process group)."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+
     def terminate(self) -> None:
-        """Send SIGTERM without waiting (stop several processes at once, then `stop()` each)."""
+        """Send SIGTERM to its process group without waiting (stop several at once, then `stop()` each)."""
         if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, wait up to `timeout_s`, then SIGKILL. Idempotent."""
-        if not self.alive():
+        """SIGTERM to its process group, wait up to `timeout_s`, then SIGKILL; what it started and
+        left behind (a command of the agent still running) is killed with it. Idempotent."""
+        if self.proc is None:
             return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
+        if self.alive():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of its group
 
     def kill(self) -> None:
         """SIGKILL at once (chaos tests)."""

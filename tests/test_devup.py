@@ -3,6 +3,7 @@ second start on the same state directory resumes the open incident where it was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -133,3 +134,59 @@ def test_dev_up_exits_non_zero_when_a_server_dies(tmp_path: Path):
     while any(_alive(x) for x in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [x for x in pids if _alive(x)], "every child of dev up is gone"
+
+
+def test_dev_up_killed_with_sigkill_leaves_nothing_behind(tmp_path: Path):
+    """SIGKILL gives dev up no chance to stop anything: its children (servers, worker, router,
+    agent) and what they started (here: the agent's reboot command, still running) must exit on
+    their own, within seconds."""
+    import asyncio
+
+    import psutil
+
+    env = {**os.environ, "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
+           "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",
+           "FLEETMEND_TEMPORAL_UI_PORT": str(free_port()), "FLEETMEND_CLUSTER": "devkill",
+           "FLEETMEND_NODE": "killnode", "FLEETMEND_POLICY__REBOOT_COMMAND": '["sleep", "600"]'}
+    env.pop("FLEETMEND_CONFIG", None)
+    p, pids = _start(env, tmp_path / "devup.log")
+
+    async def reboot() -> bytes:  # the agent answers, then runs its reboot command (a grandchild)
+        import nats
+
+        from fleetmend.subjects import diag_subject
+
+        nc = await nats.connect(env["FLEETMEND_NATS_URL"])
+        try:
+            for _ in range(100):
+                try:
+                    return (await nc.request(diag_subject("devkill", "killnode"),
+                                             b'{"type": "recovery", "op": "reboot"}', timeout=2)).data
+                except Exception:  # noqa: BLE001 - the agent is still connecting
+                    await asyncio.sleep(0.3)
+            raise AssertionError("the agent never answered")
+        finally:
+            await nc.close()
+
+    assert b"applied" in asyncio.run(reboot())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        children = psutil.Process(p.pid).children(recursive=True)
+        if any(c.name() == "sleep" for c in children):
+            break
+        time.sleep(0.1)
+    names = {c.pid: c.name() for c in children}
+    assert "sleep" in names.values(), names
+    pids = sorted(set(names) | set(pids))
+    assert len(pids) >= 6, names  # nats-server, temporal, worker, router, agent, the agent's command
+    p.kill()
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {x: names.get(x) for x in pids if _alive(x)}
+    for x in left:  # do not leave them running for the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(x, signal.SIGKILL)
+    assert not left, f"still running after dev up was killed: {left}"

@@ -118,3 +118,30 @@ async def _has_stream(js) -> bool:  # noqa: ANN001
 
 async def _eq(coro, n: int) -> bool:  # noqa: ANN001
     return (await coro) == n
+
+
+def test_deadletters_on_a_fresh_install_prints_no_traceback(own_nats: str, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FLEETMEND_NATS_URL": own_nats, "FLEETMEND_STATE_DIR": str(tmp_path / "state")}
+    env.pop("FLEETMEND_CONFIG", None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "deadletters", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    r = run()  # no dead-letter stream at all
+    assert r.returncode == 0 and "no dead-lettered messages" in r.stdout and "Traceback" not in r.stderr, r.stderr
+
+    async def create() -> None:
+        nc = await nats.connect(own_nats)
+        await ensure_deadletter_stream(nc.jetstream())
+        await nc.close()
+
+    asyncio.run(create())  # the router created it; nothing was ever dead-lettered
+    for args in ((), ("--json",)):
+        r = run(*args)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -419,15 +419,18 @@ async def _read_deadletters(s: Settings, limit: int) -> list[dict[str, Any]]:
             info = await js.stream_info(subjects.DEADLETTER_STREAM)
         except NotFoundError:
             return []
-        rows = []
+        rows: list[dict[str, Any]] = []
+        if not info.state.messages:  # fresh install, or every record aged out
+            return rows
         last = info.state.last_seq
-        first = max(info.state.first_seq, last - limit + 1)
+        first = max(info.state.first_seq, last - limit + 1, 1)
         for seq in range(first, last + 1):
             try:
                 m = await js.get_msg(subjects.DEADLETTER_STREAM, seq)
-            except NotFoundError:
-                continue
-            rows.append(json.loads(m.data))
+                rec = json.loads(m.data)
+            except (NotFoundError, ValueError):
+                continue  # removed by age or limits since the stream_info; or not a record of ours
+            rows.append(rec if isinstance(rec, dict) else {"reason": "unreadable record", "at": ""})
         return rows
     finally:
         await nc.close()
