@@ -187,11 +187,13 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                                 error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
         conn["nc"] = nc
         js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
-        try:
-            await ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
-        except Exception as err:  # noqa: BLE001 - e.g. no permission: the router/operator owns the stream
-            log.warning("fault_stream_not_ensured", error=repr(err))
-        publisher.ensure_stream = lambda: ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
+        if settings.agent.manage_stream:
+            try:
+                await ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
+            except Exception as err:  # noqa: BLE001 - e.g. no permission: the router/operator owns the stream
+                log.warning("fault_stream_not_ensured", error=repr(err))
+            publisher.ensure_stream = lambda: ensure_fault_stream(js, settings,
+                                                                  timeout_s=settings.agent.publish_timeout_s)
         publisher.attach(nc, js)
         log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,

@@ -143,6 +143,9 @@ class AgentSettings(_Section):
     spool_max_bytes: int = 64 * 1024 * 1024
     """64 MiB ≈ 100k events of ~600 B: hours of a fault storm while NATS is away."""
     publish_timeout_s: float = 5.0
+    manage_stream: bool = True
+    """Create the fault stream when it is missing (at start, or when NATS lost it). Node credentials
+    from `fleetmend creds generate` set it to false: the router (or the operator) owns the stream."""
     cpu_affinity: list[int] | None = None
     """Housekeeping cores to pin the agent to (e.g. [0]); None leaves affinity alone."""
     nice: int = 10

@@ -131,8 +131,33 @@ def child_env(s: Settings) -> dict[str, str]:
     return env
 
 
-async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None) -> int:
-    """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop)."""
+def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
+    """`dev up --secure`: credentials under `STATE/creds` (`fleetmend.security.generate`) for this
+    host's node, every node already there (add one with `fleetmend creds generate --out STATE/creds
+    --cluster C --nodes N` before starting), router, worker and admin.
+
+    Returns (nats-server config file, environment of each child: worker, router, agent).
+    """
+    from fleetmend import security
+
+    cdir = s.state_dir / "creds"
+    nodes = sorted({s.node} | {p.stem for p in (cdir / "nodes").glob("*.nk")})
+    cs = security.generate(cdir, s.cluster, nodes)
+    conf = cdir / "nats-server.conf"
+    conf.write_text(security.server_conf(cs.accounts_conf))
+    env = {role: {"FLEETMEND_NATS_NKEY_SEED": str(cs.seed_file(role)),
+                  "FLEETMEND_NATS_INBOX_PREFIX": security.role_inbox_prefix(role)} for role in ("worker", "router")}
+    env["agent"] = {"FLEETMEND_NATS_NKEY_SEED": str(cs.seed_file(f"node:{s.cluster}/{s.node}")),
+                    "FLEETMEND_NATS_INBOX_PREFIX": security.node_inbox_prefix(s.cluster, s.node),
+                    "FLEETMEND_AGENT__MANAGE_STREAM": "false"}
+    return conf, env
+
+
+async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False) -> int:
+    """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop).
+
+    `secure`: NATS requires the per-role credentials of `secure_setup`, and each child connects
+    with its own (the agent with its node's, the router and worker with theirs)."""
     state = s.state_dir
     (state / "logs").mkdir(parents=True, exist_ok=True)
     nats_host, nats_port = _host_port(s.nats_url, "FLEETMEND_NATS_URL")
@@ -145,10 +170,15 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
     _write_pids(pid_file, [])
     watchdog = start_watchdog(pid_file)
     try:
-        nats = servers.start_nats(state / "nats", nats_port, host=nats_host, log_path=state / "logs" / "nats.log")
+        nats_conf, role_env = secure_setup(s) if secure else (None, {})
+        nats = servers.start_nats(state / "nats", nats_port, host=nats_host, log_path=state / "logs" / "nats.log",
+                                  config_file=nats_conf)
         started.append(nats)
         _write_pids(pid_file, started)
         print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
+        if secure:
+            print(f"credentials     {state / 'creds'}  (operator commands: FLEETMEND_NATS_NKEY_SEED="
+                  f"{state / 'creds' / 'admin.nk'})", flush=True)
         temporal = servers.start_temporal(state / "temporal.db", t_port, s.temporal_ui_port, host=t_host,
                                           log_path=state / "logs" / "temporal.log")
         started.append(temporal)
@@ -161,12 +191,14 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None)
         base = [sys.executable, "-m", "fleetmend.cli.main"]
         cfg = ["--config", str(config)] if config else []
         children = [
-            servers.ManagedProcess("worker", base + ["worker"] + cfg, state / "logs" / "worker.log", env=env),
-            servers.ManagedProcess("router", base + ["router"] + cfg, state / "logs" / "router.log", env=env),
+            servers.ManagedProcess("worker", base + ["worker"] + cfg, state / "logs" / "worker.log",
+                                   env={**env, **role_env.get("worker", {})}),
+            servers.ManagedProcess("router", base + ["router"] + cfg, state / "logs" / "router.log",
+                                   env={**env, **role_env.get("router", {})}),
         ]
         if agent:
             children.append(servers.ManagedProcess("agent", base + ["agent"] + cfg, state / "logs" / "agent.log",
-                                                   env=env))
+                                                   env={**env, **role_env.get("agent", {})}))
         for c in children:
             c.start()
             started.append(c)

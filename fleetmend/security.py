@@ -11,15 +11,25 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                                                                   the agent connects with inbox prefix
                                                                   `_INBOX.<c>.<n>` (`nats_inbox_prefix`),
                                                                   so it cannot read other clients' replies
-    router     publish $JS.API.> (consumer, fetch), $JS.ACK.> (ack/nak/term), fleet.deadletter
-               subscribe _INBOX.>
-    worker     publish $JS.API.>, $KV.<drain bucket>.> (standalone scheduler), fleet.*.diag.* (requests)
-               subscribe _INBOX.>
+    router     publish   the JetStream API calls it makes on its two streams and its durable consumer
+                         (stream info/create, consumer info/create, fetch, message get), acks
+                         ($JS.ACK.<fault stream>.<durable>.>), fleet.deadletter, fleet.*.fault.*
+                         (`agent_silent` events for nodes whose heartbeats stopped)
+               subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
+                         _INBOX_router.> (its own inbox prefix)
+    worker     publish   fleet.*.diag.* (diagnostics and recovery requests), $KV.<drain bucket>.>
+                         and the JetStream API calls of that bucket (stream info/create, direct and
+                         message get, consumer create/info/delete for key listings, flow control)
+               subscribe _INBOX_worker.> (its own inbox prefix)
     admin      everything (CLI `status`/`deadletters`, `dev up`, stream setup)
 
+No role gets `$JS.API.>`: a router credential cannot delete a stream or read the KV bucket, a worker
+credential cannot read faults. Router and worker must connect with their inbox prefix
+(`nats_inbox_prefix`, written into `<role>.toml` by `generate`), like the agents.
+
 A JetStream publish needs nothing but publish on the subject and subscribe on the reply inbox (the
-ack comes from the server); the agent's optional `ensure_fault_stream` is refused and logged, the
-router (or an operator) owns the streams. One account (`FLEET`, JetStream enabled) holds every user:
+ack comes from the server); agents with node credentials do not touch the streams (`agent.manage_stream
+= false` in their settings), the router (or an operator) owns them. One account (`FLEET`, JetStream enabled) holds every user:
 JetStream streams are per account, and separate accounts would need stream exports/imports for the
 router and worker without narrowing anything the per-user permissions do not already narrow.
 
@@ -47,6 +57,15 @@ def node_inbox_prefix(cluster: str, node: str) -> str:
     return f"_INBOX.{cluster}.{node}"
 
 
+def role_inbox_prefix(role: str) -> str:
+    """`_INBOX_<role>`: the inbox prefix of the router or worker (outside the nodes' `_INBOX.`)."""
+    return f"_INBOX_{role}"
+
+
+def _api(*calls: str) -> list[str]:
+    return [f"$JS.API.{c}" for c in calls]
+
+
 def node_permissions(cluster: str, node: str) -> dict:
     """nats-server `permissions` of one node's agent (see module docstring)."""
     return {
@@ -63,11 +82,21 @@ def role_permissions(role: str) -> dict | None:
         ConfigError: unknown role, listing the valid ones.
     """
     if role == "router":
-        return {"publish": {"allow": ["$JS.API.>", "$JS.ACK.>", subjects.DEADLETTER_SUBJECT]},
-                "subscribe": {"allow": ["_INBOX.>"]}}
+        fs, dl, dur = subjects.FAULT_STREAM, subjects.DEADLETTER_STREAM, subjects.ROUTER_DURABLE
+        api = _api(f"STREAM.INFO.{fs}", f"STREAM.CREATE.{fs}", f"STREAM.INFO.{dl}", f"STREAM.CREATE.{dl}",
+                   f"CONSUMER.INFO.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}.>",
+                   f"CONSUMER.DURABLE.CREATE.{fs}.{dur}", f"CONSUMER.MSG.NEXT.{fs}.{dur}", f"STREAM.MSG.GET.{fs}")
+        return {"publish": {"allow": [*api, f"$JS.ACK.{fs}.{dur}.>", subjects.DEADLETTER_SUBJECT,
+                                      subjects.all_faults_subject()]},
+                "subscribe": {"allow": [subjects.all_heartbeats_subject(), subjects.max_deliveries_advisory(fs, dur),
+                                        role_inbox_prefix("router") + ".>"]}}
     if role == "worker":
-        return {"publish": {"allow": ["$JS.API.>", f"$KV.{subjects.DRAIN_KV_BUCKET}.>", "fleet.*.diag.*"]},
-                "subscribe": {"allow": ["_INBOX.>"]}}
+        kv = f"KV_{subjects.DRAIN_KV_BUCKET}"
+        api = _api(f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
+                   f"DIRECT.GET.{kv}.>", f"CONSUMER.CREATE.{kv}", f"CONSUMER.CREATE.{kv}.>",
+                   f"CONSUMER.INFO.{kv}.>", f"CONSUMER.DELETE.{kv}.>")
+        return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*"]},
+                "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "admin":
         return None
     raise ConfigError(f"unknown role {role!r}; expected {', '.join(ROLES)} (nodes get node credentials)")
@@ -153,6 +182,7 @@ def generate(directory: Path, cluster: str, nodes: list[str], roles: tuple[str, 
         nodes/<node>.nk         the node's seed (0600)
         nodes/<node>.toml       agent settings: cluster, node, nats_nkey_seed, nats_inbox_prefix
         <role>.nk               router / worker / admin seeds (0600)
+        <role>.toml             settings: nats_nkey_seed and (router, worker) nats_inbox_prefix
         accounts.conf           `include` it from the server's config
     Args:
         directory: output directory (created).
@@ -177,13 +207,19 @@ def generate(directory: Path, cluster: str, nodes: list[str], roles: tuple[str, 
         toml.write_text(
             f'# agent settings for {node}; use with `fleetmend agent --config {toml.name}` (or merge)\n'
             f'cluster = "{cluster}"\nnode = "{node}"\nnats_nkey_seed = "{seed_file.resolve()}"\n'
-            f'nats_inbox_prefix = "{node_inbox_prefix(cluster, node)}"\n')
+            f'nats_inbox_prefix = "{node_inbox_prefix(cluster, node)}"\n'
+            '[agent]\nmanage_stream = false  # the router/operator owns the streams\n')
         creds.append(Credential(f"node:{cluster}/{node}", public_key(seed), seed_file,
                                 node_permissions(cluster, node), toml))
     for role in roles:
         perms = role_permissions(role)
         seed_file = directory / f"{role}.nk"
-        creds.append(Credential(role, public_key(_load_or_create_seed(seed_file)), seed_file, perms))
+        seed = _load_or_create_seed(seed_file)
+        toml = directory / f"{role}.toml"
+        prefix = f'nats_inbox_prefix = "{role_inbox_prefix(role)}"\n' if perms is not None else ""
+        toml.write_text(f"# {role} settings; use with `fleetmend {role} --config {toml.name}` (or merge)\n"
+                        f'nats_nkey_seed = "{seed_file.resolve()}"\n{prefix}')
+        creds.append(Credential(role, public_key(seed), seed_file, perms, toml))
     conf = directory / "accounts.conf"
     conf.write_text(accounts_conf(creds))
     return CredentialSet(directory, conf, creds)

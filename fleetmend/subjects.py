@@ -53,6 +53,11 @@ def all_heartbeats_subject() -> str:
     return "fleet.*.hb.*"
 
 
+def max_deliveries_advisory(stream: str, consumer: str) -> str:
+    """JetStream's advisory when a message of `stream` reached `consumer`'s max deliveries."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
+
+
 def parse_fault_subject(subject: str) -> tuple[str, str]:
     """Inverse of `fault_subject`. Returns (cluster, node). Raises ValueError for other subjects."""
     parts = subject.split(".")

@@ -101,6 +101,12 @@ def test_generate_permissions_files_and_reuse(tmp_path: Path):
         security.generate(tmp_path, "c1", ["bad.name"])
     with pytest.raises(ConfigError, match="expected router, worker, admin"):
         security.role_permissions("root")
+    for role in ("router", "worker"):
+        perms = security.role_permissions(role)
+        granted = perms["publish"]["allow"] + perms["subscribe"]["allow"]
+        assert "$JS.API.>" not in granted and "_INBOX.>" not in granted, (role, granted)
+        assert load_settings(tmp_path / f"{role}.toml").nats_inbox_prefix == security.role_inbox_prefix(role)
+    assert "fleet.*.hb.*" in security.role_permissions("router")["subscribe"]["allow"]
 
 
 def test_creds_cli(tmp_path: Path):
@@ -156,7 +162,7 @@ async def test_node_answers_own_diag_only_and_cannot_eavesdrop(secured):
     url, cs = secured
     errors: list[str] = []
     n1 = await node_client(url, cs, "n1", errors)
-    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")))
+    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")), inbox_prefix=security.role_inbox_prefix("worker"))
     try:
         async def answer(msg) -> None:  # noqa: ANN001
             await msg.respond(b"n1 ok")
@@ -191,33 +197,40 @@ async def test_node_answers_own_diag_only_and_cannot_eavesdrop(secured):
 
 async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
     url, cs = secured
-    router = await nats.connect(url, nkeys_seed=str(cs.seed_file("router")))
-    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")))
+    router = await nats.connect(url, nkeys_seed=str(cs.seed_file("router")),
+                                inbox_prefix=security.role_inbox_prefix("router"))
+    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")),
+                                inbox_prefix=security.role_inbox_prefix("worker"))
     n2 = await node_client(url, cs, "n2")
     try:
         ev = event("n2")
         await n2.jetstream().publish(subjects.fault_subject(CLUSTER, "n2"), ev.to_json_bytes(),
                                      headers={"Nats-Msg-Id": ev.event_id})
         js = router.jetstream()
-        psub = await js.pull_subscribe(subjects.fault_subject(CLUSTER, "n2"), durable=f"r-{unique}",
+        # the router's own durable (its credentials name exactly that consumer of the fault stream)
+        psub = await js.pull_subscribe(subjects.fault_subject(CLUSTER, "n2"), durable=subjects.ROUTER_DURABLE,
                                        stream=subjects.FAULT_STREAM)
         msgs = await psub.fetch(10, timeout=3)
         assert ev.event_id in [json.loads(m.data)["event_id"] for m in msgs]
         for m in msgs:
             await m.ack()
         await js.publish(subjects.DEADLETTER_SUBJECT, b'{"reason": "test"}')
-        with pytest.raises(asyncio.TimeoutError):  # the router may not publish faults itself
-            await js.publish(subjects.fault_subject(CLUSTER, "n1"), ev.to_json_bytes(), timeout=1.0)
+        # agent_silent events for silent nodes go to the node's fault subject
+        await js.publish(subjects.fault_subject(CLUSTER, "n1"), ev.to_json_bytes(), timeout=3.0)
+        with pytest.raises((asyncio.TimeoutError, nats.errors.Error)):  # no blanket $JS.API.>
+            await js.delete_stream(subjects.FAULT_STREAM)
+        with pytest.raises((asyncio.TimeoutError, nats.errors.Error)):  # nor another consumer
+            await js.pull_subscribe(subjects.fault_subject(CLUSTER, "n2"), durable=f"r-{unique}",
+                                    stream=subjects.FAULT_STREAM)
+        with pytest.raises((asyncio.TimeoutError, nats.errors.Error)):  # the worker cannot read faults
+            await worker.jetstream().get_msg(subjects.FAULT_STREAM, 1)
 
         from activities.standalone import StandaloneScheduler
 
         sched = StandaloneScheduler(worker.jetstream(), bucket=subjects.DRAIN_KV_BUCKET)
-        # the bucket is created by an admin at setup (`dev up` / operator); the worker only writes to it
-        admin = await nats.connect(url, nkeys_seed=str(cs.seed_file("admin")))
-        await StandaloneScheduler(admin.jetstream()).kv()
-        await admin.close()
-        res = await sched.drain(f"node-{unique}", "test", "inc-1")
+        res = await sched.drain(f"node-{unique}", "test", "inc-1")  # creates its bucket on first use
         assert res.drained and res.owned
+        assert f"node-{unique}" in [r.name for r in await sched.list_nodes()]  # key listing: a consumer
         assert (await sched.undrain(f"node-{unique}", "inc-1")).resumed
     finally:
         for c in (router, worker, n2):
@@ -240,7 +253,7 @@ async def test_agent_publishes_and_answers_with_node_credentials(secured, tmp_pa
     stop = asyncio.Event()
     task = asyncio.create_task(run_agent(s, stop=stop, probes=[InjectProbe(inject, CLUSTER, "n1")], nvml=None,
                                          shutdown_timeout_s=3.0))
-    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")))
+    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")), inbox_prefix=security.role_inbox_prefix("worker"))
     try:
         async def stored() -> bool:
             return ev.event_id in await stream_ids(url, cs, subjects.fault_subject(CLUSTER, "n1"))

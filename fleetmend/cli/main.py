@@ -149,6 +149,7 @@ def dev_up(
     ui_port: Optional[int] = typer.Option(None, "--ui-port", help="FLEETMEND_TEMPORAL_UI_PORT"),
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="standalone (default), slurm or none"),
     no_agent: bool = typer.Option(False, "--no-agent", help="Do not start a local agent."),
+    secure: bool = typer.Option(False, "--secure", help="NATS with per-role credentials (STATE/creds)."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     """Start NATS (JetStream), Temporal (SQLite, Web UI), worker, router and a local agent; Ctrl-C stops all."""
@@ -156,7 +157,7 @@ def dev_up(
 
     s = _settings(config, state_dir=state_dir, nats_url=nats_url, temporal_address=temporal_address,
                   temporal_ui_port=ui_port, scheduler=scheduler)
-    raise typer.Exit(_run(run_dev_up(s, agent=not no_agent, config=config)))
+    raise typer.Exit(_run(run_dev_up(s, agent=not no_agent, config=config, secure=secure)))
 
 
 # ------------------------------------------------------------------ parsing

@@ -48,7 +48,7 @@ def generate(
     out.print(t)
     out.print(f"server: include {cs.accounts_conf} in nats-server.conf (accounts block, JetStream enabled)")
     out.print("agents: nodes/<node>.toml sets nats_nkey_seed and nats_inbox_prefix; "
-              "router/worker: FLEETMEND_NATS_NKEY_SEED=<dir>/router.nk (worker.nk)")
+              "router/worker: --config <dir>/router.toml (worker.toml) sets nats_nkey_seed and nats_inbox_prefix")
 
 
 def register(app: typer.Typer) -> None:
