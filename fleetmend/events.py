@@ -14,8 +14,9 @@ Imports only stdlib and pydantic (design rule: the contract never imports nats/t
 from __future__ import annotations
 
 import os
+import re
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -27,6 +28,21 @@ SCHEMA_VERSION = 1
 MAX_RAW_BYTES = 16 * 1024
 """Longest `raw` text kept on an event (bytes of UTF-8). Longer evidence is truncated with a marker,
 so one runaway register dump cannot exceed the NATS max payload (1 MiB default)."""
+
+
+MAX_EVENT_BYTES = 64 * 1024
+"""Largest wire message accepted (bytes); larger ones are dead-lettered. An event is < 20 KiB."""
+MAX_JSON_DEPTH = 16
+"""Deepest JSON nesting a wire message may have (a FaultEvent needs 2: event → device/attrs).
+Deeper messages are dead-lettered before they are parsed (the decoder would recurse on them)."""
+MAX_CLOCK_SKEW_S = 300.0
+"""How far an agent's clock may run ahead of the router's. An `observed_at` later than the receipt
+time plus this is clamped to the receipt time (`clamp_observed_at`), so a skewed or hostile clock
+cannot place events in the future of every history window."""
+OBSERVED_AT_RANGE = (datetime(1970, 1, 1, tzinfo=timezone.utc), datetime(9000, 1, 1, tzinfo=timezone.utc))
+"""`observed_at` outside this range is invalid (dead-lettered): it could not be converted to UTC."""
+CLAMPED_FROM_ATTR = "observed_at_agent"
+"""`attrs` key that keeps the agent's original `observed_at` (ISO 8601) when it was clamped."""
 
 
 class Component(StrEnum):
@@ -130,6 +146,23 @@ def condition_key(ev: "FaultEvent") -> ConditionKey:
     return ConditionKey(ev.kind, ev.code, device_label(ev.device))
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def json_nesting_depth(data: bytes) -> int:
+    """How deeply the JSON text `data` nests arrays/objects (brackets inside strings ignored);
+    computed with regular expressions only, so any depth is measured without recursion. When the
+    text has no more brackets than `MAX_JSON_DEPTH`, their count is returned (an upper bound)."""
+    if data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH:
+        return data.count(b"[") + data.count(b"{")  # an upper bound, within the limit
+    depth = deepest = 0
+    for b in _JSON_BRACKET.findall(_JSON_STRING.sub(b'""', data)):
+        depth += 1 if b in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def new_event_id(now_ns: int | None = None) -> str:
     """A unique, time-ordered id: 16 hex digits of UTC nanoseconds + 8 random hex digits.
 
@@ -198,9 +231,14 @@ class FaultEvent(BaseModel):
     @field_validator("observed_at")
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
-        if v.tzinfo is None:
-            return v.replace(tzinfo=timezone.utc)
-        return v.astimezone(timezone.utc)
+        try:
+            out = v.replace(tzinfo=timezone.utc) if v.tzinfo is None else v.astimezone(timezone.utc)
+        except OverflowError as err:
+            raise ValueError(f"observed_at {v.isoformat()} is out of range when converted to UTC") from err
+        if not OBSERVED_AT_RANGE[0] <= out < OBSERVED_AT_RANGE[1]:
+            raise ValueError(f"observed_at {out.isoformat()} outside {OBSERVED_AT_RANGE[0].year}.."
+                             f"{OBSERVED_AT_RANGE[1].year}")
+        return out
 
     @field_validator("schema_version")
     @classmethod
@@ -224,6 +262,14 @@ class FaultEvent(BaseModel):
     def from_json_bytes(cls, data: bytes) -> "FaultEvent":
         """Parse one wire message. Raises `pydantic.ValidationError` (or `UnicodeDecodeError`)."""
         return cls.model_validate_json(data)
+
+    def clamp_observed_at(self, received_at: datetime, max_skew_s: float = MAX_CLOCK_SKEW_S) -> "FaultEvent":
+        """This event, or a copy whose `observed_at` is `received_at` when the agent's time is more
+        than `max_skew_s` later than `received_at` (the original goes to `attrs[CLAMPED_FROM_ATTR]`)."""
+        if self.observed_at <= received_at + timedelta(seconds=max_skew_s):
+            return self
+        attrs = {**self.attrs, CLAMPED_FROM_ATTR: self.observed_at.isoformat()}
+        return self.model_copy(update={"observed_at": received_at, "attrs": attrs})
 
     def summary(self) -> str:
         code = f" {self.code}" if self.code is not None else ""

@@ -48,7 +48,7 @@ MTTR_BUCKETS_S = (600, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 3 * 86400, 7 * 86
 ACCEPT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 DEADLETTER_REASONS = ("bad_subject", "oversized", "not_utf8", "not_json", "not_object", "invalid_event",
-                      "node_mismatch", "temporal_rejected", "other")
+                      "node_mismatch", "temporal_rejected", "max_deliveries", "router_error", "other")
 """The `reason` label of dead letters: the router's free-text reason mapped onto this closed set."""
 
 _EVENT_LABELS = ("cluster", "source", "component", "kind", "severity")
@@ -145,7 +145,8 @@ def deadletter_reason(reason: str) -> str:
     for needle, key in (("oversized", "oversized"), ("not utf-8", "not_utf8"), ("not json", "not_json"),
                         ("not a json object", "not_object"), ("invalid faultevent", "invalid_event"),
                         ("arrived on the subject", "node_mismatch"), ("not accepted by temporal", "temporal_rejected"),
-                        ("subject", "bad_subject")):
+                        ("max deliveries", "max_deliveries"), ("router error", "router_error"),
+                        ("classification failed", "router_error"), ("subject", "bad_subject")):
         if needle in r:
             return key
     return "other"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 from pathlib import Path
 
@@ -261,3 +262,120 @@ async def test_a_message_held_past_half_its_ack_wait_is_kept_from_redelivery(set
     [again] = await psub.fetch(1, timeout=5)
     assert again.metadata.sequence.stream == m2.metadata.sequence.stream and again.metadata.num_delivered == 2
     await again.ack()
+
+
+def test_decode_limits_are_stated_and_enforced():
+    """Depth, size and value limits of the contract (fleetmend.events) are dead-letter reasons, not
+    exceptions escaping the decoder."""
+    from fleetmend.errors import InvalidEventError
+    from fleetmend.events import MAX_JSON_DEPTH
+
+    good = xid_event("c1", "n1").as_dict()
+    deep = b"{\"a\": " + b"[" * 30_000 + b"]" * 30_000 + b"}"
+    with pytest.raises(InvalidEventError, match=f"nested 30001 levels deep > {MAX_JSON_DEPTH}"):
+        decode_event("fleet.c1.fault.n1", deep)
+    for when in ("9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+14:00", "1969-12-31T00:00:00+00:00"):
+        with pytest.raises(InvalidEventError, match="observed_at"):
+            decode_event("fleet.c1.fault.n1", json.dumps({**good, "observed_at": when}).encode())
+    # brackets inside strings are text, not nesting
+    ok = {**good, "raw": "[" * 5000}
+    assert decode_event("fleet.c1.fault.n1", json.dumps(ok).encode()).raw.startswith("[[[")
+
+
+def test_an_agent_clock_ahead_is_clamped_and_recorded():
+    from datetime import datetime, timedelta, timezone
+
+    from fleetmend.events import CLAMPED_FROM_ATTR, MAX_CLOCK_SKEW_S
+
+    now = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    ahead = xid_event("c1", "n1", observed_at=now + timedelta(days=3 * 365))
+    got = ahead.clamp_observed_at(now)
+    assert got.observed_at == now and got.attrs[CLAMPED_FROM_ATTR] == ahead.observed_at.isoformat()
+    within = xid_event("c1", "n1", observed_at=now + timedelta(seconds=MAX_CLOCK_SKEW_S - 1))
+    assert within.clamp_observed_at(now) is within
+
+
+async def test_poison_messages_never_stop_the_router(settings, nc, temporal_client, unique):
+    """A batch with JSON nested 60k deep, an observed_at that overflows when converted to UTC and
+    an event years ahead between two valid events: the poison is dead-lettered with its reason, the
+    valid events reach their incident, the future one clamped, and the router keeps running."""
+    from datetime import datetime, timedelta, timezone
+
+    from fleetmend.events import CLAMPED_FROM_ATTR
+
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    cluster = settings.cluster
+    calls = Calls()
+    subject = subjects.fault_subject(cluster, "n1")
+    first = xid_event(cluster, "n1", xid=13)
+    overflow = json.loads(xid_event(cluster, "n1").to_json_bytes())
+    overflow["observed_at"] = "9999-12-31T23:59:59-23:59"
+    future = xid_event(cluster, "n1", xid=31, observed_at=datetime.now(timezone.utc) + timedelta(days=3 * 365))
+    last = xid_event(cluster, "n1", xid=79)
+    for data in (first.to_json_bytes(), b"[" * 60_000, json.dumps(overflow).encode(), future.to_json_bytes(),
+                 last.to_json_bytes()):
+        await js.publish(subject, data)
+    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+                      activities=stand_ins(calls)):
+        router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
+        try:
+            dl = await assert_eventually(lambda: _at_least(deadletters(js, subject), 2), what="2 dead letters")
+            reasons = " | ".join(d["reason"] for d in dl)
+            assert "nested 60000 levels deep" in reasons and "observed_at" in reasons, reasons
+
+            async def routed():
+                h = temporal_client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "n1"))
+                st = await h.query(NodeRemediation.status)
+                return st if len(st.faults) >= 3 else None
+
+            st = await assert_eventually(routed, timeout_s=60, what="the 3 valid events in the workflow")
+            ids = {f["event_id"] for f in st.faults}
+            assert {first.event_id, future.event_id, last.event_id} <= ids
+            assert not task.done(), "the router is still running"
+            await assert_eventually(lambda: _no_pending(js, unique), what="everything acked or termed")
+            assert router.stats.deadlettered == 2 and router.stats.routed == 3, router.stats
+        finally:
+            stop.set()
+            await task
+    clamped = [f for f in st.faults if f["event_id"] == future.event_id][0]
+    assert CLAMPED_FROM_ATTR in str(clamped) or clamped.get("observed_at", "")[:4] != str(future.observed_at.year)
+
+
+async def test_a_message_at_max_deliveries_is_deadlettered_not_dropped(settings, nc, temporal_client, unique):
+    """Whatever keeps a message from being acked (here: a consumer that fetches and never acks, as a
+    crash-looping router would), JetStream's max-deliveries advisory makes it a dead letter."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    cluster = settings.cluster
+    subject = subjects.fault_subject(cluster, "n9")
+    durable = f"r-{unique}"
+    router = Router(settings, nc, js, temporal_client, load_catalog(), filter_subject=subject, durable=durable)
+    sub = await router.watch_max_deliveries()
+    try:
+        psub = await js.pull_subscribe(subject, durable=durable, stream=subjects.FAULT_STREAM,
+                                       config=ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT,
+                                                             ack_wait=1.0, max_deliver=2, filter_subject=subject))
+        ev = xid_event(cluster, "n9")
+        ack = await js.publish(subject, ev.to_json_bytes())
+        for _ in range(2):  # delivered twice, never acked
+            msgs = await psub.fetch(1, timeout=5)
+            assert msgs[0].metadata.sequence.stream == ack.seq
+
+        async def fetching_on() -> list | None:  # the consumer keeps pulling, as a router does
+            try:
+                got = await psub.fetch(1, timeout=0.5)
+            except asyncio.TimeoutError:  # nats' TimeoutError derives from it
+                got = []
+            assert not got, "a third delivery beyond max_deliver"
+            return await _at_least(deadletters(js, subject), 1)
+
+        dl = await assert_eventually(fetching_on, timeout_s=30, what="the max-deliveries dead letter")
+        assert dl[0]["stream_seq"] == ack.seq and "max deliveries (2)" in dl[0]["reason"]
+        assert json.loads(base64.b64decode(dl[0]["data_b64"]))["event_id"] == ev.event_id
+    finally:
+        await sub.unsubscribe()

@@ -98,5 +98,5 @@ async def deadletter_line(settings, timeout_s: float = 3.0) -> str:  # noqa: ANN
         return f"dead letters: unknown (NATS at {settings.nats_url}: {type(err).__name__})"
     if not total:
         return "dead letters: 0"
-    by = ", ".join(f"{r}: {n}" for r, n in reasons.most_common())  # a closed set of ≤ 9 categories
+    by = ", ".join(f"{r}: {n}" for r, n in reasons.most_common())  # a closed set of ≤ 11 categories
     return f"dead letters: {total} ({by}); details: fleetmend deadletters"

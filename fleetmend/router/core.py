@@ -16,6 +16,15 @@ Guarantees:
 - Up to `router.max_unacked` messages are held un-acked while they wait for their node's turn (a
   deep backlog then fills each signal with many events); a message held past half of `ack_wait_s`
   is marked in progress so JetStream does not redeliver it while it waits.
+- No input can stop the router: any exception while decoding or classifying one message makes
+  that message a dead letter with the exception as its reason; the rest of the batch is routed.
+  The limits a message must keep are stated in `fleetmend.events` (`MAX_EVENT_BYTES`,
+  `MAX_JSON_DEPTH`, `OBSERVED_AT_RANGE`); an `observed_at` more than `MAX_CLOCK_SKEW_S` ahead of the
+  receipt time is clamped to it (the agent's value kept in `attrs`).
+- A message that reaches the consumer's max deliveries for any reason (a crash loop, a bug) is
+  dead-lettered from JetStream's advisory (`subjects.max_deliveries_advisory`), never dropped: every
+  replica hears the advisory, and the dead-letter record's `Nats-Msg-Id` (`dl-<stream>-<seq>`)
+  keeps one copy.
 - Any number of router replicas share the durable consumer.
 """
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -35,7 +45,7 @@ from pydantic import ValidationError
 from fleetmend import metrics, subjects
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
-from fleetmend.events import FaultEvent, condition_key
+from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase, RemediationApi,
     RoutedFault,
@@ -43,8 +53,7 @@ from fleetmend.messages import (
 
 log = structlog.get_logger("fleetmend.router")
 
-MAX_EVENT_BYTES = 64 * 1024
-"""Largest fault message accepted (bytes). Events carry at most 16 KiB of raw text (events.MAX_RAW_BYTES)."""
+__all__ = ["MAX_EVENT_BYTES", "Router", "decode_event", "collapse"]
 
 
 @dataclass
@@ -71,12 +80,18 @@ def decode_event(subject: str, data: bytes) -> FaultEvent:
         raise InvalidEventError(str(err), subject=subject) from err
     if len(data) > MAX_EVENT_BYTES:
         raise InvalidEventError(f"oversized: {len(data)} bytes > {MAX_EVENT_BYTES}", subject=subject)
+    depth = json_nesting_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidEventError(f"not JSON within limits: nested {depth} levels deep > {MAX_JSON_DEPTH}",
+                                subject=subject)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InvalidEventError(f"not UTF-8 at byte {err.start}", subject=subject) from err
     try:
         obj = json.loads(text)
+    except RecursionError as err:  # unreachable within MAX_JSON_DEPTH; kept as a second line of defence
+        raise InvalidEventError("not JSON within limits: nested too deep", subject=subject) from err
     except json.JSONDecodeError as err:
         raise InvalidEventError(f"not JSON: {err.msg} at line {err.lineno} column {err.colno}",
                                 subject=subject) from err
@@ -145,7 +160,21 @@ class Router:
         from nats.errors import TimeoutError as NatsTimeout
 
         psub = await self.setup()
+        advisories = await self.watch_max_deliveries()
         log.info("router_started", durable=self.durable, filter=self.filter_subject, task_queue=self.s.task_queue)
+        try:
+            await self._fetch_loop(psub, stop)
+        finally:
+            with contextlib.suppress(Exception):
+                await advisories.unsubscribe()
+        if self._senders:
+            log.info("router_finishing", nodes_in_flight=len(self._senders))
+            await asyncio.gather(*self._senders.values(), return_exceptions=True)
+        log.info("router_stopped", **self.stats.__dict__)
+
+    async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
+        from nats.errors import TimeoutError as NatsTimeout
+
         while not stop.is_set():
             if self._held >= self._max_unacked:
                 self._room.clear()
@@ -165,26 +194,65 @@ class Router:
                 await asyncio.sleep(1.0)
                 continue
             await self.handle_batch(msgs)
-        if self._senders:
-            log.info("router_finishing", nodes_in_flight=len(self._senders))
-            await asyncio.gather(*self._senders.values(), return_exceptions=True)
-        log.info("router_stopped", **self.stats.__dict__)
+
+    async def watch_max_deliveries(self):  # noqa: ANN201 - nats Subscription
+        """Subscribe to JetStream's max-deliveries advisory of this consumer: the message it names is
+        dead-lettered (`_on_max_deliveries`). Returns the subscription."""
+        return await self.nc.subscribe(subjects.max_deliveries_advisory(self.stream, self.durable),
+                                       cb=self._on_max_deliveries)
+
+    async def _on_max_deliveries(self, adv_msg) -> None:  # noqa: ANN001
+        from nats.js.errors import NotFoundError
+
+        try:
+            adv = json.loads(adv_msg.data)
+            seq, deliveries = int(adv["stream_seq"]), adv.get("deliveries")
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("max_deliveries_advisory_unreadable", error=repr(err))
+            return
+        for attempt in range(5):
+            try:
+                m = await self.js.get_msg(self.stream, seq)
+                break
+            except NotFoundError:
+                log.warning("max_deliveries_message_gone", stream=self.stream, stream_seq=seq)
+                return
+            except Exception as err:  # noqa: BLE001 - NATS trouble: a few tries, then say so loudly
+                if attempt == 4:
+                    log.error("max_deliveries_deadletter_failed", stream_seq=seq, error=repr(err))
+                    return
+                await asyncio.sleep(1.0)
+        reason = f"reached max deliveries ({deliveries}) without being acked"
+        if await self._write_deadletter(m.subject, m.data or b"", seq, deliveries, reason):
+            self._counted_deadletter(reason, m.subject)
 
     async def handle_batch(self, msgs: list) -> None:  # noqa: ANN001
-        """Validate a fetched batch, dead-letter the invalid, queue the rest per node."""
+        """Validate a fetched batch, dead-letter the invalid, queue the rest per node. Whatever goes
+        wrong with one message (an exception anywhere in its handling) dead-letters that message."""
         for msg in msgs:
             self.stats.received += 1
             try:
-                ev = decode_event(msg.subject, msg.data)
-            except InvalidEventError as err:
-                await self.deadletter(msg, err.reason)
-                continue
-            metrics.router_event(ev)
-            key = (ev.cluster, ev.node)
-            self._queued.setdefault(key, []).append((msg, ev, time.monotonic()))
-            self._held += 1
-            if key not in self._senders:
-                self._senders[key] = asyncio.create_task(self._sender(key))
+                await self._take(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - one message must never stop the router
+                log.error("message_failed", subject=getattr(msg, "subject", "?"), error=repr(err))
+                with contextlib.suppress(Exception):
+                    await self.deadletter(msg, f"router error on this message: {type(err).__name__}: {err}"[:500])
+
+    async def _take(self, msg) -> None:  # noqa: ANN001
+        try:
+            ev = decode_event(msg.subject, msg.data)
+        except InvalidEventError as err:
+            await self.deadletter(msg, err.reason)
+            return
+        ev = ev.clamp_observed_at(datetime.now(timezone.utc))
+        metrics.router_event(ev)
+        key = (ev.cluster, ev.node)
+        self._queued.setdefault(key, []).append((msg, ev, time.monotonic()))
+        self._held += 1
+        if key not in self._senders:
+            self._senders[key] = asyncio.create_task(self._sender(key))
 
     async def _sender(self, key: tuple[str, str]) -> None:
         """Send a node's queued events, one signal-with-start at a time, until its queue is empty."""
@@ -199,12 +267,37 @@ class Router:
         finally:
             self._senders.pop(key, None)
 
-    async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
+    def _build(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]):  # noqa: ANN202
+        """(faults, IncidentInput, FaultBatch) of a node's queued items: collapse and classify."""
         faults = collapse([ev for _msg, ev, _t in items], self.catalog)
-        wid = subjects.workflow_id(cluster, node)
         inp = IncidentInput(cluster=cluster, node=node, policy=IncidentPolicy.from_settings(self.s.policy))
+        return faults, inp, FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
+    async def _isolate(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]],
+                       err: Exception) -> list[tuple[Any, FaultEvent, float]]:
+        """A node's batch could not be built: build each event alone, dead-letter those that fail
+        (with the exception as the reason), return the rest."""
+        good = []
+        for item in items:
+            try:
+                self._build(cluster, node, [item])
+            except Exception as one:  # noqa: BLE001 - this event is the poison
+                await self.deadletter(item[0], f"classification failed: {type(one).__name__}: {one}"[:500])
+            else:
+                good.append(item)
+        log.error("batch_isolated", cluster=cluster, node=node, error=repr(err), events=len(items),
+                  deadlettered=len(items) - len(good))
+        return good
+
+    async def _route_node(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
+        try:
+            faults, inp, batch = self._build(cluster, node, items)
+        except Exception as err:  # noqa: BLE001 - one event must not block its node's others
+            items = await self._isolate(cluster, node, items, err)
+            if not items:
+                return
+            faults, inp, batch = self._build(cluster, node, items)
+        wid = subjects.workflow_id(cluster, node)
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
-        batch = FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
@@ -257,30 +350,45 @@ class Router:
                 await msg.nak(delay=self.s.router.nak_delay_s * min(delivered, 10))
         bound.warning("temporal_signal_failed", error=error)
 
-    async def deadletter(self, msg, reason: str) -> None:  # noqa: ANN001
-        """Write a dead-letter record (original bytes + reason) to `fleet.deadletter`, then term()."""
-        md = msg.metadata
+    async def _write_deadletter(self, subject: str, data: bytes, stream_seq: int | None,
+                                num_delivered: int | None, reason: str) -> bool:
+        """Publish one dead-letter record (original bytes + reason) to `fleet.deadletter`, with
+        `Nats-Msg-Id` `dl-<stream>-<seq>` so replicas and retries store it once. False if it failed."""
         record = {
             "reason": reason,
-            "subject": msg.subject,
-            "stream_seq": md.sequence.stream if md else None,
-            "num_delivered": md.num_delivered if md else None,
+            "subject": subject,
+            "stream_seq": stream_seq,
+            "num_delivered": num_delivered,
             "at": datetime.now(timezone.utc).isoformat(),
-            "data_b64": base64.b64encode(msg.data[:MAX_EVENT_BYTES]).decode(),
-            "data_bytes": len(msg.data),
+            "data_b64": base64.b64encode(data[:MAX_EVENT_BYTES]).decode(),
+            "data_bytes": len(data),
         }
+        headers = {"Nats-Msg-Id": f"dl-{self.stream}-{stream_seq}"} if stream_seq is not None else None
         try:
-            await self.js.publish(subjects.DEADLETTER_SUBJECT, json.dumps(record).encode(), timeout=5.0)
-        except Exception as err:  # noqa: BLE001 - could not record: keep the message, retry later
-            log.error("deadletter_write_failed", error=repr(err), reason=reason, subject=msg.subject)
-            await msg.nak(delay=self.s.router.nak_delay_s)
-            return
-        await msg.term()
+            await self.js.publish(subjects.DEADLETTER_SUBJECT, json.dumps(record).encode(), timeout=5.0,
+                                  headers=headers)
+        except Exception as err:  # noqa: BLE001 - could not record: the caller keeps the message
+            log.error("deadletter_write_failed", error=repr(err), reason=reason, subject=subject)
+            return False
+        return True
+
+    def _counted_deadletter(self, reason: str, subject: str) -> None:
         self.stats.deadlettered += 1
         metrics.deadlettered(reason)
         key = metrics.deadletter_reason(reason)
         self.stats.deadletter_reasons[key] = self.stats.deadletter_reasons.get(key, 0) + 1
-        log.warning("event_deadlettered", reason=reason, subject=msg.subject)
+        log.warning("event_deadlettered", reason=reason, subject=subject)
+
+    async def deadletter(self, msg, reason: str) -> None:  # noqa: ANN001
+        """Write a dead-letter record (original bytes + reason) to `fleet.deadletter`, then term().
+        If the record cannot be written, the message is nak'ed and comes back."""
+        md = msg.metadata
+        if not await self._write_deadletter(msg.subject, msg.data or b"", md.sequence.stream if md else None,
+                                            md.num_delivered if md else None, reason):
+            await msg.nak(delay=self.s.router.nak_delay_s)
+            return
+        await msg.term()
+        self._counted_deadletter(reason, msg.subject)
 
 
 def collapse(events: list[FaultEvent], catalog) -> list[RoutedFault]:  # noqa: ANN001 - Catalog
