@@ -129,7 +129,8 @@ def main() -> int:
         bare_t = min(bare_loop(path, "text") for _ in range(3))
         bare_b = min(bare_loop(path, "bytes") for _ in range(3))
         wall, rss_kib, found, fkinds, rc = run_explain(path)
-        print(f"bare loop     text {bare_t:.2f} s, binary {bare_b:.2f} s")
+        print(f"bare loop     text {bare_t:.2f} s, binary {bare_b:.2f} s (best of 3; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other work shares them)")
         print(f"explain       {wall:.2f} s   = {wall / bare_t:.1f}x the text loop ({wall / bare_b:.1f}x binary)"
               f"   (target < 20x)")
         print(f"peak RSS      {rss_kib / 1024:.1f} MiB   (target < 150 MiB)")

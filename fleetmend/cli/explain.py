@@ -1,20 +1,39 @@
 """`fleetmend explain`: classify fault text offline (kernel logs, nvidia-smi, DCGM, other tools) and say
 what the catalog says about it.
 
-The CLI (`fleetmend explain [FILE|-] [--json]`) calls `explain_text` then `render_table` or
-`explained_json` per event.
+The CLI (`fleetmend explain [FILE|-] [--json] [--exit-zero]`, registered by `register`) reads the
+input with `explain_stream`: up to `WHOLE_MAX_BYTES` it is read whole and every parser runs over it
+(`explain_text`); a larger input is read as a kernel log, streamed in bounded memory
+(`agents.kmsg.stream.parse_stream`). Each event is printed as it is found (`render_entry` or
+`explained_json`), a summary last; the exit status follows health-check convention (`exit_status`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
 
 from fleetmend.catalog import Catalog, Classification, default_catalog
 from fleetmend.events import FaultEvent, Severity
 
 if TYPE_CHECKING:
+    import typer
     from rich.console import Console
+
+EXIT_OK, EXIT_DEGRADED, EXIT_FATAL, EXIT_UNREADABLE = 0, 1, 2, 3
+"""Health-check convention (the Nagios plugin statuses OK, WARNING, CRITICAL, UNKNOWN): 0 nothing to act
+on (no fault, or only info and cleared ones), 1 the worst finding is degraded, 2 a fatal finding,
+3 the input could not be read (no such file, a directory, no permission, binary data) or bad usage."""
+WHOLE_MAX_BYTES = 8 * 1024 * 1024
+"""Inputs up to 8 MiB are read whole and run through every parser (a paste of tool output and logs);
+a larger input is a kernel log in practice and is streamed through the kernel-log parser only."""
+_BINARY_SNIFF_BYTES = 64 * 1024
+
+
+class UnreadableInput(Exception):
+    """The input is not text we can read (binary data); the message says what it looked like."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,89 @@ def explain_text(text: str, catalog: Catalog | None = None, node: str = "local")
     return [Explained(e, cat.classify(e)) for e in events]
 
 
+class _Prefixed:
+    """A binary stream that first returns `head` (already read) and then the rest of `stream`."""
+
+    def __init__(self, head: bytes, stream: IO[bytes]) -> None:
+        self.head, self.stream = head, stream
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            out, self.head = (self.head, b"") if n < 0 or n >= len(self.head) else (self.head[:n], self.head[n:])
+            return out
+        return self.stream.read(n)
+
+
+@dataclass
+class ExplainRun:
+    """What `explain_stream` found so far: `mode` ("whole" or "stream"), counts by severity word
+    ("fatal", "degraded", "info", "cleared"), whether any finding asks for a drain, and the worst severity
+    of the non-clearing findings (None: none)."""
+
+    mode: str = "whole"
+    counts: dict[str, int] = field(default_factory=dict)
+    drain: bool = False
+    worst: Severity | None = None
+
+    def note(self, x: Explained) -> None:
+        key = "cleared" if x.event.healthy else x.event.severity.value
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if not x.event.healthy:
+            self.drain = self.drain or x.classification.drain
+            if self.worst is None or _RANK[x.event.severity] > _RANK[self.worst]:
+                self.worst = x.event.severity
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
+
+
+def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Catalog | None = None,
+                   node: str = "local") -> Iterator[Explained]:
+    """Explain a binary stream of any size, yielding each event as it is found (log order).
+
+    Up to `WHOLE_MAX_BYTES` the input is read whole and given to `explain_text` (every format). A larger
+    input is streamed through the kernel-log parser in bounded memory (about 10 MiB of buffers); tool
+    outputs inside it (nvidia-smi, DCGM, ...) are not read. `run` (when given) records the mode, the
+    counts and the worst severity as events are yielded.
+
+    Raises:
+        UnreadableInput: the first 64 KiB hold NUL bytes (compressed or binary data, not a log).
+        OSError: reading the stream failed.
+    """
+    from agents.kmsg import KmsgParser
+    from agents.kmsg.stream import parse_stream
+
+    run = run if run is not None else ExplainRun()
+    cat = catalog or default_catalog()
+    head = stream.read(WHOLE_MAX_BYTES + 1)
+    if b"\x00" in head[:_BINARY_SNIFF_BYTES]:
+        kind = "gzip-compressed" if head[:2] == b"\x1f\x8b" else "binary"
+        raise UnreadableInput(f"{kind} data, not a text log (decompress it first, e.g. zcat FILE | fleetmend explain -)")
+    if len(head) <= WHOLE_MAX_BYTES:
+        run.mode = "whole"
+        for x in explain_text(head.decode("utf-8", "replace"), catalog=cat, node=node):
+            run.note(x)
+            yield x
+        return
+    run.mode = "stream"
+    parser = KmsgParser("local", node, "unknown", catalog=cat)
+    for ev in parse_stream(_Prefixed(head, stream), parser):
+        x = Explained(ev, cat.classify(ev))
+        run.note(x)
+        yield x
+
+
+def exit_status(run: ExplainRun, exit_zero: bool = False) -> int:
+    """`EXIT_FATAL` / `EXIT_DEGRADED` by the worst non-clearing finding, else `EXIT_OK`; 0 with `exit_zero`."""
+    if exit_zero or run.worst is None or run.worst is Severity.INFO:
+        return EXIT_OK
+    return EXIT_FATAL if run.worst is Severity.FATAL else EXIT_DEGRADED
+
+
 def explained_json(e: Explained) -> dict[str, Any]:
     """One JSON-ready dict: the FaultEvent fields (`model_dump(mode="json")`) plus the catalog's view.
 
@@ -72,36 +174,44 @@ _STYLE = {Severity.INFO: "green", Severity.DEGRADED: "yellow", Severity.FATAL: "
 
 
 def render_table(explained: list[Explained], console: Console) -> None:
-    """Print each fault as a two-line entry that reads at any terminal width:
+    """Print a summary line, then each fault as a two-line entry (`render_entry`)."""
+    run = ExplainRun()
+    for x in explained:
+        run.note(x)
+    render_summary(run, console)
+    for x in explained:
+        render_entry(x, console)
+
+
+def render_summary(run: ExplainRun, console: Console) -> None:
+    """One line: counts by severity and whether the node should be drained."""
+    from rich.text import Text
+
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(run.counts.items()))
+    console.print(Text.assemble((f"{run.total} fault(s): {counts}. ", "bold"),
+                                ("Recommendation: drain the node." if run.drain else "No drain needed.",
+                                 "bold red" if run.drain else "green")))
+
+
+def render_entry(x: Explained, console: Console) -> None:
+    """Print one fault as a two-line entry that reads at any terminal width:
 
         Aug 10 15:36:05  XID 48  gpu 0000:55:00.0  fatal  → WORKFLOW_XID_48, drain
             An uncorrectable double bit error (DBE) has been detected on GPU ...
 
     Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the time
-    the event was observed. Healthy (clearing) events show severity "cleared". A summary line
-    (counts by severity, whether the node should be drained) comes first.
+    the event was observed. Healthy (clearing) events show severity "cleared".
     """
     from rich.text import Text
 
-    rows = [_row(x) for x in explained]
-    by_sev: dict[str, int] = {}
-    for x in explained:
-        key = "cleared" if x.event.healthy else x.event.severity.value
-        by_sev[key] = by_sev.get(key, 0) + 1
-    drain = any(x.classification.drain and not x.event.healthy for x in explained)
-    counts = ", ".join(f"{n} {k}" for k, n in sorted(by_sev.items()))
-    console.print(Text.assemble((f"{len(explained)} fault(s): {counts}. ", "bold"),
-                                ("Recommendation: drain the node." if drain else "No drain needed.",
-                                 "bold red" if drain else "green")))
-    for r, x in zip(rows, explained):
-        when, component, kind, dev, sev, action, drain_s, msg = r
-        line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
-                             (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
-                             f"  → {action}" + (", drain" if drain_s == "yes" else ""),
-                             (f"  ×{x.event.attrs['count']}" if int(x.event.attrs.get("count") or 1) > 1 else "",
-                              "dim"))
-        console.print(line, overflow="fold")
-        console.print(Text("    " + msg), overflow="fold")
+    when, component, kind, dev, sev, action, drain_s, msg = _row(x)
+    line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
+                         (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
+                         f"  → {action}" + (", drain" if drain_s == "yes" else ""),
+                         (f"  ×{x.event.attrs['count']}" if int(x.event.attrs.get("count") or 1) > 1 else "",
+                          "dim"))
+    console.print(line, overflow="fold")
+    console.print(Text("    " + msg), overflow="fold")
 
 
 def _plain(cell: str) -> str:
@@ -121,3 +231,78 @@ def _row(x: Explained) -> list[str]:
     msg = str(ev.attrs.get("xid_text") or ev.message)
     return [when, ev.component.value, kind, dev, f"[{_STYLE[ev.severity]}]{sev}[/]", action,
             "yes" if c.drain else "no", msg]
+
+
+EXPLAIN_EPILOG = """Exit statuses (health-check convention):
+
+\b
+  0    nothing to act on: no fault, or only info / cleared ones (always 0 with --exit-zero)
+  1    the worst finding is degraded
+  2    a fatal finding
+  3    the input could not be read (no such file, a directory, no permission, binary data) or bad usage
+
+Inputs up to 8 MiB are read whole (kernel logs and tool outputs); a larger input is streamed as a
+kernel log in bounded memory. Faults are printed as they are found; the summary comes last."""
+
+
+def register(app: typer.Typer) -> None:
+    """Add `fleetmend explain` to the CLI."""
+    import typer
+    from typer.core import TyperCommand
+
+    class _ExplainCommand(TyperCommand):
+        def make_context(self, info_name, args, parent=None, **extra):  # noqa: ANN001, ANN003, ANN201
+            try:
+                return super().make_context(info_name, args, parent=parent, **extra)
+            except Exception as e:
+                # click's UsageError (typer vendors click in some versions: matched by class name)
+                if any(c.__name__ == "UsageError" for c in type(e).__mro__):
+                    e.exit_code = EXIT_UNREADABLE  # type: ignore[attr-defined]  # UNKNOWN, as health checks do
+                raise
+
+    @app.command(cls=_ExplainCommand, epilog=EXPLAIN_EPILOG)
+    def explain(
+        file: str = typer.Argument("-", help="Kernel log or tool output file, or - for standard input."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
+        exit_zero: bool = typer.Option(False, "--exit-zero",
+                                       help="Exit 0 whatever was found (3 still means unreadable input)."),
+    ) -> None:
+        """Parse a dmesg/journal/kmsg text or tool output (no server needed) and say what each fault
+        means and what to do."""
+        import json
+        from pathlib import Path
+
+        from rich.console import Console
+        from rich.markup import escape
+
+        out = Console(width=None if sys.stdout.isatty() else 160)
+        err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+        run = ExplainRun()
+        try:
+            if file == "-":
+                stream: IO[bytes] = sys.stdin.buffer
+            else:
+                p = Path(file)
+                if p.is_dir():
+                    raise IsADirectoryError(file)
+                stream = p.open("rb")
+            with stream:
+                for x in explain_stream(stream, run):
+                    if as_json:
+                        sys.stdout.write(json.dumps(explained_json(x), default=str) + "\n")
+                    else:
+                        render_entry(x, out)
+        except (OSError, UnreadableInput) as e:
+            why = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory",
+                   PermissionError: "permission denied"}.get(type(e)) or (
+                str(e) if isinstance(e, UnreadableInput) else (e.strerror or str(e)))
+            err.print(f"[red]error:[/red] cannot read {escape(file)}: {escape(why)}")
+            raise typer.Exit(EXIT_UNREADABLE) from e
+        if not as_json:
+            if run.total == 0:
+                out.print("no faults found")
+            else:
+                render_summary(run, out)
+        if run.mode == "stream":
+            err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
+        raise typer.Exit(exit_status(run, exit_zero))

@@ -160,34 +160,6 @@ def dev_up(
     raise typer.Exit(_run(run_dev_up(s, agent=not no_agent, config=config, secure=secure)))
 
 
-# ------------------------------------------------------------------ parsing
-@app.command()
-def explain(
-    file: str = typer.Argument("-", help="Kernel-log text file, or - for standard input."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
-) -> None:
-    """Parse a dmesg/journal/kmsg text (no server needed) and say what each fault means and what to do."""
-    from fleetmend.cli.explain import explain_text, explained_json, render_table
-
-    if file == "-":
-        text = sys.stdin.read()
-    else:
-        p = Path(file)
-        if not p.is_file():
-            err.print(f"[red]error:[/red] {file}: no such file")
-            raise typer.Exit(2)
-        text = p.read_text(errors="replace")
-    rows = explain_text(text)
-    if as_json:
-        for r in rows:
-            sys.stdout.write(json.dumps(explained_json(r), default=str) + "\n")
-    else:
-        if not rows:
-            out.print("no faults found")
-        else:
-            render_table(rows, out)
-
-
 # ------------------------------------------------------------------ incidents
 def _status_dict(st: Any) -> dict[str, Any]:
     d = dict(st.__dict__) if not isinstance(st, dict) else dict(st)
@@ -465,7 +437,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain"]
 _register_extensions()
 
 

@@ -1,0 +1,96 @@
+"""`fleetmend explain` as a health check: exit statuses, --exit-zero, unreadable input, streaming of a
+large input (the status and the faults of a file over the whole-read limit)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetmend.cli import explain as ex
+
+REPO = Path(__file__).resolve().parents[1]
+TEXTS = REPO / "tests" / "crash_texts"
+FATAL = (TEXTS / "mlx5_flower_oops.txt").read_text()  # an oops: fatal, drain
+DEGRADED = ("[ 8112.112341] INFO: task kworker/u96:2:3481 blocked for more than 122 seconds.\n"
+            "[ 8112.112399]       Not tainted 5.15.0-91-generic #101-Ubuntu\n")
+INFO = "[    3.201000] pcieport 0000:00:01.0: AER: Corrected error received: 0000:01:00.0\n"
+NOISE = (REPO / "tests" / "h200_boot_dmesg.txt").read_text()
+
+
+def explain(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "explain", *args], input=stdin,
+                          capture_output=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_degraded_text_is_what_the_statuses_below_rely_on() -> None:
+    from agents.kmsg import parse_text
+
+    assert [e.severity.value for e in parse_text(DEGRADED, node="n")] == ["degraded"]
+    assert [e.severity.value for e in parse_text(INFO, node="n")] == ["info"]
+    assert parse_text(NOISE, node="n") == []
+
+
+@pytest.mark.parametrize(("text", "status"), [(NOISE, 0), (INFO, 0), (DEGRADED, 1), (FATAL, 2),
+                                              (INFO + DEGRADED + FATAL, 2)])
+def test_exit_status_follows_the_worst_finding(tmp_path: Path, text: str, status: int) -> None:
+    f = tmp_path / "kern.log"
+    f.write_text(text)
+    p = explain(str(f))
+    assert p.returncode == status, p.stderr
+    p = explain("--json", "-", stdin=text.encode())
+    assert p.returncode == status
+    assert explain("--exit-zero", str(f)).returncode == 0
+
+
+def test_unreadable_input_and_bad_usage_exit_3(tmp_path: Path) -> None:
+    missing = explain(str(tmp_path / "nope.log"))
+    assert missing.returncode == 3 and "no such file" in missing.stderr.decode()
+    assert explain(str(tmp_path)).returncode == 3  # a directory
+    gz = tmp_path / "kern.log.gz"
+    gz.write_bytes(gzip.compress(FATAL.encode()))
+    p = explain("--exit-zero", str(gz))
+    assert p.returncode == 3 and "gzip-compressed" in p.stderr.decode()
+    assert explain("--no-such-option").returncode == 3
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked.log"
+        locked.write_text(FATAL)
+        locked.chmod(0)
+        assert explain(str(locked)).returncode == 3
+
+
+def test_help_documents_the_exit_statuses() -> None:
+    out = explain("--help").stdout.decode()
+    for line in ("0    nothing to act on", "1    the worst finding is degraded", "2    a fatal finding",
+                 "3    the input could not be read", "--exit-zero"):
+        assert line in out, out
+
+
+def test_a_large_input_is_streamed_and_every_fault_found(tmp_path: Path, monkeypatch) -> None:
+    """Over the whole-read limit the input is streamed as a kernel log; every planted fault is found.
+    (Speed and memory of a 100 MB log: bench/explain_stream.py.)"""
+    from agents.kmsg import parse_text
+
+    planted = [FATAL, DEGRADED, INFO]
+    want = sum(len(parse_text(t, node="n")) for t in planted)
+    f = tmp_path / "big.log"
+    with f.open("w") as out:
+        while out.tell() < ex.WHOLE_MAX_BYTES + 2_000_000:
+            out.write(NOISE)
+            if out.tell() > 3_000_000 and planted:
+                out.write("\n" + planted.pop(0) + "\n")
+    p = explain("--json", str(f))
+    assert p.returncode == 2, p.stderr
+    found = [json.loads(x) for x in p.stdout.decode().splitlines()]
+    assert len(found) == want and {x["severity"] for x in found} == {"fatal", "degraded", "info"}
+    assert "streamed" in p.stderr.decode()
+    run = ex.ExplainRun()
+    with f.open("rb") as fh:
+        assert len(list(ex.explain_stream(fh, run))) == want
+    assert run.mode == "stream" and ex.exit_status(run) == ex.EXIT_FATAL
