@@ -49,3 +49,11 @@ def test_delta_framing_is_parsed_in_full_and_undecodable_bytes_are_replaced() ->
     raw = b"[ 12.5] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\xff\xfe\n"
     [ev] = parse_stream(io.BytesIO(raw), KmsgParser("local", "n1", "unknown"))
     assert ev.code == 79 and ev.device.pci_bus_id == "0000:3b:00.0" and "\ufffd" in ev.raw
+
+
+def test_an_indented_block_whose_later_line_holds_the_token_is_joined_as_a_whole() -> None:
+    text = NOISE + ("[ 7.0] kernel: message from the driver\n      wrapped by the collector\n"
+                    "      NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n") + NOISE
+    want = [_key(e) for e in parse_text(text, node="n1")]
+    got = [_key(e) for e in parse_stream(io.BytesIO(text.encode()), KmsgParser("local", "n1", "unknown"))]
+    assert got == want and want

@@ -18,7 +18,7 @@ A matcher for a new kind whose head line holds none of `TOKENS` must add its wor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import IO
 
 from agents.kmsg.parser import KmsgParser
@@ -48,6 +48,10 @@ TOKENS = (
 )
 """Words one of which every line that starts a fault record holds (case-sensitive substrings)."""
 
+
+
+INDENT = (b" ", b"\t")
+"""An indented line may continue the line before it (the parser joins them): it is fed with it."""
 
 
 def _interesting_starts(chunk: str) -> list[int]:
@@ -120,6 +124,18 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
     def line(chunk: bytes, pos: int, end: int) -> str:
         return chunk[pos:end].decode("utf-8", "replace")
 
+    def step(chunk: bytes, pos: int, n: int) -> Generator[FaultEvent, None, tuple[int, bool]]:
+        """Feed the line at `pos`; return the next line's offset and whether it must be fed too: it
+        may continue this line (indented, or not yet read), or the record this line opened or kept
+        open may absorb it. The line is judged now (`complete`), as the next line's arrival would."""
+        e = chunk.find(b"\n", pos)
+        yield from feed(line(chunk, pos, e))
+        pos = e + 1
+        if pos >= n or chunk[pos:pos + 1] in INDENT:
+            return pos, True
+        yield from complete()
+        return pos, is_open()
+
     while True:
         data = stream.read(chunk_bytes)
         if not data:
@@ -142,34 +158,27 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
             starts = _interesting_starts(text)
             del text
         pos, n = 0, len(chunk)
-        find = chunk.find
         for s in starts:
+            while busy and pos < s:
+                pos, busy = yield from step(chunk, pos, n)
             if s < pos:
                 continue
-            while busy and pos < s:
-                e = find(b"\n", pos)
-                yield from feed(line(chunk, pos, e))
-                pos = e + 1
-                busy = is_open()
-            if s > pos and chunk[s:s + 1] in (b" ", b"\t"):
-                # an indented line continues the line before it: give the parser that line too
-                prev = chunk.rfind(b"\n", 0, s - 1) + 1
-                yield from feed(line(chunk, prev, s - 1))
-            e = find(b"\n", s)
-            yield from feed(line(chunk, s, e))
-            pos = e + 1
-            if chunk[pos:pos + 1] in (b" ", b"\t"):
-                busy = True  # the next line may continue this one: feed it
-            else:
-                # Judge the line now (as the next line's arrival would) instead of feeding a line
-                # only to learn that this one starts nothing.
-                yield from complete()
-                busy = is_open()
+            if s > pos and chunk[s:s + 1] in INDENT:
+                # an indented line continues the lines before it, back to the last unindented one:
+                # give the parser those lines too
+                prev = s
+                while True:
+                    prev = chunk.rfind(b"\n", 0, prev - 1) + 1
+                    if prev <= pos or chunk[prev:prev + 1] not in INDENT:
+                        break
+                prev = max(prev, pos)
+                while prev < s:
+                    e = chunk.find(b"\n", prev)
+                    yield from feed(line(chunk, prev, e))
+                    prev = e + 1
+            pos, busy = yield from step(chunk, s, n)
         while busy and pos < n:
-            e = find(b"\n", pos)
-            yield from feed(line(chunk, pos, e))
-            pos = e + 1
-            busy = is_open()
+            pos, busy = yield from step(chunk, pos, n)
         del chunk
     if carry:
         yield from feed(carry.decode("utf-8", "replace"))
