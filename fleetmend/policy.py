@@ -164,6 +164,10 @@ class RuleSettings:
     app_xid_window_s: float = 3600.0
     sbe_events_per_window: int = 10
     sbe_window_s: float = 3600.0
+    max_future_s: float | None = None
+    """Two-sided windows: an occurrence counts only between `now - window` and `now + max_future_s`
+    (the agents' allowed clock skew, `fleetmend.events.MAX_CLOCK_SKEW_S`). None: no upper bound
+    (incidents started before two-sided windows keep deciding as they did)."""
 
 
 @dataclass
@@ -180,9 +184,15 @@ class Decision:
     """Clearable faults younger than the debounce window: wait before acting on them."""
 
 
-def _within(times: list[datetime], now: datetime, window_s: float) -> list[datetime]:
+def _within(times: list[datetime], now: datetime, window_s: float,
+            max_future_s: float | None = None) -> list[datetime]:
+    """Occurrences in `[now - window_s, now + max_future_s]` (no upper bound when None): an
+    occurrence dated in the future is not "recent", however far ahead a clock put it."""
     start = now - timedelta(seconds=window_s)
-    return [t for t in times if t >= start]
+    if max_future_s is None:
+        return [t for t in times if t >= start]
+    end = now + timedelta(seconds=max_future_s)
+    return [t for t in times if start <= t <= end]
 
 
 def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce_s: float = 0.0) -> Decision:
@@ -210,7 +220,7 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
                              if others else f"XID 45 alone on {f.device}: preemptive cleanup, recorded only")
             continue
         if f.kind == "xid" and f.code in APP_XIDS and not f.drain:
-            recent = _within(f.times, now, rules.app_xid_window_s)
+            recent = _within(f.times, now, rules.app_xid_window_s, rules.max_future_s)
             if len(recent) >= rules.app_xid_repeats:
                 candidates.append((f, Urgency.NOW, Recovery.DIAGNOSE,
                                    f"XID {f.code} {len(recent)}× on GPU {f.device} within "
@@ -223,7 +233,7 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
                                "drain and reset the GPU (applies the row remap)"))
             continue
         if f.kind in SBE_KINDS:
-            recent = _within(f.times, now, rules.sbe_window_s)
+            recent = _within(f.times, now, rules.sbe_window_s, rules.max_future_s)
             if len(recent) >= rules.sbe_events_per_window:
                 candidates.append((f, Urgency.WHEN_IDLE, Recovery.RESET_GPU,
                                    f"SBE rate rising on GPU {f.device}: {len(recent)} events within "

@@ -32,6 +32,7 @@ BASELINE = {
     "remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort_in_triage",
     "remediation_reset_returned", "remediation_abort_awaiting_repair", "remediation_flap_ends_down",
     "remediation_second_batch_in_triage", "fleetguard_breaker", "fleetguard_pause",
+    "remediation_future_app_xid_drained",  # before patch two-sided-windows
 }
 
 
@@ -112,14 +113,36 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
                                                                          severity="degraded")]))
         await assert_eventually(lambda: phase_is(h7, "closed"))
 
+        # Three XID 13 on one GPU dated three years ahead (recorded before two-sided history windows:
+        # the one-sided window counted them as "3 within an hour" and drained).
+        from datetime import timedelta
+
+        from fleetmend.events import utcnow
+
+        ahead = utcnow() + timedelta(days=3 * 365)
+        future = [fault(cluster, f"fut-{sfx}", 13, drain=False, severity="degraded") for _ in range(3)]
+        import dataclasses
+
+        future = [dataclasses.replace(f, event=f.event.model_copy(update={"observed_at": ahead})) for f in future]
+        h8 = await start(client, tq, cluster, f"fut-{sfx}", future, close_after_idle_s=2)
+        await assert_eventually(lambda: _phase_in(h8, ("awaiting_repair", "closed")))
+        if (await h8.query(NodeRemediation.status)).phase != "closed":
+            await h8.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test"))
+        await assert_eventually(lambda: phase_is(h8, "closed"))
+
         for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
-                        ("remediation_second_batch_in_triage", h7)):
+                        ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8)):
             await h.result()
             _write(name, await h.fetch_history())
     await _record_guard(client)
     await _record_guard_pause(client)
+
+
+async def _phase_in(h, phases: tuple[str, ...]):  # noqa: ANN001, ANN202
+    st = await h.query(NodeRemediation.status)
+    return st if st.phase in phases else None
 
 
 async def _record_guard(client) -> None:  # noqa: ANN001

@@ -120,3 +120,23 @@ def test_verification_is_chosen_from_the_original_fault():
     assert "pcie_link_width" in verification_checks("gpu", "xid", 79)      # off the bus → link + count
     assert verification_checks("ib", "ib_port_down", None) == ["ib_ports_active"]
     assert verification_checks("kernel", "oops", None) == []                # every QUICK check
+
+
+def test_history_windows_are_two_sided():
+    """Occurrences dated in the future (a skewed or hostile agent clock) are not "recent": three
+    XID 13 dated years ahead do not make a hardware suspect, nor do SBE events from the future."""
+    from fleetmend.events import MAX_CLOCK_SKEW_S
+
+    two_sided = RuleSettings(max_future_s=MAX_CLOCK_SKEW_S)
+    ahead = FaultView(kind="xid", code=13, device=GPU, severity="degraded", drain=False, immediate_action="RESTART_APP",
+                      fault_class="xid13", times=[NOW + timedelta(days=3 * 365, seconds=i) for i in range(3)])
+    assert not decide([ahead], NOW, two_sided).drain
+    assert decide([ahead], NOW, RuleSettings()).drain, "the one-sided window (pre-patch incidents) counted them"
+    sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
+                    immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
+                    times=[NOW + timedelta(days=400, seconds=i) for i in range(20)])
+    assert not decide([sbe], NOW, two_sided).drain
+    # within the allowed skew still counts
+    near = FaultView(kind="xid", code=13, device=GPU, severity="degraded", drain=False, immediate_action="RESTART_APP",
+                     fault_class="xid13", times=[NOW + timedelta(seconds=MAX_CLOCK_SKEW_S / 2)] * 3)
+    assert decide([near], NOW, two_sided).drain

@@ -146,3 +146,22 @@ async def test_observe_only_touches_nothing(env, unique):
     h = await start(client, tq, unique, "n6", [fault(unique, "n6", 79, drain=True)], observe_only=True)
     st = await assert_eventually(lambda: phase_is(h, "closed"))
     assert st.outcome == "observed" and calls.drains == [] and calls.tickets == []
+
+
+async def test_app_xids_dated_years_ahead_drain_nothing(env):
+    """The workflow's history rules are two-sided: three XID 13 on one GPU dated three years ahead
+    (sent straight to the workflow, as a router without the clamp would) are recorded, not drained."""
+    import dataclasses
+    from datetime import timedelta
+
+    from fleetmend.events import utcnow
+
+    client, tq, calls = env
+    node = f"fut-{uuid.uuid4().hex[:6]}"
+    ahead = utcnow() + timedelta(days=3 * 365)
+    faults = [fault("c1", node, 13, drain=False, severity="degraded") for _ in range(3)]
+    faults = [dataclasses.replace(f, event=f.event.model_copy(update={"observed_at": ahead})) for f in faults]
+    h = await start(client, tq, "c1", node, faults, close_after_idle_s=2)
+    st = await assert_eventually(lambda: phase_is(h, "closed"), timeout_s=30)
+    assert not st.drained and len(st.faults) == 1 and st.faults[0]["count"] == 3
+    assert not [d for d in calls.drains if d.node == node]

@@ -31,7 +31,9 @@ order goes behind `workflow.patched(<id>)` with a history recorded before the ch
 ==========================  =====================================================================
 patch id                    what changed
 ==========================  =====================================================================
-(none yet)
+two-sided-windows           history rules count an occurrence only up to `MAX_CLOCK_SKEW_S` after
+                            now (before: no upper bound; three XID 13 dated years ahead drained).
+                            History: remediation_future_app_xid_drained.json
 ==========================  =====================================================================
 """
 
@@ -46,7 +48,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult, RecoveryOp, RecoveryReport, RecoveryResult
-    from fleetmend.events import Severity, condition_key
+    from fleetmend.events import MAX_CLOCK_SKEW_S, Severity, condition_key
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
@@ -56,6 +58,8 @@ with workflow.unsafe.imports_passed_through():
         UndrainResult, Urgency, iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide, verification_checks
+
+PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
@@ -256,7 +260,8 @@ class NodeRemediation:
                            arrived_at=f.arrived_at)
                  for f in s.faults if not f.healthy]
         rules = RuleSettings(app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
-                             sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s)
+                             sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s,
+                             max_future_s=MAX_CLOCK_SKEW_S if workflow.patched(PATCH_TWO_SIDED_WINDOWS) else None)
         return decide(views, workflow.now(), rules, debounce_s=p.debounce_s)
 
     def _note_decisions(self, d: Decision) -> None:
