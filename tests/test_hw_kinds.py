@@ -298,6 +298,12 @@ def test_mail_wrapped_lines_read_like_the_unwrapped_ones(width, quote) -> None:
     got = parse_text(wrapped, node="n")
     assert [(e.kind, e.device.pci_bus_id) for e in got] == [(e.kind, e.device.pci_bus_id) for e in flat] == [
         ("mlx5_cmd_timeout", "0000:00:02.0")], wrapped
+    import io
+
+    from agents.kmsg.stream import parse_stream
+
+    streamed = parse_stream(io.BytesIO(wrapped.encode()), KmsgParser("local", "n", "unknown"), chunk_bytes=97)
+    assert [e.message for e in streamed] == [e.message for e in got]
 
 
 def test_mail_wrapped_real_thread() -> None:

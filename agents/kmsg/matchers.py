@@ -368,12 +368,14 @@ command resource`, `%s(0x%x) canceled on out of queue timeout.`; wait_func_handl
 %s(0x%x) No done completion` / `cmd[%d]: %s(0x%x) recovered after timeout`; cb_timeout_handler() `cmd[%d]:
 %s(0x%x) Async, timeout. Will cause a leak of a command resource`."""
 _MLX5_FW_FATAL = re.compile(
-    r"device's health compromised|health poll failed|Fatal error \d+ detected|"
-    r"FW is unable to respond to initialization segment reads|synd 0x[0-9a-f]+: \w|"
+    r"device's health compromised|[Hh]ealth poll failed|Fatal error \d+ detected|"
+    r"FW is unable to respond to initialization segment reads|synd 0x[0-9a-fA-F]+: \w|"
     r"unrecoverable hardware error|mlx5_enter_error_state|System error event triggered|"
-    r"PCI channel state was permanently failed|crdump: .*collected",
-    re.I,
+    r"PCI channel state was permanently failed"
 )
+_MLX5_FW_WORDS = ("health", "Health", "Fatal error", "FW is unable", "synd 0x", "unrecoverable", "error_state",
+                  "System error", "permanently failed")
+"""Substrings one of which every `_MLX5_FW_FATAL` match holds (checked first: the regex runs on few lines)."""
 """drivers/net/ethernet/mellanox/mlx5/core/health.c: poll_health() `device's health compromised - reached
 miss count`, `Fatal error %u detected`, print_health_info() `synd 0x%x: %s` (hsynd_str: `firmware internal
 error`, `unrecoverable hardware error`, ...), mlx5_enter_error_state() `start`/`end` and `System error
@@ -387,7 +389,7 @@ _MLX5_LINK = re.compile(r"^Link (?P<st>up|down)\b", re.I)
 def _mlx5(t: str) -> Candidate | None:
     m = _MLX5_DEV.match(t)
     if m is None:
-        if "mlx5" in t and _MLX5_FW_FATAL.search(t) and "synd" in t:  # `mlx5_core: INFO: synd 0x8: ...`
+        if "synd 0x" in t and _MLX5_FW_FATAL.search(t):  # `mlx5_core: INFO: synd 0x8: ...`
             return Candidate(kind="mlx5_fw_fatal", component=Component.IB, family="mlx5_fw", detail=True, priority=1)
         return None
     msg = m["msg"]
@@ -416,7 +418,7 @@ def _mlx5(t: str) -> Candidate | None:
             attrs["health_severity"] = int(hm["sev"])
             kind = "mlx5_fw_fatal" if int(hm["sev"]) <= 3 else "mlx5_health_warning"
             return Candidate(kind=kind, component=Component.IB, priority=1, attrs=attrs, **base)
-    if _MLX5_FW_FATAL.search(msg):
+    if any(w in msg for w in _MLX5_FW_WORDS) and _MLX5_FW_FATAL.search(msg):
         return Candidate(kind="mlx5_fw_fatal", component=Component.IB, priority=2, attrs=attrs, **base)
     return None
 
@@ -530,8 +532,7 @@ def _ghes_body(t: str) -> Candidate | None:
 
 _GPU_INIT = re.compile(
     rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:RmInitAdapter failed!?(?: \((?P<code>[^)]*)\))?|"
-    r"rm_init_adapter failed|RmInitAdapter: (?:.*failed|Cannot initialize.*))",
-    re.I,
+    r"rm_init_adapter failed|RmInitAdapter: (?:.*failed|Cannot initialize.*))"
 )
 """NVIDIA open-gpu-kernel-modules kernel-open/nvidia/nv.c / src/nvidia/arch/nvalloc/unix/src/osinit.c:
 `NVRM: GPU %04x:%02x:%02x.%x: RmInitAdapter failed! (0x%x:0x%x:%d)`, `rm_init_adapter failed, device minor
@@ -548,7 +549,7 @@ _GPU_FSP_BAD = re.compile(r"DumpDebugState|fail|error|timeout|timed out|not (?:r
 
 
 def _gpu_boot(t: str) -> Candidate | None:
-    m = _GPU_INIT.search(t)
+    m = _GPU_INIT.search(t) if ("InitAdapter" in t or "init_adapter" in t) else None
     if m:
         attrs: dict[str, Attr] = {"init_error": m["code"]} if m["code"] else {}
         return Candidate(kind="gpu_init_failed", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,

@@ -200,6 +200,13 @@ class KmsgParser:
             and not self._pending.foreign
         )
 
+    def may_be_continued(self) -> bool:
+        """Whether the next physical line could join the pending message as a mail-client wrap (the
+        pending message is timestamped and its last line short enough to have been wrapped). Indented
+        lines may always continue it. For readers that skip lines (agents.kmsg.stream)."""
+        p = self._pending
+        return p is not None and not p.foreign and p.framed and p.ts is not None and self._last_len <= MAIL_WRAP_MAX
+
     def _is_mail_wrap(self, f: Framed, last_len: int) -> bool:
         """A mail client wrapped the previous (timestamped) line here: this line has no framing and no
         indentation, starts no fault of its own, and its first word would not have fitted on the

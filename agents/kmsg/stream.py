@@ -124,14 +124,17 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
     def line(chunk: bytes, pos: int, end: int) -> str:
         return chunk[pos:end].decode("utf-8", "replace")
 
-    def step(chunk: bytes, pos: int, n: int) -> Generator[FaultEvent, None, tuple[int, bool]]:
+    def step(chunk: bytes, pos: int, n: int, token: bool = False) -> Generator[FaultEvent, None, tuple[int, bool]]:
         """Feed the line at `pos`; return the next line's offset and whether it must be fed too: it
-        may continue this line (indented, or not yet read), or the record this line opened or kept
-        open may absorb it. The line is judged now (`complete`), as the next line's arrival would."""
+        may continue this line (indented, wrapped by a mail client after a token line or a line that
+        joined one, or not yet read), or the record this line opened or kept open may absorb it. The
+        line is judged now (`complete`), as the next line's arrival would."""
+        before = parser._pending  # noqa: SLF001 - same package
         e = chunk.find(b"\n", pos)
         yield from feed(line(chunk, pos, e))
         pos = e + 1
-        if pos >= n or chunk[pos:pos + 1] in INDENT:
+        joined = before is not None and parser._pending is before  # noqa: SLF001
+        if pos >= n or chunk[pos:pos + 1] in INDENT or ((token or joined) and parser.may_be_continued()):
             return pos, True
         yield from complete()
         return pos, is_open()
@@ -176,7 +179,7 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
                     e = chunk.find(b"\n", prev)
                     yield from feed(line(chunk, prev, e))
                     prev = e + 1
-            pos, busy = yield from step(chunk, s, n)
+            pos, busy = yield from step(chunk, s, n, token=True)
         while busy and pos < n:
             pos, busy = yield from step(chunk, pos, n)
         del chunk

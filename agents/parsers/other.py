@@ -54,6 +54,7 @@ _NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?Got
 _AUTOPILOT = re.compile(r"autopilot\.ibm\.com/(?P<key>[\w.-]+)=(?P<val>\S+)")
 _KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
 _IML = re.compile(r"^\s*(?:(?P<sev>CRITICAL|CAUTION|REPAIRED|INFORMATIONAL)\s*:\s*|.*\b(?P<sev2>Critical|Caution)\b.*?\|\s*)(?P<msg>.+?)\s*$")
+_IML_WORDS = ("CRITICAL", "CAUTION", "Critical", "Caution")
 _RAS_SECTION = re.compile(r"^(?P<name>Memory controller events|PCIe AER events|MCE (?:events|records)|Extlog|"
                           r"Memory failure events)", re.I)
 _BDF_ANY = re.compile(r"\b(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
@@ -124,9 +125,19 @@ def classify_hw_text(text: str) -> tuple[str, Component, Severity] | None:
     return None
 
 
+def _has_kv_records(text: str) -> bool:
+    """A `Severity:`/`Severity =` record line exists (found by substring, then checked on its line only)."""
+    i = text.find("Severity")
+    while i != -1:
+        if _KV_REC.match(_line_of(text, i)):
+            return True
+        i = text.find("Severity", i + 8)
+    return False
+
+
 def _vendor_bmc(text: str, ctx: Ctx) -> list[FaultEvent]:
     out: list[FaultEvent] = []
-    if re.search(r"^\s*(?:Severity|Message ID|Description)\s*[:=]", text, re.M | re.I):
+    if _has_kv_records(text):
         rec: dict[str, str] = {}
         lines: list[str] = []
 
@@ -158,7 +169,11 @@ def _vendor_bmc(text: str, ctx: Ctx) -> list[FaultEvent]:
             elif set(line.strip()) <= set("-=") and line.strip():
                 flush()
         flush()
+    if not any(w in text for w in _IML_WORDS):
+        return out
     for line in text.splitlines():
+        if not any(w in line for w in _IML_WORDS):
+            continue
         if "|" in line and re.match(r"^\s*[0-9a-fA-F]+\s*\|", line):
             continue  # ipmitool rows: _sel
         m = _IML.match(line)
