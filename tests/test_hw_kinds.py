@@ -478,3 +478,28 @@ def test_new_kinds_classify_as_the_parser_says() -> None:
         for e in parse_any(case["raw"], node="n"):
             if e.kind != "xid" and not e.healthy and e.kind in cat.kinds:
                 assert cat.classify(e).severity == e.severity, (case["id"], e.kind, e.severity)
+
+
+def test_every_nic_and_firmware_head_survives_the_streaming_reader() -> None:
+    """Each head form of these kinds holds a streaming token (agents.kmsg.stream.TOKENS), so a large input
+    read by `fleetmend explain` finds it too."""
+    import io
+
+    from agents.kmsg.stream import parse_stream
+
+    noise = "[ 0.1] x86/split lock detection: #DB: warning on user-space bus_locks\n" * 3
+    heads = [
+        "bnx2 0000:01:00.0 eth0: <--- start FTQ dump --->",
+        "ena 0000:00:05.0 eth0: Keep alive watchdog timeout.",
+        "igb 0000:09:00.0: Detected Tx Unit Hang",
+        "e1000e 0000:00:19.0 eth0: Detected Hardware Unit Hang:",
+        "mlx5_core 0000:18:00.0: wait_func:1155:(pid 1): TEARDOWN_HCA(0x103) timeout. Will cause a leak of a command resource",
+        "mce: [Hardware Error]: CPU 12: Machine Check Exception: 5 Bank 1: be00000000800400",
+        "NVRM: GPU 0000:98:00.0: RmInitAdapter failed! (0x62:0x65:1792)",
+        "nvme 0000:5e:00.0: I/O 12 QID 0 timeout, reset controller",
+    ]
+    for h in heads:
+        text = f"{noise}[ 5.0] {h}\n{noise}"
+        want = [(e.kind, e.device.pci_bus_id) for e in parse_text(text, node="n")]
+        got = [(e.kind, e.device.pci_bus_id) for e in parse_stream(io.BytesIO(text.encode()), KmsgParser("c", "n", "u"))]
+        assert got == want and want, h

@@ -165,6 +165,10 @@ class Deframer:
                     return IGNORE
         if _ELISION.match(line) or _COMMAND.match(line):
             return IGNORE
+        if line[:1] in (" ", "\t"):
+            bare = line.lstrip()
+            if _TIMESTAMPED.match(bare):  # `  [  372.968431] ...` indented in a mail or a patch description
+                line = bare
         f = Framed(text=line, raw=line, quoted=quoted)
         if ":" in line[:64] and line[:1].isalnum():
             self._strip_collector(f)

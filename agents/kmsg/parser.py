@@ -165,6 +165,12 @@ class KmsgParser:
         if f.seq is not None:
             self.last_seq = f.seq
         last_len, self._last_len = self._last_len, len(f.raw) + f.quoted
+        if self._pending is not None and not f.framed and self._pending_raw and self._pending_raw[-1].endswith("=") \
+                and not self._pending.foreign:
+            # quoted-printable soft line break (RFC 2045 6.7): the line goes on exactly where '=' stands
+            self._pending.text = self._pending.text.rstrip()[:-1] + f.text
+            self._pending_raw[-1] = self._pending_raw[-1][:-1] + f.raw
+            return out
         if self._is_continuation(f) or self._is_mail_wrap(f, last_len):
             assert self._pending is not None
             self._pending.text = self._join(self._pending.text, f.text)

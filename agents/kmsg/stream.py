@@ -34,7 +34,7 @@ TOKENS = (
     "rror", "RROR", "fail", "Fail", "FAIL", "fatal", "Fatal", "FATAL", "timeout", "Timeout", "timed out",
     "TX", "Tx", "tx", "reset", "Reset", "RESET", "ecovery", "WATCHDOG", "watchdog", "Watchdog", "health",
     "Health", "FW", "syndrome", "abort", "Abort", "critical", "Critical", "corrupt", "Unable", "unable",
-    "compromised", "WARNING",
+    "compromised", "WARNING", "FTQ",
     # PCIe / RAS / CPU
     "PCIe", "AER", "EDAC", "Hardware", "mce", "MCE", "Machine", "machine check", "ECC", "ecc", "fallen",
     "throttl", "NMI",
