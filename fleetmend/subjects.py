@@ -22,12 +22,101 @@ NOTIFY_KV_BUCKET = "fleetmend_notified"
 """Notifications already delivered, by deduplication key and channel (a retried activity skips them)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+"""Cluster names: one plain token everywhere (subjects, KV keys, workflow ids, metric labels)."""
+
+NODE_NAME_MAX = 253
+"""Longest node name accepted: a Kubernetes node name is an RFC 1123 subdomain of at most 253 characters."""
+
+_TOKEN_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_TOKEN = re.compile(r"^(?:[A-Za-z0-9_-]|=[0-9A-F]{2})+$")
 
 
 def _check(kind: str, value: str) -> str:
     if not _NAME.match(value or ""):
         raise ValueError(f"invalid {kind} name {value!r}: use letters, digits, '-' and '_' only")
     return value
+
+
+def check_node_name(node: str) -> str:
+    """Validate a node name as the operator and the scheduler spell it; returns it unchanged.
+
+    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace or a control character. That
+    covers every Kubernetes node name (an RFC 1123 subdomain such as `ip-10-0-1-23.ec2.internal`) and
+    every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
+    or a KV key; `node_token` encodes it for those.
+
+    Raises:
+        ValueError: empty, too long, or a whitespace/control character (the message says which).
+    """
+    if not isinstance(node, str) or not node:
+        raise ValueError(f"invalid node name {node!r}: empty")
+    if len(node) > NODE_NAME_MAX:
+        raise ValueError(f"invalid node name {node[:40]!r}...: {len(node)} characters, at most {NODE_NAME_MAX}")
+    for ch in node:
+        if ch.isspace() or not ch.isprintable():
+            raise ValueError(f"invalid node name {node!r}: whitespace or control character {ch!r}")
+    return node
+
+
+def node_token(node: str) -> str:
+    """Encode a node name as one NATS subject token (and JetStream KV key part); `token_node` reverses it.
+
+    Rule: letters, digits, `-` and `_` stay as they are; every other character becomes `=` followed
+    by the two upper-case hex digits of each of its UTF-8 bytes (`.` -> `=2E`, `=` -> `=3D`). So
+    `ip-10-0-1-23.ec2.internal` -> `ip-10-0-1-23=2Eec2=2Einternal`, and names made only of
+    `[A-Za-z0-9_-]` are their own token (subjects, credentials and KV keys of such nodes are the same
+    as before the encoding existed). Tokens never contain `.`, `*`, `>` or whitespace (NATS subject
+    token rules) and use only `[A-Za-z0-9_=-]` (a subset of the JetStream KV key alphabet
+    `[-/_=.a-zA-Z0-9]`). The mapping is one to one: every name has exactly one token.
+
+    Raises:
+        ValueError: the name fails `check_node_name`.
+    """
+    check_node_name(node)
+    if all(ch in _TOKEN_SAFE for ch in node):
+        return node
+    out = []
+    for ch in node:
+        if ch in _TOKEN_SAFE:
+            out.append(ch)
+        else:
+            out.extend(f"={b:02X}" for b in ch.encode("utf-8"))
+    return "".join(out)
+
+
+def token_node(token: str) -> str:
+    """Decode a subject token made by `node_token` back to the node name.
+
+    Only canonical tokens decode: `token_node(t)` succeeds exactly when `node_token(token_node(t)) == t`,
+    so a subject cannot name a node in two spellings (the router's check that the event body's node
+    is the subject's node relies on it).
+
+    Raises:
+        ValueError: a character outside `[A-Za-z0-9_=-]`, a malformed or lower-case `=XX` escape, an
+            escape of a character that is never escaped, bytes that are not UTF-8, or a decoded name
+            that fails `check_node_name`.
+    """
+    if not isinstance(token, str) or not _TOKEN.match(token):
+        raise ValueError(f"invalid node token {token!r}: expected [A-Za-z0-9_-] and =XX escapes")
+    if "=" not in token:
+        return check_node_name(token)
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "=":
+            raw.append(int(token[i + 1:i + 3], 16))
+            i += 3
+        else:
+            raw.extend(token[i].encode("ascii"))
+            i += 1
+    try:
+        node = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"invalid node token {token!r}: escapes are not UTF-8 ({err.reason})") from None
+    if node_token(node) != token:
+        raise ValueError(f"invalid node token {token!r}: not canonical (the canonical spelling is "
+                         f"{node_token(node)!r})")
+    return node
 
 
 def fault_subject(cluster: str, node: str) -> str:
