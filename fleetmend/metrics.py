@@ -5,7 +5,10 @@ scheduler, filer, outcome, phase, reason (one of `DEADLETTER_REASONS`). Never a 
 incident id: per-node questions go to Temporal visibility (`fleetmend status`, the UI).
 
 Each process serves `/metrics` on its own port when `metrics.<process>_port` (or `--metrics-port`)
-is not 0: `start_http_server(port)` at process start. Gauges that need a remote read (router lag
+is not 0: `start_http_server(port)` at process start. The same port answers `/healthz` (liveness: 200
+while the process's event loop turns, 503 once it has not run `beat_forever`'s tick for
+`HEALTH.stall_after_s`) and `/readyz` (readiness: 200 after the role called `HEALTH.set_ready()`,
+503 with the reason before that and while it shuts down), for Kubernetes probes. Gauges that need a remote read (router lag
 from the consumer's `num_pending`; incidents by phase and drains in force from Temporal
 visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` / `poll_incidents`.
 
@@ -37,8 +40,12 @@ import asyncio
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import start_http_server as _start_http_server
+import threading
+import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 # Seconds from a fault to a quarantined node: probes see it in < 1 s, routing < 1 s, a Slurm drain
 # ~1 s, a Kubernetes drain minutes (evictions); the buckets span both.
@@ -84,8 +91,88 @@ TIME_BETWEEN_INCIDENTS = Histogram(
     ["cluster"], buckets=MTTR_BUCKETS_S)
 
 
-def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> Any:
-    """Serve `/metrics` on `host:port` in a daemon thread; port 0 does nothing.
+class Health:
+    """Liveness and readiness of this process, answered at `/healthz` and `/readyz` (thread-safe).
+
+    Liveness fails (503) only when `beat_forever` runs and its last tick is older than
+    `stall_after_s` seconds: the event loop is blocked, a restart helps. Readiness is what the role
+    declares: `set_ready(True)` once connected and serving, `set_ready(False, reason)` on shutdown.
+    """
+
+    def __init__(self, stall_after_s: float = 60.0) -> None:
+        self.stall_after_s = stall_after_s
+        self._lock = threading.Lock()
+        self._ready = False
+        self._reason = "starting"
+        self._last_beat: float | None = None
+
+    def set_ready(self, ready: bool = True, reason: str = "") -> None:
+        with self._lock:
+            self._ready, self._reason = ready, ("" if ready else reason or "not ready")
+
+    def beat(self) -> None:
+        with self._lock:
+            self._last_beat = time.monotonic()
+
+    def live(self) -> tuple[bool, str]:
+        """(alive, reason)."""
+        with self._lock:
+            if self._last_beat is None:
+                return True, "ok"
+            age = time.monotonic() - self._last_beat
+        if age > self.stall_after_s:
+            return False, f"event loop stalled: last tick {age:.0f} s ago (limit {self.stall_after_s:.0f} s)"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        """(ready, reason)."""
+        with self._lock:
+            return self._ready, "ok" if self._ready else self._reason
+
+
+HEALTH = Health()
+"""This process's health, served by `start_http_server`."""
+
+
+async def beat_forever(stop: asyncio.Event, interval_s: float = 1.0, health: Health = HEALTH) -> None:
+    """Tick `health` every `interval_s` from the event loop until `stop` (liveness source)."""
+    while not stop.is_set():
+        health.beat()
+        try:
+            async with asyncio.timeout(interval_s):
+                await stop.wait()
+        except TimeoutError:
+            pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+
+def health_app(registry: CollectorRegistry = REGISTRY, health: Health = HEALTH) -> Callable[..., Any]:
+    """WSGI app: `/healthz`, `/readyz` (text, 200 or 503), anything else `/metrics` (prometheus)."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable[..., Any]) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/healthz", "/readyz"):
+            ok, why = (health.live if path == "/healthz" else health.ready)()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "text/plain; charset=utf-8")])
+            return [(why + "\n").encode()]
+        return metrics_app(environ, start_response)
+
+    return app
+
+
+def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY,
+                      health: Health = HEALTH) -> Any:
+    """Serve `/metrics`, `/healthz` and `/readyz` on `host:port` in a daemon thread; port 0 does nothing.
 
     Returns:
         The server (its `server_port` is the bound port), or None when `port` is 0.
@@ -95,10 +182,11 @@ def start_http_server(port: int, host: str = "0.0.0.0", registry: CollectorRegis
     if not port:
         return None
     try:
-        server, _thread = _start_http_server(port, addr=host, registry=registry)
+        server = make_server(host, port, health_app(registry, health), _Server, handler_class=_QuietHandler)
     except OSError as err:
         raise OSError(err.errno, f"metrics port {host}:{port} unavailable ({err.strerror}); "
                                  "set metrics.<process>_port / --metrics-port, or 0 to disable") from err
+    threading.Thread(target=server.serve_forever, name=f"metrics:{port}", daemon=True).start()
     return server
 
 
