@@ -22,6 +22,7 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 | fleetmend_router_naks_total | counter | | router (Temporal away) |
 | fleetmend_router_lag_messages | gauge | stream, consumer | router (consumer num_pending) |
 | fleetmend_router_accept_seconds | histogram | cluster | router: observed_at → signal-with-start accepted |
+| fleetmend_agents_silent | gauge | cluster | router heartbeat monitor: nodes whose agent is silent now |
 | fleetmend_incidents | gauge | cluster, phase | worker (visibility) |
 | fleetmend_drains_in_force | gauge | cluster | worker (visibility: FleetDrained) |
 | fleetmend_breaker_open | gauge | cluster | worker (FleetGuard `status` query; 1 open / 0 closed) |
@@ -73,6 +74,8 @@ ROUTER_LAG = Gauge("fleetmend_router_lag_messages", "Messages not yet delivered 
 ROUTER_ACCEPT = Histogram("fleetmend_router_accept_seconds",
                           "Fault observed_at → Temporal accepted the signal-with-start.", ["cluster"],
                           buckets=ACCEPT_BUCKETS_S)
+AGENTS_SILENT = Gauge("fleetmend_agents_silent", "Nodes whose agent sent no heartbeat for heartbeat_silence_s.",
+                      ["cluster"])
 INCIDENTS = Gauge("fleetmend_incidents", "Open NodeRemediation incidents by phase.", ["cluster", "phase"])
 DRAINS_IN_FORCE = Gauge("fleetmend_drains_in_force", "Nodes drained by open incidents.", ["cluster"])
 BREAKER_OPEN = Gauge("fleetmend_breaker_open", "1 while the cluster's drain breaker is open.", ["cluster"])
