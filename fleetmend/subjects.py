@@ -40,13 +40,15 @@ def _check(kind: str, value: str) -> str:
 def check_node_name(node: str) -> str:
     """Validate a node name as the operator and the scheduler spell it; returns it unchanged.
 
-    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace or a control character. That
-    covers every Kubernetes node name (an RFC 1123 subdomain such as `ip-10-0-1-23.ec2.internal`) and
-    every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
+    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace, a control character or a path
+    separator (`/`, `\\`: the name is a path component of credential files and of the workflow id
+    `remediate/<cluster>/<node>`). That covers every Kubernetes node name (an RFC 1123 subdomain such
+    as `ip-10-0-1-23.ec2.internal`) and every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
     or a KV key; `node_token` encodes it for those.
 
     Raises:
-        ValueError: empty, too long, or a whitespace/control character (the message says which).
+        ValueError: empty, too long, a whitespace/control character or a path separator (the message
+            says which).
     """
     if not isinstance(node, str) or not node:
         raise ValueError(f"invalid node name {node!r}: empty")
@@ -55,6 +57,10 @@ def check_node_name(node: str) -> str:
     for ch in node:
         if ch.isspace() or not ch.isprintable():
             raise ValueError(f"invalid node name {node!r}: whitespace or control character {ch!r}")
+        if ch in "/\\":
+            raise ValueError(f"invalid node name {node!r}: path separator {ch!r}")
+    if node in (".", ".."):
+        raise ValueError(f"invalid node name {node!r}: a directory name")
     return node
 
 
