@@ -22,6 +22,23 @@ Ownership (annotations on the Node, prefix `KubernetesSettings.annotation_prefix
 - `fleetmend.io/incident`, `fleetmend.io/reason`, `fleetmend.io/drained-at`.
 `undrain` removes only what fleetmend added: its taint, its annotations and — only when the
 cordon is fleetmend's — `spec.unschedulable`. Operators' taints and annotations are never touched.
+An undrain by another incident than the one in `fleetmend.io/incident` changes nothing.
+
+Node condition and Events (node-problem-detector conventions, so medik8s NodeHealthCheck,
+dashboards and `kubectl describe node` see them):
+- While a drained fault is open the Node carries the condition `FleetmendFault` (`CONDITION_TYPE`)
+  with status `True`, reason = the fault class in CamelCase (`xid_79_fallen_off_bus` →
+  `Xid79FallenOffBus`), message = the drain reason, `lastHeartbeatTime` = the last write and
+  `lastTransitionTime` = when the status last changed. The return to service sets it `False`,
+  reason `FleetmendReturned`. Written with `PATCH /api/v1/nodes/{node}/status` (patch_node_status): one
+  JSON merge patch holding the whole `status.conditions` list (the kubelet's conditions copied as
+  read) with `metadata.resourceVersion` as a precondition, retried on 409 like the node patches.
+- core/v1 Events on the Node (`POST /api/v1/namespaces/default/events`, create_namespaced_event;
+  `involvedObject` kind Node, uid = the node name, as the kubelet's own node events) for drain,
+  diagnostics, ticket and return; reasons in `EVENT_REASONS`. Event names are derived from the
+  incident and step, so a retried activity does not record an event twice (409 AlreadyExists is
+  success).
+Both are best effort: a refusal (RBAC, API server away) is logged and never fails a drain or undrain.
 
 The official client is synchronous: each call runs in a worker thread (`asyncio.to_thread`) and is
 bounded by `_request_timeout=request_timeout_s` (a thread cannot be cancelled; the timeout ends it).
@@ -32,8 +49,9 @@ cannot check: label and field selectors are ignored (hence the client-side filte
 plain dict merges (no strategic merge; this adapter only uses JSON merge patch, whose list
 replacement semantics the emulator does match), there is no Eviction subresource and no
 PodDisruptionBudget enforcement (the tests script the eviction endpoint: 429 from a "budget",
-then 201 deleting the pod), and no RBAC (deploy/kubernetes/rbac.yaml grants exactly the verbs used
-here: nodes get/list/patch, pods list, pods/eviction create).
+then 201 deleting the pod), and no RBAC (the Helm chart's templates/rbac.yaml grants exactly the
+verbs used here: nodes get/list/patch, nodes/status patch, pods list, pods/eviction create, events
+create).
 """
 
 from __future__ import annotations
@@ -53,6 +71,15 @@ MERGE_PATCH = "application/merge-patch+json"
 CONFLICT_TRIES = 5
 """Re-read and re-patch this many times on 409 Conflict (another writer changed the Node)."""
 
+CONDITION_TYPE = "FleetmendFault"
+"""Node condition type of an open fleetmend fault (NodeHealthCheck: `unhealthyConditions` type
+FleetmendFault, status True)."""
+EVENTS_NAMESPACE = "default"
+"""Namespace of Node events (where the kubelet records them; `kubectl describe node` looks there)."""
+EVENT_REASONS = {"drained": "FleetmendDrained", "diagnostics": "FleetmendDiagnostics",
+                 "ticket": "FleetmendTicketFiled", "returned": "FleetmendReturned"}
+"""Event reason per remediation step."""
+
 STATE_READY, STATE_NOT_READY = "ready", "not_ready"
 STATE_DRAINING, STATE_DRAINED, STATE_CORDONED = "draining", "drained", "cordoned"
 
@@ -67,6 +94,24 @@ def taint_value(reason: str) -> str:
     word = (reason.split() or ["fault"])[0]
     value = re.sub(r"[^A-Za-z0-9_.-]", "_", word)[:63].strip("_.-")
     return value or "fault"
+
+
+def condition_reason(fault_class: str) -> str:
+    """A node condition reason in the node-problem-detector style: CamelCase, `[A-Za-z0-9]`, ≤ 128.
+
+    `"xid_79_fallen_off_bus incident remediate/p/n/r"` → `"Xid79FallenOffBus"` (the first word is the
+    fault class); an empty class gives `"FleetmendFault"`.
+    """
+    word = (fault_class.split() or [""])[0]
+    parts = [p for p in re.split(r"[^A-Za-z0-9]+", word) if p]
+    return ("".join(p[:1].upper() + p[1:] for p in parts) or CONDITION_TYPE)[:128]
+
+
+def _event_name(node: str, key: str) -> str:
+    """`<node>.<16 hex>`: a valid Event name (DNS subdomain ≤ 253) unique per (node, key)."""
+    import hashlib
+
+    return f"{node[:200]}.{hashlib.sha256(f'{node}|{key}'.encode()).hexdigest()[:16]}"
 
 
 @dataclass
@@ -174,7 +219,8 @@ class KubernetesScheduler:
             if err.status in (401, 403):
                 raise SchedulerError(
                     f"{what}: {err.status} {err.reason} from {self.where}; the service account needs "
-                    "nodes get/list/patch, pods list, pods/eviction create (deploy/kubernetes/rbac.yaml)") from err
+                    "nodes get/list/patch, nodes/status patch, pods list, pods/eviction create, events create "
+                    "(the Helm chart's templates/rbac.yaml)") from err
             raise
         except Exception as err:  # noqa: BLE001 - urllib3 raises many unrelated transport types
             raise SchedulerError(f"{what}: API server {self.where} unreachable or too slow "
@@ -255,8 +301,10 @@ class KubernetesScheduler:
             taints = list((n.spec.taints if n.spec else None) or [])
             has_taint = any(self._ours(t) for t in taints)
             owner = ann.get(self.ann_owner)
-            if cordoned and owner == OWNER_FLEETMEND and has_taint:
+            if cordoned and owner == OWNER_FLEETMEND and has_taint and ann.get(self.ann_incident) == incident_id:
                 break  # ours already: carry on with evictions (an activity retry lands here)
+            # A fleetmend drain of an earlier incident of this node (that incident is over: one incident
+            # per node runs at a time) is adopted below: the incident annotation becomes this one's.
             if cordoned and owner == OWNER_OPERATOR and has_taint:
                 break  # an operator's cordon, already marked
             owner = OWNER_OPERATOR if cordoned and owner != OWNER_FLEETMEND else OWNER_FLEETMEND
@@ -285,6 +333,9 @@ class KubernetesScheduler:
 
         n = await self._read(node)
         ann = self._annotations(n)
+        await self.set_condition(node, True, condition_reason(reason), reason)
+        await self.record_event(node, "drained", f"fleetmend drain: {reason}", key=f"{incident_id}|drained",
+                                warning=True)
         if ann.get(self.ann_owner) != OWNER_FLEETMEND:
             return DrainResult(node, True, False, True, STATE_CORDONED,
                                f"already cordoned by someone else; fault taint {self.s.taint_key} added, "
@@ -370,6 +421,10 @@ class KubernetesScheduler:
             taints = list((n.spec.taints if n.spec else None) or [])
             has_taint = any(self._ours(t) for t in taints)
             owner = ann.get(self.ann_owner)
+            if ann.get(self.ann_incident) not in (None, incident_id):
+                return UndrainResult(node, False, STATE_CORDONED if cordoned else STATE_READY,
+                                     f"the drain belongs to incident {ann.get(self.ann_incident)}, not {incident_id}; "
+                                     "left as is", operator_drained=owner != OWNER_FLEETMEND and cordoned)
             if owner is None and not has_taint:
                 if cordoned:
                     return UndrainResult(node, False, STATE_CORDONED, "cordoned by someone else and not marked "
@@ -392,15 +447,98 @@ class KubernetesScheduler:
                 if err.status == 409:
                     continue
                 raise SchedulerError(f"patch node {node} at {self.where}: {err.status} {err.reason}") from err
-            note = ("" if ann.get(self.ann_incident) in (None, incident_id)
-                    else f" (drain was set by incident {ann.get(self.ann_incident)})")
+            await self.set_condition(node, False, EVENT_REASONS["returned"], f"returned to service by {incident_id}")
+            await self.record_event(node, "returned", f"fleetmend returned the node to service ({incident_id})",
+                                    key=f"{incident_id}|returned")
             if owner == OWNER_FLEETMEND:
                 what = "uncordoned" if cordoned else "cordon already lifted by someone; fleetmend taint removed"
-                return UndrainResult(node, True, STATE_READY, f"{what}{note}")
+                return UndrainResult(node, True, STATE_READY, what)
             return UndrainResult(node, False, STATE_CORDONED if cordoned else STATE_READY,
-                                 f"fleetmend taint and annotations removed; the cordon is the operator's and "
-                                 f"stays{note}", operator_drained=cordoned)
+                                 "fleetmend taint and annotations removed; the cordon is the operator's and "
+                                 "stays", operator_drained=cordoned)
         raise SchedulerError(f"undrain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)")
+
+    async def set_condition(self, node: str, active: bool, reason: str, message: str) -> bool:
+        """Set the Node's `FleetmendFault` condition (see module docstring); best effort.
+
+        Args:
+            node: Node name.
+            active: True while the fault is open (status "True"), False once returned ("False").
+            reason: CamelCase reason (`condition_reason`).
+            message: human-readable, truncated to 1024 characters.
+        Returns:
+            True when written, False when refused or unreachable (logged).
+        """
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status = "True" if active else "False"
+        for _ in range(CONFLICT_TRIES):
+            try:
+                n = await self._read(node)
+            except (NodeNotFoundError, SchedulerError) as err:
+                _log().warning("node_condition_failed", node=node, error=str(err))
+                return False
+            conds = []
+            mine = None
+            for c in (n.status.conditions if n.status else None) or []:
+                d = self.api_client.sanitize_for_serialization(c)
+                if d.get("type") == CONDITION_TYPE:
+                    mine = d
+                else:
+                    conds.append(d)
+            if mine is None and not active:
+                return True  # never set: nothing to clear
+            transition = _rfc3339(mine.get("lastTransitionTime")) if mine and mine.get("status") == status else None
+            conds.append({"type": CONDITION_TYPE, "status": status, "reason": reason, "message": message[:1024],
+                          "lastHeartbeatTime": now, "lastTransitionTime": transition or now})
+            body: dict[str, Any] = {"status": {"conditions": conds}}
+            if n.metadata.resource_version:
+                body["metadata"] = {"resourceVersion": n.metadata.resource_version}
+            try:
+                await self._call(f"patch node {node} status", self.core.patch_node_status, node, body, node=node,
+                                 _content_type=MERGE_PATCH)
+                return True
+            except self.k8s.ApiException as err:
+                if err.status == 409:
+                    continue
+                _log().warning("node_condition_failed", node=node, status=err.status, error=_status_message(err))
+                return False
+            except (NodeNotFoundError, SchedulerError) as err:
+                _log().warning("node_condition_failed", node=node, error=str(err))
+                return False
+        _log().warning("node_condition_failed", node=node, error=f"{CONFLICT_TRIES} conflicts in a row")
+        return False
+
+    async def record_event(self, node: str, step: str, message: str, *, key: str, warning: bool = False) -> bool:
+        """Record a core/v1 Event on the Node for a remediation `step` (a key of `EVENT_REASONS`).
+
+        Args:
+            key: identifies this occurrence (incident id and step); the same key records one Event.
+            warning: type Warning (drain) instead of Normal.
+        Returns:
+            True when recorded (or already recorded), False when refused or unreachable (logged).
+        Raises:
+            KeyError: an unknown step.
+        """
+        reason = EVENT_REASONS[step]
+        now = datetime.now(timezone.utc)
+        k = self.k8s
+        ev = k.CoreV1Event(
+            metadata=k.V1ObjectMeta(name=_event_name(node, key), namespace=EVENTS_NAMESPACE),
+            involved_object=k.V1ObjectReference(api_version="v1", kind="Node", name=node, uid=node),
+            reason=reason, message=message[:1024], type="Warning" if warning else "Normal",
+            source=k.V1EventSource(component="fleetmend"), reporting_component="fleetmend",
+            reporting_instance="fleetmend-worker", first_timestamp=now, last_timestamp=now, count=1)
+        try:
+            await self._call(f"record event on {node}", self.core.create_namespaced_event, EVENTS_NAMESPACE, ev)
+            return True
+        except self.k8s.ApiException as err:
+            if err.status == 409:
+                return True
+            _log().warning("node_event_failed", node=node, reason=reason, status=err.status,
+                           error=_status_message(err))
+        except SchedulerError as err:
+            _log().warning("node_event_failed", node=node, reason=reason, error=str(err))
+        return False
 
     async def list_nodes(self) -> list[NodeInfo]:
         """Every Node with its state, fleetmend reason, owner of the cordon and incident.
@@ -420,6 +558,20 @@ class KubernetesScheduler:
             rows.append(NodeInfo(n.metadata.name, state, ann.get(self.ann_reason, ""), owner,
                                  ann.get(self.ann_incident)))
         return rows
+
+
+def _rfc3339(v: Any) -> str | None:
+    """`2026-11-30T18:07:28Z` from a datetime or any ISO 8601 string (None stays None)."""
+    if not v:
+        return None
+    at = v if isinstance(v, datetime) else datetime.fromisoformat(str(v).replace("Z", "+00:00"))
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _log() -> Any:
+    import structlog
+
+    return structlog.get_logger("fleetmend.kubernetes")
 
 
 def _status_message(err: Any) -> str:
