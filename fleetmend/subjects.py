@@ -2,6 +2,11 @@
 
 Call sites never build them with f-strings, so a rename is one edit and the node-scoped
 permissions in `deploy/nats/` stay in step with the code.
+
+Node names are used as they are everywhere a string may hold them (workflow ids, CLI, logs, ticket
+fields, Kubernetes and Slurm calls) and pass through `node_token` wherever NATS limits the
+characters: subject tokens, inbox prefixes and JetStream KV keys. `node_token` / `token_node` are
+the one encoding pair; nothing else encodes or decodes node names.
 """
 
 from __future__ import annotations
@@ -126,18 +131,45 @@ def token_node(token: str) -> str:
 
 
 def fault_subject(cluster: str, node: str) -> str:
-    """`fleet.<cluster>.fault.<node>`: where a node's agent publishes its `FaultEvent`s."""
-    return f"fleet.{_check('cluster', cluster)}.fault.{_check('node', node)}"
+    """`fleet.<cluster>.fault.<node token>`: where a node's agent publishes its `FaultEvent`s.
+
+    The node part is `node_token(node)` (`ip-10-0-1-23.ec2.internal` → `ip-10-0-1-23=2Eec2=2Einternal`).
+    Raises:
+        ValueError: an invalid cluster or node name.
+    """
+    return f"fleet.{_check('cluster', cluster)}.fault.{node_token(node)}"
 
 
 def heartbeat_subject(cluster: str, node: str) -> str:
-    """`fleet.<cluster>.hb.<node>`: core-NATS heartbeats (never stored in the fault stream)."""
-    return f"fleet.{_check('cluster', cluster)}.hb.{_check('node', node)}"
+    """`fleet.<cluster>.hb.<node token>`: core-NATS heartbeats (never stored in the fault stream)."""
+    return f"fleet.{_check('cluster', cluster)}.hb.{node_token(node)}"
 
 
 def diag_subject(cluster: str, node: str) -> str:
-    """`fleet.<cluster>.diag.<node>`: request/reply diagnostics answered by the node's agent."""
-    return f"fleet.{_check('cluster', cluster)}.diag.{_check('node', node)}"
+    """`fleet.<cluster>.diag.<node token>`: request/reply diagnostics answered by the node's agent."""
+    return f"fleet.{_check('cluster', cluster)}.diag.{node_token(node)}"
+
+
+def inbox_prefix(cluster: str, node: str) -> str:
+    """`_INBOX.<cluster>.<node token>`: the reply-inbox prefix of a node's agent (its credentials
+    allow subscribing only below it)."""
+    return f"_INBOX.{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def drain_kv_key(cluster: str, node: str) -> str:
+    """`<cluster>.<node token>`: a node's key in the standalone drain bucket (`DRAIN_KV_BUCKET`).
+
+    Keyed by cluster and node, so clusters sharing one NATS account never share a drain record.
+    """
+    return f"{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def parse_drain_kv_key(key: str) -> tuple[str, str]:
+    """Inverse of `drain_kv_key`: (cluster, node). Raises ValueError for other keys."""
+    cluster, sep, token = key.partition(".")
+    if not sep:
+        raise ValueError(f"not a drain key: {key!r} (expected <cluster>.<node token>)")
+    return _check("cluster", cluster), token_node(token)
 
 
 def all_faults_subject() -> str:
@@ -154,16 +186,32 @@ def max_deliveries_advisory(stream: str, consumer: str) -> str:
 
 
 def parse_fault_subject(subject: str) -> tuple[str, str]:
-    """Inverse of `fault_subject`. Returns (cluster, node). Raises ValueError for other subjects."""
+    """Inverse of `fault_subject`. Returns (cluster, node name), the node decoded by `token_node`.
+
+    Raises:
+        ValueError: not a fault subject, or its node token is not canonical.
+    """
+    return _parse_node_subject(subject, "fault")
+
+
+def parse_heartbeat_subject(subject: str) -> tuple[str, str]:
+    """Inverse of `heartbeat_subject`: (cluster, node name). Raises ValueError for other subjects."""
+    return _parse_node_subject(subject, "hb")
+
+
+def _parse_node_subject(subject: str, kind: str) -> tuple[str, str]:
     parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != "fleet" or parts[2] != "fault":
-        raise ValueError(f"not a fault subject: {subject!r} (expected fleet.<cluster>.fault.<node>)")
-    return _check("cluster", parts[1]), _check("node", parts[3])
+    if len(parts) != 4 or parts[0] != "fleet" or parts[2] != kind:
+        raise ValueError(f"not a {kind} subject: {subject!r} (expected fleet.<cluster>.{kind}.<node token>)")
+    return _check("cluster", parts[1]), token_node(parts[3])
 
 
 def workflow_id(cluster: str, node: str) -> str:
-    """`remediate/<cluster>/<node>`: the one `NodeRemediation` workflow id of a node."""
-    return f"remediate/{_check('cluster', cluster)}/{_check('node', node)}"
+    """`remediate/<cluster>/<node>`: the one `NodeRemediation` workflow id of a node.
+
+    The node name appears as it is (Temporal ids take any string; operators read it in the UI).
+    """
+    return f"remediate/{_check('cluster', cluster)}/{check_node_name(node)}"
 
 
 def fleetguard_workflow_id(cluster: str) -> str:
@@ -172,10 +220,11 @@ def fleetguard_workflow_id(cluster: str) -> str:
 
 
 def parse_workflow_id(wid: str) -> tuple[str, str]:
+    """Inverse of `workflow_id`: (cluster, node). Raises ValueError for other ids."""
     parts = wid.split("/")
     if len(parts) != 3 or parts[0] != "remediate":
         raise ValueError(f"not a remediation workflow id: {wid!r}")
-    return parts[1], parts[2]
+    return _check("cluster", parts[1]), check_node_name(parts[2])
 
 
 def msg_id(event_id: str) -> str:

@@ -82,3 +82,23 @@ def test_decoding_any_text_either_fails_cleanly_or_round_trips(text: str) -> Non
     except ValueError:
         return
     assert node_token(name) == text
+
+
+def test_subjects_keys_and_ids_carry_any_node_name() -> None:
+    from fleetmend import subjects as sj
+
+    n = "ip-10-0-1-23.ec2.internal"
+    assert sj.fault_subject("prod", n) == "fleet.prod.fault.ip-10-0-1-23=2Eec2=2Einternal"
+    assert sj.parse_fault_subject(sj.fault_subject("prod", n)) == ("prod", n)
+    assert sj.parse_heartbeat_subject(sj.heartbeat_subject("prod", n)) == ("prod", n)
+    assert sj.diag_subject("prod", n).count(".") == 3
+    assert sj.inbox_prefix("prod", n) == "_INBOX.prod.ip-10-0-1-23=2Eec2=2Einternal"
+    assert sj.workflow_id("prod", n) == f"remediate/prod/{n}"
+    assert sj.parse_workflow_id(sj.workflow_id("prod", n)) == ("prod", n)
+    assert sj.drain_kv_key("a", n) != sj.drain_kv_key("b", n)
+    assert sj.parse_drain_kv_key(sj.drain_kv_key("b", n)) == ("b", n)
+    assert _KV_KEY.match(sj.drain_kv_key("b", n))
+    with pytest.raises(ValueError, match="not canonical"):
+        sj.parse_fault_subject("fleet.prod.fault.node=2D1")
+    with pytest.raises(ValueError):
+        sj.fault_subject("prod.x", n)
