@@ -23,10 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleetmend.errors import ConfigError
+from fleetmend.subjects import check_node_name
 
 
 def default_node_name() -> str:
-    """This host's short name, reduced to the characters subjects allow (`[A-Za-z0-9_-]`)."""
+    """This host's short name (up to the first dot, other characters than `[A-Za-z0-9_-]` made `-`).
+
+    Only the default: `node` takes any Kubernetes or Slurm node name (`FLEETMEND_NODE`, `--node`).
+    """
     name = socket.gethostname().split(".")[0] or "localhost"
     return re.sub(r"[^A-Za-z0-9_-]", "-", name)
 
@@ -363,7 +367,8 @@ class Settings(BaseSettings):
     nats_nkey_seed: Path | None = None
     """File holding this process's nkey seed (`SU...`), as written by `fleetmend creds`."""
     nats_inbox_prefix: str | None = None
-    """Reply-inbox prefix; a node's credentials only let it read `_INBOX.<cluster>.<node>.>`."""
+    """Reply-inbox prefix; a node's credentials only let it read `_INBOX.<cluster>.<node token>.>`.
+    None with an nkey seed or creds file: `subjects.inbox_prefix(cluster, node)`."""
     nats_tls: TlsSettings = Field(default_factory=TlsSettings)
     temporal_tls: TlsSettings = Field(default_factory=TlsSettings)
     nats_connect_timeout_s: float = 5.0
@@ -387,7 +392,7 @@ class Settings(BaseSettings):
     log_format: str = "auto"
     """auto (console in a tty, else JSON), json or console."""
 
-    @field_validator("cluster", "node")
+    @field_validator("cluster")
     @classmethod
     def _name(cls, v: str) -> str:
         if len(v) > 128:
@@ -395,6 +400,11 @@ class Settings(BaseSettings):
         if not re.match(r"^[A-Za-z0-9_-]+$", v):
             raise ValueError(f"{v!r}: use letters, digits, '-' and '_' only (it becomes a NATS subject token)")
         return v
+
+    @field_validator("node")
+    @classmethod
+    def _node_name(cls, v: str) -> str:
+        return check_node_name(v)  # any Kubernetes or Slurm node name; subjects encode it
 
     @field_validator("nats_url")
     @classmethod

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fleetmend.subjects import check_node_name
+
 SCHEMA_VERSION = 1
 """Current wire schema. Bump only for incompatible meaning changes; additive fields don't bump."""
 
@@ -183,7 +185,8 @@ class FaultEvent(BaseModel):
     Fields:
         event_id: unique, time-ordered (`new_event_id`); the JetStream `Nats-Msg-Id`.
         schema_version: wire schema (`SCHEMA_VERSION`).
-        cluster, node: where it was observed; must match the subject it was published on.
+        cluster, node: where it was observed; must match the subject it was published on. The node
+            is the scheduler's name as it is (`ip-10-0-1-23.ec2.internal`); subjects carry its token.
         component: `Component`.
         device: `Device` (index, PCI bus id, UUID/serial, kernel name) where known.
         kind: what was seen, snake_case and stable (`xid`, `gpu_fallen_off_bus`, `aer_fatal`,
@@ -205,7 +208,8 @@ class FaultEvent(BaseModel):
     event_id: str = Field(default_factory=new_event_id, min_length=8, max_length=64)
     schema_version: int = SCHEMA_VERSION
     cluster: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
-    node: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    node: str = Field(min_length=1, max_length=253)
+    """Any node name `fleetmend.subjects.check_node_name` accepts (dots included)."""
     component: Component
     device: Device = Field(default_factory=Device)
     kind: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
@@ -219,6 +223,11 @@ class FaultEvent(BaseModel):
     agent_version: str = "unknown"
     pid: int | None = None
     attrs: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str) -> str:
+        return check_node_name(v)
 
     @field_validator("raw")
     @classmethod

@@ -52,9 +52,8 @@ ROLES = ("router", "worker", "admin")
 
 
 def node_inbox_prefix(cluster: str, node: str) -> str:
-    """`_INBOX.<cluster>.<node>`: the inbox prefix a node's agent uses (its replies land under it)."""
-    subjects.fault_subject(cluster, node)  # validates both names
-    return f"_INBOX.{cluster}.{node}"
+    """`_INBOX.<cluster>.<node token>`: the inbox prefix a node's agent uses (its replies land under it)."""
+    return subjects.inbox_prefix(cluster, node)
 
 
 def role_inbox_prefix(role: str) -> str:
@@ -187,7 +186,7 @@ def generate(directory: Path, cluster: str, nodes: list[str], roles: tuple[str, 
     Args:
         directory: output directory (created).
         cluster: cluster name (subject token).
-        nodes: node names (subject tokens).
+        nodes: node names as the scheduler spells them (dots allowed; `subjects.check_node_name`).
         roles: service roles to generate.
     Returns:
         `CredentialSet`.
@@ -204,10 +203,12 @@ def generate(directory: Path, cluster: str, nodes: list[str], roles: tuple[str, 
         seed_file = directory / "nodes" / f"{node}.nk"
         seed = _load_or_create_seed(seed_file)
         toml = directory / "nodes" / f"{node}.toml"
+        # TOML basic strings take JSON's escapes: json.dumps quotes any node name safely.
         toml.write_text(
-            f'# agent settings for {node}; use with `fleetmend agent --config {toml.name}` (or merge)\n'
-            f'cluster = "{cluster}"\nnode = "{node}"\nnats_nkey_seed = "{seed_file.resolve()}"\n'
-            f'nats_inbox_prefix = "{node_inbox_prefix(cluster, node)}"\n'
+            f'# agent settings; use with `fleetmend agent --config <this file>` (or merge)\n'
+            f'cluster = {json.dumps(cluster)}\nnode = {json.dumps(node)}\n'
+            f'nats_nkey_seed = {json.dumps(str(seed_file.resolve()))}\n'
+            f'nats_inbox_prefix = {json.dumps(node_inbox_prefix(cluster, node))}\n'
             '[agent]\nmanage_stream = false  # the router/operator owns the streams\n')
         creds.append(Credential(f"node:{cluster}/{node}", public_key(seed), seed_file,
                                 node_permissions(cluster, node), toml))

@@ -45,9 +45,10 @@ def _check(kind: str, value: str) -> str:
 def check_node_name(node: str) -> str:
     """Validate a node name as the operator and the scheduler spell it; returns it unchanged.
 
-    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace, a control character or a path
+    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace, a control character, a path
     separator (`/`, `\\`: the name is a path component of credential files and of the workflow id
-    `remediate/<cluster>/<node>`). That covers every Kubernetes node name (an RFC 1123 subdomain such
+    `remediate/<cluster>/<node>`) or a quote (`'`, `"`, a backtick: names are quoted inside Temporal
+    visibility queries). That covers every Kubernetes node name (an RFC 1123 subdomain such
     as `ip-10-0-1-23.ec2.internal`) and every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
     or a KV key; `node_token` encodes it for those.
 
@@ -64,6 +65,8 @@ def check_node_name(node: str) -> str:
             raise ValueError(f"invalid node name {node!r}: whitespace or control character {ch!r}")
         if ch in "/\\":
             raise ValueError(f"invalid node name {node!r}: path separator {ch!r}")
+        if ch in "'\"`":
+            raise ValueError(f"invalid node name {node!r}: quote {ch!r}")
     if node in (".", ".."):
         raise ValueError(f"invalid node name {node!r}: a directory name")
     return node

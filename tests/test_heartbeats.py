@@ -98,3 +98,28 @@ def test_event_id_is_deterministic_and_time_ordered() -> None:
     assert a == deterministic_event_id("agent_silent", "c", "n", t1)
     assert a != deterministic_event_id("agent_silent", "c", "m", t1)
     assert len(a) == 24 and a[:16] <= deterministic_event_id("agent_silent", "c", "n", t2)[:16]
+
+
+async def test_a_dotted_node_goes_silent_under_its_real_name_and_is_counted(nc, unique: str) -> None:
+    from fleetmend import metrics
+
+    cluster, node = f"d{unique}", "ip-10-0-1-23.ec2.internal"
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    stop = asyncio.Event()
+    mon = HeartbeatMonitor(nc, js, silence_s=0.4, check_interval_s=0.05)
+    task = asyncio.create_task(mon.run(stop))
+    try:
+        await asyncio.sleep(0.1)
+        await _beat(nc, cluster, node)
+        await assert_eventually(lambda: len(mon.published) == 1, timeout_s=10, what="agent_silent published")
+        (ev,) = await _faults(js, cluster, node)
+        assert ev.node == node and ev.kind == "agent_silent"
+        assert metrics.AGENTS_SILENT.labels(cluster=cluster)._value.get() == 1
+        await _beat(nc, cluster, node)
+        await assert_eventually(lambda: len(mon.published) == 2, timeout_s=10, what="clearing published")
+        await asyncio.sleep(0.2)
+        assert metrics.AGENTS_SILENT.labels(cluster=cluster)._value.get() == 0
+    finally:
+        stop.set()
+        await task

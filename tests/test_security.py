@@ -98,7 +98,7 @@ def test_generate_permissions_files_and_reuse(tmp_path: Path):
     s = load_settings((tmp_path / "nodes" / "a.toml"))
     assert s.node == "a" and s.nats_inbox_prefix == "_INBOX.c1.a" and s.nats_nkey_seed == seed.resolve(), toml
     with pytest.raises(ConfigError, match="invalid node name"):
-        security.generate(tmp_path, "c1", ["bad.name"])
+        security.generate(tmp_path, "c1", ["bad name"])
     with pytest.raises(ConfigError, match="expected router, worker, admin"):
         security.role_permissions("root")
     for role in ("router", "worker"):

@@ -35,7 +35,8 @@ import structlog
 
 from fleetmend import __version__
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.subjects import all_heartbeats_subject, fault_subject, msg_id
+from fleetmend import metrics
+from fleetmend.subjects import all_heartbeats_subject, fault_subject, msg_id, parse_heartbeat_subject
 
 KIND = "agent_silent"
 CLEARING_KIND = "agent_heartbeat_resumed"
@@ -57,10 +58,11 @@ def deterministic_event_id(kind: str, cluster: str, node: str, at: datetime) -> 
 
 
 def _parse_subject(subject: str) -> tuple[str, str] | None:
-    parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != "fleet" or parts[2] != "hb":
+    """(cluster, node name) of a heartbeat subject (the node token decoded), None for anything else."""
+    try:
+        return parse_heartbeat_subject(subject)
+    except ValueError:
         return None
-    return parts[1], parts[3]
 
 
 class HeartbeatMonitor:
@@ -118,12 +120,17 @@ class HeartbeatMonitor:
                                  "clearing_kind": CLEARING_KIND if healthy else None})
 
     def check(self) -> None:
-        """Queue an agent_silent event for every node silent longer than `silence_s`."""
+        """Queue an agent_silent event for every node silent longer than `silence_s`; set the
+        `fleetmend_agents_silent` gauge of each cluster to its number of silent nodes."""
         now = time.monotonic()
+        silent: dict[str, int] = {}
         for key, node in self.nodes.items():
             if node.silent_since is None and now - node.last_seen > self.silence_s:
                 node.silent_since = node.last_at
                 self._pending.append(self._event(key, node, healthy=False))
+            silent[key[0]] = silent.get(key[0], 0) + (node.silent_since is not None)
+        for cluster, n in silent.items():
+            metrics.AGENTS_SILENT.labels(cluster=cluster).set(n)
 
     async def _flush(self) -> None:
         while self._pending:
