@@ -66,7 +66,7 @@ def build_scheduler(settings: Settings, js: JetStreamContext | None = None) -> S
             raise ConfigError("scheduler standalone keeps its drained set in JetStream; pass js= (a JetStream context)")
         from activities.standalone import StandaloneScheduler
 
-        return StandaloneScheduler(js)
+        return StandaloneScheduler(js, cluster=settings.cluster)
     if kind == SchedulerKind.NONE:
         from activities.standalone import NoopScheduler
 
@@ -90,10 +90,21 @@ class SchedulerActivities:
 
     Args:
         scheduler: any `SchedulerAdapter`.
+        cluster: the cluster the adapter's nodes belong to; requests of other clusters are refused.
+            None accepts any (tests of one cluster).
     """
 
-    def __init__(self, scheduler: SchedulerAdapter) -> None:
+    def __init__(self, scheduler: SchedulerAdapter, cluster: str | None = None) -> None:
         self.scheduler = scheduler
+        self.cluster = cluster
+
+    def _check_cluster(self, req: DrainRequest | UndrainRequest) -> None:
+        """An adapter acts on one cluster's nodes: a request of another cluster (workers of two clusters
+        polling one task queue) is refused, retryably, so Temporal hands it to another worker."""
+        if self.cluster is not None and req.cluster != self.cluster:
+            raise ApplicationError(
+                f"this worker drains cluster {self.cluster!r}, not {req.cluster!r} (node {req.node}); give each "
+                "cluster its own task_queue", type="WrongCluster")
 
     @activity.defn(name=Activity.DRAIN_NODE)
     async def drain_node(self, req: DrainRequest) -> DrainResult:
@@ -104,6 +115,7 @@ class SchedulerActivities:
             SchedulerError: transient failure (Temporal retries).
         """
         log = activity.logger
+        self._check_cluster(req)
         try:
             result = await self.scheduler.drain(req.node, req.reason, req.incident_id)
             activity.heartbeat({"phase": "drain_set", "state": result.state})
@@ -128,6 +140,7 @@ class SchedulerActivities:
             ApplicationError: type "NodeNotFound", non-retryable.
             SchedulerError: transient failure (Temporal retries).
         """
+        self._check_cluster(req)
         try:
             result = await self.scheduler.undrain(req.node, req.incident_id)
         except NodeNotFoundError as err:

@@ -28,13 +28,19 @@ _WRONG_LAST_SEQUENCE = 10071
 class StandaloneScheduler:
     """The drained set of a cluster without a scheduler, in a JetStream KV bucket.
 
-    Key = node name; value = JSON `{"reason", "incident_id", "owner": "fleetmend"|"operator", "at"}`.
+    Key = `subjects.drain_kv_key(cluster, node)` (`<cluster>.<node token>`: clusters sharing one NATS
+    account never share a record); value = JSON `{"reason", "incident_id", "owner":
+    "fleetmend"|"operator", "at"}`. An undrain removes a fleetmend entry only when its `incident_id` is
+    the undraining incident's; a later incident of the same node adopts an earlier incident's entry
+    when it drains (one incident per node runs at a time). Entries written before keys carried the
+    cluster (key = the node name) are still removed by the incident that wrote them.
     A deleted key (tombstone; history ≥ 5 keeps the trail) means "in service". Writes use
     `create` / `update(last=revision)` / `delete(last=revision)` so concurrent workers can't
     double-drain or remove a drain that changed under them.
 
     Args:
         js: JetStream context.
+        cluster: the cluster whose drained set this is (`Settings.cluster`).
         bucket: KV bucket name (created if missing: file storage, history 5).
         op_timeout_s: bound on each KV round trip.
     """
@@ -43,9 +49,11 @@ class StandaloneScheduler:
     STATE_DRAINED = "drained"
     STATE_IN_SERVICE = "in_service"
 
-    def __init__(self, js: JetStreamContext, bucket: str = subjects.DRAIN_KV_BUCKET,
+    def __init__(self, js: JetStreamContext, cluster: str = "local", bucket: str = subjects.DRAIN_KV_BUCKET,
                  op_timeout_s: float = 10.0) -> None:
         self.js = js
+        self.cluster = cluster
+        subjects.drain_kv_key(cluster, "x")  # validates the cluster name
         self.bucket = bucket
         self.op_timeout_s = op_timeout_s
         self._kv: KeyValue | None = None
@@ -65,14 +73,18 @@ class StandaloneScheduler:
                         description="fleetmend drained nodes (standalone scheduler)"))
         return self._kv
 
-    async def _entry(self, node: str) -> tuple[dict[str, Any] | None, int]:
-        """(value, revision) of `node`'s key; (None, 0) when not drained."""
+    def key(self, node: str) -> str:
+        """This cluster's KV key of `node`. Raises ValueError for an invalid node name."""
+        return subjects.drain_kv_key(self.cluster, node)
+
+    async def _entry(self, node: str, key: str | None = None) -> tuple[dict[str, Any] | None, int]:
+        """(value, revision) of `node`'s key (or of `key` as given); (None, 0) when not drained."""
         from nats.js.errors import KeyNotFoundError
 
         kv = await self.kv()
         async with asyncio.timeout(self.op_timeout_s):
             try:
-                e = await kv.get(node)
+                e = await kv.get(key or self.key(node))
             except KeyNotFoundError:  # never written, or a delete tombstone (`create` handles both)
                 return None, 0
         if not e.value or e.operation in ("DEL", "PURGE"):
@@ -92,9 +104,9 @@ class StandaloneScheduler:
         async with asyncio.timeout(self.op_timeout_s):
             try:
                 if revision == 0:
-                    await kv.create(node, value)
+                    await kv.create(self.key(node), value)
                 else:
-                    await kv.update(node, value, last=revision)
+                    await kv.update(self.key(node), value, last=revision)
                 return True
             except KeyWrongLastSequenceError:
                 return False
@@ -114,6 +126,16 @@ class StandaloneScheduler:
         """
         for _ in range(5):
             entry, rev = await self._entry(node)
+            if entry and entry.get("owner") == OWNER_FLEETMEND and entry.get("incident_id") != incident_id:
+                # an earlier incident's drain of this node: adopt it, so this incident's undrain may lift it
+                adopted = {**entry, "incident_id": incident_id, "adopted_from": entry.get("incident_id"),
+                           "at": datetime.now(timezone.utc).isoformat()}
+                if not await self._write(node, json.dumps(adopted).encode(), rev):
+                    continue
+                return DrainResult(node, True, True, False, self.STATE_DRAINED,
+                                   f"already drained by fleetmend incident {entry.get('incident_id')}; "
+                                   "adopted by this incident", reason=entry.get("reason", ""),
+                                   raw_state=json.dumps(adopted))
             if entry:
                 owned = entry.get("owner") == OWNER_FLEETMEND
                 who = "fleetmend" if owned else f"the {entry.get('owner', 'operator')}"
@@ -127,10 +149,11 @@ class StandaloneScheduler:
         raise SchedulerError(f"drain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
 
     async def undrain(self, node: str, incident_id: str) -> UndrainResult:
-        """Remove `node`'s entry if fleetmend owns it (delete with the read revision).
+        """Remove `node`'s entry if fleetmend drained it for `incident_id` (delete with the read revision).
 
         Returns:
-            `UndrainResult` as `SlurmScheduler.undrain`.
+            `UndrainResult` as `SlurmScheduler.undrain`; resumed=False, nothing changed, when the entry
+            is an operator's or another incident's.
         Raises:
             SchedulerError: the entry kept changing (5 attempts).
         """
@@ -138,22 +161,30 @@ class StandaloneScheduler:
 
         kv = await self.kv()
         for _ in range(5):
+            key = self.key(node)
             entry, rev = await self._entry(node)
+            if not entry and subjects.node_token(node) == node:
+                legacy, legacy_rev = await self._entry(node, key=node)  # a key written before keys had the cluster
+                if legacy and legacy.get("incident_id") == incident_id:
+                    key, entry, rev = node, legacy, legacy_rev
             if not entry:
                 return UndrainResult(node, False, self.STATE_IN_SERVICE, "not drained; nothing to resume")
             if entry.get("owner") != OWNER_FLEETMEND:
                 return UndrainResult(node, False, self.STATE_DRAINED,
                                      f"drain is the {entry.get('owner')}'s (reason {entry.get('reason')!r}); "
                                      "left for the operator", operator_drained=True)
+            if entry.get("incident_id") != incident_id:
+                return UndrainResult(node, False, self.STATE_DRAINED,
+                                     f"the drain belongs to incident {entry.get('incident_id')}, not {incident_id}; "
+                                     "left as is")
             try:
                 async with asyncio.timeout(self.op_timeout_s):
-                    await kv.delete(node, last=rev)
+                    await kv.delete(key, last=rev)
             except APIError as err:
                 if err.err_code == _WRONG_LAST_SEQUENCE:
                     continue
                 raise SchedulerError(f"undrain of {node} in KV bucket {self.bucket}: {err}") from err
-            note = "" if entry.get("incident_id") == incident_id else f" (drain was set by incident {entry.get('incident_id')})"
-            return UndrainResult(node, True, self.STATE_IN_SERVICE, f"drain entry removed{note}")
+            return UndrainResult(node, True, self.STATE_IN_SERVICE, "drain entry removed")
         raise SchedulerError(f"undrain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
 
     async def operator_drain(self, node: str, reason: str) -> None:
@@ -161,7 +192,7 @@ class StandaloneScheduler:
         Overwrites a fleetmend entry (the operator takes the drain over, as a new Slurm reason would)."""
         kv = await self.kv()
         async with asyncio.timeout(self.op_timeout_s):
-            await kv.put(node, self._doc(reason, None, OWNER_OPERATOR))
+            await kv.put(self.key(node), self._doc(reason, None, OWNER_OPERATOR))
 
     async def operator_undrain(self, node: str) -> bool:
         """An operator returns `node` to service whoever drained it. Returns False if it wasn't drained."""
@@ -170,11 +201,11 @@ class StandaloneScheduler:
             return False
         kv = await self.kv()
         async with asyncio.timeout(self.op_timeout_s):
-            await kv.delete(node)
+            await kv.delete(self.key(node))
         return True
 
     async def list_nodes(self) -> list[NodeInfo]:
-        """The drained nodes (in-service nodes are not recorded)."""
+        """This cluster's drained nodes, by their real names (in-service nodes are not recorded)."""
         from nats.js.errors import NoKeysError
 
         kv = await self.kv()
@@ -185,9 +216,15 @@ class StandaloneScheduler:
                 return []
         rows = []
         for k in sorted(keys):
-            entry, _ = await self._entry(k)
+            try:
+                cluster, node = subjects.parse_drain_kv_key(k)
+            except ValueError:
+                continue  # a key written before keys had the cluster: the cluster is unknown
+            if cluster != self.cluster:
+                continue
+            entry, _ = await self._entry(node)
             if entry:
-                rows.append(NodeInfo(k, self.STATE_DRAINED, entry.get("reason", ""), entry.get("owner"),
+                rows.append(NodeInfo(node, self.STATE_DRAINED, entry.get("reason", ""), entry.get("owner"),
                                      entry.get("incident_id")))
         return rows
 

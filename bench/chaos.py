@@ -453,7 +453,8 @@ async def kv_drain_writes(js: Any) -> dict[str, list[dict[str, Any]]]:
         op = (m.headers or {}).get("KV-Operation")
         if op in ("DEL", "PURGE") or not m.data:
             continue
-        out[m.subject.rsplit(".", 1)[-1]].append(json.loads(m.data))
+        key = m.subject.split(".", 2)[2]  # $KV.<bucket>.<cluster>.<node token>
+        out[subjects.parse_drain_kv_key(key)[1]].append(json.loads(m.data))
     return dict(out)
 
 

@@ -45,8 +45,12 @@ OPEN = "100000"
 
 
 def node_of(key: str) -> str:
-    """The node a drain record's key names (`node`, or a cluster-qualified `cluster.node`)."""
-    return key.rsplit(".", 1)[-1]
+    """The node a drain record's key names (`subjects.drain_kv_key`: `<cluster>.<node token>`; an older
+    key is the node name itself)."""
+    try:
+        return subjects.parse_drain_kv_key(key)[1]
+    except ValueError:
+        return key
 
 
 def replay_drains(records: list[tuple[float, str, bool]], rack_of: dict[str, str]) -> tuple[int, int, str | None]:

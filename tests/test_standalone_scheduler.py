@@ -35,14 +35,14 @@ async def test_drain_undrain_and_idempotency(nc, bucket) -> None:
     assert await s.state("gpu-001") == "in_service"
     r = await s.drain("gpu-001", "xid 79 fell off the bus", "inc-1")
     assert (r.drained, r.owned, r.operator_drained, r.state) == (True, True, False, "drained")
-    entry = await (await s.kv()).get("gpu-001")
+    entry = await (await s.kv()).get(s.key("gpu-001"))
     doc = json.loads(entry.value)
     assert doc["owner"] == "fleetmend" and doc["incident_id"] == "inc-1" and doc["reason"] == "xid 79 fell off the bus"
     assert "at" in doc
 
     again = await s.drain("gpu-001", "xid 79 fell off the bus", "inc-1")
     assert (again.drained, again.owned) == (True, True) and "no write" in again.detail
-    assert (await (await s.kv()).get("gpu-001")).revision == entry.revision, "idempotent drain wrote again"
+    assert (await (await s.kv()).get(s.key("gpu-001"))).revision == entry.revision, "idempotent drain wrote again"
 
     u = await s.undrain("gpu-001", "inc-1")
     assert u.resumed and u.state == "in_service"
@@ -73,13 +73,13 @@ async def test_concurrent_drains_from_two_workers_write_once(nc, bucket) -> None
     a = StandaloneScheduler(nc.jetstream(), bucket=bucket)
     b = StandaloneScheduler(nc.jetstream(), bucket=bucket)
     await a.kv()
-    results = await asyncio.gather(*(w.drain("gpu-003", "xid 79", f"inc-{i}")
-                                     for i, w in enumerate([a, b, a, b])))
+    # one incident's drain activity retried on two workers at once
+    results = await asyncio.gather(*(w.drain("gpu-003", "xid 79", "inc-3") for w in [a, b, a, b]))
     assert all(r.drained and r.owned for r in results)
-    entry = await (await a.kv()).get("gpu-003")
-    history = await (await a.kv()).history("gpu-003")
+    entry = await (await a.kv()).get(a.key("gpu-003"))
+    history = await (await a.kv()).history(a.key("gpu-003"))
     assert len(history) == 1, f"double drain: {history}"
-    assert json.loads(entry.value)["incident_id"] in {f"inc-{i}" for i in range(4)}
+    assert json.loads(entry.value)["incident_id"] == "inc-3"
 
 
 async def test_drained_set_survives_a_new_instance_and_connection(nc, nats_server, bucket) -> None:
@@ -122,3 +122,51 @@ async def test_build_scheduler_and_noop(nc, tmp_path, monkeypatch) -> None:
         build_scheduler(Settings(scheduler="kubernetes", kubernetes={"kubeconfig": tmp_path / "missing"}))
     with pytest.raises(ConfigError, match="pass js="):
         build_scheduler(Settings(scheduler="standalone"))
+
+
+async def test_two_clusters_one_node_name_never_share_a_drain(nc, bucket) -> None:
+    """Cluster B's incident of `gpu-007` neither takes over nor lifts cluster A's drain of its `gpu-007`.
+    (Before drain keys carried the cluster, B's drain found A's entry, called it its own, and B's undrain
+    — `fleetmend abort --undrain` in B — deleted it while A's incident still said drained.)"""
+    a = StandaloneScheduler(nc.jetstream(), cluster="a", bucket=bucket)
+    b = StandaloneScheduler(nc.jetstream(), cluster="b", bucket=bucket)
+    ra = await a.drain("gpu-007", "xid 79", "remediate/a/gpu-007/r1")
+    rb = await b.drain("gpu-007", "xid 48", "remediate/b/gpu-007/r1")
+    assert ra.owned and rb.owned and "recorded" in rb.detail
+    assert (await b.undrain("gpu-007", "remediate/b/gpu-007/r1")).resumed
+    assert await a.state("gpu-007") == "drained", "cluster A's node went back to service"
+    assert [n.name for n in await a.list_nodes()] == ["gpu-007"] and await b.list_nodes() == []
+    assert (await a.undrain("gpu-007", "remediate/a/gpu-007/r1")).resumed
+
+
+async def test_an_undrain_lifts_only_its_own_incidents_drain(nc, bucket) -> None:
+    s = StandaloneScheduler(nc.jetstream(), cluster="a", bucket=bucket)
+    await s.drain("ip-10-0-1-23.ec2.internal", "xid 79", "remediate/a/n/r1")
+    u = await s.undrain("ip-10-0-1-23.ec2.internal", "remediate/a/n/OTHER")
+    assert not u.resumed and "belongs to incident remediate/a/n/r1" in u.detail
+    assert await s.state("ip-10-0-1-23.ec2.internal") == "drained"
+    # the node's next incident adopts the drain (its predecessor is over), then may lift it
+    r = await s.drain("ip-10-0-1-23.ec2.internal", "xid 79", "remediate/a/n/r2")
+    assert r.owned and "adopted" in r.detail
+    assert not (await s.undrain("ip-10-0-1-23.ec2.internal", "remediate/a/n/r1")).resumed
+    assert (await s.undrain("ip-10-0-1-23.ec2.internal", "remediate/a/n/r2")).resumed
+    assert [n.name for n in await s.list_nodes()] == []
+
+
+async def test_a_drain_written_before_keys_had_the_cluster_is_lifted_by_its_incident(nc, bucket) -> None:
+    s = StandaloneScheduler(nc.jetstream(), cluster="a", bucket=bucket)
+    kv = await s.kv()
+    await kv.put("gpu-009", json.dumps({"reason": "xid 79", "incident_id": "remediate/a/gpu-009/r0",
+                                        "owner": "fleetmend", "at": "2026-01-01T00:00:00+00:00"}).encode())
+    assert not (await s.undrain("gpu-009", "remediate/b/gpu-009/r0")).resumed
+    assert (await s.undrain("gpu-009", "remediate/a/gpu-009/r0")).resumed
+
+
+async def test_a_worker_refuses_another_clusters_drain(nc, bucket) -> None:
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    acts = SchedulerActivities(StandaloneScheduler(nc.jetstream(), cluster="a", bucket=bucket), cluster="a")
+    with pytest.raises(ApplicationError, match="drains cluster 'a', not 'b'"):
+        await ActivityEnvironment().run(acts.drain_node, DrainRequest("b", "gpu-010", "xid 79", "inc-10"))
+    assert await acts.scheduler.list_nodes() == []
