@@ -9,7 +9,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from fleetmend import subjects
-from fleetmend.diagnostics import DiagReport, DiagRequest
+from fleetmend.diagnostics import DiagReport, DiagRequest, DiagResult
 from fleetmend.messages import Activity, DiagActivityRequest
 
 T = TypeVar("T")
@@ -48,8 +48,11 @@ async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, 
 class DiagnosticsActivities:
     """Runs diagnostics on a node by asking its agent. Takes a connected `nats.aio.client.Client`."""
 
-    def __init__(self, nc) -> None:  # noqa: ANN001 - nats client, not imported by workflows
+    def __init__(self, nc, node_events=None) -> None:  # noqa: ANN001 - nats client, not imported by workflows
         self._nc = nc
+        self._node_events = node_events
+        """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's
+        `record_event`): each report becomes a `FleetmendDiagnostics` Event on the Node."""
 
     @activity.defn(name=Activity.RUN_DIAGNOSTICS)
     async def run_diagnostics(self, req: DiagActivityRequest) -> DiagReport:
@@ -63,5 +66,12 @@ class DiagnosticsActivities:
         """
         body = DiagRequest(level=req.level, checks=req.checks or [], incident_id=req.incident_id,
                            deadline_s=req.timeout_s).model_dump_json().encode()
-        return await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, DiagReport,
-                               what="diagnostics")
+        report = await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, DiagReport,
+                                 what="diagnostics")
+        if self._node_events is not None:
+            failed = [c.name for c in report.checks if c.result == DiagResult.FAIL]
+            await self._node_events(
+                req.node, "diagnostics", f"{req.level} diagnostics: {report.result}"
+                + (f" (failed: {', '.join(failed[:10])})" if failed else ""),
+                key=f"{req.incident_id}|diagnostics|{activity.info().workflow_run_id}|{activity.info().activity_id}")
+        return report

@@ -74,10 +74,14 @@ class TicketActivities:
 
     Args:
         filer: any `TicketFiler`.
+        node_events: see below.
     """
 
-    def __init__(self, filer: TicketFiler) -> None:
+    def __init__(self, filer: TicketFiler, node_events=None) -> None:  # noqa: ANN001 - optional recorder
         self.filer = filer
+        self._node_events = node_events
+        """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's
+        `record_event`): a filed ticket becomes a `FleetmendTicketFiled` Event on the Node."""
 
     @activity.defn(name=Activity.FILE_TICKET)
     async def file_ticket(self, req: TicketRequest) -> TicketRef:
@@ -97,6 +101,9 @@ class TicketActivities:
         metrics.TICKETS.labels(filer=self.filer.name, outcome="filed" if ref.created else "found").inc()
         activity.logger.info("ticket_filed incident_id=%s ticket_id=%s created=%s filer=%s",
                              req.incident_id, ref.ticket_id, ref.created, self.filer.name)
+        if self._node_events is not None:
+            await self._node_events(req.node, "ticket", f"ticket {ref.ticket_id} filed ({self.filer.name})",
+                                    key=f"{req.incident_id}|ticket|{ref.ticket_id}")
         return ref
 
     @activity.defn(name=Activity.UPDATE_TICKET)

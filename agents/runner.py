@@ -236,6 +236,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             probe_tasks = [tg.create_task(_supervise(p, emit, status, not once, log), name=p.name)
                            for p in probes]
             stop_task = tg.create_task(stop.wait(), name="stop")
+            beat_task = tg.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
+            metrics.HEALTH.set_ready()  # /readyz: probes run (events spool while NATS is away)
             if once:
                 done_task = tg.create_task(_gather(probe_tasks), name="probes")
                 await asyncio.wait([stop_task, done_task], return_when=asyncio.FIRST_COMPLETED)
@@ -254,7 +256,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                         await publisher.wait_spool_empty()
             except TimeoutError:
                 log.warning("agent_shutdown_timeout", queued=publisher.queue.qsize(), spool_depth=spool.depth)
-            for t in (pub_task, replay_task, online_task, stop_task):
+            metrics.HEALTH.set_ready(False, "stopping")
+            for t in (pub_task, replay_task, online_task, stop_task, beat_task):
                 t.cancel()
             if once:
                 done_task.cancel()

@@ -26,9 +26,11 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from workflows.fleetguard import FleetGuard
     from workflows.remediation import NodeRemediation
 
-    sched = SchedulerActivities(build_scheduler(settings, js=nc.jetstream()))
-    tickets = TicketActivities(build_ticket_filer(settings))
-    diag = DiagnosticsActivities(nc)
+    adapter = build_scheduler(settings, js=nc.jetstream())
+    sched = SchedulerActivities(adapter, cluster=settings.cluster)
+    node_events = getattr(adapter, "record_event", None)  # Kubernetes: Events on the Node
+    tickets = TicketActivities(build_ticket_filer(settings), node_events=node_events)
+    diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
     recovery = RecoveryActivities(nc)
@@ -63,6 +65,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         watcher.refresh, settings.metrics.poll_interval_s, stop, log,
         "incidents")) if settings.metrics.worker_port else None
     running = asyncio.create_task(worker.run(), name="temporal-worker")
+    beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
+    metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected, polling
     stopping = asyncio.create_task(stop.wait(), name="stop")
     failed: BaseException | None = None
     try:
@@ -74,6 +78,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
             await worker.shutdown()
             await asyncio.gather(running, return_exceptions=True)
     finally:
+        metrics.HEALTH.set_ready(False, "stopping")
+        beat.cancel()
         stopping.cancel()
         if poll is not None:
             poll.cancel()

@@ -94,3 +94,43 @@ async def test_events_refused_never_fail_a_drain(kc: Cluster) -> None:
     r = await sched(kc).drain(NODE, "xid_79 incident A", "remediate/prod/n/A")
     assert r.drained and r.owned  # (kmock stores the object before the scripted 403; a real server would not)
     assert conditions(kc, NODE)[CONDITION_TYPE]["status"] == "True"
+
+
+async def test_ticket_and_diagnostics_activities_record_events_on_the_node(kc: Cluster, nc, tmp_path) -> None:
+    """The worker wires the adapter's `record_event` into the ticket and diagnostics activities."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.diagnostics import DiagnosticsActivities
+    from activities.ticket_store import LocalTicketStore
+    from activities.tickets import TicketActivities
+    from fleetmend import subjects
+    from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
+    from fleetmend.messages import DiagActivityRequest, TicketRequest
+
+    kc.node(NODE)
+    s = sched(kc)
+    env = ActivityEnvironment()
+    tickets = TicketActivities(LocalTicketStore(tmp_path / "tickets"), node_events=s.record_event)
+    req = TicketRequest(incident_id="remediate/prod/n/1", cluster="prod", node=NODE, title="XID 79", severity="fatal",
+                        fault_class="xid_79_fallen_off_bus", evidence={})
+    ref = await env.run(tickets.file_ticket, req)
+    await env.run(tickets.file_ticket, req)  # a retry finds the same ticket: still one event
+
+    async def answer(msg) -> None:  # noqa: ANN001 - the node's agent
+        rep = DiagReport(node=NODE, cluster="prod", level=DiagLevel.QUICK,
+                         checks=[CheckResult(name="gpu_count", result=DiagResult.FAIL, measured="7", expected="8")])
+        await msg.respond(rep.model_dump_json().encode())
+
+    sub = await nc.subscribe(subjects.diag_subject("prod", NODE), cb=answer)
+    try:
+        diag = DiagnosticsActivities(nc, node_events=s.record_event)
+        rep = await env.run(diag.run_diagnostics, DiagActivityRequest("prod", NODE, timeout_s=5,
+                                                                      incident_id="remediate/prod/n/1"))
+        assert rep.result == DiagResult.FAIL
+    finally:
+        await sub.unsubscribe()
+    evs = {e["reason"]: e for e in events(kc)}
+    assert set(evs) == {"FleetmendTicketFiled", "FleetmendDiagnostics"} and len(events(kc)) == 2
+    assert ref.ticket_id in evs["FleetmendTicketFiled"]["message"]
+    assert "fail" in evs["FleetmendDiagnostics"]["message"] and "gpu_count" in evs["FleetmendDiagnostics"]["message"]
+    assert all(e["involvedObject"]["name"] == NODE for e in evs.values())

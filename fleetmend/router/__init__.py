@@ -33,9 +33,13 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
 
     heartbeats = asyncio.create_task(HeartbeatMonitor(nc, nc.jetstream(), settings.router.heartbeat_silence_s)
                                      .run(stop), name="heartbeats")
+    beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
+    metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected
     try:
         await router.run(stop)
     finally:
+        metrics.HEALTH.set_ready(False, "stopping")
+        beat.cancel()
         heartbeats.cancel()
         if lag is not None:
             lag.cancel()
