@@ -183,8 +183,16 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             log.info("nats_reconnected", spool_depth=spool.depth)
             publisher.on_reconnected()
 
+        extra: dict[str, Any] = {}
+        if not settings.nats_inbox_prefix and (settings.nats_nkey_seed or settings.nats_creds):
+            # node credentials allow replies only below the node's own prefix; a DaemonSet cannot spell
+            # it per node in its manifest, so it is derived from cluster and node
+            from fleetmend.subjects import inbox_prefix
+
+            extra["inbox_prefix"] = inbox_prefix(settings.cluster, settings.node)
         nc = await connect_nats(settings, name=f"fleetmend-agent-{settings.node}", wait_forever=True,
-                                error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb)
+                                error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
+                                **extra)
         conn["nc"] = nc
         js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
         if settings.agent.manage_stream:

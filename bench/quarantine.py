@@ -47,6 +47,8 @@ OPEN = "100000"
 def node_of(key: str) -> str:
     """The node a drain record's key names (`subjects.drain_kv_key`: `<cluster>.<node token>`; an older
     key is the node name itself)."""
+    from fleetmend import subjects
+
     try:
         return subjects.parse_drain_kv_key(key)[1]
     except ValueError:

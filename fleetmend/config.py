@@ -368,7 +368,7 @@ class Settings(BaseSettings):
     """File holding this process's nkey seed (`SU...`), as written by `fleetmend creds`."""
     nats_inbox_prefix: str | None = None
     """Reply-inbox prefix; a node's credentials only let it read `_INBOX.<cluster>.<node token>.>`.
-    None with an nkey seed or creds file: `subjects.inbox_prefix(cluster, node)`."""
+    The agent with an nkey seed or creds file and no prefix set uses `subjects.inbox_prefix(cluster, node)`."""
     nats_tls: TlsSettings = Field(default_factory=TlsSettings)
     temporal_tls: TlsSettings = Field(default_factory=TlsSettings)
     nats_connect_timeout_s: float = 5.0

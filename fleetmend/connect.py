@@ -56,12 +56,6 @@ def nats_auth_options(settings: Settings) -> dict[str, Any]:
         opts.update(user_credentials=str(settings.nats_creds))
     if settings.nats_inbox_prefix:
         opts.update(inbox_prefix=settings.nats_inbox_prefix)
-    elif settings.nats_nkey_seed or settings.nats_creds:
-        # a node's credentials allow replies only below its own prefix (a DaemonSet cannot spell it
-        # per node in its manifest: derived here from cluster and node)
-        from fleetmend.subjects import inbox_prefix
-
-        opts.update(inbox_prefix=inbox_prefix(settings.cluster, settings.node))
     if settings.nats_tls.active or settings.nats_url.startswith("tls://"):
         opts.update(tls=nats_ssl_context(settings.nats_tls))
         if settings.nats_tls.server_name:

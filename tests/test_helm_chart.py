@@ -125,6 +125,8 @@ def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> Non
     assert c["securityContext"]["runAsUser"] == 0 and c["securityContext"]["capabilities"]["add"] == ["SYSLOG"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["kmsg"]["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
+    assert vols["host-root"]["hostPath"]["path"] == "/" and env["FLEETMEND_AGENT__HOST_ROOT"]["value"] == "/host"
+    assert {m["name"]: m for m in c["volumeMounts"]}["host-root"]["readOnly"] is True
     assert vols["nats-creds"]["secret"]["secretName"] == "fleetmend-nats-nodes"
     tolerated = {t.get("key") for t in pod["tolerations"]}
     assert {"nvidia.com/gpu", "fleetmend.io/fault"} <= tolerated
@@ -151,6 +153,13 @@ def test_router_worker_analyzer_have_probes_on_their_metrics_ports_and_budgets(f
         assert env["FLEETMEND_CLUSTER"] == "eks-a" and env["FLEETMEND_CONFIG"] == "/etc/fleetmend/fleetmend.toml"
         assert pdbs[name]["spec"]["selector"] == d["spec"]["selector"]
         assert c["securityContext"]["runAsNonRoot"] is True
+    from fleetmend import security
+
+    for role in ("router", "worker"):
+        (c,) = deps[f"fleetmend-{role}"]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["FLEETMEND_NATS_NKEY_SEED"] == f"/etc/fleetmend/nats/{role}.nk"
+        assert env["FLEETMEND_NATS_INBOX_PREFIX"] == security.role_inbox_prefix(role)
     worker = deps["fleetmend-worker"]["spec"]["template"]["spec"]
     assert worker["containers"][0]["envFrom"] == [{"secretRef": {"name": "fleetmend-tickets"}}]
     assert {v["name"]: v for v in worker["volumes"]}["state"]["persistentVolumeClaim"]["claimName"] == "fleetmend-state"
