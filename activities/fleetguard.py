@@ -1,7 +1,9 @@
-"""Drain permits: NodeRemediation → FleetGuard by signal-with-start (the guard starts on first use).
+"""Drain permits: NodeRemediation → FleetGuard (the guard starts on first use).
 
-A workflow cannot signal-with-start another workflow, so this activity does it with the worker's
-client. The worker loads the topology file once and attaches each node's failure domains to its
+A workflow cannot signal- or update-with-start another workflow, so these activities do it with the
+worker's client: `decide_drain_permit` (update-with-start; the guard's decision is the result),
+`request_drain_permit` (signal-with-start; incidents started before the update path),
+`release_drain_permit`, and the guard's own `running_incidents` (reconciliation). The worker loads the topology file once and attaches each node's failure domains to its
 request; the file itself never enters workflow history (bounded payloads for big clusters).
 """
 
@@ -13,7 +15,10 @@ from temporalio import activity
 
 from fleetmend import subjects
 from fleetmend.policy import Topology, load_topology
-from fleetmend.messages import Activity, GuardApi, GuardInput, GuardPolicy, PermitRelease, PermitRequest
+from fleetmend.messages import (
+    KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
+    PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
+)
 
 
 def guard_policy(settings, topology: Topology | None = None) -> GuardPolicy:  # noqa: ANN001 - Settings
@@ -50,6 +55,67 @@ class FleetGuardActivities:
         dom = self._topology.domain(req.node)
         full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
         await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMIT, full)
+
+    @activity.defn(name=Activity.DECIDE_DRAIN_PERMIT)
+    async def decide_drain_permit(self, req: PermitRequest) -> PermitDecision:
+        """Ask the cluster's FleetGuard for a permit by update-with-start and return its decision:
+        granted, denied, or `queued` (the grant follows as a `permit` signal). Idempotent."""
+        from temporalio.client import WithStartWorkflowOperation
+        from temporalio.common import WorkflowIDConflictPolicy
+
+        dom = self._topology.domain(req.node)
+        full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
+        start = WithStartWorkflowOperation(
+            GuardApi.WORKFLOW, GuardInput(cluster=req.cluster, policy=self._policy),
+            id=subjects.fleetguard_workflow_id(req.cluster), task_queue=self._task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=f"FleetGuard {req.cluster}: drain budget and breaker")
+        return await self._client.execute_update_with_start_workflow(
+            GuardApi.DECIDE_PERMIT, full, start_workflow_operation=start, result_type=PermitDecision)
+
+    @activity.defn(name=Activity.RUNNING_INCIDENTS)
+    async def running_incidents(self, q: RunningIncidents) -> list[RunningIncident]:
+        """The nodes of `q.nodes` whose incident is running (each described: authoritative), or for
+        `nodes=None` every running incident of the cluster (visibility, with its phase, severity,
+        fault class and failure domains). A node whose workflow is unknown counts as not running."""
+        from temporalio.client import WorkflowExecutionStatus
+        from temporalio.service import RPCError, RPCStatusCode
+
+        out: list[RunningIncident] = []
+        if q.nodes is None:
+            query = (f"WorkflowType='{RemediationApi.WORKFLOW}' AND {KEY_CLUSTER.name}='{q.cluster}' "
+                     "AND ExecutionStatus='Running'")
+            try:
+                async for wf in self._client.list_workflows(query):
+                    out.append(self._running(wf))
+                    activity.heartbeat(len(out))
+            except RPCError as err:
+                if err.status != RPCStatusCode.UNIMPLEMENTED:
+                    raise
+                # a server without visibility listing (Temporal's time-skipping test server): the guard
+                # starts from what later requests tell it (incidents re-request every permit_rerequest_s)
+                activity.logger.warning("running_incidents: this Temporal server cannot list workflows (%s); "
+                                        "FleetGuard of %s starts without rebuilding", err, q.cluster)
+            return out
+        for i, node in enumerate(q.nodes):
+            try:
+                desc = await self._client.get_workflow_handle(subjects.workflow_id(q.cluster, node)).describe()
+            except RPCError as err:
+                if err.status == RPCStatusCode.NOT_FOUND:
+                    continue
+                raise
+            if desc.status == WorkflowExecutionStatus.RUNNING:
+                out.append(self._running(desc))
+            if i % 50 == 0:
+                activity.heartbeat(i)
+        return out
+
+    def _running(self, wf) -> RunningIncident:  # noqa: ANN001 - WorkflowExecution / description
+        sa = wf.typed_search_attributes
+        node = sa.get(KEY_NODE) or wf.id.rsplit("/", 1)[-1]
+        dom = self._topology.domain(node)
+        return RunningIncident(node=node, phase=sa.get(KEY_PHASE) or "", severity=sa.get(KEY_SEVERITY) or "",
+                               fault_class=sa.get(KEY_FAULT_CLASS) or "", rack=dom.rack, domains=dom.keys())
 
     @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)
     async def release_drain_permit(self, rel: PermitRelease) -> None:

@@ -19,7 +19,9 @@ with a ticket) and prints a table. Exit status 1 when any claim fails:
   (`status` query: one `FaultRecord` per event id, count 1, no extra ids);
 - no incident was drained twice (KV bucket history: one fleetmend drain write per node and incident);
 - no incident was ticketed twice (local ticket store: one ticket per incident id);
-- every node with a drain-worthy fault is drained and ticketed.
+- every node with a drain-worthy fault is drained and ticketed;
+- an incident terminated while it holds a drain permit gets it back through FleetGuard's
+  reconciliation (audited) within 30 s.
 
 Internal modes (run by the driver itself): `python bench/chaos.py agents --dir D --nodes n1,n2,...`.
 """
@@ -53,6 +55,8 @@ APP_XIDS = (13, 31, 43)
 """Catalog drain=False (application-side): recorded, nothing touched."""
 DRAIN_SHARE = 0.3
 QUIESCE_TIMEOUT_S = 150.0
+TERMINATED_PERMIT_S = 30.0
+"""A terminated incident's drain permit is back within this (the worker reconciles every 2 s here)."""
 STABLE_PHASES = frozenset({"triage", "awaiting_permit", "awaiting_repair", "closed"})
 """Phases an incident rests in without more input; anything else (draining, diagnosing, ...) is in flight."""
 FOLLOW_POLL_S = 0.2
@@ -172,7 +176,7 @@ class Chaos:
             "FLEETMEND_POLICY__MAX_DRAINED_NODES": "100000", "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
             "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": "100000", "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": "100000",
             "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": "100000", "FLEETMEND_POLICY__DEBOUNCE_S": "0",
-            "FLEETMEND_POLICY__RECOVERY_SETTLE_S": "0",
+            "FLEETMEND_POLICY__RECOVERY_SETTLE_S": "0", "FLEETMEND_POLICY__PERMIT_RECONCILE_S": "2",
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }
 
@@ -390,6 +394,34 @@ class Chaos:
         ]
         return rows, failures
 
+    async def terminated_incident(self, client: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+        """Terminate (as an operator would) one incident that holds a drain permit: FleetGuard's
+        reconciliation must give the permit back within `TERMINATED_PERMIT_S`, with an audit note."""
+        from fleetmend.messages import GuardApi
+
+        guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(self.cluster))
+        try:
+            st = await guard.query(GuardApi.STATUS)
+        except Exception as err:  # noqa: BLE001 - no guard: nothing was drained
+            return [("terminated incident: permit back", f"skipped (no FleetGuard: {err})")], []
+        held = [h["node"] for h in st["held"]]
+        if not held:
+            return [("terminated incident: permit back", "skipped (no permit held)")], []
+        node = held[0]
+        await client.get_workflow_handle(subjects.workflow_id(self.cluster, node)).terminate(
+            reason="chaos: an operator terminates an incident that holds a drain permit")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < TERMINATED_PERMIT_S:
+            st = await guard.query(GuardApi.STATUS)
+            if node not in {h["node"] for h in st["held"]}:
+                audited = any(f"{node}: permit released by reconciliation" in line for line in st["log"])
+                return [("terminated incident: permit back", f"{node} after {time.monotonic() - t0:.1f} s"
+                         f"{', audited' if audited else ', NOT in the audit log'}")], \
+                    ([] if audited else [f"{node}: permit released without an audit note"])
+            await asyncio.sleep(0.5)
+        return [("terminated incident: permit back", f"{node}: still held after {TERMINATED_PERMIT_S:.0f} s")], \
+            [f"{node}: the permit of a terminated incident was not given back within {TERMINATED_PERMIT_S:.0f} s"]
+
     async def run(self) -> int:
         from temporalio.client import Client
 
@@ -424,6 +456,9 @@ class Chaos:
             await sup
             await nc.close()
             rows, failures = self.verdict(obs, quiesced)
+            more, failed = await self.terminated_incident(client)
+            rows += more
+            failures += failed
             print_table(rows, failures, seed=self.seed)
             return 1 if failures else 0
         finally:

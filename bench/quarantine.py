@@ -223,23 +223,22 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
 
 async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],  # noqa: ANN001
                         t0: float, window_s: float) -> dict:
-    """Poll, as `fleetmend status` sees it, until every measured node is drained or visibly queued
-    (phase `awaiting_permit` and a reason), or `window_s` after the burst began."""
+    """Poll, as `fleetmend status` sees it (phase, and the reason the permit waits), until every measured
+    node is drained or visibly queued, or `window_s` after the burst began."""
     from fleetmend.cli.main import _list_incidents
-    from fleetmend.cli.permits import permit_waits
 
     result: dict = {}
     while True:
         elapsed = time.monotonic() - t0
         try:
             rows = {r["node"]: r for r in await _list_incidents(s, 100_000) if r["status"] == "running"}
-            waits = await permit_waits(client, cluster)
         except Exception as err:  # noqa: BLE001 - a slow visibility read: try again
             result["error"] = str(err)
-            rows, waits = {}, {}
+            rows = {}
+        waits = {n: r.get("waiting") or "" for n, r in rows.items()}
         drained = [n for n in measured if n in seen]
         queued = [n for n in measured if n not in seen and (rows.get(n) or {}).get("phase") == "awaiting_permit"
-                  and waits.get(n)]
+                  and waits.get(n) and not waits[n].startswith(("not queued", "FleetGuard unreadable"))]
         neither = [n for n in measured if n not in seen and n not in queued]
         result = {"at_s": elapsed, "drained": len(drained), "queued": len(queued), "neither": neither,
                   "reasons": Counter(waits[n].split(":")[0] for n in queued).most_common(4)}

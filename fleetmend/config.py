@@ -316,6 +316,13 @@ class PolicySettings(_Section):
     """While awaiting repair, poll the ticket (Jira status, webhook status URL, local ledger) this
     often; a status in `tickets.repaired_statuses` counts as `fleetmend repaired`. 15 min: a repair
     takes hours, and each poll is one Temporal activity per waiting node. 0 = off."""
+    # --- drain permits: reconciling FleetGuard with the incidents --------------------------------
+    permit_rerequest_s: float = Field(default=120.0, gt=0)
+    """An incident still waiting for its drain permit asks FleetGuard again this often (a guard that
+    was terminated or reset rebuilds its queue; the request is idempotent)."""
+    permit_reconcile_s: float = Field(default=60.0, gt=0)
+    """FleetGuard checks this often that every node holding or queued for a permit still has a
+    running incident, and releases (with an audit note) those that do not."""
     reboot_command: list[str] = Field(default_factory=list)
     """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
     default) = dry run: the agent answers what it would do and reboots nothing, so `dev up` never

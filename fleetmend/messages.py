@@ -51,6 +51,11 @@ class Activity:
     RESET_GPU = "reset_gpu"
     REBOOT_NODE = "reboot_node"
     REQUEST_DRAIN_PERMIT = "request_drain_permit"
+    DECIDE_DRAIN_PERMIT = "decide_drain_permit"
+    """Update-with-start of the guard: the decision is the activity's result (queued: a later signal)."""
+    RUNNING_INCIDENTS = "running_incidents"
+    """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
+    a running incident."""
     RELEASE_DRAIN_PERMIT = "release_drain_permit"
 
 
@@ -77,6 +82,8 @@ class GuardApi:
     RESET_BREAKER = "reset_breaker"
     PAUSE = "pause"
     RESUME = "resume"
+    DECIDE_PERMIT = "decide_permit"
+    RELEASE_PERMIT = "release_permit"
 
 
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
@@ -194,6 +201,7 @@ class IncidentPolicy:
     recovery_settle_s: float = _policy_default("recovery_settle_s")
     ticket_poll_s: float = _policy_default("ticket_poll_s")
     close_info_after_s: float = _policy_default("close_info_after_s")
+    permit_rerequest_s: float = _policy_default("permit_rerequest_s")
 
     @classmethod
     def from_settings(cls, p: PolicySettings) -> "IncidentPolicy":
@@ -284,6 +292,9 @@ class PermitDecision:
     lemon: str | None = None
     """Set when the node is a lemon (the reason): the incident goes to RMA instead of recovery."""
     infra_incident: str | None = None
+    queued: bool = False
+    """Neither granted nor denied yet (`reason` says why it waits): the decision follows as a `permit`
+    signal."""
 
 
 @dataclass
@@ -551,6 +562,7 @@ class GuardPolicy:
     lemon_repairs: int = _policy_default("lemon_repairs")
     lemon_window_s: float = _policy_default("lemon_window_s")
     observe_only: bool = _policy_default("observe_only")
+    permit_reconcile_s: float = _policy_default("permit_reconcile_s")
     topology_nodes: int = 0
     """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
 
@@ -592,6 +604,33 @@ class GuardCommand:
 
     by: str
     note: str = ""
+
+
+@dataclass
+class PermitReleaseCommand:
+    """`release_permit` (`fleetmend breaker release NODE`): free NODE's permit or queued request by hand."""
+
+    by: str
+    node: str
+    note: str = ""
+
+
+@dataclass
+class RunningIncidents:
+    """`running_incidents` activity: `nodes` to check (None: every running incident of the cluster)."""
+
+    cluster: str
+    nodes: list[str] | None = None
+
+
+@dataclass
+class RunningIncident:
+    node: str
+    phase: str
+    severity: str = ""
+    fault_class: str = ""
+    rack: str | None = None
+    domains: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -78,6 +78,12 @@ def stand_ins(calls: Calls) -> list:
         await activity.client().get_workflow_handle(subjects.workflow_id(req.cluster, req.node)).signal(
             "permit", PermitDecision(granted=True, reason="stand-in guard"))
 
+    @activity.defn(name="decide_drain_permit")
+    async def decide_drain_permit(req: PermitRequest) -> PermitDecision:
+        """A FleetGuard that always grants at once (tests/test_fleetguard.py runs the real one)."""
+        calls.permits.append(req)
+        return PermitDecision(granted=True, reason="stand-in guard")
+
     @activity.defn(name="release_drain_permit")
     async def release_drain_permit(rel: PermitRelease) -> None:
         calls.releases.append(rel)
@@ -100,4 +106,13 @@ def stand_ins(calls: Calls) -> list:
         return TicketStatus(ticket_id, calls.ticket_status, calls.ticket_status == "Done")
 
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            release_drain_permit, reset_gpu, reboot_node, poll_ticket]
+            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket]
+
+
+GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drain_permit", "running_incidents")
+"""The permit activities a test replaces with the real ones (`guard_activities`) to run the real FleetGuard."""
+
+
+def guard_activities(guard) -> list:  # noqa: ANN001 - activities.fleetguard.FleetGuardActivities
+    return [guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
+            guard.running_incidents]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.cli.main import app
-from tests.activity_standins import Calls, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start
 from workflows.fleetguard import FleetGuard
@@ -61,9 +61,9 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client): 
     cluster, tq = cli_env["FLEETMEND_CLUSTER"], cli_env["FLEETMEND_TASK_QUEUE"]
     calls = Calls()
     guard = FleetGuardActivities(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
-    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+                      activities=acts + guard_activities(guard)):
         none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
         assert none.exit_code == 1 and "no FleetGuard" in none.output
 

@@ -21,7 +21,7 @@ from temporalio.worker import Replayer, Worker
 
 from fleetmend.converter import data_converter
 from fleetmend.messages import AbortCommand, FaultBatch, GuardCommand, GuardPolicy, RepairedCommand
-from tests.activity_standins import Calls, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from workflows.fleetguard import FleetGuard
 from workflows.remediation import NodeRemediation
@@ -152,9 +152,9 @@ async def _record_guard(client) -> None:  # noqa: ANN001
 
     calls, tq, cluster = Calls(), f"recg-{uuid.uuid4().hex[:8]}", f"recg{uuid.uuid4().hex[:6]}"
     guard = FleetGuardActivities(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2))
-    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+                      activities=acts + guard_activities(guard)):
         g1 = await start(client, tq, cluster, "g1", [fault(cluster, "g1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(g1, "awaiting_repair"))
         g2 = await start(client, tq, cluster, "g2", [fault(cluster, "g2", 79, drain=True)])
@@ -180,9 +180,9 @@ async def _record_guard_pause(client) -> None:  # noqa: ANN001
 
     calls, tq, cluster = Calls(), f"recp-{uuid.uuid4().hex[:8]}", f"recp{uuid.uuid4().hex[:6]}"
     guard = FleetGuardActivities(client, tq, GuardPolicy(cluster_nodes=100))
-    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+                      activities=acts + guard_activities(guard)):
         p1 = await start(client, tq, cluster, "p1", [fault(cluster, "p1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(p1, "awaiting_repair"))
         gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))

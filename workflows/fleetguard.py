@@ -29,12 +29,31 @@ details say why. History stays bounded: continue-as-new past `GuardInput.max_his
 
 All messages and the carried state are defined in `fleetmend.messages`.
 
-Versioning: the histories in tests/histories/ are the baseline recorded with this code (no patches
-yet); every later change to the command order goes behind `workflow.patched(<id>)`, listed here.
+Fast path (the permit path under a storm): an incident asks with the `decide_drain_permit` activity,
+an update-with-start of this workflow (`decide_permit`) that decides in the guard's next workflow task
+and returns the decision as the activity's result: granted, denied, or `queued` with the reason it
+waits (budget, rack cap, breaker, pause). Only a queued request is answered later by a `permit`
+signal, and every answer of one workflow task goes out at once. The older `request_permit` signal
+still works (histories and incidents started before).
+
+Reconciliation: while it holds or queues anyone, the guard checks every `permit_reconcile_s` that each
+such node still has a running incident (`running_incidents` activity, which describes each one) and
+releases the others with an audit note (an incident terminated or reset never gives its permit back).
+A guard that starts without carried state (first use, or after it was terminated) rebuilds its
+permits and queue from the running incidents first, answering no request before that. An operator
+frees a permit by hand with the `release_permit` update (`fleetmend breaker release NODE`, `by`
+recorded).
+
+Versioning: the histories in tests/histories/ are the baseline recorded before any patch; every change
+to the command order goes behind `workflow.patched(<id>)`, listed here:
+`answers-at-once`: the answers of one workflow task are signalled together (before: one at a time,
+  one workflow task each).
+`reconcile`: the rebuild at start and the reconciliation timer.
 """
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
@@ -45,9 +64,19 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.events import Severity
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardState, GuardStatus, Held,
-        InfraIncident, PermitDecision, PermitRelease, PermitRequest, Queued, RemediationApi, TicketRef, TicketRequest,
+        InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand, PermitRequest, Queued,
+        RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest,
     )
     from fleetmend.policy import drain_budget
+
+P_ANSWERS_AT_ONCE = "answers-at-once"
+P_RECONCILE = "reconcile"
+HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
+                            Phase.VERIFYING, Phase.RETURNING})
+"""Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
+RECONCILE_TIMEOUT = timedelta(minutes=2)
+RECONCILE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+                              maximum_attempts=0)
 
 MAX_RETURNS_PER_NODE = 10
 MAX_INFRA_KEPT = 20
@@ -74,11 +103,54 @@ class FleetGuard:
         self._answers: list[tuple[str, PermitDecision]] = []
         self._dirty = False
         self._published_phase: str | None = None
+        self._ready = inp.carried is not None
+        """False until a new guard has rebuilt its permits from the running incidents (`run`): requests
+        that start the guard (update-with-start) run before `run` and must wait for it."""
+        self._reconcile_due = False
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=GuardApi.REQUEST_PERMIT)
     def request_permit(self, req: PermitRequest) -> None:
         self._inbox.append(req)
+
+    @workflow.update(name=GuardApi.DECIDE_PERMIT)
+    async def decide_permit(self, req: PermitRequest) -> PermitDecision:
+        """Decide `req` now: granted, denied (observe-only, infrastructure incident) or `queued` with the
+        reason it waits; a queued request is answered later by a `permit` signal. Idempotent: a node
+        that holds its permit is granted again, a queued one keeps its place."""
+        if not self._ready:
+            await workflow.wait_condition(lambda: self._ready)
+        self._process()  # earlier requests and releases first, in arrival order
+        self._request(req, workflow.now())
+        self._grant_queue()
+        self._dirty = True
+        mine = [d for n, d in self._answers if n == req.node]
+        if mine:
+            self._answers = [(n, d) for n, d in self._answers if n != req.node]
+            return mine[-1]
+        q = next((q for q in self._state.queue if q.node == req.node), None)
+        return PermitDecision(granted=False, queued=True, reason=self._waiting(q) if q else "queued")
+
+    @workflow.update(name=GuardApi.RELEASE_PERMIT)
+    async def release_permit(self, cmd: PermitReleaseCommand) -> str:
+        """Free `cmd.node`'s permit (or withdraw its queued request) by hand; audited with `by`."""
+        s = self._state
+        held = any(h.node == cmd.node for h in s.held)
+        queued = any(q.node == cmd.node for q in s.queue)
+        if not (held or queued):
+            return f"{cmd.node} holds no permit and is not queued in {s.cluster}: nothing released"
+        s.held = [h for h in s.held if h.node != cmd.node]
+        s.queue = [q for q in s.queue if q.node != cmd.node]
+        what = "permit released" if held else "queued request withdrawn"
+        self._log(f"{cmd.node}: {what} by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
+        self._dirty = True
+        return f"{cmd.node}: {what}; {len(s.held)}/{self._budget()} permits held, {len(s.queue)} queued"
+
+    @release_permit.validator
+    def _v_release_permit(self, cmd: PermitReleaseCommand) -> None:
+        _require_by(cmd)
+        if not cmd.node or not cmd.node.strip():
+            raise ValueError("name the node whose permit to release")
 
     @workflow.signal(name=GuardApi.RELEASE)
     def release(self, rel: PermitRelease) -> None:
@@ -93,7 +165,8 @@ class FleetGuard:
         s = self._state
         return GuardStatus(
             cluster=s.cluster, budget=self._budget(), known_nodes=self._known(),
-            held=[h.__dict__ for h in s.held], queue=[q.__dict__ for q in self._ordered_queue()],
+            held=[h.__dict__ for h in s.held],
+            queue=[{**q.__dict__, "waiting": self._waiting(q)} for q in self._ordered_queue()],
             breaker_tripped=s.breaker_tripped, breaker_reason=s.breaker_reason,
             breaker_tripped_at=s.breaker_tripped_at, paused=s.paused, paused_by=s.paused_by,
             observe_only=s.policy.observe_only, infra_incidents=[i.__dict__ for i in s.infra],
@@ -145,9 +218,19 @@ class FleetGuard:
     async def run(self, inp: GuardInput) -> None:
         self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
         self._dirty = True
+        if workflow.patched(P_RECONCILE):
+            if inp.carried is None:
+                await self._rebuild()
+            self._ready = True
+            self._clock = asyncio.create_task(self._reconcile_clock())  # kept: a dropped task may be collected
+        self._ready = True
         while True:
-            await workflow.wait_condition(lambda: bool(self._inbox) or self._dirty or bool(self._tickets))
+            await workflow.wait_condition(lambda: bool(self._inbox) or self._dirty or bool(self._tickets)
+                                          or bool(self._answers) or self._reconcile_due)
             self._dirty = False
+            if self._reconcile_due:
+                self._reconcile_due = False
+                await self._reconcile()
             self._process()
             await self._grant()
             await self._file_tickets()
@@ -209,10 +292,15 @@ class FleetGuard:
                                  f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
                        infra=inc.domain)
             return
-        s.queue = [q for q in s.queue if q.node != req.node]
-        s.queue.append(Queued(node=req.node, severity=Severity(req.severity).value, fault_class=req.fault_class,
-                              rack=req.rack, domains=list(req.domains),
-                              requested_at=req.requested_at or self._now(), reason=req.reason))
+        entry = Queued(node=req.node, severity=Severity(req.severity).value, fault_class=req.fault_class,
+                       rack=req.rack, domains=list(req.domains), requested_at=req.requested_at or self._now(),
+                       reason=req.reason)
+        at = next((i for i, q in enumerate(s.queue) if q.node == req.node), None)
+        if at is None:
+            s.queue.append(entry)
+        else:  # asked again while queued (an incident re-requests): same place in the queue
+            entry.requested_at = min(entry.requested_at, s.queue[at].requested_at)
+            s.queue[at] = entry
         # 3. breaker
         distinct = sorted({n for n, _ in s.recent})
         if not s.breaker_tripped and len(distinct) > s.policy.breaker_distinct_nodes:
@@ -270,7 +358,66 @@ class FleetGuard:
                     f"{s.policy.lemon_window_s / 86400:.0f} days (last {same[-1]}); RMA instead of another loop")
         return None
 
+    async def _reconcile_clock(self) -> None:
+        """Every `permit_reconcile_s` while anyone holds or waits for a permit: reconcile (one timer per
+        period; an idle guard sleeps without one)."""
+        s = self._state
+        while True:
+            await workflow.wait_condition(lambda: bool(s.held or s.queue))
+            await workflow.sleep(s.policy.permit_reconcile_s)
+            self._reconcile_due = True
+
+    async def _running(self, nodes: list[str] | None) -> list[RunningIncident]:
+        return await workflow.execute_activity(
+            Activity.RUNNING_INCIDENTS, RunningIncidents(cluster=self._state.cluster, nodes=nodes),
+            result_type=list[RunningIncident], start_to_close_timeout=RECONCILE_TIMEOUT,
+            retry_policy=RECONCILE_RETRY, summary="which permit holders still have a running incident")
+
+    async def _reconcile(self) -> None:
+        """Release the permits and queued requests of nodes whose incident is no longer running."""
+        s = self._state
+        nodes = sorted({h.node for h in s.held} | {q.node for q in s.queue})
+        if not nodes:
+            return
+        alive = {r.node for r in await self._running(nodes)}
+        for node in nodes:
+            held = any(h.node == node for h in s.held)
+            queued = any(q.node == node for q in s.queue)
+            if node in alive or not (held or queued):
+                continue
+            s.held = [h for h in s.held if h.node != node]
+            s.queue = [q for q in s.queue if q.node != node]
+            self._log(f"{node}: {'permit released' if held else 'queued request withdrawn'} by reconciliation: "
+                      "its incident is not running (terminated, reset or lost)")
+            self._dirty = True
+
+    async def _rebuild(self) -> None:
+        """A guard without carried state: count the running incidents that hold a drain (their phase)
+        against the budget and queue those awaiting a permit, before answering anyone."""
+        s = self._state
+        running = await self._running(None)
+        held = queued = 0
+        for r in running:
+            if any(h.node == r.node for h in s.held) or any(q.node == r.node for q in s.queue):
+                continue
+            if r.phase in HOLDING_PHASES:
+                s.held.append(Held(node=r.node, severity=r.severity, fault_class=r.fault_class, rack=r.rack,
+                                   granted_at=self._now()))
+                held += 1
+            elif r.phase == Phase.AWAITING_PERMIT:
+                s.queue.append(Queued(node=r.node, severity=Severity(r.severity or "fatal").value,
+                                      fault_class=r.fault_class, rack=r.rack, domains=list(r.domains),
+                                      requested_at=self._now(), reason="rebuilt from its running incident"))
+                queued += 1
+        if held or queued:
+            self._log(f"rebuilt from the running incidents: {held} holding a drain, {queued} awaiting a permit")
+
     async def _grant(self) -> None:
+        self._grant_queue()
+        await self._send()
+
+    def _grant_queue(self) -> None:
+        """Grant queued requests within the budget and rack caps (answers collected in `_answers`)."""
         s = self._state
         now = workflow.now()
         if not (s.breaker_tripped or s.paused):
@@ -289,8 +436,13 @@ class FleetGuard:
                 self._log(f"{q.node}: permit granted ({q.severity} {q.fault_class}; {len(s.held)}/{budget} held)")
                 self._answers.append((q.node, PermitDecision(
                     granted=True, reason=f"permit {len(s.held)}/{budget}", lemon=lemon)))
+
+    async def _send(self) -> None:
+        """Signal the collected answers to their incidents: all in one workflow task (patched)."""
+        s = self._state
         answers, self._answers = self._answers, []
-        for node, decision in answers:
+
+        async def deliver(node: str, decision: PermitDecision) -> None:
             handle = workflow.get_external_workflow_handle(subjects.workflow_id(s.cluster, node))
             try:
                 await handle.signal(RemediationApi.PERMIT, decision)
@@ -298,6 +450,12 @@ class FleetGuard:
                 s.held = [h for h in s.held if h.node != node]
                 self._log(f"{node}: could not deliver permit decision ({err}); permit withdrawn")
                 self._dirty = True
+
+        if answers and workflow.patched(P_ANSWERS_AT_ONCE):
+            await asyncio.gather(*(deliver(n, d) for n, d in answers))
+            return
+        for node, decision in answers:
+            await deliver(node, decision)
 
     async def _file_tickets(self) -> None:
         incs, self._tickets = self._tickets, []
@@ -321,6 +479,22 @@ class FleetGuard:
         s.queue = [q for q in s.queue if q.node != node]
         self._log(f"{node}: denied: {reason}")
         self._answers.append((node, PermitDecision(granted=False, reason=reason, infra_incident=infra)))
+
+    def _waiting(self, q: Queued) -> str:
+        """Why queued request `q` is not granted yet, for the incident, `fleetmend status` and the guard."""
+        s = self._state
+        if s.breaker_tripped:
+            return f"breaker tripped at {s.breaker_tripped_at}; `fleetmend breaker reset` resumes drains"
+        if s.paused:
+            return f"paused by {s.paused_by}; `fleetmend resume` resumes drains"
+        budget = self._budget()
+        if len(s.held) >= budget:
+            return f"budget: {len(s.held)}/{budget} permits held (blast radius), {len(s.queue)} queued"
+        if q.rack:
+            in_rack = sum(1 for h in s.held if h.rack == q.rack)
+            if in_rack >= s.policy.max_drained_per_rack:
+                return f"rack {q.rack}: {in_rack}/{s.policy.max_drained_per_rack} drained"
+        return "next in the queue"
 
     def _ordered_queue(self) -> list[Queued]:
         return sorted(self._state.queue, key=lambda q: (-Severity(q.severity).rank, q.requested_at))
@@ -368,7 +542,7 @@ class FleetGuard:
 
 
 
-def _require_by(cmd: GuardCommand) -> None:
+def _require_by(cmd: GuardCommand | PermitReleaseCommand) -> None:
     if not cmd.by or not cmd.by.strip():
         raise ValueError("a command must say who sent it (`by`), for the audit trail")
 

@@ -34,6 +34,11 @@ patch id                    what changed
 two-sided-windows           history rules count an occurrence only up to `MAX_CLOCK_SKEW_S` after
                             now (before: no upper bound; three XID 13 dated years ahead drained).
                             History: remediation_future_app_xid_drained.json
+`permit-decide`             awaiting_permit asks with `decide_drain_permit` (update-with-start of
+                            FleetGuard; granted/denied come back as its result, only a queued
+                            request waits for the `permit` signal) and asks again every
+                            `permit_rerequest_s` while it waits (before: `request_drain_permit`
+                            signal-with-start, then wait for the signal, never asking again)
 ==========================  =====================================================================
 """
 
@@ -60,6 +65,7 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide, verification_checks
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
+PATCH_PERMIT_DECIDE = "permit-decide"
 
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
@@ -94,6 +100,7 @@ class NodeRemediation:
         self._abort: AbortCommand | None = None
         self._policy = IncidentPolicy()
         self._sa_last: tuple[object, ...] | None = None
+        self._last_queue_note: str | None = None
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=RemediationApi.FAULTS)
@@ -280,17 +287,29 @@ class NodeRemediation:
             return True
         if not s.permit_requested:
             s.permit_requested, s.permit_requested_at = True, self._now()
-        await workflow.execute_activity(
-            Activity.REQUEST_DRAIN_PERMIT, PermitRequest(
-                cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
-                reason="; ".join(s.decisions[-3:]), requested_at=iso(s.permit_requested_at)),
-            start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
-            summary=f"drain permit for {s.node}")
-        self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
-                   "blast-radius budget decides; `fleetmend breaker status` shows permits held and the queue")
+        req = PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
+                            reason="; ".join(s.decisions[-3:]), requested_at=iso(s.permit_requested_at))
+        decide = workflow.patched(PATCH_PERMIT_DECIDE)
+        if decide:
+            await self._decide_permit(req)
+        else:
+            await workflow.execute_activity(
+                Activity.REQUEST_DRAIN_PERMIT, req, start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=ACTIVITY_RETRY, summary=f"drain permit for {s.node}")
+            self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
+                       "blast-radius budget decides; `fleetmend breaker status` shows permits held and the queue")
         while True:
-            await workflow.wait_condition(lambda: s.permit is not None or self._abort is not None
-                                          or bool(self._pending))
+            if not decide:
+                await workflow.wait_condition(lambda: s.permit is not None or self._abort is not None
+                                              or bool(self._pending))
+            elif s.permit is None and self._abort is None and not self._pending:
+                try:
+                    await workflow.wait_condition(
+                        lambda: s.permit is not None or self._abort is not None or bool(self._pending),
+                        timeout=timedelta(seconds=self._policy.permit_rerequest_s))
+                except asyncio.TimeoutError:  # a guard terminated or reset lost us: ask again (idempotent)
+                    await self._decide_permit(req)
+                    continue
             self._absorb()
             if self._abort is not None:
                 return False
@@ -314,6 +333,23 @@ class NodeRemediation:
         else:
             self._close(Outcome.DENIED)
         return False
+
+    async def _decide_permit(self, req: PermitRequest) -> None:
+        """One `decide_drain_permit` round: a decision is kept in `permit`; a queued answer is noted
+        (once per distinct reason) and the grant awaited as a signal."""
+        s = self._state
+        d: PermitDecision = await workflow.execute_activity(
+            Activity.DECIDE_DRAIN_PERMIT, req, result_type=PermitDecision,
+            start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
+            summary=f"drain permit for {s.node}")
+        if not d.queued:
+            if s.permit is None:  # a `permit` signal that came first wins (same guard, same answer)
+                s.permit = d
+            return
+        note = f"drain permit queued by FleetGuard ({s.severity} {s.fault_class}): {d.reason}"
+        if self._last_queue_note != note:
+            self._last_queue_note = note
+            self._note(note + "; `fleetmend breaker status` shows permits held and the queue")
 
     async def _drain(self) -> None:
         s = self._state

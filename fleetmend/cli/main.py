@@ -205,6 +205,10 @@ async def _list_incidents(s: Settings, limit: int) -> list[dict[str, Any]]:
                      "severity": get.get("FleetSeverity"), "status": wf.status.name.lower() if wf.status else None,
                      "started": wf.start_time.isoformat(timespec="seconds") if wf.start_time else None,
                      "workflow_id": wf.id, "run_id": wf.run_id})
+    if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
+        from fleetmend.cli.permits import annotate_waits
+
+        await annotate_waits(client, s.cluster, rows)
     return rows
 
 
@@ -259,6 +263,8 @@ def status(
         phase = r["phase"] or "?"
         if r["status"] not in ("running", "completed", "continued_as_new", None):
             phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
+        elif r.get("waiting"):
+            phase = f"{phase}: {r['waiting']}"  # why the drain permit waits (FleetGuard)
         t.add_row(escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no", r["fault_class"] or "",
                   r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
     out.print(t)
@@ -437,7 +443,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits"]
 _register_extensions()
 
 
