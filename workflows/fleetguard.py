@@ -49,6 +49,8 @@ to the command order goes behind `workflow.patched(<id>)`, listed here:
 `answers-at-once`: the answers of one workflow task are signalled together (before: one at a time,
   one workflow task each).
 `reconcile`: the rebuild at start and the reconciliation timer.
+Both are guarded by the baseline histories fleetguard_breaker.json and fleetguard_pause.json (recorded
+before them; without the patch guards they fail to replay with TMPRL1100).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleetmend.policy import drain_budget
 
-P_ANSWERS_AT_ONCE = "answers-at-once"
-P_RECONCILE = "reconcile"
+PATCH_ANSWERS_AT_ONCE = "answers-at-once"
+PATCH_RECONCILE = "reconcile"
 HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
                             Phase.VERIFYING, Phase.RETURNING})
 """Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
@@ -218,7 +220,7 @@ class FleetGuard:
     async def run(self, inp: GuardInput) -> None:
         self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
         self._dirty = True
-        if workflow.patched(P_RECONCILE):
+        if workflow.patched(PATCH_RECONCILE):
             if inp.carried is None:
                 await self._rebuild()
             self._ready = True
@@ -451,7 +453,7 @@ class FleetGuard:
                 self._log(f"{node}: could not deliver permit decision ({err}); permit withdrawn")
                 self._dirty = True
 
-        if answers and workflow.patched(P_ANSWERS_AT_ONCE):
+        if answers and workflow.patched(PATCH_ANSWERS_AT_ONCE):
             await asyncio.gather(*(deliver(n, d) for n, d in answers))
             return
         for node, decision in answers:

@@ -34,11 +34,12 @@ patch id                    what changed
 two-sided-windows           history rules count an occurrence only up to `MAX_CLOCK_SKEW_S` after
                             now (before: no upper bound; three XID 13 dated years ahead drained).
                             History: remediation_future_app_xid_drained.json
-`permit-decide`             awaiting_permit asks with `decide_drain_permit` (update-with-start of
+permit-decide               awaiting_permit asks with `decide_drain_permit` (update-with-start of
                             FleetGuard; granted/denied come back as its result, only a queued
                             request waits for the `permit` signal) and asks again every
                             `permit_rerequest_s` while it waits (before: `request_drain_permit`
-                            signal-with-start, then wait for the signal, never asking again)
+                            signal-with-start, then wait for the signal, never asking again).
+                            Histories: remediation_fatal_returned.json and the other baselines
 ==========================  =====================================================================
 """
 

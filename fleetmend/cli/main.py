@@ -206,7 +206,7 @@ async def _list_incidents(s: Settings, limit: int) -> list[dict[str, Any]]:
                      "started": wf.start_time.isoformat(timespec="seconds") if wf.start_time else None,
                      "workflow_id": wf.id, "run_id": wf.run_id})
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
-        from fleetmend.cli.permits import annotate_waits
+        from fleetmend.cli.permit_waits import annotate_waits
 
         await annotate_waits(client, s.cluster, rows)
     return rows
