@@ -146,6 +146,44 @@ class Recovery(StrEnum):
 
 # ------------------------------------------------------------------ router → NodeRemediation
 
+# Byte budget of everything that reaches Temporal. Temporal refuses a payload over 2 MiB (and warns
+# from 512 KiB); an incident must never get there, however many distinct faults a node sends.
+WORKFLOW_RAW_BYTES = 1024
+"""`raw` text an event carries into a workflow (UTF-8 bytes); the full text stays in the fault
+stream, at `RoutedFault.stream_seq` / `FaultRecord.stream_seq`."""
+WORKFLOW_MESSAGE_CHARS = 256
+WORKFLOW_ATTRS = 16
+"""At most this many `attrs` keys per event in a workflow, each string value at most `WORKFLOW_ATTR_CHARS`."""
+WORKFLOW_ATTR_CHARS = 128
+MAX_SIGNAL_BYTES = 256 * 1024
+"""A `FaultBatch` signal stays below this (JSON bytes); the router splits larger batches."""
+MAX_PENDING_FAULTS = 200
+"""Faults waiting in a workflow to be absorbed beyond which the signal handler merges repeats of one
+condition and keeps the text only of drain-worthy faults."""
+MAX_PENDING_HARD = 2_000
+"""Hard bound of waiting faults (≈ 1 MiB of bare entries): beyond it the oldest non-drain-worthy
+entries are dropped and counted in `IncidentState.faults_dropped` (their text is in the stream)."""
+
+
+def for_workflow(ev: FaultEvent, stream_seq: int | None = None) -> FaultEvent:
+    """`ev` within the workflow byte budget: `raw` cut to `WORKFLOW_RAW_BYTES` (with a note naming
+    the stream sequence that holds the full text), `message` to `WORKFLOW_MESSAGE_CHARS`, `attrs`
+    to `WORKFLOW_ATTRS` keys with string values of at most `WORKFLOW_ATTR_CHARS`."""
+    update: dict[str, Any] = {}
+    raw = ev.raw.encode("utf-8")
+    if len(raw) > WORKFLOW_RAW_BYTES:
+        where = f" in FLEET_FAULTS seq {stream_seq}" if stream_seq is not None else ""
+        kept = WORKFLOW_RAW_BYTES - 200  # room for the note
+        update["raw"] = (raw[:kept].decode("utf-8", "ignore")
+                         + f"\n…[{len(raw) - kept} more bytes{where}]")
+    if len(ev.message) > WORKFLOW_MESSAGE_CHARS:
+        update["message"] = ev.message[: WORKFLOW_MESSAGE_CHARS - 1] + "…"
+    if len(ev.attrs) > WORKFLOW_ATTRS or any(isinstance(v, str) and len(v) > WORKFLOW_ATTR_CHARS
+                                             for v in ev.attrs.values()):
+        update["attrs"] = {k: (v[:WORKFLOW_ATTR_CHARS] if isinstance(v, str) else v)
+                           for k, v in list(ev.attrs.items())[:WORKFLOW_ATTRS]}
+    return ev.model_copy(update=update) if update else ev
+
 
 @dataclass
 class Occurrence:
@@ -165,6 +203,8 @@ class RoutedFault:
     oldest first. The router collapses a storm of one node's repeats into one entry so the signal
     carries ids and times, not thousands of copies of the same text; the workflow counts and
     de-duplicates every id exactly as if each had come alone."""
+    stream_seq: int | None = None
+    """Fault-stream sequence of `event` (its full text, when `raw` was cut for the workflow)."""
 
 
 @dataclass
@@ -239,6 +279,8 @@ class FaultRecord:
     clearable: bool = False
     last_seq: int = 0
     """Arrival order of the latest occurrence (`IncidentState.arrivals`)."""
+    stream_seq: int | None = None
+    """Fault-stream sequence of the first occurrence (the full `raw` text: `fleetmend show`, the NATS tools)."""
 
     @property
     def key(self) -> ConditionKey:

@@ -33,6 +33,7 @@ BASELINE = {
     "remediation_reset_returned", "remediation_abort_awaiting_repair", "remediation_flap_ends_down",
     "remediation_second_batch_in_triage", "fleetguard_breaker", "fleetguard_pause",
     "remediation_future_app_xid_drained",  # before patch two-sided-windows
+    "remediation_many_pending_faults",  # before patch bounded-pending
 }
 
 
@@ -130,10 +131,19 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
             await h8.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test"))
         await assert_eventually(lambda: phase_is(h8, "closed"))
 
+        # 250 distinct conditions in one signal (recorded before the workflow bounded its waiting faults).
+        many = [dataclasses.replace(fault(cluster, f"many-{sfx}", 13, drain=False, severity="degraded"))
+                for _ in range(250)]
+        many = [dataclasses.replace(f, event=f.event.model_copy(update={"device": f.event.device.model_copy(
+            update={"pci_bus_id": f"0000:{i // 200:02x}:{i % 200:02x}.0"})})) for i, f in enumerate(many)]
+        h9 = await start(client, tq, cluster, f"many-{sfx}", many, close_after_idle_s=2, app_xid_repeats=100)
+        await assert_eventually(lambda: phase_is(h9, "closed"), timeout_s=60)
+
         for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
-                        ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8)):
+                        ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8),
+                        ("remediation_many_pending_faults", h9)):
             await h.result()
             _write(name, await h.fetch_history())
     await _record_guard(client)

@@ -379,3 +379,58 @@ async def test_a_message_at_max_deliveries_is_deadlettered_not_dropped(settings,
         assert json.loads(base64.b64decode(dl[0]["data_b64"]))["event_id"] == ev.event_id
     finally:
         await sub.unsubscribe()
+
+
+async def test_400_distinct_15k_faults_then_xid79_still_drains(settings, nc, temporal_client, unique):
+    """Byte budget: 400 distinct application faults with 15 KiB of raw text each (6 MB of text) into
+    one incident, then an XID 79: every signal and the workflow's state stay within Temporal's
+    payload limit, the incident records them and drains on the XID 79."""
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    await ensure_deadletter_stream(js)
+    cluster, node = settings.cluster, "big"
+    subject = subjects.fault_subject(cluster, node)
+    text = ("NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=python, Graphics Exception: ESR 0x404600=0x80000001 "
+            * 200)[:15 * 1024]
+    for i in range(400):
+        ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=13,
+                        severity=Severity.DEGRADED, source=Source.INJECT,
+                        device=Device(pci_bus_id=f"0000:{i // 200 + 1:02x}:{i % 200:02x}.0"), raw=text + f" #{i}",
+                        attrs={f"k{j}": "v" * 300 for j in range(40)})
+        await js.publish(subject, ev.to_json_bytes())
+    calls = Calls()
+    settings = settings.model_copy(update={"policy": settings.policy.model_copy(
+        update={"debounce_s": 0.0, "app_xid_repeats": 100})})
+    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+                      activities=stand_ins(calls)):
+        router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
+        try:
+            h = temporal_client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node))
+
+            async def absorbed():
+                try:
+                    st = await h.query(NodeRemediation.status)
+                except Exception:  # noqa: BLE001 - not started yet
+                    return None
+                return st if len(st.faults) + st.faults_dropped >= 400 else None
+
+            st = await assert_eventually(absorbed, timeout_s=120, what="400 faults absorbed")
+            assert not st.drained
+            await js.publish(subject, xid_event(cluster, node, xid=79).to_json_bytes())
+
+            async def drained():
+                st = await h.query(NodeRemediation.status)
+                return st if st.drained else None
+
+            st = await assert_eventually(drained, timeout_s=90, what="drained on the later XID 79")
+            assert [d for d in calls.drains if d.node == node]
+            assert router.stats.deadlettered == 0 and router.stats.signals > 1, router.stats
+            hist = await h.fetch_history()
+            failed = [e for e in hist.events if e.HasField("workflow_task_failed_event_attributes")]
+            assert not failed, failed[:1]
+            rec = next(f for f in st.faults if f["code"] == 13)
+            assert len(rec["raw"].encode()) <= 1024 and "more bytes in FLEET_FAULTS seq" in rec["raw"]
+            assert rec["stream_seq"] is not None
+        finally:
+            stop.set()
+            await task

@@ -165,3 +165,24 @@ async def test_app_xids_dated_years_ahead_drain_nothing(env):
     st = await assert_eventually(lambda: phase_is(h, "closed"), timeout_s=30)
     assert not st.drained and len(st.faults) == 1 and st.faults[0]["count"] == 3
     assert not [d for d in calls.drains if d.node == node]
+
+
+async def test_a_flood_of_distinct_faults_stays_within_the_byte_budget(env):
+    """More distinct faults waiting than MAX_PENDING_FAULTS (one signal of 1,100 conditions): the
+    signal handler keeps text only for the newest and the drain-worthy, the incident absorbs every
+    one (records bounded, the rest counted) and a drain-worthy fault among them still drains."""
+    import dataclasses
+
+    from fleetmend.messages import MAX_PENDING_FAULTS
+
+    client, tq, calls = env
+    node = f"flood-{uuid.uuid4().hex[:6]}"
+    faults = [fault("c1", node, 13, drain=False, severity="degraded") for _ in range(1100)]
+    faults = [dataclasses.replace(f, event=f.event.model_copy(update={"device": f.event.device.model_copy(
+        update={"pci_bus_id": f"0000:{i // 250:02x}:{i % 250:02x}.0"})})) for i, f in enumerate(faults)]
+    faults[0] = fault("c1", node, 79, drain=True)  # the oldest entry is the drain-worthy one
+    assert len(faults) > MAX_PENDING_FAULTS
+    h = await start(client, tq, "c1", node, faults)
+    st = await assert_eventually(lambda: phase_is(h, "awaiting_repair"), timeout_s=60)
+    assert st.drained and len(st.faults) + st.faults_dropped == 1100
+    assert any(f["code"] == 79 and f["raw"] for f in st.faults), "the drain-worthy fault kept its text"

@@ -40,6 +40,9 @@ permit-decide               awaiting_permit asks with `decide_drain_permit` (upd
                             `permit_rerequest_s` while it waits (before: `request_drain_permit`
                             signal-with-start, then wait for the signal, never asking again).
                             Histories: remediation_fatal_returned.json and the other baselines
+bounded-pending             more than `MAX_PENDING_FAULTS` faults waiting: the signal handler merges
+                            repeats and keeps text only for drain-worthy ones (byte budget).
+                            History: remediation_many_pending_faults.json
 ==========================  =====================================================================
 """
 
@@ -60,13 +63,14 @@ with workflow.unsafe.imports_passed_through():
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
         IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Outcome, PermitDecision, PermitRelease,
         PermitRequest, Phase, Recovery, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
-        RoutedFault, TicketRef, TicketRequest, TicketStatus, TicketUpdate, TimelineEntry, UndrainRequest,
-        UndrainResult, Urgency, iso,
+        MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
+        TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, Urgency, iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide, verification_checks
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 PATCH_PERMIT_DECIDE = "permit-decide"
+PATCH_BOUNDED_PENDING = "bounded-pending"
 
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
@@ -96,6 +100,7 @@ class NodeRemediation:
     def __init__(self) -> None:
         self._s: IncidentState | None = None
         self._pending: list[RoutedFault] = []
+        self._pending_dropped = 0  # occurrences dropped by _bound_pending, added to faults_dropped
         self._repaired: RepairedCommand | None = None
         self._retest: RetestCommand | None = None
         self._abort: AbortCommand | None = None
@@ -107,6 +112,39 @@ class NodeRemediation:
     @workflow.signal(name=RemediationApi.FAULTS)
     def faults(self, batch: FaultBatch) -> None:
         self._pending.extend(batch.faults)
+        if len(self._pending) > MAX_PENDING_FAULTS and workflow.patched(PATCH_BOUNDED_PENDING):
+            self._bound_pending()
+
+    def _bound_pending(self) -> None:
+        """Keep the faults waiting to be absorbed (signal payloads, the continue-as-new input) within
+        the byte budget: merge repeats of one condition, keep the text only of drain-worthy faults
+        beyond `MAX_PENDING_FAULTS`, and past `MAX_PENDING_HARD` drop the oldest others (counted)."""
+        merged: dict[tuple[object, bool], RoutedFault] = {}
+        order: list[tuple[object, bool]] = []
+        for rf in self._pending:
+            k = (condition_key(rf.event), rf.event.healthy)
+            if k in merged:
+                head = merged[k]
+                head.repeats.append(Occurrence(event_id=rf.event.event_id, observed_at=rf.event.observed_at))
+                head.repeats.extend(rf.repeats)
+                order.remove(k)
+            else:
+                merged[k] = RoutedFault(event=rf.event, verdict=rf.verdict, repeats=list(rf.repeats),
+                                        stream_seq=rf.stream_seq)
+            order.append(k)  # ordered by the latest occurrence, as the router orders a batch
+        pending = [merged[k] for k in order]
+        if len(pending) > MAX_PENDING_FAULTS:
+            cut = len(pending) - MAX_PENDING_FAULTS
+            pending = [rf if i >= cut or rf.verdict.drain else
+                       RoutedFault(event=rf.event.model_copy(update={"raw": "", "attrs": {},
+                                                                     "message": rf.event.message[:80]}),
+                                   verdict=rf.verdict, repeats=rf.repeats, stream_seq=rf.stream_seq)
+                       for i, rf in enumerate(pending)]
+        while len(pending) > MAX_PENDING_HARD:
+            i = next((i for i, rf in enumerate(pending) if not rf.verdict.drain), 0)
+            self._pending_dropped += 1 + len(pending[i].repeats)
+            del pending[i]
+        self._pending = pending
 
     @workflow.signal(name=RemediationApi.PERMIT)
     def permit(self, decision: PermitDecision) -> None:
@@ -653,6 +691,8 @@ class NodeRemediation:
         """Move pending faults into state: de-duplicate by event id, coalesce repeats, bound the list."""
         s = self._state
         batch, self._pending = self._pending, []
+        s.faults_dropped += self._pending_dropped
+        self._pending_dropped = 0
         seen = set(s.seen_ids)
         for rf in batch:
             ev, v = rf.event, rf.verdict
@@ -681,7 +721,7 @@ class NodeRemediation:
                 component=ev.component, device=key.device, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
                 observed_at=ev.observed_at, fault_class=v.fault_class, immediate_action=v.immediate_action,
                 drain=v.drain, source=v.source, count=len(new_times), times=new_times[-MAX_TIMES_KEPT:],
-                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals))
+                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals, stream_seq=rf.stream_seq))
             if not ev.healthy:
                 s.severity = Severity.worst(s.severity, v.severity)
             if s.fault_class is None and not ev.healthy:

@@ -47,8 +47,8 @@ from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
 from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
 from fleetmend.messages import (
-    KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase, RemediationApi,
-    RoutedFault,
+    KEY_CLUSTER, KEY_NODE, KEY_PHASE, MAX_SIGNAL_BYTES, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase,
+    RemediationApi, RoutedFault, for_workflow,
 )
 
 log = structlog.get_logger("fleetmend.router")
@@ -269,7 +269,8 @@ class Router:
 
     def _build(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]]):  # noqa: ANN202
         """(faults, IncidentInput, FaultBatch) of a node's queued items: collapse and classify."""
-        faults = collapse([ev for _msg, ev, _t in items], self.catalog)
+        seqs = [m.metadata.sequence.stream if getattr(m, "metadata", None) else None for m, _ev, _t in items]
+        faults = collapse([ev for _msg, ev, _t in items], self.catalog, seqs)
         inp = IncidentInput(cluster=cluster, node=node, policy=IncidentPolicy.from_settings(self.s.policy))
         return faults, inp, FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
     async def _isolate(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]],
@@ -298,10 +299,13 @@ class Router:
             faults, inp, batch = self._build(cluster, node, items)
         wid = subjects.workflow_id(cluster, node)
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
+        parts = split_batch(faults)
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
-                await self._signal_with_start(wid, inp, batch, cluster, node)
+                for part in parts:  # in order; a failure retries them all (the workflow dedupes ids)
+                    await self._signal_with_start(wid, inp, FaultBatch(faults=part, routed_at=batch.routed_at),
+                                                  cluster, node)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Temporal away or overloaded: retry later, never drop
@@ -311,7 +315,7 @@ class Router:
             await msg.ack()
             metrics.router_accepted(_ev)
         self.stats.routed += len(items)
-        self.stats.signals += 1
+        self.stats.signals += len(parts)
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
 
     async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
@@ -391,19 +395,59 @@ class Router:
         self._counted_deadletter(reason, msg.subject)
 
 
-def collapse(events: list[FaultEvent], catalog) -> list[RoutedFault]:  # noqa: ANN001 - Catalog
+MAX_REPEATS_PER_FAULT = 1000
+"""Occurrences one `RoutedFault` carries (≈ 80 bytes each in the signal); a longer storm of one
+condition is sent as several entries of that condition."""
+
+
+def split_batch(faults: list[RoutedFault], limit: int = MAX_SIGNAL_BYTES,
+                max_repeats: int = MAX_REPEATS_PER_FAULT) -> list[list[RoutedFault]]:
+    """Cut a node's collapsed faults into signal payloads below `limit` bytes (JSON, estimated
+    generously), in order. An entry with more than `max_repeats` repeats becomes several entries of
+    the same condition (the workflow counts them into one record, exactly as before)."""
+    expanded: list[RoutedFault] = []
+    for rf in faults:
+        if len(rf.repeats) <= max_repeats:
+            expanded.append(rf)
+            continue
+        expanded.append(RoutedFault(event=rf.event, verdict=rf.verdict, repeats=rf.repeats[:max_repeats],
+                                    stream_seq=rf.stream_seq))
+        rest = rf.repeats[max_repeats:]
+        for j in range(0, len(rest), max_repeats + 1):
+            part = rest[j:j + max_repeats + 1]
+            head = rf.event.model_copy(update={"event_id": part[0].event_id, "observed_at": part[0].observed_at})
+            expanded.append(RoutedFault(event=head, verdict=rf.verdict, repeats=part[1:]))
+    chunks: list[list[RoutedFault]] = []
+    cur: list[RoutedFault] = []
+    size = 0
+    for rf in expanded:
+        n = len(rf.event.to_json_bytes()) + 600 + 100 * len(rf.repeats)
+        if cur and size + n > limit:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(rf)
+        size += n
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def collapse(events: list[FaultEvent], catalog, seqs: list[int | None] | None = None) -> list[RoutedFault]:  # noqa: ANN001
     """Collapse one node's queued events, oldest first, by condition into `RoutedFault`s.
 
-    Each entry keeps its condition's first event (with the catalog's `Verdict` on it) and lists the
-    later ones as `repeats` (id and time); entries are ordered by their *latest* occurrence, so the
-    workflow's arrival order still says which of a flapping link's DOWN and UP came last.
+    Each entry keeps its condition's first event (with the catalog's `Verdict` on it, then cut to
+    the workflow byte budget by `messages.for_workflow`, its fault-stream sequence from `seqs`) and
+    lists the later ones as `repeats` (id and time); entries are ordered by their *latest*
+    occurrence, so the workflow's arrival order still says which of a flapping link's DOWN and UP
+    came last.
     """
     groups: dict[tuple, tuple[RoutedFault, list[int]]] = {}
     for i, ev in enumerate(events):
         key = (condition_key(ev), ev.healthy)
         got = groups.get(key)
         if got is None:
-            groups[key] = (RoutedFault(event=ev, verdict=catalog.verdict(ev)), [i])
+            seq = seqs[i] if seqs else None
+            groups[key] = (RoutedFault(event=for_workflow(ev, seq), verdict=catalog.verdict(ev), stream_seq=seq), [i])
         else:
             got[0].repeats.append(Occurrence(event_id=ev.event_id, observed_at=ev.observed_at))
             got[1][0] = i
