@@ -243,6 +243,9 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             emit = metrics.counting_emit(publisher.emit)  # metrics: events by source/kind/severity
             probe_tasks = [tg.create_task(_supervise(p, emit, status, not once, log), name=p.name)
                            for p in probes]
+            perf_task = tg.create_task(_perf_loop(settings, conn, connected, stop, hardware_live=bool(
+                hardware if hardware is not None else (not once and kmsg_file is None and inject_file is None)),
+                nvml=nvml, log=log), name="perf")
             stop_task = tg.create_task(stop.wait(), name="stop")
             beat_task = tg.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
             metrics.HEALTH.set_ready()  # /readyz: probes run (events spool while NATS is away)
@@ -265,7 +268,7 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             except TimeoutError:
                 log.warning("agent_shutdown_timeout", queued=publisher.queue.qsize(), spool_depth=spool.depth)
             metrics.HEALTH.set_ready(False, "stopping")
-            for t in (pub_task, replay_task, online_task, stop_task, beat_task):
+            for t in (pub_task, replay_task, online_task, stop_task, beat_task, perf_task):
                 t.cancel()
             if once:
                 done_task.cancel()
@@ -303,6 +306,29 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
               file=sys.stderr)
         rc = 1
     return rc
+
+
+async def _perf_loop(settings: Settings, conn: dict[str, Any], connected: asyncio.Event, stop: asyncio.Event, *,
+                     hardware_live: bool, nvml: Any, log: Any) -> None:
+    """Publish a `PerfSample` every `agent.perf_interval_s` on the node's perf subject (core NATS,
+    fire and forget: a sample lost while NATS is away is replaced by the next one). Live agents only."""
+    if not (settings.agent.perf_enabled and hardware_live):
+        return
+    from agents.perf import PerfSampler
+    from fleetmend.subjects import perf_subject
+
+    await connected.wait()
+    subject = perf_subject(settings.cluster, settings.node)
+    sampler = PerfSampler(nvml if settings.agent.nvml_enabled else None, settings.agent.sysfs_root,
+                          cluster=settings.cluster, node=settings.node, interval_s=settings.agent.perf_interval_s)
+
+    async def publish(sample: Any) -> None:
+        nc = conn.get("nc")
+        if nc is not None and nc.is_connected:
+            await nc.publish(subject, sample.to_json_bytes())
+
+    log.info("perf_sampling", subject=subject, interval_s=settings.agent.perf_interval_s)
+    await sampler.run(publish, stop)
 
 
 async def _gather(tasks: list[asyncio.Task[None]]) -> None:

@@ -194,6 +194,17 @@ class AgentSettings(_Section):
     """Publish a crash that survived the reboot (pstore, kdump, previous boot's journal) and unexpected reboots."""
     lastboot_journal: bool = True
     """Also read the previous boot's kernel journal (`journalctl -k -b -1`; needs journalctl and a persistent journal)."""
+    # -- performance telemetry and benchmarks (fail-slow detection, agents/perf.py)
+    perf_enabled: bool = True
+    """Publish a `PerfSample` on `fleet.<cluster>.perf.<node>` every `perf_interval_s` (live agents only)."""
+    perf_interval_s: float = Field(default=60.0, gt=0)
+    """60 s: a fail-slow lasts minutes to hours, so a minute resolves it while the sampler stays far below
+    0.1 % of a core (~30 NVML calls per GPU and a few hundred small file reads a sample)."""
+    bench_command: list[str] = Field(default_factory=list)
+    """Site benchmark for `fleetmend sweep`: argv whose stdout is one JSON object of named numbers (higher
+    is better unless the name ends in `_s`, `_ms`, `_us` or contains `latency`/`time`). Empty: none."""
+    bench_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on one sweep benchmark run on this node (built-in checks and `bench_command` together)."""
 
     @field_validator("udev_source")
     @classmethod
@@ -241,6 +252,44 @@ class StreamSettings(_Section):
     deadletter_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     duplicate_window_s: float = Field(default=120.0, gt=0)
     """Nats-Msg-Id dedupe window of the fault stream (seconds)."""
+class AnalyzerSettings(_Section):
+    """The fail-slow analyzer (`fleetmend analyzer`, fleetmend/analyzer/): compares each node with its
+    peers of the same hardware class, window by window, and reports a node that stays an outlier."""
+
+    window_s: float = Field(default=300.0, gt=0)
+    """One judgement per window: the node's value is the median of its samples in it, so one spiky
+    sample cannot make an outlier. 5 min = 5 samples at the agent's default 60 s."""
+    windows: int = Field(default=3, ge=1)
+    """Consecutive outlier windows before `fail_slow` is raised (15 min by default): fail-slows last
+    minutes to hours, a one-off (a job's checkpoint, a burst of congestion) does not persist."""
+    min_samples_per_window: int = Field(default=3, ge=1)
+    """A node with fewer samples of a metric in a window is not judged on it in that window."""
+    min_group_size: int = Field(default=8, ge=3)
+    """Fewer comparable nodes than this and the group is reported as too small (log + metric), not
+    judged: a median of a handful of nodes says little about what is normal."""
+    mad_k: float = Field(default=6.0, gt=0)
+    """A value is an outlier when it is more than `mad_k` scaled MADs (1.4826·MAD ≈ σ for normal data)
+    from the peer median in the bad direction AND beyond the metric's relative/absolute floors
+    (analyzer/metrics.py). 6σ: at 10,000 nodes × 15 metrics × 288 windows a day, 4σ would still let
+    through dozens of chance exceedances; persistence over `windows` removes the rest."""
+    busy_util_pct: float = Field(default=50.0, ge=0, le=100)
+    """A sample is busy when its GPUs' median utilization is at least this; load-dependent metrics
+    (clocks, temperature, power cap, PCIe generation, port_xmit_wait) compare busy samples only."""
+    grace_s: float = Field(default=90.0, ge=0)
+    """A window is judged this long after it ends, so samples in flight still count."""
+    reopen_after_s: float = Field(default=24 * 3600.0, gt=0)
+    """The same node and metric is reported again only after this long (each report can cost a drain)."""
+    min_ratio_sm_clock: float = Field(default=0.03, ge=0)
+    """SM clock ratio: at least 3 % below the busy peers' median (boost clocks of healthy GPUs of one
+    model spread by ~1 %; a 5 % slower node is what a synchronous job notices)."""
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    """Active-replica lease in the KV bucket: renewed every third of this; a standby takes over when it
+    has not been renewed for this long."""
+    job_min_ranks: int = Field(default=4, ge=2)
+    """A job's step times are compared across ranks only with at least this many ranks reporting."""
+    job_slow_ratio: float = Field(default=1.05, gt=1)
+    """A rank whose median step time over a window is this much above the job's median (and beyond
+    `mad_k` MADs) is slow in that window; `windows` slow windows in a row → fail_slow on its node."""
 
 
 class WorkerSettings(_Section):
@@ -393,6 +442,7 @@ class Settings(BaseSettings):
     router: RouterSettings = Field(default_factory=RouterSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     streams: StreamSettings = Field(default_factory=StreamSettings)
+    analyzer: AnalyzerSettings = Field(default_factory=AnalyzerSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
     catalog_overrides: Path | None = None
     """TOML file of operator overrides to the fault catalog."""

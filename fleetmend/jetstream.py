@@ -22,7 +22,11 @@ from fleetmend.subjects import (
     DEADLETTER_STREAM,
     DEADLETTER_SUBJECT,
     FAULT_STREAM,
+    JOB_STREAM,
+    PERF_STREAM,
     all_faults_subject,
+    all_jobs_subject,
+    all_perf_subject,
 )
 
 log = structlog.get_logger("fleetmend.jetstream")
@@ -148,3 +152,30 @@ async def ensure_fault_stream(js: JetStreamContext, streams: Any = None, *, subj
 async def ensure_deadletter_stream(js: JetStreamContext, streams: Any = None, *, timeout_s: float = 5.0) -> Any:
     """Create `DEADLETTER_STREAM` if missing (`deadletter_stream_config`). Returns `StreamInfo`."""
     return await ensure_stream(js, deadletter_stream_config(streams), timeout_s)
+
+
+async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max_msgs_per_subject: int = 64,
+                             timeout_s: float = 5.0) -> Any:
+    """Create (or update) stream `PERF_STREAM` on `fleet.*.perf.*` (telemetry samples) and
+    `JOB_STREAM` on `fleet.*.job.*` (job step timings): file storage, limits retention, old
+    messages discarded.
+
+    Args:
+        max_age_s: samples older than this are removed (default 15 min, see
+            `fleetmend.telemetry.DEFAULT_PERF_MAX_AGE_S`).
+        max_msgs_per_subject: per node (per job) cap, so one chatty publisher cannot fill the store.
+        timeout_s: per JetStream API call.
+    Returns:
+        `StreamInfo` of the perf stream.
+    Raises:
+        nats.js.errors.APIError, TimeoutError: as `ensure_fault_stream`.
+    """
+    info = await ensure_stream(js, StreamConfig(
+        name=PERF_STREAM, subjects=[all_perf_subject()], storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
+        max_msgs_per_subject=max_msgs_per_subject), timeout_s)
+    await ensure_stream(js, StreamConfig(
+        name=JOB_STREAM, subjects=[all_jobs_subject()], storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
+        max_msgs_per_subject=max(max_msgs_per_subject, 10_000)), timeout_s)
+    return info

@@ -4,7 +4,8 @@ nats-server `accounts` block that gives each exactly the subjects its role needs
 Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift):
 
     node <n> of cluster <c>
-      publish    fleet.<c>.fault.<n>, fleet.<c>.hb.<n>          its own faults and heartbeats, nothing else
+      publish    fleet.<c>.fault.<n>, fleet.<c>.hb.<n>          its own faults and heartbeats,
+                 fleet.<c>.perf.<n>, fleet.<c>.job.*              its telemetry, its jobs' step timings
                  allow_responses (1 reply per request received) answers its own diag requests only
       subscribe  fleet.<c>.diag.<n>                               its own diagnostics requests
                  _INBOX.<c>.<n>.>                                 replies to it (JetStream publish acks):
@@ -21,6 +22,10 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                          and the JetStream API calls of that bucket (stream info/create, direct and
                          message get, consumer create/info/delete for key listings, flow control)
                subscribe _INBOX_worker.> (its own inbox prefix)
+    analyzer   publish   the JetStream API calls of its ordered consumers on the perf and job streams
+                         (consumer create/delete, flow control) and of its KV bucket (lease, state),
+                         $KV.<analyzer bucket>.>, fleet.*.fault.* (fail_slow), fleet.deadletter
+               subscribe _INBOX_analyzer.> (its own inbox prefix)
     admin      everything (CLI `status`/`deadletters`, `dev up`, stream setup)
 
 No role gets `$JS.API.>`: a router credential cannot delete a stream or read the KV bucket, a worker
@@ -48,7 +53,7 @@ from fleetmend import subjects
 from fleetmend.errors import ConfigError
 
 ACCOUNT = "FLEET"
-ROLES = ("router", "worker", "admin")
+ROLES = ("router", "worker", "analyzer", "admin")
 
 
 def node_inbox_prefix(cluster: str, node: str) -> str:
@@ -68,7 +73,8 @@ def _api(*calls: str) -> list[str]:
 def node_permissions(cluster: str, node: str) -> dict:
     """nats-server `permissions` of one node's agent (see module docstring)."""
     return {
-        "publish": {"allow": [subjects.fault_subject(cluster, node), subjects.heartbeat_subject(cluster, node)]},
+        "publish": {"allow": [subjects.fault_subject(cluster, node), subjects.heartbeat_subject(cluster, node),
+                              subjects.perf_subject(cluster, node), subjects.cluster_job_subject(cluster)]},
         "subscribe": {"allow": [subjects.diag_subject(cluster, node), node_inbox_prefix(cluster, node) + ".>"]},
         "allow_responses": {"max": 1, "expires": "10m"},
     }
@@ -96,6 +102,16 @@ def role_permissions(role: str) -> dict | None:
                    f"CONSUMER.INFO.{kv}.>", f"CONSUMER.DELETE.{kv}.>")
         return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*"]},
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
+    if role == "analyzer":
+        ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"
+        api = _api(f"STREAM.INFO.{ps}", f"STREAM.CREATE.{ps}", f"STREAM.INFO.{js_}", f"STREAM.CREATE.{js_}",
+                   f"CONSUMER.CREATE.{ps}", f"CONSUMER.CREATE.{ps}.>", f"CONSUMER.DELETE.{ps}.>",
+                   f"CONSUMER.CREATE.{js_}", f"CONSUMER.CREATE.{js_}.>", f"CONSUMER.DELETE.{js_}.>",
+                   f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
+                   f"DIRECT.GET.{kv}.>")
+        return {"publish": {"allow": [*api, f"$KV.{subjects.ANALYZER_KV_BUCKET}.>", f"$JS.FC.{ps}.>",
+                                      f"$JS.FC.{js_}.>", subjects.all_faults_subject(), subjects.DEADLETTER_SUBJECT]},
+                "subscribe": {"allow": [role_inbox_prefix("analyzer") + ".>"]}}
     if role == "admin":
         return None
     raise ConfigError(f"unknown role {role!r}; expected {', '.join(ROLES)} (nodes get node credentials)")

@@ -25,6 +25,12 @@ LEASE_KV_BUCKET = "fleetmend_leases"
 """Leases electing the one replica that publishes a cluster's fleet-level gauges (`fleetmend.lease`)."""
 NOTIFY_KV_BUCKET = "fleetmend_notified"
 """Notifications already delivered, by deduplication key and channel (a retried activity skips them)."""
+PERF_STREAM = "FLEET_PERF"
+"""JetStream stream of performance telemetry (`fleetmend.telemetry`): short max age, file storage."""
+JOB_STREAM = "FLEET_JOBS"
+"""JetStream stream of job step timings (`fleetmend.jobs`): short max age, file storage."""
+ANALYZER_KV_BUCKET = "fleetmend_analyzer"
+"""KV bucket of the fail-slow analyzer: `lease.<cluster>` (active replica) and `state.<cluster>`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 """Cluster names: one plain token everywhere (subjects, KV keys, workflow ids, metric labels)."""
@@ -173,6 +179,46 @@ def parse_drain_kv_key(key: str) -> tuple[str, str]:
     if not sep:
         raise ValueError(f"not a drain key: {key!r} (expected <cluster>.<node token>)")
     return _check("cluster", cluster), token_node(token)
+
+
+def perf_subject(cluster: str, node: str) -> str:
+    """`fleet.<cluster>.perf.<node>`: a node's performance samples (`telemetry.PerfSample`)."""
+    return f"fleet.{_check('cluster', cluster)}.perf.{_check('node', node)}"
+
+
+def cluster_perf_subject(cluster: str) -> str:
+    """`fleet.<cluster>.perf.*`: every node's samples of one cluster (the analyzer's filter)."""
+    return f"fleet.{_check('cluster', cluster)}.perf.*"
+
+
+def all_perf_subject() -> str:
+    return "fleet.*.perf.*"
+
+
+def job_subject(cluster: str, job: str) -> str:
+    """`fleet.<cluster>.job.<job>`: step timings reported by the ranks of one job (`fleetmend.jobs`)."""
+    return f"fleet.{_check('cluster', cluster)}.job.{_check('job', job)}"
+
+
+def cluster_job_subject(cluster: str) -> str:
+    return f"fleet.{_check('cluster', cluster)}.job.*"
+
+
+def all_jobs_subject() -> str:
+    return "fleet.*.job.*"
+
+
+def parse_perf_subject(subject: str) -> tuple[str, str]:
+    """Inverse of `perf_subject`: (cluster, node). Raises ValueError for other subjects."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "fleet" or parts[2] != "perf":
+        raise ValueError(f"not a perf subject: {subject!r} (expected fleet.<cluster>.perf.<node>)")
+    return _check("cluster", parts[1]), _check("node", parts[3])
+
+
+def sweep_workflow_id(cluster: str, sweep_id: str) -> str:
+    """`sweep/<cluster>/<id>`: one on-demand benchmark sweep."""
+    return f"sweep/{_check('cluster', cluster)}/{_check('sweep', sweep_id)}"
 
 
 def all_faults_subject() -> str:

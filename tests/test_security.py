@@ -83,7 +83,7 @@ def event(node: str) -> FaultEvent:
 def test_generate_permissions_files_and_reuse(tmp_path: Path):
     cs = security.generate(tmp_path, "c1", ["a", "b"])
     perms = security.node_permissions("c1", "a")
-    assert perms["publish"]["allow"] == ["fleet.c1.fault.a", "fleet.c1.hb.a"]
+    assert perms["publish"]["allow"] == ["fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.*"]
     assert perms["subscribe"]["allow"] == ["fleet.c1.diag.a", "_INBOX.c1.a.>"]
     seed = cs.seed_file("node:c1/a")
     assert stat.S_IMODE(seed.stat().st_mode) == 0o600
@@ -99,7 +99,7 @@ def test_generate_permissions_files_and_reuse(tmp_path: Path):
     assert s.node == "a" and s.nats_inbox_prefix == "_INBOX.c1.a" and s.nats_nkey_seed == seed.resolve(), toml
     with pytest.raises(ConfigError, match="invalid node name"):
         security.generate(tmp_path, "c1", ["bad name"])
-    with pytest.raises(ConfigError, match="expected router, worker, admin"):
+    with pytest.raises(ConfigError, match="expected router, worker, analyzer, admin"):
         security.role_permissions("root")
     for role in ("router", "worker"):
         perms = security.role_permissions(role)
