@@ -135,6 +135,7 @@ class MetricsSettings(_Section):
     agent_port: int = Field(default=0, ge=0, le=65535)
     router_port: int = Field(default=0, ge=0, le=65535)
     worker_port: int = Field(default=0, ge=0, le=65535)
+    analyzer_port: int = Field(default=0, ge=0, le=65535)
     poll_interval_s: float = 15.0
     """How often the worker/router refresh gauges from Temporal visibility and JetStream (a Prometheus
     scrape interval)."""

@@ -1,8 +1,9 @@
 """`fleetmend dev up`: the whole pipeline on one machine, state under one directory.
 
 Starts, in order: nats-server (JetStream, file store `STATE/nats`), `temporal server start-dev`
-(SQLite `STATE/temporal.db`, Web UI, search attributes registered), then the worker, the router and
-a local agent as child processes (the same `fleetmend worker|router|agent` commands production runs).
+(SQLite `STATE/temporal.db`, Web UI, search attributes registered), then the worker, the router, the
+fail-slow analyzer and a local agent as child processes (the same `fleetmend worker|router|analyzer|agent`
+commands production runs).
 Children that die are restarted with backoff. SIGINT/SIGTERM stop everything in reverse order.
 Starting again with the same state directory resumes open incidents where they were (Temporal
 and JetStream state are files).
@@ -136,7 +137,7 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
     host's node, every node already there (add one with `fleetmend creds generate --out STATE/creds
     --cluster C --nodes N` before starting), router, worker and admin.
 
-    Returns (nats-server config file, environment of each child: worker, router, agent).
+    Returns (nats-server config file, environment of each child: worker, router, analyzer, agent).
     """
     from fleetmend import security
 
@@ -146,7 +147,8 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
     conf = cdir / "nats-server.conf"
     conf.write_text(security.server_conf(cs.accounts_conf))
     env = {role: {"FLEETMEND_NATS_NKEY_SEED": str(cs.seed_file(role)),
-                  "FLEETMEND_NATS_INBOX_PREFIX": security.role_inbox_prefix(role)} for role in ("worker", "router")}
+                  "FLEETMEND_NATS_INBOX_PREFIX": security.role_inbox_prefix(role)}
+           for role in ("worker", "router", "analyzer")}
     env["agent"] = {"FLEETMEND_NATS_NKEY_SEED": str(cs.seed_file(f"node:{s.cluster}/{s.node}")),
                     "FLEETMEND_NATS_INBOX_PREFIX": security.node_inbox_prefix(s.cluster, s.node),
                     "FLEETMEND_AGENT__MANAGE_STREAM": "false"}
@@ -195,6 +197,8 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None,
                                    env={**env, **role_env.get("worker", {})}),
             servers.ManagedProcess("router", base + ["router"] + cfg, state / "logs" / "router.log",
                                    env={**env, **role_env.get("router", {})}),
+            servers.ManagedProcess("analyzer", base + ["analyzer"] + cfg, state / "logs" / "analyzer.log",
+                                   env={**env, **role_env.get("analyzer", {})}),
         ]
         if agent:
             children.append(servers.ManagedProcess("agent", base + ["agent"] + cfg, state / "logs" / "agent.log",
@@ -241,7 +245,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None,
     finally:
         print("stopping: " + ", ".join(p.name for p in reversed(started)), flush=True)
         # Pipeline processes first, all at once (each finishes its in-flight work), then the servers.
-        pipeline = [p for p in started if p.name in ("agent", "router", "worker")]
+        pipeline = [p for p in started if p.name in ("agent", "router", "worker", "analyzer")]
         for p in pipeline:
             p.terminate()
         for p in pipeline:

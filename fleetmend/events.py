@@ -99,6 +99,8 @@ class Source(StrEnum):
     HEARTBEAT = "heartbeat"
     INJECT = "inject"
     NVIDIA_SMI = "nvidia-smi"
+    ANALYZER = "analyzer"
+    """The fail-slow analyzer (peer comparison of telemetry), not a node's own probe."""
 
 
 class Device(BaseModel):

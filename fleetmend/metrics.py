@@ -33,6 +33,9 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 | fleetmend_mttr_seconds | histogram | cluster | undrain activity: drained_at → returned |
 | fleetmend_time_between_incidents_seconds | histogram | cluster | worker poller: a node's previous incident closed → next opened |
 | fleetmend_tickets_total | counter | filer, outcome | ticket activities |
+| fleetmend_analyzer_active | gauge | cluster | analyzer (1 while this replica holds the lease) |
+| fleetmend_analyzer_small_groups | gauge | cluster | analyzer: (group, metric) pairs too small to judge, last window |
+| fleetmend_analyzer_fail_slow_total | counter | cluster, metric | analyzer: fail_slow events published |
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ AGENT_FAULTS_LOST = Counter("fleetmend_agent_faults_lost", "Fault events the age
                             "published nor spooled), by reason.", ["cluster", "reason"])
 ROUTER_EVENTS = Counter("fleetmend_router_events", "Valid fault events the router received.", _EVENT_LABELS)
 ROUTER_DEADLETTERS = Counter("fleetmend_router_deadletters", "Messages dead-lettered by the router.", ["reason"])
+ANALYZER_ACTIVE = Gauge("fleetmend_analyzer_active", "1 while this analyzer replica holds its cluster's lease.",
+                        ["cluster"])
+ANALYZER_SMALL_GROUPS = Gauge("fleetmend_analyzer_small_groups", "Hardware-group/metric pairs with too few "
+                              "comparable nodes to judge in the last window.", ["cluster"])
+ANALYZER_FAIL_SLOW = Counter("fleetmend_analyzer_fail_slow", "fail_slow events the analyzer published.",
+                             ["cluster", "metric"])
 ROUTER_NAKS = Counter("fleetmend_router_naks", "Messages nak'ed for redelivery (Temporal away or slow).")
 ROUTER_LAG = Gauge("fleetmend_router_lag_messages", "Messages not yet delivered to the router consumer.",
                    ["stream", "consumer"])

@@ -86,7 +86,7 @@ def test_dev_up_stops_everything_and_resumes_open_incidents(tmp_path: Path):
     p, pids = _start(env, log)
     text = log.read_text()
     assert f"Temporal UI     http://127.0.0.1:{env['FLEETMEND_TEMPORAL_UI_PORT']}" in text
-    assert len(pids) == 3, text  # worker, router, agent
+    assert len(pids) == 4, text  # worker, router, analyzer, agent
     # node t1's agent replays the log and stays up to answer diagnostics
     agent = subprocess.Popen(FLEETMEND + ["agent", "--node", "t1", "--kmsg-file", str(dmesg)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
