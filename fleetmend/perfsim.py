@@ -29,9 +29,13 @@ metrics for the same draw without building the sample (the benchmark's fast path
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from fleetmend.analyzer.metrics import Derived
 from fleetmend.telemetry import GpuPerf, HardwareClass, HostPerf, PerfSample, PortPerf
@@ -250,3 +254,47 @@ class PerfFleet:
         out["port_rate_gbps"] = (400.0, "port:mlx5_0/1")
         out["cpu_throttle_per_min"] = (0.0, "host")
         return out
+
+
+async def run_perf_sim(settings: Any, fleet: PerfFleet, duration_s: float, interval_s: float = 60.0,
+                       stop: asyncio.Event | None = None) -> dict[str, int]:
+    """Publish `fleet`'s samples to NATS (core publish on each node's perf subject, captured by the perf
+    stream, as the agent does), every node once per `interval_s`, spread over the interval, for
+    `duration_s` seconds (or until `stop`). Returns {"samples": n, "intervals": n}."""
+    from fleetmend import subjects
+    from fleetmend.connect import close_nats, connect_nats
+    from fleetmend.jetstream import ensure_perf_stream
+
+    stop = stop or asyncio.Event()
+    nc = await connect_nats(settings, name=f"fleetmend-perfsim-{fleet.cluster}")
+    try:
+        with contextlib.suppress(Exception):  # the analyzer or an operator may own the stream
+            await ensure_perf_stream(nc.jetstream(timeout=5.0))
+        sent = intervals = 0
+        loop = asyncio.get_running_loop()
+        t_end = loop.time() + duration_s
+        batch = max(1, len(fleet.fleet) // max(1, int(interval_s * 10)))  # ~10 publishes bursts a second
+        while not stop.is_set() and loop.time() < t_end:
+            start = loop.time()
+            for i in range(len(fleet.fleet)):
+                s = fleet.sample(i, time.time(), interval_s)
+                await nc.publish(subjects.perf_subject(fleet.cluster, s.node), s.to_json_bytes())
+                sent += 1
+                if (i + 1) % batch == 0:
+                    delay = start + interval_s * (i + 1) / len(fleet.fleet) - loop.time()
+                    if delay > 0:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(delay):
+                                await stop.wait()
+                    if stop.is_set() or loop.time() >= t_end:
+                        break
+            intervals += 1
+            left = start + interval_s - loop.time()
+            if left > 0 and not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, max(0.0, t_end - loop.time()))):
+                        await stop.wait()
+        await nc.flush()
+        return {"samples": sent, "intervals": intervals}
+    finally:
+        await close_nats(nc)

@@ -21,8 +21,19 @@ def register(app: typer.Typer) -> None:
                                                    "(overrides the published rate)."),
         heartbeat_interval: float = typer.Option(10.0, "--heartbeat-interval", help="Seconds, per node."),
         config: Optional[Path] = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG"),
+        perf: bool = typer.Option(False, "--perf", help="Emit performance telemetry instead (fleet.<cluster>.perf.*), "
+                                  "for the fail-slow analyzer."),
+        slow_nodes: int = typer.Option(0, "--slow-nodes", min=0, help="With --perf: degrade this many nodes."),
+        slowdown: float = typer.Option(0.05, "--slowdown", help="With --perf: the fraction they lose (0.05 = 5 %)."),
+        perf_interval: float = typer.Option(60.0, "--perf-interval", help="With --perf: seconds between a node's "
+                                            "samples (the agent's perf_interval_s)."),
+        as_json: bool = typer.Option(False, "--json", help="With --perf: one JSON object with `slow_nodes`."),
     ) -> None:
-        """Simulate NODES nodes: heartbeats plus faults from the Llama 3 failure mix, through the agent's path."""
+        """Simulate NODES nodes: heartbeats plus faults from the Llama 3 failure mix, through the agent's path.
+        With --perf: telemetry of noisy healthy nodes and --slow-nodes degraded ones (printed)."""
+        if perf:
+            _perf(nodes, cluster, duration, seed, slow_nodes, slowdown, perf_interval, as_json, config)
+            return
         from rich.console import Console
         from rich.table import Table
 
@@ -48,3 +59,33 @@ def register(app: typer.Typer) -> None:
         out.print(t)
         out.print(f"events published {rep.events_published}, spooled {rep.events_spooled}, "
                   f"heartbeats {rep.heartbeats_sent}")
+
+
+def _perf(nodes: int, cluster: str, duration: float, seed: int, slow_nodes: int, slowdown: float,
+          interval: float, as_json: bool, config: Optional[Path]) -> None:
+    import json
+    import sys
+
+    from fleetmend.cli.main import _run, _settings, err
+    from fleetmend.logs import configure_logging
+    from fleetmend.perfsim import PerfFleet, run_perf_sim
+
+    s = _settings(config)
+    configure_logging(s.log_format, level="warning")
+    try:
+        fleet = PerfFleet(nodes, slow_nodes=slow_nodes, slowdown=slowdown, seed=seed, cluster=cluster)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from e
+    slow = sorted(fleet.slow)
+    if not as_json:
+        print(f"simulating telemetry of {nodes} nodes in cluster {cluster} for {duration:.0f}s, one sample per node "
+              f"every {interval:g}s; slowed by {slowdown:.1%}: "
+              + (", ".join(f"{n} ({fleet.slow[n]})" for n in slow) or "none"), flush=True)
+    rep = _run(run_perf_sim(s, fleet, duration, interval))
+    if as_json:
+        sys.stdout.write(json.dumps({"slow_nodes": slow, "patterns": fleet.slow, "nodes": nodes, "cluster": cluster,
+                                     "slowdown": slowdown, **rep}) + "\n")
+    else:
+        print(f"published {rep['samples']} samples in {rep['intervals']} interval(s); slowed nodes: "
+              + (" ".join(slow) or "none"))
