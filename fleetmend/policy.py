@@ -23,6 +23,10 @@ sbe_or_remap_idle       a rising SBE rate (`sbe_events_per_window` SBE events wi
                         scheduler request; what differs is that nothing is reset or diagnosed until
                         the node is idle, and no job is cut short (NVIDIA: pending remaps are applied
                         at the next reset, which needs the GPU idle).
+fail_slow_idle          `fail_slow` (the analyzer: a persistent outlier among its hardware peers)
+                        → drain *when idle*, diagnose, ticket: a slow node costs a few percent, a
+                        cut-short job costs it all (own reasoning; Greyhound/FALCON measured
+                        fail-slows lasting minutes to hours).
 debounce                a fault whose kind has a clearing event (`clearable`) waits `debounce_s`;
                         if its clearing event arrives first, nothing drains (flapping is
                         damped).
@@ -243,6 +247,11 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
                 f.kind == "xid" and 48 in xids_by_dev.get(f.device, set())):
             candidates.append((f, Urgency.WHEN_IDLE, Recovery.RESET_GPU,
                                f"row remap pending on GPU {f.device}: drain when idle, then reset to apply it"))
+            continue
+        if f.kind == "fail_slow" and f.drain:
+            candidates.append((f, Urgency.WHEN_IDLE, Recovery.DIAGNOSE,
+                               f"fail-slow on {f.device or 'the node'}: a persistent outlier among its peers; "
+                               "drain when idle, diagnose, ticket"))
             continue
         if f.drain:
             rec = _RECOVERY_BY_ACTION.get(f.immediate_action, Recovery.DIAGNOSE)

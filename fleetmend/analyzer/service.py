@@ -3,9 +3,9 @@
 - Reads `fleet.<cluster>.perf.*` from the perf stream with an ordered push consumer, starting
   `window_s + grace_s` before now so the open window is rebuilt after a restart; judges each window
   `grace_s` after it ends (wall clock).
-- One active replica per cluster: a lease `lease.<cluster>` in the KV bucket `fleetmend_analyzer`
-  (compare-and-set on the entry's revision; renewed every `lease_ttl_s / 3`; a standby takes over
-  when the holder has not renewed it for `lease_ttl_s`). Both replicas keep the windows; only the
+- One active replica per cluster: a `fleetmend.lease.KvLease` on key `lease.<cluster>` of the KV
+  bucket `fleetmend_analyzer` (compare-and-set on revisions, no clock sync; renewed every tick, at
+  most `lease_ttl_s / 3` apart; a standby takes over when the key has not changed for `lease_ttl_s`). Both replicas keep the windows; only the
   active one publishes findings and writes the state, and a replica that becomes active first loads
   the state the previous holder wrote.
 - State `state.<cluster>` (streaks, their evidence, report times; `Comparator.to_state`) is written
@@ -71,16 +71,20 @@ class Analyzer:
         settings: cluster, `analyzer` section.
         nc, js, kv: connected NATS client, its JetStream context, the analyzer KV bucket.
         holder: this replica's lease identity (default host-pid-random).
-        clock: epoch-seconds clock (tests).
+        clock: epoch-seconds clock that closes windows (tests).
+        lease_clock: monotonic clock of the lease (tests).
     """
 
     def __init__(self, settings: Settings, nc: Any, js: Any, kv: Any, *, holder: str | None = None,
-                 clock: Any = time.time) -> None:
+                 clock: Any = time.time, lease_clock: Any = time.monotonic) -> None:
         self.s, self.cfg = settings, settings.analyzer
         self.cluster = settings.cluster
         self.nc, self.js, self.kv = nc, js, kv
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.clock = clock
+        from fleetmend.lease import KvLease
+
+        self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
         self.comparator = Comparator(self.cfg)
         self.active = False
         self.samples = 0
@@ -140,33 +144,15 @@ class Analyzer:
     # ------------------------------------------------------------------ lease and state
 
     async def lease(self) -> bool:
-        """Take or renew the cluster's lease. Returns whether this replica is active now."""
-        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
-        now = self.clock()
-        value = json.dumps({"holder": self.holder, "until": now + self.cfg.lease_ttl_s}).encode()
+        """Acquire, renew or watch the cluster's lease (`fleetmend.lease.KvLease`, key
+        `lease.<cluster>` of the analyzer bucket). Returns whether this replica is active now; a
+        replica that becomes active loads the state its predecessor wrote."""
         was = self.active
         try:
-            try:
-                entry = await self.kv.get(lease_key(self.cluster))
-            except KeyNotFoundError:
-                entry = None
-            if entry is None or entry.value is None:
-                await self.kv.create(lease_key(self.cluster), value)
-                self.active = True
-            else:
-                cur = json.loads(entry.value)
-                if cur.get("holder") == self.holder or float(cur.get("until", 0)) < now:
-                    await self.kv.update(lease_key(self.cluster), value, last=entry.revision)
-                    self.active = True
-                else:
-                    self.active = False
-        except (KeyWrongLastSequenceError, KeyNotFoundError) as err:
-            self._log.debug("lease_lost_race", error=repr(err))
-            self.active = False
-        except Exception as err:  # noqa: BLE001 - NATS away: stop acting until the lease is confirmed
+            self.active = await self._lease.tick()
+        except Exception as err:  # noqa: BLE001 - NATS away: active only while our last write is good
             self._log.warning("lease_unavailable", error=repr(err))
-            self.active = False
+            self.active = self._lease.held
         if self.active and not was:
             await self.load_state()
             self._log.info("analyzer_active")
@@ -178,14 +164,9 @@ class Analyzer:
         return self.active
 
     async def release(self) -> None:
-        """Give the lease up at exit so the standby takes over at once."""
-        if not self.active:
-            return
+        """Give the lease up at exit (the key is deleted) so the standby takes over at its next tick."""
         with contextlib.suppress(Exception):
-            entry = await self.kv.get(lease_key(self.cluster))
-            if json.loads(entry.value).get("holder") == self.holder:
-                await self.kv.update(lease_key(self.cluster), json.dumps({"holder": None, "until": 0}).encode(),
-                                     last=entry.revision)
+            await self._lease.release()
         self.active = False
 
     async def load_state(self) -> None:

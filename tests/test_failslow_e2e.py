@@ -1,0 +1,104 @@
+"""Fail-slow end to end with every real part: simulated fleet telemetry → NATS perf stream → analyzer
+→ fail_slow FaultEvent on the node's fault subject → router → Temporal NodeRemediation (real worker,
+standalone scheduler). The slowed node gets a fail_slow incident with the evidence; no healthy node
+gets any incident."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from fleetmend import subjects
+from fleetmend.analyzer.service import Analyzer, analyzer_kv
+from fleetmend.catalog import load_catalog
+from fleetmend.config import load_settings
+from fleetmend.connect import connect_nats, connect_temporal
+from fleetmend.jetstream import ensure_fault_stream, ensure_perf_stream
+from fleetmend.perfsim import PerfFleet
+from fleetmend.router.core import Router
+from fleetmend.worker import build_worker
+from tests.conftest import assert_eventually
+from workflows.remediation import NodeRemediation
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_slowed_node_gets_a_fail_slow_incident_healthy_ones_do_not(nats_server, temporal_server, tmp_path: Path,
+                                                                         unique: str) -> None:
+    cluster = f"fs{unique}"
+    s = load_settings(None, cluster=cluster, node="analyzer", nats_url=nats_server.url,
+                      temporal_address=temporal_server.address, state_dir=tmp_path / "state",
+                      scheduler="standalone", task_queue=f"tq-{unique}", log_format="json",
+                      analyzer={"window_s": 60, "grace_s": 5, "windows": 3})
+    nc = await connect_nats(s, name="failslow-e2e")
+    js = nc.jetstream()
+    await ensure_perf_stream(js)
+    await ensure_fault_stream(js)
+    client = await connect_temporal(s)
+    stop = asyncio.Event()
+    router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+                    durable=f"router-{unique}")
+    worker = await build_worker(s, client, nc)
+    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.run())]
+    # 16 nodes of one hardware class; one has a GPU whose PCIe link trained at x8 (load-independent)
+    fleet = PerfFleet(16, slow_nodes=3, slowdown=0.05, seed=4, cluster=cluster)
+    pcie = next(n for n, p in fleet.slow.items() if p == "pcie")
+    for n in fleet.fleet:  # only the PCIe pattern stays degraded; the other two are healthy here
+        if n.name != pcie:
+            n.pattern = None
+    start = (time.time() // 60) * 60 - 300
+    clock = Clock(start)
+    analyzer = Analyzer(s, nc, js, await analyzer_kv(js), holder="e2e", clock=clock, lease_clock=clock)
+    await analyzer.start()
+    try:
+        for m in range(15):  # 4 windows of 60 s, a sample every 20 s per node
+            for i in range(16):
+                smp = fleet.sample(i, start + m * 20 + 1, 20.0)
+                await nc.publish(subjects.perf_subject(cluster, smp.node), smp.to_json_bytes())
+        await nc.flush()
+        await assert_eventually(lambda: analyzer.samples == 15 * 16, timeout_s=20, what="analyzer read the samples")
+        clock.t = start + 300 + 10
+        await analyzer.tick()
+        assert len(analyzer.published) == 1
+
+        async def incident():
+            h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, pcie))
+            try:
+                return await h.query(NodeRemediation.status)
+            except Exception:  # noqa: BLE001 - not started yet
+                return None
+
+        st = await assert_eventually(incident, timeout_s=60, what="fail_slow incident")
+        f = next(x for x in st.faults if x["kind"] == "fail_slow")
+        assert f["severity"] == "degraded" and f["fault_class"] == "fail_slow"
+        assert "pcie_width_ratio" in (f.get("message") or "") or "PCIe width" in (f.get("message") or "")
+
+        async def listed():
+            q = f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}'"
+            return [w async for w in client.list_workflows(q)]
+
+        wfs = await assert_eventually(listed, what="incidents listed")
+        assert [w.id for w in wfs] == [subjects.workflow_id(cluster, pcie)], "no healthy node has an incident"
+        ff = await assert_eventually(lambda: _fault_class(client, cluster, pcie), what="FleetFaultClass set")
+        assert ff == "fail_slow"
+    finally:
+        stop.set()
+        await analyzer.release()
+        await worker.shutdown()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await nc.close()
+
+
+async def _fault_class(client, cluster: str, node: str) -> str | None:  # noqa: ANN001
+    q = f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}' AND FleetNode='{node}' AND FleetFaultClass='fail_slow'"
+    rows = [w async for w in client.list_workflows(q)]
+    return "fail_slow" if rows else None
