@@ -248,3 +248,73 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     await faults.unsubscribe()
     await dead.unsubscribe()
     await b._sub.unsubscribe()
+
+
+async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, unique) -> None:
+    """With `fleetmend creds generate` permissions: a node publishes its own perf samples (not another
+    node's), and the analyzer role reads them, holds its lease, writes its state and publishes
+    fail_slow on the node's fault subject."""
+    import nats
+
+    from fleetmend import security, servers, subjects
+    from fleetmend.analyzer.service import Analyzer, analyzer_kv
+    from fleetmend.connect import connect_nats
+    from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
+    from tests.conftest import assert_eventually
+
+    d = tmp_path_factory.mktemp("secanalyzer")
+    cluster = "secp"
+    cs = security.generate(d / "creds", cluster, [f"n{i}" for i in range(10)])
+    conf = d / "nats.conf"
+    conf.write_text(security.server_conf(cs.accounts_conf))
+    port = servers.free_port()
+    proc = servers.start_nats(d / "js", port, config_file=conf)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        admin = await nats.connect(url, nkeys_seed=str(cs.seed_file("admin")))
+        await ensure_fault_stream(admin.jetstream())
+        await ensure_deadletter_stream(admin.jetstream())
+        s = load_settings(None, cluster=cluster, nats_url=url, nats_nkey_seed=str(cs.seed_file("analyzer")),
+                          nats_inbox_prefix=security.role_inbox_prefix("analyzer"),
+                          analyzer={"window_s": 60, "grace_s": 5, "windows": 3})
+        anc = await connect_nats(s, name="analyzer")
+        ajs = anc.jetstream()
+        await ensure_perf_stream(ajs)
+        start = (datetime.now(timezone.utc).timestamp() // 60) * 60 - 300
+        clock = Clock(start)
+        a = Analyzer(s, anc, ajs, await analyzer_kv(ajs), holder="a", clock=clock, lease_clock=clock)
+        await a.start()
+        assert await a.lease() is True
+        errors: list[str] = []
+
+        async def err_cb(e: Exception) -> None:
+            errors.append(str(e))
+
+        nodes = {}
+        for i in range(10):
+            nodes[i] = await nats.connect(url, nkeys_seed=str(cs.seed_file(f"node:{cluster}/n{i}")),
+                                          inbox_prefix=security.node_inbox_prefix(cluster, f"n{i}"), error_cb=err_cb)
+        for m in range(12):
+            for i in range(10):
+                smp = _sample(f"n{i}", start + m * 20 + 1, 96, 0.9 if i == 0 else 0.985).model_copy(
+                    update={"cluster": cluster})
+                await nodes[i].publish(subjects.perf_subject(cluster, f"n{i}"), smp.to_json_bytes())
+        spoof = _sample("n0", start + 1, 96, 0.5).model_copy(update={"cluster": cluster})
+        await nodes[1].publish(subjects.perf_subject(cluster, "n0"), spoof.to_json_bytes())  # not its own
+        for c in nodes.values():
+            await c.flush()
+        await assert_eventually(lambda: a.samples == 120, timeout_s=10, what="analyzer read the node samples")
+        await assert_eventually(lambda: any("permissions violation" in e and f"perf.n0" in e for e in errors),
+                                timeout_s=5, what="spoofed perf publish refused")
+        faults = await admin.subscribe(subjects.fault_subject(cluster, "n0"))
+        clock.t = start + 240 + 10
+        await a.tick()
+        assert len(a.published) == 1
+        ev = FaultEvent.from_json_bytes((await faults.next_msg(timeout=5)).data)
+        assert ev.kind == "fail_slow" and ev.node == "n0"
+        assert (await a.kv.get("state." + cluster)).value  # the state was written with analyzer credentials
+        await a.release()
+        for c in [*nodes.values(), anc, admin]:
+            await c.close()
+    finally:
+        proc.stop()

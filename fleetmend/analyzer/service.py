@@ -244,18 +244,17 @@ class Analyzer:
 
 
 async def run_analyzer(settings: Settings, stop: asyncio.Event) -> None:
-    """Run one analyzer replica until `stop` is set (streams and bucket ensured at start)."""
+    """Run one analyzer replica until `stop` is set (perf stream and KV bucket ensured at start)."""
     from fleetmend import metrics
     from fleetmend.connect import close_nats, connect_nats
-    from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
+    from fleetmend.jetstream import ensure_perf_stream
 
     nc = await connect_nats(settings, name=f"fleetmend-analyzer-{settings.cluster}")
     js = nc.jetstream(timeout=10.0)
-    for ensure in (ensure_perf_stream, ensure_fault_stream, ensure_deadletter_stream):
-        try:
-            await ensure(js)
-        except Exception as err:  # noqa: BLE001 - e.g. no permission: an operator owns the streams
-            log.warning("stream_not_ensured", stream=ensure.__name__, error=repr(err))
+    try:  # the fault and dead-letter streams are the router's
+        await ensure_perf_stream(js)
+    except Exception as err:  # noqa: BLE001 - e.g. no permission: an operator owns the streams
+        log.warning("stream_not_ensured", stream="perf", error=repr(err))
     kv = await analyzer_kv(js)
     metrics.start_http_server(settings.metrics.analyzer_port, settings.metrics.host)
     a = Analyzer(settings, nc, js, kv)
