@@ -225,9 +225,11 @@ class Analyzer:
                                   min_group_size=self.cfg.min_group_size,
                                   hint="not judged: fewer comparable nodes than analyzer.min_group_size")
 
-    async def run(self, stop: asyncio.Event, tick_s: float = 1.0) -> None:
-        """`start`, then `tick` every `tick_s` (and the lease every `lease_ttl_s / 3`) until `stop`."""
-        await self.start()
+    async def run(self, stop: asyncio.Event, tick_s: float = 1.0, started: bool = False) -> None:
+        """`start` (unless `started`), then `tick` every `tick_s` (at most `lease_ttl_s / 3` apart, so
+        the lease is renewed in time) until `stop`; then release the lease."""
+        if not started:
+            await self.start()
         try:
             while not stop.is_set():
                 try:
@@ -260,7 +262,12 @@ async def run_analyzer(settings: Settings, stop: asyncio.Event) -> None:
     a = Analyzer(settings, nc, js, kv)
     log.info("analyzer_starting", cluster=settings.cluster, window_s=a.cfg.window_s, windows=a.cfg.windows,
              min_group_size=a.cfg.min_group_size, holder=a.holder)
+    beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
     try:
-        await a.run(stop)
+        await a.start()
+        metrics.HEALTH.set_ready()  # /readyz: NATS connected, reading samples (active or standby)
+        await a.run(stop, started=True)
     finally:
+        metrics.HEALTH.set_ready(False, "stopping")
+        beat.cancel()
         await close_nats(nc)
