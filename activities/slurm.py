@@ -175,6 +175,15 @@ class SlurmScheduler:
         current = strip_reason_suffix(fields.get("Reason", ""))
         if _is_drained(raw):
             if self._owned(current):
+                m = _INCIDENT.search(current)
+                if m and m.group(1) != incident_id:
+                    # an earlier incident's drain of this node (that incident is over: one runs per node at a
+                    # time): adopted, so that only this incident's undrain may lift it
+                    await self._update(node, "State=DRAIN", f"Reason={self.format_reason(reason, incident_id)}")
+                    now = strip_reason_suffix((await self.show(node)).get("Reason", ""))
+                    return DrainResult(node, True, True, False, normalize_slurm_state(raw),
+                                       f"already drained by fleetmend incident {m.group(1)}; adopted by this incident",
+                                       reason=now, raw_state=raw)
                 return DrainResult(node, True, True, False, normalize_slurm_state(raw),
                                    f"already drained by fleetmend ({current!r}); no update sent",
                                    reason=current, raw_state=raw)
@@ -193,7 +202,8 @@ class SlurmScheduler:
                            reason=now_reason, raw_state=raw)
 
     async def undrain(self, node: str, incident_id: str) -> UndrainResult:
-        """RESUME `node` if, and only if, its drain reason carries our prefix.
+        """RESUME `node` if, and only if, its drain reason carries our prefix and names `incident_id`
+        (a reason without an incident, from an older version, is resumed too).
 
         Returns:
             `UndrainResult`: resumed=True after `State=RESUME`; resumed=False (a success) when the node
@@ -211,11 +221,12 @@ class SlurmScheduler:
                                  f"drain is not fleetmend's: reason {current!r} lacks prefix {self.prefix!r}; "
                                  "left for the operator", operator_drained=True)
         m = _INCIDENT.search(current)
-        note = "" if not m or m.group(1) == incident_id else f" (drain was set by incident {m.group(1)})"
+        if m and m.group(1) != incident_id:
+            return UndrainResult(node, False, normalize_slurm_state(raw),
+                                 f"the drain belongs to incident {m.group(1)}, not {incident_id}; left as is")
         await self._update(node, "State=RESUME")
         raw_after = (await self.show(node)).get("State", "")
-        return UndrainResult(node, True, normalize_slurm_state(raw_after),
-                             f"scontrol State=RESUME; now {raw_after}{note}")
+        return UndrainResult(node, True, normalize_slurm_state(raw_after), f"scontrol State=RESUME; now {raw_after}")
 
     async def list_nodes(self) -> list[NodeInfo]:
         """Every node slurmctld knows (`scontrol -o show node`), with state, reason and owner.

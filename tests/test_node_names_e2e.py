@@ -199,3 +199,31 @@ def test_router_still_checks_body_node_against_subject() -> None:
     assert decode_event(subjects.fault_subject("c", EKS), ok.to_json_bytes()).node == EKS
     with pytest.raises(Exception, match="not canonical"):
         decode_event("fleet.c.fault.ip=2D10-0-1-23=2Eec2=2Einternal", ok.to_json_bytes())
+
+
+async def test_two_clusters_one_node_name_abort_undrain_in_b_keeps_a_drained(nats_server, temporal_server,
+                                                                              tmp_path: Path, unique: str):
+    """Clusters A and B share NATS and Temporal and both have a node `ip-10-0-1-23.ec2.internal`; both
+    are drained by the standalone scheduler. `fleetmend abort --undrain` in B returns B's node only:
+    A's drain record stays and A's incident still says drained."""
+    log = tmp_path / "dmesg.txt"
+    log.write_text(corpus_case("c005")["raw"] + "\n")
+    settings = {c: load_settings(None, cluster=f"{c}{unique}", node=EKS, nats_url=nats_server.url,
+                                 temporal_address=temporal_server.address, state_dir=tmp_path / c,
+                                 scheduler="standalone", task_queue=f"tq-{c}-{unique}", log_format="json")
+                for c in ("a", "b")}
+    async with Stack(settings["a"], f"a{unique}", log) as a, Stack(settings["b"], f"b{unique}", log) as b:
+        for st in (a, b):
+            assert (await incident(st.client, st.s.cluster, EKS, "awaiting_repair")).drained
+        kv = await a.nc.jetstream().key_value(subjects.DRAIN_KV_BUCKET)
+        out = await cli(env_of(settings["b"]), "abort", EKS, "--undrain", "--note", "test")
+        assert out.returncode == 0
+        closed = await incident(b.client, settings["b"].cluster, EKS, "closed")
+        assert not closed.drained
+        st_a = await a.client.get_workflow_handle_for(
+            NodeRemediation.run, subjects.workflow_id(settings["a"].cluster, EKS)).query(NodeRemediation.status)
+        assert st_a.drained and st_a.phase == "awaiting_repair"
+        rows = json.loads((await cli(env_of(settings["a"]), "nodes", "--json")).stdout)
+        assert [(r["name"], r["state"]) for r in rows] == [(EKS, "drained")], "A's node went back to service"
+        entry = json.loads((await kv.get(subjects.drain_kv_key(settings["a"].cluster, EKS))).value)
+        assert entry["owner"] == "fleetmend" and settings["a"].cluster in entry["incident_id"]

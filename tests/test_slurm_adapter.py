@@ -86,6 +86,19 @@ async def test_undrain_returns_node_to_idle(slurm, sched) -> None:
     assert "not drained" in again.detail
 
 
+async def test_an_undrain_lifts_only_its_own_incidents_drain(slurm, sched) -> None:
+    await sched.drain("node3", "xid 79", "remediate/a/node3/r1")
+    u = await sched.undrain("node3", "remediate/a/node3/OTHER")
+    assert not u.resumed and "belongs to incident remediate/a/node3/r1" in u.detail
+    assert slurm.state("node3") == "IDLE+DRAIN"
+    # the node's next incident adopts the drain; then only its undrain lifts it
+    r = await sched.drain("node3", "xid 79 again", "remediate/a/node3/r2")
+    assert r.owned and "adopted" in r.detail and "[incident remediate/a/node3/r2]" in slurm.reason("node3")
+    assert not (await sched.undrain("node3", "remediate/a/node3/r1")).resumed
+    assert (await sched.undrain("node3", "remediate/a/node3/r2")).resumed
+    await assert_eventually(lambda: slurm.sinfo_state("node3") == "idle", timeout_s=30, what="node3 idle")
+
+
 async def test_drain_with_running_job_goes_draining_then_drained(slurm, sched) -> None:
     out = slurm.run("sbatch", "-w", "node4", "--parsable", "-o", "/dev/null", "--wrap", "sleep 5")
     job_id = out.stdout.strip().split(";")[0]
