@@ -182,8 +182,8 @@ def parse_drain_kv_key(key: str) -> tuple[str, str]:
 
 
 def perf_subject(cluster: str, node: str) -> str:
-    """`fleet.<cluster>.perf.<node>`: a node's performance samples (`telemetry.PerfSample`)."""
-    return f"fleet.{_check('cluster', cluster)}.perf.{_check('node', node)}"
+    """`fleet.<cluster>.perf.<node token>`: a node's performance samples (`telemetry.PerfSample`)."""
+    return f"fleet.{_check('cluster', cluster)}.perf.{node_token(node)}"
 
 
 def cluster_perf_subject(cluster: str) -> str:
@@ -209,11 +209,8 @@ def all_jobs_subject() -> str:
 
 
 def parse_perf_subject(subject: str) -> tuple[str, str]:
-    """Inverse of `perf_subject`: (cluster, node). Raises ValueError for other subjects."""
-    parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != "fleet" or parts[2] != "perf":
-        raise ValueError(f"not a perf subject: {subject!r} (expected fleet.<cluster>.perf.<node>)")
-    return _check("cluster", parts[1]), _check("node", parts[3])
+    """Inverse of `perf_subject`: (cluster, node name). Raises ValueError for other subjects."""
+    return _parse_node_subject(subject, "perf")
 
 
 def sweep_workflow_id(cluster: str, sweep_id: str) -> str:

@@ -1,6 +1,6 @@
 """Performance telemetry: the compact sample an agent publishes every `agent.perf_interval_s`.
 
-Subject `fleet.<cluster>.perf.<node>` (`subjects.perf_subject`), captured by the JetStream stream
+Subject `fleet.<cluster>.perf.<node token>` (`subjects.perf_subject`), captured by the JetStream stream
 `FLEET_PERF` (`jetstream.ensure_perf_stream`): file storage, limits retention, short max age
 (`DEFAULT_PERF_MAX_AGE_S`). Never through Temporal: telemetry is a stream of numbers, not work.
 
@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fleetmend.events import utcnow
+from fleetmend.subjects import check_node_name
 
 PERF_SCHEMA_VERSION = 1
 """Current telemetry schema. Additive fields do not bump it."""
@@ -136,7 +137,8 @@ class PerfSample(BaseModel):
 
     schema_version: int = PERF_SCHEMA_VERSION
     cluster: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
-    node: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    node: str = Field(min_length=1, max_length=253)
+    """Any node name `fleetmend.subjects.check_node_name` accepts (dots included)."""
     at: datetime = Field(default_factory=utcnow)
     interval_s: float = Field(gt=0)
     hw: HardwareClass = Field(default_factory=HardwareClass)
@@ -144,6 +146,11 @@ class PerfSample(BaseModel):
     ports: list[PortPerf] = Field(default_factory=list)
     host: HostPerf = Field(default_factory=HostPerf)
     agent_version: str = "unknown"
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str) -> str:
+        return check_node_name(v)
 
     @field_validator("schema_version")
     @classmethod

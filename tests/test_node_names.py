@@ -102,3 +102,12 @@ def test_subjects_keys_and_ids_carry_any_node_name() -> None:
         sj.parse_fault_subject("fleet.prod.fault.node=2D1")
     with pytest.raises(ValueError):
         sj.fault_subject("prod.x", n)
+
+
+def test_perf_samples_of_a_dotted_node() -> None:
+    from fleetmend import subjects as sj
+    from fleetmend.telemetry import PerfSample
+
+    n = "ip-10-0-1-23.ec2.internal"
+    assert sj.parse_perf_subject(sj.perf_subject("prod", n)) == ("prod", n)
+    assert PerfSample(cluster="prod", node=n, interval_s=1.0).node == n
