@@ -9,6 +9,7 @@ request; the file itself never enters workflow history (bounded payloads for big
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from temporalio import activity
@@ -19,6 +20,11 @@ from fleetmend.messages import (
     KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
     PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
 )
+
+
+UPDATES_IN_FLIGHT = 4
+"""`decide_permit` updates one worker has in flight at once (Temporal refuses more than 10 per workflow
+by default; a few worker replicas stay under it)."""
 
 
 def guard_policy(settings, topology: Topology | None = None) -> GuardPolicy:  # noqa: ANN001 - Settings
@@ -36,6 +42,7 @@ class FleetGuardActivities:
         self._task_queue = task_queue
         self._policy = policy
         self._topology = topology or Topology()
+        self._in_flight = asyncio.Semaphore(UPDATES_IN_FLIGHT)
 
     @classmethod
     def from_settings(cls, client, settings, task_queue: str | None = None) -> "FleetGuardActivities":  # noqa: ANN001
@@ -59,19 +66,35 @@ class FleetGuardActivities:
     @activity.defn(name=Activity.DECIDE_DRAIN_PERMIT)
     async def decide_drain_permit(self, req: PermitRequest) -> PermitDecision:
         """Ask the cluster's FleetGuard for a permit by update-with-start and return its decision:
-        granted, denied, or `queued` (the grant follows as a `permit` signal). Idempotent."""
+        granted, denied, or `queued` (the grant follows as a `permit` signal). Idempotent.
+
+        Temporal admits only a few updates in flight per workflow (`history.maxInFlightUpdates`, 10 by
+        default; more are refused with RESOURCE_EXHAUSTED). So at most `UPDATES_IN_FLIGHT` go out from
+        this worker at once; past that (a storm), or when the server refuses one, the request goes by
+        signal-with-start instead and returns `queued`: the guard takes all such signals in one workflow
+        task and signals every answer together."""
         from temporalio.client import WithStartWorkflowOperation
         from temporalio.common import WorkflowIDConflictPolicy
+        from temporalio.service import RPCError, RPCStatusCode
 
         dom = self._topology.domain(req.node)
         full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
-        start = WithStartWorkflowOperation(
-            GuardApi.WORKFLOW, GuardInput(cluster=req.cluster, policy=self._policy),
-            id=subjects.fleetguard_workflow_id(req.cluster), task_queue=self._task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"FleetGuard {req.cluster}: drain budget and breaker")
-        return await self._client.execute_update_with_start_workflow(
-            GuardApi.DECIDE_PERMIT, full, start_workflow_operation=start, result_type=PermitDecision)
+        if not self._in_flight.locked():
+            async with self._in_flight:
+                start = WithStartWorkflowOperation(
+                    GuardApi.WORKFLOW, GuardInput(cluster=req.cluster, policy=self._policy),
+                    id=subjects.fleetguard_workflow_id(req.cluster), task_queue=self._task_queue,
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    static_summary=f"FleetGuard {req.cluster}: drain budget and breaker")
+                try:
+                    return await self._client.execute_update_with_start_workflow(
+                        GuardApi.DECIDE_PERMIT, full, start_workflow_operation=start, result_type=PermitDecision)
+                except RPCError as err:
+                    if err.status != RPCStatusCode.RESOURCE_EXHAUSTED:
+                        raise
+        await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMIT, full)
+        return PermitDecision(granted=False, queued=True, reason="asked by signal (the guard is busy); "
+                                                               "its answer follows as a signal")
 
     @activity.defn(name=Activity.RUNNING_INCIDENTS)
     async def running_incidents(self, q: RunningIncidents) -> list[RunningIncident]:
