@@ -538,44 +538,31 @@ class Crash:
     raw: str
 
 
-def analyse(dump: Dump, parser: KmsgParser) -> Crash | None:
-    """Parse a dump; None when it holds no crash (a clean-shutdown dump, or a log without one)."""
-    events: list[FaultEvent] = []
-    for ln in dump.lines:
-        events.extend(parser.feed(ln))
-    events.extend(parser.flush())
-    crash_idx = [i for i, e in enumerate(events) if e.kind in CRASH_KINDS
-                 and not str(e.attrs.get("panic_reason", "")).endswith("]---")]
-    panic_idx = [i for i, e in enumerate(events) if "panic_reason" in e.attrs
-                 and not str(e.attrs["panic_reason"]).endswith("]---")]
-    if not crash_idx and not panic_idx:
-        return None
-    main_i = panic_idx[-1] if panic_idx else crash_idx[-1]
-    main = events[main_i]
-    # The cause: a fatal hardware/driver fault just before the crash in the same dump (GHES, MCE,
-    # XID, AER fatal), else the crash itself.
-    cause = main
-    for e in reversed(events[:main_i]):
-        if e.kind in CRASH_KINDS or e.kind in ("soft_lockup", "hung_task"):
-            continue
-        if e.severity is Severity.FATAL and not e.healthy:
-            cause = e
-        break
-    # The oops that led to the panic (module, process) is the crash record before it when the
-    # parser kept them apart.
-    oops = next((events[i] for i in reversed(crash_idx) if i <= main_i and events[i].kind != "kernel_panic"), None)
-    reason = None
-    module = function = modules = tainted = None
-    panic_line_ts = head_line = None
+CAUSE_WINDOW_S = 60.0
+"""A fatal fault is taken as the crash's cause when it was logged within 60 s before it (a GHES or MCE
+record precedes its panic by milliseconds; an XID an hour earlier is another story)."""
+
+
+def _close_in_time(a: FaultEvent, b: FaultEvent) -> bool:
+    try:
+        return abs(float(str(b.attrs["kernel_time"])) - float(str(a.attrs["kernel_time"]))) <= CAUSE_WINDOW_S
+    except (KeyError, ValueError):
+        return True  # no comparable kernel stamps (syslog or none): adjacent in the dump is close enough
+
+
+def _facts(lines: list[str]) -> dict[str, str | None]:
+    """Panic reason (and its uptime stamp), the module and function of the first `RIP: …[module]`
+    (else of the first `[module]` call-trace frame), `Modules linked in` and the taint flags."""
+    reason = panic_ts = module = function = modules = tainted = None
     first_frame_mod: tuple[str, str] | None = None
-    for ln in dump.lines:
+    for ln in lines:
         text = _LEVEL.sub("", ln)
         um = _UPTIME.match(text)
         msg = um["msg"] if um else text
         m = _PANIC.search(msg)
         if m and not _PANIC_END.search(msg):
             reason = m["reason"]
-            panic_line_ts = um["ts"] if um else None
+            panic_ts = um["ts"] if um else None
             continue
         m = _RIP_MODULE.search(msg)
         if m and module is None:
@@ -596,7 +583,49 @@ def analyse(dump: Dump, parser: KmsgParser) -> Crash | None:
             tainted = (m["t"] or "").strip() or "not tainted"
     if module is None and first_frame_mod is not None:
         module, function = first_frame_mod[0], function or first_frame_mod[1]
+    return {"reason": reason, "panic_ts": panic_ts, "module": module, "function": function,
+            "modules": modules, "tainted": tainted}
+
+
+def analyse(dump: Dump, parser: KmsgParser) -> Crash | None:
+    """Parse a dump; None when it holds no crash (a clean-shutdown dump, or a log without one)."""
+    events: list[FaultEvent] = []
+    for ln in dump.lines:
+        events.extend(parser.feed(ln))
+    events.extend(parser.flush())
+    crash_idx = [i for i, e in enumerate(events) if e.kind in CRASH_KINDS
+                 and not str(e.attrs.get("panic_reason", "")).endswith("]---")]
+    panic_idx = [i for i, e in enumerate(events) if "panic_reason" in e.attrs
+                 and not str(e.attrs["panic_reason"]).endswith("]---")]
+    if not crash_idx and not panic_idx:
+        return None
+    main_i = panic_idx[-1] if panic_idx else crash_idx[-1]
+    main = events[main_i]
+    # The cause: a fatal hardware/driver fault just before the crash in the same dump (GHES, MCE,
+    # XID, AER fatal), else the crash itself.
+    cause = main
+    for e in reversed(events[:main_i]):
+        if e.kind in CRASH_KINDS or e.kind in ("soft_lockup", "hung_task"):
+            continue
+        if e.severity is Severity.FATAL and not e.healthy and _close_in_time(e, main):
+            cause = e
+        break
+    # The oops that led to the panic (module, process) is the crash record before it when the
+    # parser kept them apart.
+    oops = next((events[i] for i in reversed(crash_idx) if i <= main_i and events[i].kind != "kernel_panic"), None)
     crash_ev = oops or main
+    # Module, function, modules and taint from the crash record's own lines first (a dump's tail may
+    # hold an earlier WARNING with its own RIP), then from the whole dump.
+    facts = _facts(crash_ev.raw.splitlines())
+    whole = _facts(dump.lines)
+    if facts["module"] is None and facts["function"] is None:
+        facts["module"], facts["function"] = whole["module"], whole["function"]
+    for k in ("reason", "panic_ts", "modules", "tainted"):
+        if facts[k] is None:
+            facts[k] = whole[k]
+    reason, panic_line_ts = facts["reason"], facts["panic_ts"]
+    module, function = facts["module"], facts["function"]
+    modules, tainted = facts["modules"], facts["tainted"]
     head_line = crash_ev.raw.splitlines()[0] if crash_ev.raw else crash_ev.message
     hm = _UPTIME.match(_LEVEL.sub("", head_line))
     head_ts = hm["ts"] if hm else panic_line_ts

@@ -394,3 +394,14 @@ def test_real_journalctl_without_a_journal_reads_nothing(tmp_path: Path) -> None
     root = make_root(tmp_path)
     tail = lastboot.read_journal(lastboot.journalctl_export(root), KmsgParser("c1", "n1", "t"))
     assert tail.entries == 0 and tail.dump is None
+
+
+def test_module_of_an_old_kernel_rip_line() -> None:
+    """2.6.32 prints the address twice before the symbol (ntop/PF_RING#277, an i40e_zc oops at modprobe)."""
+    facts = lastboot._facts(["RIP: 0010:[<ffffffffa0bac4a3>]  [<ffffffffa0bac4a3>] "
+                             "i40e_vsi_map_rings_to_vectors+0xf3/0x280 [i40e_zc]"])
+    assert facts["module"] == "i40e_zc" and facts["function"] == "i40e_vsi_map_rings_to_vectors"
+    trace = lastboot._facts(["RIP: 0010:ioread32be+0x34/0x60", "Call Trace:", " <IRQ>",
+                             " ? __pfx_poll_health+0x10/0x10 [mlx5_core]",
+                             " mlx5_health_check_fatal_sensors+0x20/0x100 [mlx5_core]"])
+    assert trace["module"] == "mlx5_core" and trace["function"] == "ioread32be"
