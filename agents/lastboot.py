@@ -675,7 +675,12 @@ class LastBootProbe:
     async def run(self, emit: Any) -> None:
         import asyncio
 
+        import time
+
+        t0 = time.monotonic()
         events, commit = await asyncio.to_thread(self.collect)
+        log.info("lastboot_read", extra={"events": [e.kind for e in events],
+                                         "duration_s": round(time.monotonic() - t0, 3)})
         for ev in events:
             await emit(ev)
         await asyncio.to_thread(commit)

@@ -13,6 +13,10 @@ The one piece of state a skipped line would change is the running total of `dmes
 (`[  +0.004974]`); such stamps are among the tokens, so those lines are always fed. tests/test_explain_stream.py
 checks the equality on every kernel-log text of the repository's corpus.
 
+A line that was fed and started nothing is remembered by its message (the text after `[uptime]`,
+`INERT_MAX` of them): when the same message comes again with no record open, it is skipped unread.
+Lines the parser learns from (NVRM) and `dmesg -H` deltas are never remembered.
+
 A matcher for a new kind whose head line holds none of `TOKENS` must add its word here.
 """
 
@@ -32,17 +36,17 @@ TOKENS = (
     "Xid", "NVRM", "GPU", "fsp", "FSP", "GSP", "gsp", "NVLink", "nvlink", "peermem",
     # errors, failures, resets, timeouts (NIC, NVMe, firmware, generic)
     "rror", "RROR", "fail", "Fail", "FAIL", "fatal", "Fatal", "FATAL", "timeout", "Timeout", "timed out",
-    "TX", "Tx", "tx", "reset", "Reset", "RESET", "ecovery", "WATCHDOG", "watchdog", "Watchdog", "health",
-    "Health", "FW", "syndrome", "abort", "Abort", "critical", "Critical", "corrupt", "Unable", "unable",
-    "compromised", "WARNING", "FTQ",
+    "TX", "Tx", "tx", "reset", "Reset", "RESET", "ecovery", "WATCHDOG", "health", "Health", "FW",
+    "syndrome", "abort", "Abort", "critical", "Critical", "corrupt", "Unable", "unable", "compromised",
+    "WARNING", "FTQ",
     # PCIe / RAS / CPU
-    "PCIe", "AER", "EDAC", "Hardware", "mce", "MCE", "Machine", "machine check", "ECC", "ecc", "fallen",
-    "throttl", "NMI",
+    "PCIe Bus", "PCIe bandwidth", "AER", "EDAC", "Hardware", "mce", "MCE", "Machine", "machine check", "ECC",
+    "ecc", "fallen", "throttl",
     # links and devices
     "mlx5", "Link is", "link status", "bond", "slave", "active interface", "nvme",
     # kernel crashes, lockups, memory
-    "panic", "Panic", "lockup", "LOCKUP", "BUG", "Oops", "protection", "opcode", "divide", "blocked for",
-    "hung", "stall", "stuck", "oom", "OOM", "Kill", "of memory",
+    "Kernel panic", "kernel panic", "lockup", "LOCKUP", "BUG:", "BUG at", "Oops", "general protection",
+    "opcode", "divide error", "blocked for", "hung", "stall", "stuck", "oom", "OOM", "Kill", "of memory",
     # `dmesg -H` delta stamps: the deframer keeps their running total, so every such line is fed
     "[+", "[ +", "[  +", "[   +", "[    +", "[<+", "[< +",
 )
@@ -50,8 +54,25 @@ TOKENS = (
 
 
 
+INERT_MAX = 100_000
+"""Messages remembered as starting nothing (a long log repeats its messages; each is judged once)."""
+
 INDENT = (b" ", b"\t")
 """An indented line may continue the line before it (the parser joins them): it is fed with it."""
+FRAMED = (b"[", b"<")
+"""A line starting so carries its own stamp (`[uptime]`, pstore's `<level>[uptime]`) and continues no
+line; any other line may be a mail client's wrap of the line before when the parser says that line
+could be wrapped (`KmsgParser.may_be_continued`): then it is fed too and the parser decides."""
+
+
+def _inert_key(raw: bytes) -> bytes | None:
+    """The message of a `[uptime] message` line, the key under which a line that started nothing is
+    remembered; None for lines that must always be fed: other framings, `dmesg -H` deltas (the running
+    total), NVRM lines (the parser learns the driver version and the GPU a serial belongs to from them)."""
+    if not raw.startswith(b"[") or b"+" in raw[1:6] or b"NVRM" in raw:
+        return None
+    end = raw.find(b"]")
+    return raw[end + 1:] if end > 0 else None
 
 
 def _interesting_starts(chunk: str) -> list[int]:
@@ -124,19 +145,24 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
     def line(chunk: bytes, pos: int, end: int) -> str:
         return chunk[pos:end].decode("utf-8", "replace")
 
-    def step(chunk: bytes, pos: int, n: int, token: bool = False) -> Generator[FaultEvent, None, tuple[int, bool]]:
+    parser_emitted = [False]
+    inert: set[bytes] = set()
+
+    def step(chunk: bytes, pos: int, n: int) -> Generator[FaultEvent, None, tuple[int, bool]]:
         """Feed the line at `pos`; return the next line's offset and whether it must be fed too: it
-        may continue this line (indented, wrapped by a mail client after a token line or a line that
-        joined one, or not yet read), or the record this line opened or kept open may absorb it. The
-        line is judged now (`complete`), as the next line's arrival would."""
-        before = parser._pending  # noqa: SLF001 - same package
+        may continue this line (it does not start with a stamp, or is not read yet), or the record
+        this line opened or kept open may absorb it. The line is judged now (`complete`), as the next line's arrival would."""
         e = chunk.find(b"\n", pos)
-        yield from feed(line(chunk, pos, e))
+        evs = feed(line(chunk, pos, e))
         pos = e + 1
-        joined = before is not None and parser._pending is before  # noqa: SLF001
-        if pos >= n or chunk[pos:pos + 1] in INDENT or ((token or joined) and parser.may_be_continued()):
+        nxt = chunk[pos:pos + 1]
+        if pos >= n or nxt in INDENT or (nxt not in FRAMED and parser.may_be_continued()):
+            parser_emitted[0] = True  # not judged yet: never cached
+            yield from evs
             return pos, True
-        yield from complete()
+        evs += complete()
+        parser_emitted[0] = bool(evs)
+        yield from evs
         return pos, is_open()
 
     while True:
@@ -166,9 +192,9 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
                 pos, busy = yield from step(chunk, pos, n)
             if s < pos:
                 continue
-            if s > pos and chunk[s:s + 1] in INDENT:
-                # an indented line continues the lines before it, back to the last unindented one:
-                # give the parser those lines too
+            if s > pos and chunk[s:s + 1] not in FRAMED:
+                # an unstamped line may continue the lines before it (indentation, a mail client's
+                # wrap), back to the last unindented one: give the parser those lines too
                 prev = s
                 while True:
                     prev = chunk.rfind(b"\n", 0, prev - 1) + 1
@@ -179,7 +205,19 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
                     e = chunk.find(b"\n", prev)
                     yield from feed(line(chunk, prev, e))
                     prev = e + 1
-            pos, busy = yield from step(chunk, s, n, token=True)
+            if not busy:
+                e = chunk.find(b"\n", s)
+                key = _inert_key(chunk[s:e])
+                if key is not None and key in inert and chunk[e + 1:e + 2] in FRAMED:
+                    pos = e + 1  # the same message was fed before and started nothing: skip it
+                    continue
+                pos, busy = yield from step(chunk, s, n)
+                if key is not None and not busy and not parser_emitted[0]:
+                    if len(inert) >= INERT_MAX:
+                        inert.clear()
+                    inert.add(key)
+                continue
+            pos, busy = yield from step(chunk, s, n)
         while busy and pos < n:
             pos, busy = yield from step(chunk, pos, n)
         del chunk
