@@ -23,6 +23,12 @@ with a ticket) and prints a table. Exit status 1 when any claim fails:
 - an incident terminated while it holds a drain permit gets it back through FleetGuard's
   reconciliation (audited) within 30 s.
 
+After quiescence, two more rows: poison messages (JSON nested 50k deep, an observed_at that overflows
+UTC, not UTF-8, not an object) published on a live node's subject must all become dead letters while
+the router stays the same process; and, as root (the agents' spools live on a small tmpfs), NATS is
+killed while that filesystem is full: the faults the disk refuses must be counted (`fault_lost`
+ENOSPC) with the agent still up, and faults after space returns are spooled and reach the incident.
+
 Internal modes (run by the driver itself): `python bench/chaos.py agents --dir D --nodes n1,n2,...`.
 """
 
@@ -35,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +63,13 @@ APP_XIDS = (13, 31, 43)
 DRAIN_SHARE = 0.3
 QUIESCE_TIMEOUT_S = 150.0
 TERMINATED_PERMIT_S = 30.0
+POISON_DEADLETTER_S = 30.0
+"""Poison messages published after quiescence must all be dead-lettered within this (router alive)."""
+SPOOL_TMPFS_SIZE = "4m"
+"""Root only: the agents' spools live on a tmpfs this big, so the full-spool phase fills a real
+filesystem (ENOSPC). Without root the phase is reported as skipped."""
+SPOOL_PHASE_FAULTS = 6
+SPOOL_PHASE_S = 45.0
 """A terminated incident's drain permit is back within this (the worker reconciles every 2 s here)."""
 STABLE_PHASES = frozenset({"triage", "awaiting_permit", "awaiting_repair", "closed"})
 """Phases an incident rests in without more input; anything else (draining, diagnosing, ...) is in flight."""
@@ -206,6 +220,13 @@ class Chaos:
 
     async def start_all(self) -> None:
         self._build()
+        self.spool_mount = None
+        if os.geteuid() == 0 and not os.environ.get("FLEETMEND_CHAOS_NO_TMPFS"):
+            mnt = self.state / "agent"
+            mnt.mkdir(parents=True, exist_ok=True)
+            r = await asyncio.to_thread(subprocess.run, ["mount", "-t", "tmpfs", "-o", f"size={SPOOL_TMPFS_SIZE}",
+                                                         "tmpfs", str(mnt)], capture_output=True, text=True)
+            self.spool_mount = mnt if r.returncode == 0 else None
         for name in ("nats-server", "temporal", "worker", "router", "agent"):
             await self._start(name)
 
@@ -216,6 +237,8 @@ class Chaos:
         for name in ("agent", "router", "worker", "temporal", "nats-server"):
             if name in self.procs:
                 self.procs[name].stop(timeout_s=10)
+        if getattr(self, "spool_mount", None) is not None:
+            subprocess.run(["umount", "-l", str(self.spool_mount)], check=False)
 
     async def supervise(self, stop: asyncio.Event) -> None:
         """Restart a pipeline process that exited on its own (counted: the claim is that none does)."""
@@ -422,6 +445,118 @@ class Chaos:
         return [("terminated incident: permit back", f"{node}: still held after {TERMINATED_PERMIT_S:.0f} s")], \
             [f"{node}: the permit of a terminated incident was not given back within {TERMINATED_PERMIT_S:.0f} s"]
 
+    async def poison(self, nc: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+        """Publish messages no agent should ever send (JSON nested 50k deep, an observed_at that
+        overflows UTC, not UTF-8, JSON that is not an object) on live nodes' fault subjects: each must
+        become a dead letter with its reason while the router keeps running."""
+        js = nc.jetstream()
+        router_pid = self.procs["router"].pid
+        node = self.node_names[0]
+        good = {"event_id": "0" * 24, "cluster": self.cluster, "node": node, "component": "gpu", "kind": "xid",
+                "code": 13, "severity": "degraded", "source": "inject"}
+        poison = [b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+                  json.dumps({**good, "observed_at": "9999-12-31T23:59:59-23:59"}).encode(),
+                  b"\xff\xfe not utf-8", b"[1, 2, 3]"]
+        seqs = []
+        for data in poison:
+            seqs.append((await js.publish(subjects.fault_subject(self.cluster, node), data)).seq)
+        t0 = time.monotonic()
+        got: set[int] = set()
+        while time.monotonic() - t0 < POISON_DEADLETTER_S and not set(seqs) <= got:
+            got = set()
+            with contextlib.suppress(Exception):
+                info = await js.stream_info(subjects.DEADLETTER_STREAM)
+                for seq in range(max(info.state.first_seq, info.state.last_seq - 50), info.state.last_seq + 1):
+                    with contextlib.suppress(Exception):
+                        got.add(json.loads((await js.get_msg(subjects.DEADLETTER_STREAM, seq)).data)["stream_seq"])
+            await asyncio.sleep(0.5)
+        dead = len(set(seqs) & got)
+        router_same = self.procs["router"].alive() and self.procs["router"].pid == router_pid
+        rows = [("poison messages (50k-deep JSON, bad observed_at, not UTF-8, not an object)", len(poison)),
+                ("poison dead-lettered, router still the same process", f"{dead}/{len(poison)}, "
+                 f"{'yes' if router_same else 'NO'}")]
+        failures = []
+        if dead != len(poison):
+            failures.append(f"{len(poison) - dead} poison message(s) not dead-lettered within {POISON_DEADLETTER_S:.0f} s")
+        if not router_same:
+            failures.append("the router exited after poison messages")
+        return rows, failures
+
+    def _logged(self, event: str, **match: Any) -> int:
+        n = 0
+        for line in (self.logs / "agent.log").read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                n += rec.get("event") == event and all(str(rec.get(k, "")).startswith(v) for k, v in match.items())
+        return n
+
+    async def full_spool(self, client: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+        """NATS killed while the agents' spool filesystem is full: what the disk refuses is counted
+        (`fault_lost` ENOSPC), the agent process stays up; once space returns, faults are spooled and
+        reach their incidents after NATS is back."""
+        from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+        from fleetmend.messages import RemediationApi
+
+        name = "full spool (tmpfs ENOSPC, NATS down)"
+        if self.spool_mount is None:
+            return [(name, "skipped (mounting a tmpfs needs root)")], []
+        agent_pid = self.procs["agent"].pid
+        node = self.node_names[1]
+
+        def write(i: int) -> FaultEvent:
+            bus = f"0000:fe:{i:02x}.0"
+            ev = FaultEvent(cluster=self.cluster, node=node, component=Component.GPU, kind="xid", code=13,
+                            severity=Severity.DEGRADED, source=Source.INJECT, device=Device(pci_bus_id=bus),
+                            message=f"spool phase {i}", raw=f"NVRM: Xid (PCI:{bus[:-2]}): 13, spool phase {i}")
+            with open(self.inject / f"{node}.jsonl", "ab") as f:
+                f.write(ev.to_json_bytes() + b"\n")
+            return ev
+
+        filler = self.spool_mount / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        lost0, spooled0 = self._logged("fault_lost", reason="ENOSPC"), self._logged("fault_spooled")
+        nats = self.procs["nats-server"]
+        nats._chaos_down = True  # type: ignore[attr-defined]
+        nats.kill()
+        for i in range(SPOOL_PHASE_FAULTS):
+            write(i)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < SPOOL_PHASE_S and \
+                self._logged("fault_lost", reason="ENOSPC") - lost0 < SPOOL_PHASE_FAULTS:
+            await asyncio.sleep(0.5)
+        lost = self._logged("fault_lost", reason="ENOSPC") - lost0
+        filler.unlink()
+        later = [write(SPOOL_PHASE_FAULTS + i) for i in range(SPOOL_PHASE_FAULTS)]
+        while time.monotonic() - t0 < SPOOL_PHASE_S and self._logged("fault_spooled") - spooled0 < SPOOL_PHASE_FAULTS:
+            await asyncio.sleep(0.5)
+        spooled = self._logged("fault_spooled") - spooled0
+        await self._start("nats-server")
+        nats._chaos_down = False  # type: ignore[attr-defined]
+        h = client.get_workflow_handle(subjects.workflow_id(self.cluster, node))
+        want = {e.event_id for e in later}
+        recorded: set[str] = set()
+        while time.monotonic() - t0 < SPOOL_PHASE_S * 2 and not want <= recorded:
+            with contextlib.suppress(Exception):
+                st = await h.query(RemediationApi.STATUS)
+                recorded = {f["event_id"] for f in st["faults"]}
+            await asyncio.sleep(1.0)
+        agent_up = self.procs["agent"].alive() and self.procs["agent"].pid == agent_pid
+        rows = [(name + ": refused, counted fault_lost", f"{lost}/{SPOOL_PHASE_FAULTS}"),
+                (name + ": spooled once space returned", f"{spooled}/{SPOOL_PHASE_FAULTS}"),
+                (name + ": then recorded in the incident", f"{len(want & recorded)}/{SPOOL_PHASE_FAULTS}"),
+                (name + ": agent still the same process", "yes" if agent_up else "NO")]
+        failures = []
+        if lost != SPOOL_PHASE_FAULTS:
+            failures.append(f"full spool: {lost} of {SPOOL_PHASE_FAULTS} refused faults counted as fault_lost ENOSPC")
+        if spooled < SPOOL_PHASE_FAULTS or not want <= recorded:
+            failures.append(f"full spool: after space returned {spooled} spooled, "
+                            f"{len(want & recorded)}/{SPOOL_PHASE_FAULTS} recorded")
+        if not agent_up:
+            failures.append("full spool: the agent process exited")
+        return rows, failures
+
     async def run(self) -> int:
         from temporalio.client import Client
 
@@ -459,6 +594,12 @@ class Chaos:
             more, failed = await self.terminated_incident(client)
             rows += more
             failures += failed
+            nc = await nats.connect(self.nats_url)
+            for phase in (self.poison(nc), self.full_spool(client)):
+                more, failed = await phase
+                rows += more
+                failures += failed
+            await nc.close()
             print_table(rows, failures, seed=self.seed)
             return 1 if failures else 0
         finally:

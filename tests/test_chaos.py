@@ -1,6 +1,8 @@
 """The chaos claim at CI size: kill -9 the agent, router, worker, nats-server and Temporal (one at a
 time, seeded random points) while 100 faults for 20 nodes flow; every fault is recorded exactly once,
-no incident is drained or ticketed twice. The bench's table is printed in the test log."""
+no incident is drained or ticketed twice; then poison messages are dead-lettered without the router
+restarting, and (as root) faults refused by a full spool filesystem are counted while the agent stays
+up and spools again once space returns. The bench's table is printed in the test log."""
 
 from __future__ import annotations
 
@@ -21,3 +23,10 @@ def test_chaos_every_fault_once_no_double_drain_or_ticket(capsys, tmp_path: Path
     assert p.returncode == 0, f"chaos claims failed (rc {p.returncode}):\n{p.stdout}\n{p.stderr[-3000:]}"
     assert re.search(r"^faults sent\s+100$", p.stdout, re.M), p.stdout
     assert "PASS" in p.stdout
+    # the poison-message and full-spool rows (the spool row needs root to mount its tmpfs)
+    assert re.search(r"^poison dead-lettered, router still the same process\s+4/4, yes$", p.stdout, re.M), p.stdout
+    import os
+
+    if os.geteuid() == 0:
+        assert re.search(r"refused, counted fault_lost\s+6/6$", p.stdout, re.M), p.stdout
+        assert re.search(r"then recorded in the incident\s+6/6$", p.stdout, re.M), p.stdout
