@@ -147,6 +147,16 @@ class DiagResponder:
             task.add_done_callback(self._tasks.discard)
             return
         # --- end recovery ---
+        # --- sweep benchmark requests (fleetmend sweep) share it too: agents/bench.py ---
+        from fleetmend.diagnostics import is_bench_request
+
+        if is_bench_request(msg.data):
+            from agents.bench import answer_bench
+
+            task = asyncio.create_task(answer_bench(self, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         task = asyncio.create_task(self._answer(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

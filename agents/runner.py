@@ -214,6 +214,7 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                                         gpu_reset_command=settings.policy.gpu_reset_command,
                                         on_reboot=(lambda req: record_reboot_ordered(state, req.incident_id))
                                         if lastboot else None)
+        diag.bench_command = settings.agent.bench_command  # `fleetmend sweep` (agents/bench.py)
         await diag.start()
         conn["diag"] = diag
         connected.set()

@@ -286,6 +286,11 @@ class AnalyzerSettings(_Section):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     """Active-replica lease in the KV bucket: renewed every third of this; a standby takes over when it
     has not been renewed for this long."""
+    sweep_outlier_pct: float = Field(default=5.0, gt=0, lt=100)
+    """`fleetmend sweep`: a node more than this far below the sweep's median on any metric is flagged
+    (5 %: what a synchronous job notices; the built-in host checks repeat within ~2 % on an idle node)."""
+    sweep_deadline_s: float = Field(default=60.0, gt=0)
+    """`fleetmend sweep`: each agent answers within this; nodes that do not are listed, not waited on."""
     job_min_ranks: int = Field(default=4, ge=2)
     """A job's step times are compared across ranks only with at least this many ranks reporting."""
     job_slow_ratio: float = Field(default=1.05, gt=1)

@@ -126,3 +126,43 @@ class RecoveryReport(BaseModel):
 def is_recovery_request(data: bytes) -> bool:
     """Cheap test the agent's diag subscriber uses to route a message to the recovery handler."""
     return b'"type"' in data and b'"recovery"' in data
+
+
+# ------------------------------------------------------------------ sweep benchmark (fleetmend sweep)
+
+
+class BenchRequest(BaseModel):
+    """Body of a sweep benchmark request on `diag_subject(cluster, node)`; `type` tells it from a
+    `DiagRequest`. The agent answers a `BenchReport`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(default="bench", pattern="^bench$")
+    sweep_id: str | None = None
+    deadline_s: float = Field(default=60.0, gt=0)
+    """The agent answers within this, with what finished (the sweep does not wait for more)."""
+    host_seconds: float = Field(default=1.0, gt=0, le=30)
+    """Length of each built-in host measurement (memory copy, hashing)."""
+    builtin: bool = True
+    """False: only `agent.bench_command` (the site's own benchmark)."""
+
+
+class BenchReport(BaseModel):
+    """A node's benchmark numbers. `metrics`: name → value (higher is better unless
+    `fleetmend.sweep.lower_is_better(name)`); `skipped`: check → why it did not run or failed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    node: str
+    cluster: str
+    sweep_id: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    skipped: dict[str, str] = Field(default_factory=dict)
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime = Field(default_factory=utcnow)
+    agent_version: str = "unknown"
+
+
+def is_bench_request(data: bytes) -> bool:
+    """Cheap test the agent's diag subscriber uses to route a message to the benchmark runner."""
+    return b'"type"' in data and b'"bench"' in data

@@ -101,6 +101,8 @@ class Source(StrEnum):
     NVIDIA_SMI = "nvidia-smi"
     ANALYZER = "analyzer"
     """The fail-slow analyzer (peer comparison of telemetry), not a node's own probe."""
+    SWEEP = "sweep"
+    """`fleetmend sweep --act`: an outlier of an on-demand benchmark sweep."""
 
 
 class Device(BaseModel):

@@ -57,6 +57,10 @@ class Activity:
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
     RELEASE_DRAIN_PERMIT = "release_drain_permit"
+    BENCH_NODE = "bench_node"
+    """`Sweep`: one node's benchmark numbers (`fleetmend.sweep.BenchActivityRequest` → `BenchReport`)."""
+    OPEN_FAIL_SLOW = "open_fail_slow"
+    """`Sweep --act`: publish fail_slow for the outliers (`fleetmend.sweep.FailSlowRequest` → node names)."""
 
 
 class RemediationApi:

@@ -18,7 +18,8 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                          (`agent_silent` events for nodes whose heartbeats stopped)
                subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
                          _INBOX_router.> (its own inbox prefix)
-    worker     publish   fleet.*.diag.* (diagnostics and recovery requests), $KV.<drain bucket>.>
+    worker     publish   fleet.*.diag.* (diagnostics, recovery and sweep benchmark requests), fleet.*.fault.*
+                         (fail_slow of `fleetmend sweep --act`), $KV.<drain bucket>.>
                          and the JetStream API calls of that bucket (stream info/create, direct and
                          message get, consumer create/info/delete for key listings, flow control)
                subscribe _INBOX_worker.> (its own inbox prefix)
@@ -100,7 +101,8 @@ def role_permissions(role: str) -> dict | None:
         api = _api(f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
                    f"DIRECT.GET.{kv}.>", f"CONSUMER.CREATE.{kv}", f"CONSUMER.CREATE.{kv}.>",
                    f"CONSUMER.INFO.{kv}.>", f"CONSUMER.DELETE.{kv}.>")
-        return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*"]},
+        return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*",
+                                      subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "analyzer":
         ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"

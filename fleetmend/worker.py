@@ -38,6 +38,8 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from activities.recovery import RecoveryActivities
     from workflows.fleetguard import FleetGuard
     from workflows.remediation import NodeRemediation
+    from activities.sweep import SweepActivities
+    from workflows.sweep import Sweep
 
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
@@ -47,12 +49,14 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
     recovery = RecoveryActivities(nc)
+    sweep = SweepActivities(nc)
     return Worker(
-        client, task_queue=tq, workflows=[NodeRemediation, FleetGuard], workflow_runner=workflow_runner(),
+        client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
-                    guard.running_incidents, recovery.reset_gpu, recovery.reboot_node],
+                    guard.running_incidents, recovery.reset_gpu, recovery.reboot_node,
+                    sweep.bench_node, sweep.open_fail_slow],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
         max_cached_workflows=settings.worker.max_cached_workflows,

@@ -443,7 +443,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer", "sweep"]
 _register_extensions()
 
 

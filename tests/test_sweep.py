@@ -1,0 +1,146 @@
+"""`fleetmend sweep`: hostlist expansion, the comparison rule, the agent's built-in checks, and end to
+end with real NATS, Temporal and real agents whose `agent.bench_command` prints set values: the
+slowed node is flagged (and with --act gets a fail_slow event), a node without an agent is listed as
+not answering, healthy nodes are not flagged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleetmend.sweep import compare, expand_hostlist, findings, lower_is_better
+
+
+def test_expand_hostlist() -> None:
+    assert expand_hostlist("gpu[01-03,07]") == ["gpu01", "gpu02", "gpu03", "gpu07"]
+    assert expand_hostlist("a[1-2]b[08-09],c5,a1b08") == ["a1b08", "a1b09", "a2b08", "a2b09", "c5"]
+    assert expand_hostlist("node7") == ["node7"]
+    assert expand_hostlist("gpu[9-11]") == ["gpu9", "gpu10", "gpu11"]
+    for bad in ("gpu[01-", "gpu]1[", "gpu[a-b]", "gpu[5-2]"):
+        with pytest.raises(ValueError):
+            expand_hostlist(bad)
+
+
+@given(st.lists(st.integers(0, 999), min_size=1, max_size=30, unique=True))
+def test_hostlist_matches_enumeration(nums: list[int]) -> None:
+    expr = "n[" + ",".join(f"{n:03d}" for n in nums) + "]"
+    assert expand_hostlist(expr) == [f"n{n:03d}" for n in nums]
+
+
+def test_scontrol_agrees_when_installed() -> None:
+    from fleetmend.cli.sweep import slurm_hostnames
+
+    if not __import__("shutil").which("scontrol"):
+        pytest.skip("no scontrol here")
+    assert slurm_hostnames("gpu[01-03,07]") == expand_hostlist("gpu[01-03,07]")
+
+
+def test_compare_orientation_outliers_and_small_metrics() -> None:
+    assert lower_is_better("step_time_ms") and lower_is_better("allreduce_latency_us") and lower_is_better("load_s")
+    assert not lower_is_better("tokens_per_s") and not lower_is_better("busbw_gbps") and not lower_is_better("tflops")
+    reports = {f"n{i}": {"tflops": 100.0, "step_time_ms": 80.0} for i in range(6)}
+    reports["n2"] = {"tflops": 94.0, "step_time_ms": 80.0}  # 6 % below: outlier at 5 %
+    reports["n3"] = {"tflops": 100.0, "step_time_ms": 88.0}  # 10 % slower steps: outlier
+    reports["n4"] = {"tflops": 97.0, "step_time_ms": 81.0, "rare": 1.0}  # 3 %: fine; "rare" only here
+    res = compare("c", "s1", reports, 5.0)
+    assert res.outliers == ["n2", "n3"]
+    n3 = next(r for r in res.rows if r.node == "n3")
+    assert n3.worst_metric == "step_time_ms" and n3.worst_ratio == pytest.approx(80 / 88)
+    assert res.not_judged == ["rare"]
+    assert {f.node: f.metric for f in findings(res)} == {"n2": "tflops", "n3": "step_time_ms"}
+    assert compare("c", "s1", reports, 7.0).outliers == ["n3"]
+
+
+def test_builtin_host_checks_measure_something() -> None:
+    from agents.bench import run_bench
+    from fleetmend.diagnostics import BenchRequest
+
+    rep = asyncio.run(run_bench(BenchRequest(host_seconds=0.2), cluster="c", node="n", nvml=None,
+                                bench_command=[sys.executable, "-c", "print('progress...'); print('{\"x_per_s\": 3}')"]))
+    assert rep.metrics["mem_copy_gbps"] > 0 and rep.metrics["cpu_sha256_mbps"] > 0 and rep.metrics["cpu_zlib_mbps"] > 0
+    assert rep.metrics["x_per_s"] == 3.0 and "gpu" in rep.skipped
+    bad = asyncio.run(run_bench(BenchRequest(builtin=False), cluster="c", node="n",
+                                bench_command=[sys.executable, "-c", "print('{\"x\": \"fast\"}')"]))
+    assert bad.metrics == {} and "expected a number" in bad.skipped["bench_command"]
+
+
+async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, tmp_path: Path, unique: str) -> None:
+    from agents.runner import run_agent
+    from fleetmend import subjects
+    from fleetmend.config import load_settings
+    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.events import FaultEvent
+    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.worker import build_worker
+
+    cluster = f"sw{unique}"
+    base = dict(cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
+                state_dir=tmp_path / "state", task_queue=f"tq-{unique}", log_format="json")
+    s = load_settings(None, node="cli", **base)
+    nc = await connect_nats(s, name="sweep-e2e")
+    await ensure_fault_stream(nc.jetstream())
+    client = await connect_temporal(s)
+    worker = await build_worker(s, client, nc)
+    wtask = asyncio.create_task(worker.run())
+    values = {"g1": 100.0, "g2": 101.0, "g3": 99.0, "g4": 88.0, "g5": 100.5}  # g4 is 12 % slow
+    stop = asyncio.Event()
+    agents = []
+    for node, v in values.items():
+        cmd = [sys.executable, "-c", f"import json; print(json.dumps({{'tokens_per_s': {v}, 'step_time_ms': "
+                                     f"{8000 / v:.3f}}}))"]
+        a = load_settings(None, node=node, agent={"bench_command": cmd, "perf_enabled": False}, **base)
+        agents.append(asyncio.create_task(run_agent(a, stop=stop, probes=[], hardware=False)))
+    faults = await nc.subscribe(subjects.fault_subject(cluster, "g4"))
+    env = {**os.environ, "FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
+           "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
+           "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
+    try:
+        from tests.conftest import assert_eventually
+
+        async def all_listening() -> bool:
+            for n in values:
+                try:
+                    await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
+                except Exception:  # noqa: BLE001 - not up yet
+                    return False
+            return True
+
+        await assert_eventually(all_listening, timeout_s=30, what="agents answer on their diag subjects")
+        p = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "fleetmend.cli.main", "sweep", "--nodelist", "g[1-6]", "--site-only",
+            "--deadline", "10", "--id", f"t{unique}", "--json", "--act"], env=env, capture_output=True, text=True,
+            timeout=120)
+        assert p.returncode == 1, p.stdout + p.stderr  # an outlier was found
+        d = json.loads(p.stdout)
+        assert d["outliers"] == ["g4"]
+        assert set(d["not_answering"]) == {"g6"}, "g6 has no agent: listed, not waited on"
+        assert d["medians"]["tokens_per_s"] == 100.0
+        row = next(r for r in d["rows"] if r["node"] == "g4")
+        assert row["metrics"]["tokens_per_s"]["ratio"] == pytest.approx(0.88)
+        assert row["metrics"]["step_time_ms"]["outlier"] is True
+        assert d["incidents_opened"] == ["g4"]
+        ev = FaultEvent.from_json_bytes((await faults.next_msg(timeout=10)).data)
+        assert ev.kind == "fail_slow" and ev.attrs["sweep_id"] == f"t{unique}" and ev.attrs["ratio"] < 0.95
+        # visible in Temporal under its id
+        desc = await client.get_workflow_handle(subjects.sweep_workflow_id(cluster, f"t{unique}")).describe()
+        assert desc.workflow_type == "Sweep"
+        # the readable table, healthy nodes only (no outlier → exit 0)
+        p = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "fleetmend.cli.main", "sweep", "g1", "g2", "g3", "g5", "--site-only",
+            "--deadline", "10", "--id", f"u{unique}"], env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "tokens_per_s" in p.stdout and "OUTLIER" not in p.stdout and "median" in p.stdout
+    finally:
+        stop.set()
+        await asyncio.gather(*agents, return_exceptions=True)
+        await worker.shutdown()
+        wtask.cancel()
+        await nc.close()
