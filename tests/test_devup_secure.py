@@ -78,6 +78,24 @@ def test_dev_up_secure_end_to_end_and_a_silent_agent(tmp_path: Path) -> None:
         st = _wait("t2's silence noticed", lambda: (s := status("t2")) and any(
             f["kind"] == "agent_silent" for f in s["faults"]) and s, 60)
         assert not st["drained"], "a silent agent is not a bad node"
+
+        # Poison on a fault subject (an operator's credentials can publish anywhere): dead-lettered,
+        # and dev up's restart limit never comes into play because the router never exits.
+        import asyncio
+
+        import nats
+
+        async def poison() -> None:
+            nc = await nats.connect(env["FLEETMEND_NATS_URL"], nkeys_seed=str(state / "creds" / "admin.nk"))
+            for _ in range(6):
+                for data in (b"[" * 60_000, b'{"observed_at": "9999-12-31T23:59:59-23:59"}', b"\xff"):
+                    await nc.jetstream().publish("fleet.sec.fault.t1", data)
+            await nc.close()
+
+        asyncio.run(poison())
+        _wait("18 dead letters", lambda: "dead letters: 18" in subprocess.run(
+            FLEETMEND + ["status"], env=admin, capture_output=True, text=True, timeout=60).stdout, 60)
+        assert "router exited" not in log.read_text() and devup.poll() is None, log.read_text()[-2000:]
         violations = [ln for ln in (state / "logs" / "nats.log").read_text().splitlines()
                       if "Violation" in ln]
         assert not violations, violations[:5]

@@ -145,3 +145,39 @@ def test_deadletters_on_a_fresh_install_prints_no_traceback(own_nats: str, tmp_p
         r = run(*args)
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+async def test_router_recreates_a_fault_stream_nats_lost(own_nats: str, temporal_client, tmp_path: Path) -> None:
+    """The router owns the streams when agents run with node credentials (they may not create it):
+    a fault stream deleted under a running router is created again, with its consumer."""
+    from fleetmend.catalog import load_catalog
+    from fleetmend.config import load_settings
+    from fleetmend.router.core import Router
+
+    s = load_settings(None, nats_url=own_nats, state_dir=tmp_path, task_queue="tq-lost")
+    nc = await nats.connect(own_nats)
+    js = nc.jetstream()
+    router = Router(s, nc, js, temporal_client, load_catalog())
+    stop = asyncio.Event()
+    task = asyncio.create_task(router.run(stop))
+    try:
+        await assert_eventually(lambda: _has_stream(js), timeout_s=20, what="router set up")
+        await asyncio.sleep(1.0)
+        await js.delete_stream(FAULT_STREAM)
+        await assert_eventually(lambda: _has_stream(js), timeout_s=30, what="the router recreated the stream")
+        from fleetmend.subjects import ROUTER_DURABLE
+
+        ci = await assert_eventually(lambda: _consumer(js, ROUTER_DURABLE), timeout_s=20, what="its consumer")
+        assert ci.config.durable_name == ROUTER_DURABLE
+        assert not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await nc.close()
+
+
+async def _consumer(js, name: str):  # noqa: ANN001, ANN202
+    try:
+        return await js.consumer_info(FAULT_STREAM, name)
+    except Exception:  # noqa: BLE001
+        return None

@@ -55,6 +55,9 @@ log = structlog.get_logger("fleetmend.router")
 
 __all__ = ["MAX_EVENT_BYTES", "Router", "decode_event", "collapse"]
 
+RESETUP_AFTER_FAILURES = 5
+"""Failed fetches in a row after which the router sets up its streams and consumer again."""
+
 
 @dataclass
 class RouterStats:
@@ -173,8 +176,12 @@ class Router:
         log.info("router_stopped", **self.stats.__dict__)
 
     async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
+        """Fetch until `stop`. After `RESETUP_AFTER_FAILURES` failed fetches in a row (the stream or
+        the consumer is gone: NATS lost its storage, someone deleted it) the streams and the durable
+        consumer are set up again (`setup`: a missing stream is created, an existing one untouched)."""
         from nats.errors import TimeoutError as NatsTimeout
 
+        failures = 0
         while not stop.is_set():
             if self._held >= self._max_unacked:
                 self._room.clear()
@@ -191,8 +198,18 @@ class Router:
                 raise
             except Exception as err:  # noqa: BLE001 - connection trouble: log, back off, go on
                 log.warning("fetch_failed", error=repr(err))
+                failures += 1
+                if failures % RESETUP_AFTER_FAILURES == 0:
+                    try:
+                        with contextlib.suppress(Exception):
+                            await psub.unsubscribe()
+                        psub = await self.setup()
+                        log.warning("router_set_up_again", after_failures=failures, durable=self.durable)
+                    except Exception as again:  # noqa: BLE001 - NATS still away: next round
+                        log.warning("router_setup_failed", error=repr(again))
                 await asyncio.sleep(1.0)
                 continue
+            failures = 0
             await self.handle_batch(msgs)
 
     async def watch_max_deliveries(self):  # noqa: ANN201 - nats Subscription
