@@ -181,3 +181,19 @@ async def _consumer(js, name: str):  # noqa: ANN001, ANN202
         return await js.consumer_info(FAULT_STREAM, name)
     except Exception:  # noqa: BLE001
         return None
+
+
+def test_a_stream_raised_to_three_replicas_is_reported_never_lowered():
+    """A single test server cannot hold 3 replicas; the comparison that decides the warning can be
+    checked directly: the operator's 3 replicas differ from the configured 1, and `ensure_stream`
+    never sends an update (it has no update call at all)."""
+    import inspect
+
+    from fleetmend.jetstream import differences, ensure_stream
+
+    want = fault_stream_config(StreamSettings(replicas=1))
+    have = fault_stream_config(StreamSettings(replicas=1))
+    have.num_replicas = 3
+    assert differences(want, have) == {"num_replicas": (3, 1)}
+    assert differences(want, fault_stream_config(StreamSettings())) == {}
+    assert "update_stream" not in inspect.getsource(ensure_stream)
