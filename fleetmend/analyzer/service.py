@@ -13,6 +13,9 @@
 - A finding becomes a `fail_slow` FaultEvent published on the node's fault subject through
   JetStream (Nats-Msg-Id = event id), so it takes the normal pipeline: router → NodeRemediation →
   FleetGuard budget → diagnostics → ticket.
+- Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.*`) go through a second comparator whose
+  groups are jobs and whose members are ranks: a rank persistently slower than the job's other
+  ranks becomes fail_slow on its node, saying whether that node's hardware telemetry agrees.
 - A sample that is not a valid `PerfSample` (or names another node than its subject) is written to
   `fleet.deadletter` with the reason and skipped; a group too small to compare is logged (once an
   hour per group and metric) and counted in `fleetmend_analyzer_small_groups`.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -35,7 +39,8 @@ from pydantic import ValidationError
 
 from fleetmend import subjects
 from fleetmend.analyzer.core import Comparator, WindowResult, finding_event
-from fleetmend.analyzer.metrics import derive
+from fleetmend.analyzer.metrics import MetricSpec, derive
+from fleetmend.events import Component
 from fleetmend.config import Settings
 from fleetmend.telemetry import PerfSample
 
@@ -43,6 +48,18 @@ log = structlog.get_logger("fleetmend.analyzer")
 
 SMALL_GROUP_LOG_EVERY_S = 3600.0
 MAX_SAMPLE_BYTES = 256 * 1024
+
+
+JOB_SPEC = MetricSpec("job_step_seconds", "high", False, 0.05, 0.0, Component.GPU, "step time s")
+"""A rank's step time: higher is worse, judged against the other ranks of its job."""
+
+
+def job_comparator(cfg: Any) -> Comparator:
+    """A `Comparator` of job step times: groups are jobs, keys `<node>/<rank>`, at least
+    `job_min_ranks` ranks, a rank `job_slow_ratio` above the job's median (and beyond `mad_k` MADs)."""
+    c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}))
+    c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1)}
+    return c
 
 
 def lease_key(cluster: str) -> str:
@@ -86,6 +103,9 @@ class Analyzer:
 
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
         self.comparator = Comparator(self.cfg)
+        self.jobs = job_comparator(self.cfg)
+        """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
+        self.job_steps = 0
         self.active = False
         self.samples = 0
         self.rejected = 0
@@ -94,6 +114,7 @@ class Analyzer:
         self.small_groups: dict[tuple[str, str], int] = {}
         self._small_logged: dict[tuple[str, str], float] = {}
         self._sub: Any = None
+        self._job_sub: Any = None
         self._log = log.bind(cluster=self.cluster, holder=self.holder)
 
     # ------------------------------------------------------------------ samples
@@ -103,10 +124,41 @@ class Analyzer:
         from nats.js.api import ConsumerConfig, DeliverPolicy
 
         since = datetime.fromtimestamp(self.clock() - self.cfg.window_s - self.cfg.grace_s, timezone.utc)
+        self._sub = await self._ordered(subjects.cluster_perf_subject(self.cluster), subjects.PERF_STREAM, since,
+                                        self._on_msg)
+        self._job_sub = await self._ordered(subjects.cluster_job_subject(self.cluster), subjects.JOB_STREAM, since,
+                                            self._on_job_msg)
+
+    async def _ordered(self, subject: str, stream: str, since: datetime, cb: Any) -> Any:
+        """An ordered push consumer from `since`. nats-py recreates an ordered consumer after a gap
+        by start *sequence* but keeps the start *time* of the first request, which the server refuses
+        (err 10094); the stored time is cleared once the consumer exists, so a recreation resumes by
+        sequence as intended."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
                              opt_start_time=since.isoformat().replace("+00:00", "Z"))
-        self._sub = await self.js.subscribe(subjects.cluster_perf_subject(self.cluster), stream=subjects.PERF_STREAM,
-                                            cb=self._on_msg, ordered_consumer=True, config=cfg)
+        sub = await self.js.subscribe(subject, stream=stream, cb=cb, ordered_consumer=True, config=cfg)
+        jsi = getattr(sub, "_jsi", None)
+        if jsi is not None and getattr(jsi, "_ccreq", None) is not None:
+            jsi._ccreq.opt_start_time = None
+        return sub
+
+    async def _on_job_msg(self, msg: Any) -> None:
+        try:
+            data = json.loads(msg.data)
+            if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("steps"), list):
+                raise ValueError("expected {\"v\": 1, \"job\": ..., \"steps\": [[rank, node, step, seconds, time], ...]}")
+            job = subjects.job_subject(self.cluster, str(data.get("job"))).rsplit(".", 1)[1]
+            rows = [(int(r), subjects.fault_subject(self.cluster, str(n)).rsplit(".", 1)[1], float(sec), float(at))
+                    for r, n, _step, sec, at in data["steps"]]
+        except (ValueError, TypeError, UnicodeDecodeError) as err:
+            self.rejected += 1
+            await self._deadletter(msg, f"invalid job timing message: {str(err)[:300]}")
+            return
+        for rank, node, sec, at in rows:
+            self.jobs.add(f"{node}/{rank}", f"job:{job}", at, {"job_step_seconds": (sec, f"rank:{rank}")})
+            self.job_steps += 1
 
     async def _on_msg(self, msg: Any) -> None:
         reason = None
@@ -213,7 +265,33 @@ class Analyzer:
                 self._log.warning("fail_slow", node=f.node, **f.evidence())
             self.comparator.forget_reports_before(now)
             await self.save_state()
+        for w in self.jobs.due(now):
+            res = self.jobs.close_window(w)
+            if not active:
+                continue
+            for f in res.findings:
+                ev = self.job_event(f)
+                await self.js.publish(subjects.fault_subject(self.cluster, ev.node), ev.to_json_bytes(),
+                                      headers={"Nats-Msg-Id": subjects.msg_id(ev.event_id)}, timeout=5.0)
+                self.published.append(ev.event_id)
+                metrics.ANALYZER_FAIL_SLOW.labels(self.cluster, f.metric).inc()
+                self._log.warning("fail_slow_rank", node=ev.node, **ev.attrs)
         return results
+
+    def job_event(self, f: Any) -> Any:
+        """The fail_slow event of a slow rank: on the rank's node, with the job's evidence, and which
+        hardware metrics of that node are outlying too (`hardware_agrees`, empty when none)."""
+        node, _, rank = f.node.partition("/")
+        hw = sorted(set(self.comparator.streaks.get(node, {})) | set(self.comparator.reported.get(node, {})))
+        g = dataclasses.replace(f, node=node)
+        ev = finding_event(g, self.cluster, JOB_SPEC)
+        job = f.group.removeprefix("job:")
+        agrees = f"; hardware telemetry agrees ({', '.join(hw)})" if hw else "; hardware telemetry shows nothing"
+        return ev.model_copy(update={
+            "message": (f"fail-slow: rank {rank} of job {job} on {node}: median step {f.value:.4g} s vs the job's "
+                        f"median {f.peer_median:.4g} s (ratio {f.ratio:.3f}) in {f.windows} consecutive "
+                        f"{f.window_s:g} s windows among {f.group_size} ranks{agrees}"),
+            "attrs": {**ev.attrs, "job": job, "rank": int(rank), "hardware_agrees": ",".join(hw)}})
 
     def _report_small(self, res: WindowResult, now: float) -> None:
         for g in res.small_groups:
@@ -240,8 +318,9 @@ class Analyzer:
                     async with asyncio.timeout(min(tick_s, self.cfg.lease_ttl_s / 3)):
                         await stop.wait()
         finally:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+            for sub in (self._sub, self._job_sub):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             await self.release()
 
 
