@@ -250,8 +250,8 @@ def finding_event(f: Finding, cluster: str, spec: MetricSpec | None = None) -> F
     ns = int(f.window_end * 1e9)
     suffix = hashlib.sha1(f"{cluster}/{f.node}/{f.metric}".encode()).hexdigest()[:8]
     label = spec.label if spec else f.metric
-    ratio = f"ratio {f.ratio:.3f}" if f.ratio is not None else "peer median 0"
-    msg = (f"fail-slow: {label} {f.value:.4g} vs peer median {f.peer_median:.4g} ({ratio}) on {f.where}, "
+    ratio = f" (ratio {f.ratio:.3f})" if f.ratio is not None else ""
+    msg = (f"fail-slow: {label} {f.value:.4g} vs peer median {f.peer_median:.4g}{ratio} on {f.where}, "
            f"outlier in {f.windows} consecutive {f.window_s:g} s windows among {f.group_size} peers of {f.group}")
     return FaultEvent(
         event_id=f"{ns:016x}{suffix}", cluster=cluster, node=f.node,
