@@ -80,6 +80,9 @@ class TicketSettings(_Section):
     repaired_statuses: list[str] = Field(default_factory=lambda: ["Done", "Resolved", "Closed", "repaired"])
     """Remote ticket statuses that mean "repaired" for `poll_ticket` (compared case-insensitively)."""
     jira: "JiraSettings" = Field(default_factory=lambda: JiraSettings())
+    ledger: str = Field("kv", pattern="^(kv|files)$")
+    """Where the deployment's ticket ledger lives: `kv` (a JetStream KV bucket every worker replica and
+    `fleetmend tickets` share) or `files` (JSON files under `state_dir/tickets`, one host only)."""
 
 
 class JiraSettings(_Section):
@@ -436,6 +439,9 @@ class Settings(BaseSettings):
     nats_connect_timeout_s: float = 5.0
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"
+    temporal_retention_days: int = Field(90, ge=0, le=3650)
+    """Days Temporal keeps a closed incident (`fleetmend history`): set on the namespace by `dev up` and
+    `fleetmend temporal setup`; 0 leaves the namespace as it is. Longer: Temporal archival (README)."""
     temporal_ui_port: int = 8233
     task_queue: str = "fleetmend"
     state_dir: Path = Field(default_factory=default_state_dir)

@@ -155,6 +155,15 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
     return conf, env
 
 
+async def _retention(s: Settings) -> None:
+    """Closed incidents are kept `temporal_retention_days` (the dev server's own default is 1 day)."""
+    from fleetmend.connect import connect_temporal
+
+    client = await connect_temporal(s)
+    _, days = await servers.ensure_retention(client, s.temporal_namespace, s.temporal_retention_days)
+    print(f"retention       closed incidents kept {days:g} days (temporal_retention_days)", flush=True)
+
+
 async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False) -> int:
     """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop).
 
@@ -186,6 +195,7 @@ async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None,
         started.append(temporal)
         _write_pids(pid_file, started)
         await servers.wait_temporal_ready(s.temporal_address, s.temporal_namespace)
+        await _retention(s)
         print(f"temporal        {s.temporal_address}  (SQLite {state / 'temporal.db'})", flush=True)
         print(f"Temporal UI     {s.temporal_ui_url}/namespaces/{s.temporal_namespace}/workflows", flush=True)
 

@@ -449,6 +449,8 @@ class IncidentStatus:
     decisions: list[str] = field(default_factory=list)
     recovery_log: list[str] = field(default_factory=list)
     lemon: str | None = None
+    drained_at: str | None = None
+    """When fleetmend drained the node (None: never drained by this incident)."""
 
 
 # ------------------------------------------------------------------ activities: scheduler

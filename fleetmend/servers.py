@@ -256,3 +256,28 @@ async def wait_temporal_ready(address: str, namespace: str = "default", timeout_
             last = err
             await asyncio.sleep(0.2)
     raise ServerStartError(f"Temporal at {address} not ready after {timeout_s:.0f}s: {last}")
+
+
+async def ensure_retention(client: Any, namespace: str, days: int) -> tuple[float, float]:
+    """Set how long `namespace` keeps closed workflows (incident history) to `days`; 0 leaves it.
+
+    Idempotent: no update when it already holds. The Temporal dev server's default is 1 day, too
+    short for `fleetmend history`. Longer than the retention: Temporal archival (README).
+    Args:
+        client: a connected `temporalio.client.Client`.
+    Returns:
+        (days before, days now).
+    Raises:
+        temporalio.service.RPCError: the namespace does not exist or the update was refused.
+    """
+    from google.protobuf.duration_pb2 import Duration
+    from temporalio.api.namespace.v1 import NamespaceConfig
+    from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, UpdateNamespaceRequest
+
+    desc = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=namespace))
+    before = desc.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds() / 86400
+    if days <= 0 or abs(before - days) < 1e-6:
+        return before, before
+    await client.workflow_service.update_namespace(UpdateNamespaceRequest(
+        namespace=namespace, config=NamespaceConfig(workflow_execution_retention_ttl=Duration(seconds=days * 86400))))
+    return before, float(days)

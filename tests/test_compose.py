@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetmend import metrics
+from fleetmend import fleetgauges, metrics
 from fleetmend.servers import find_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,9 @@ def test_compose_file_is_valid(profile: str | None) -> None:
             "prometheus"} <= services
     assert ("sim-node" in services) == (profile == "sim")
     assert cfg["services"]["worker"]["environment"]["FLEETMEND_METRICS__WORKER_PORT"] == "9302"
+    # closed incidents are kept 90 days: applied by temporal-setup, and the server's own default too
+    assert cfg["services"]["temporal-setup"]["environment"]["FLEETMEND_TEMPORAL_RETENTION_DAYS"] == "90"
+    assert cfg["services"]["temporal"]["environment"]["DEFAULT_NAMESPACE_RETENTION"] == "90d"
     q = subprocess.run([_compose_bin(), "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert q.returncode == 0 and q.stdout == "", q.stderr
@@ -78,7 +81,8 @@ def test_grafana_dashboard_queries_known_metrics() -> None:
     for m in (metrics.AGENT_EVENTS, metrics.AGENT_SPOOL_DEPTH, metrics.ROUTER_EVENTS, metrics.ROUTER_DEADLETTERS,
               metrics.ROUTER_NAKS, metrics.ROUTER_LAG, metrics.ROUTER_ACCEPT, metrics.INCIDENTS,
               metrics.DRAINS_IN_FORCE, metrics.BREAKER_OPEN, metrics.DRAINS, metrics.UNDRAINS,
-              metrics.TIME_TO_QUARANTINE, metrics.MTTR, metrics.TICKETS):
+              metrics.TIME_TO_QUARANTINE, metrics.MTTR, metrics.TICKETS, metrics.TIME_BETWEEN_INCIDENTS,
+              fleetgauges.PUBLISHER):
         for fam in m.describe():
             known |= {fam.name, fam.name + "_total", fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

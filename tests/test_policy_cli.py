@@ -73,8 +73,10 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client): 
         await assert_eventually(lambda: phase_is(h1, "awaiting_permit"))
         st = await assert_eventually(lambda: _status(cli_env, lambda s: s["queue"]), what="x1 queued")
         assert st["paused"] and [q["node"] for q in st["queue"]] == ["x1"] and calls.drains == []
-        r = await asyncio.to_thread(cli, cli_env, "resume")
+        r = await asyncio.to_thread(cli, cli_env, "resume", "--json")
         assert r.exit_code == 0, r.output
+        res = json.loads(r.output)  # --json: the result as one object
+        assert res["command"] == "resume" and res["cluster"] == cluster and res["by"] and res["result"]
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"), what="drained after resume")
 
         h2 = await start(temporal_client, tq, cluster, "x2", [fault(cluster, "x2", 79, drain=True)])
@@ -83,8 +85,8 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client): 
         assert r.exit_code == 0 and "TRIPPED" in r.output and "reset with: fleetmend breaker reset" in r.output, r.output
         st = await _status(cli_env, lambda s: True)
         assert "from 2 distinct nodes" in st["breaker_reason"] and "x1, x2" in st["breaker_reason"]
-        r = await asyncio.to_thread(cli, cli_env, "breaker", "reset", "--note", "one-off")
-        assert r.exit_code == 0 and "breaker reset" in r.output, r.output
+        r = await asyncio.to_thread(cli, cli_env, "breaker", "reset", "--note", "one-off", "--json")
+        assert r.exit_code == 0 and "breaker reset" in json.loads(r.output)["result"], r.output
         await assert_eventually(lambda: phase_is(h2, "awaiting_repair"), what="queued drain after reset")
         st = json.loads((await asyncio.to_thread(cli, cli_env, "breaker", "status", "--json")).output)
         assert any("breaker reset by" in line and "one-off" in line for line in st["log"])

@@ -79,11 +79,17 @@ def test_temporal_setup_registers_search_attributes_idempotently(tmp_path: Path)
         before = subprocess.run(CLI + ["temporal", "setup", "--json"], env=env, capture_output=True, text=True,
                                 timeout=60)
         assert before.returncode == 0, before.stderr
-        assert set(json.loads(before.stdout).values()) == {"added"}
-        again = subprocess.run(CLI + ["temporal", "setup", "--json"], env=env, capture_output=True, text=True,
+        first = json.loads(before.stdout)
+        assert set(first["search_attributes"].values()) == {"added"}
+        # the dev server keeps closed workflows 1 day; setup sets the configured retention (90 days)
+        assert first["retention_days_before"] == 1 and first["retention_days"] == 90
+        again = subprocess.run(CLI + ["temporal", "setup", "--json"], env={**env, "FLEETMEND_TEMPORAL_RETENTION_DAYS":
+                                                                          "30"}, capture_output=True, text=True,
                                timeout=60)
         assert again.returncode == 0, again.stderr
-        assert json.loads(again.stdout) == {k: "present" for k in json.loads(before.stdout)}
+        second = json.loads(again.stdout)
+        assert second["search_attributes"] == {k: "present" for k in first["search_attributes"]}
+        assert (second["retention_days_before"], second["retention_days"]) == (90, 30)
         asyncio.run(_start_incidents(address, {"gpu-9": "draining"}))
         assert asyncio.run(_count(address, "FleetNode='gpu-9' AND FleetPhase='draining'")) == 1
         table = subprocess.run(CLI + ["temporal", "setup"], env=env, capture_output=True, text=True, timeout=60)

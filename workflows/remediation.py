@@ -161,7 +161,8 @@ class NodeRemediation:
             faults=[f.view() for f in s.faults], faults_dropped=s.faults_dropped,
             duplicates=s.duplicates, timeline=[t.view() for t in s.timeline[-50:]],
             last_diag=s.last_diag.view() if s.last_diag else None, operator_drained=s.operator_drained, permit_held=s.permit_held,
-            decisions=list(s.decisions), recovery_log=list(s.recovery_log), lemon=s.lemon)
+            decisions=list(s.decisions), recovery_log=list(s.recovery_log), lemon=s.lemon,
+            drained_at=iso(s.drained_at))
 
     @workflow.update(name=RemediationApi.MARK_REPAIRED)
     async def mark_repaired(self, cmd: RepairedCommand) -> str:

@@ -162,40 +162,26 @@ def dev_up(
 
 # ------------------------------------------------------------------ incidents
 def _status_dict(st: Any) -> dict[str, Any]:
-    d = dict(st.__dict__) if not isinstance(st, dict) else dict(st)
-    d["faults"] = [{k: f.get(k) for k in ("kind", "code", "severity", "raw", "message", "component", "device",
-                                          "count", "fault_class", "immediate_action", "drain", "healthy",
-                                          "observed_at")}
-                   for f in d.get("faults", [])]
-    return d
+    from fleetmend.lookup import status_dict
+
+    return status_dict(st)
 
 
 async def _incident(s: Settings, node: str) -> dict[str, Any]:
-    from temporalio.service import RPCError
+    """`node`'s incident in `s.cluster` (callers that know the cluster, e.g. `nodes`)."""
+    from fleetmend.lookup import find_incidents
 
-    from fleetmend import subjects
-    from fleetmend.connect import connect_temporal
-    from fleetmend.messages import IncidentStatus, RemediationApi
-
-    client = await connect_temporal(s)
-    wid = subjects.workflow_id(s.cluster, node)
-    handle = client.get_workflow_handle(wid)
-    try:
-        st = await handle.query(RemediationApi.STATUS, result_type=IncidentStatus)
-    except RPCError as e:
-        if "not found" in str(e).lower():
-            raise FleetmendError(f"no incident for node {node} in cluster {s.cluster} (workflow {wid})") from e
-        raise FleetmendError(f"could not read incident {wid}: {e}; is `fleetmend worker` running?") from e
-    assert isinstance(st, IncidentStatus)
-    return _status_dict(st)
+    return (await find_incidents(s, node, s.cluster))[0]
 
 
-async def _list_incidents(s: Settings, limit: int) -> list[dict[str, Any]]:
+async def _list_incidents(s: Settings, limit: int, cluster: str | None = "") -> list[dict[str, Any]]:
+    """Recent incidents of `cluster` (default `s.cluster`; None: every cluster), newest first."""
     from fleetmend.connect import connect_temporal
 
     client = await connect_temporal(s)
     rows = []
-    query = f"WorkflowType='NodeRemediation' AND FleetCluster='{s.cluster}'"
+    cluster = s.cluster if cluster == "" else cluster
+    query = "WorkflowType='NodeRemediation'" + (f" AND FleetCluster='{cluster}'" if cluster else "")
     async for wf in client.list_workflows(query, limit=limit):
         sa = wf.typed_search_attributes
         get = {p.key.name: p.value for p in sa}
@@ -208,26 +194,43 @@ async def _list_incidents(s: Settings, limit: int) -> list[dict[str, Any]]:
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
         from fleetmend.cli.permit_waits import annotate_waits
 
-        await annotate_waits(client, s.cluster, rows)
+        for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
+            await annotate_waits(client, cl, [r for r in rows if r["cluster"] == cl])  # each cluster's guard
     return rows
 
 
 @app.command()
 def status(
-    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail."),
-    as_json: bool = typer.Option(False, "--json"),
+    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail, found in any cluster."),
+    as_json: bool = typer.Option(False, "--json", help="An object (one node: its incident; a node with "
+                                 "incidents in several clusters: an array of them), or an array of incidents."),
     limit: int = typer.Option(50, "--limit", help="Most recent incidents listed."),
-    cluster: Optional[str] = ClusterOpt,
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Only this cluster (default: every cluster)."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
-    """Open and recent incidents (a table), or one node's incident."""
+    """Open and recent incidents of every cluster (a table), or one node's incident wherever it is."""
     s = _settings(config, cluster=cluster)
     if node:
-        d = _run(_incident(s, node))
+        from fleetmend.lookup import find_incidents
+
+        found = _run(find_incidents(s, node, cluster))
+        if len(found) > 1:
+            if as_json:
+                sys.stdout.write(json.dumps(found, default=str, indent=2) + "\n")
+                return
+            t = Table(title=f"{node} has incidents in {len(found)} clusters; pick one with --cluster")
+            for col in ("cluster", "phase", "outcome", "fault", "ticket", "opened", "workflow"):
+                t.add_column(col, no_wrap=True)
+            for d in found:
+                t.add_row(escape(d["cluster"] or "?"), d["phase"] or "", d["outcome"] or "", d["fault_class"] or "",
+                          d["ticket"] or "", _short_time(d["opened_at"]), escape(d["workflow_id"] or ""))
+            out.print(t)
+            return
+        d = found[0]
         if as_json:
             sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
             return
-        t = Table(title=f"{d['node']} ({d['cluster']}) — {d['phase']}"
+        t = Table(title=f"{d['node']} (cluster {d['cluster']}) — {d['phase']}"
                   + (f", outcome {d['outcome']}" if d["outcome"] else ""))
         for col in ("when", "phase", "what", "by"):
             t.add_column(col)
@@ -244,20 +247,21 @@ def status(
                       x.get("immediate_action") or "", str(x.get("count", 1)), escape(x.get("message") or ""))
         out.print(f)
         return
-    rows = _run(_list_incidents(s, limit))
+    rows = _run(_list_incidents(s, limit, cluster))
     if as_json:
         sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
         return
     from fleetmend.cli.security import deadletter_line
 
+    where = f"cluster {cluster}" if cluster else "any cluster"
     if not rows:
-        out.print(f"no incidents in cluster {s.cluster}")
+        out.print(f"no incidents in {where}")
         out.print(escape(_run(deadletter_line(s))))
         return
-    t = Table(title=f"incidents in {s.cluster}")
+    t = Table(title=f"incidents in {where}")
     widths = {"node": max(len(r["node"] or "?") for r in rows), "phase": len("awaiting_repair"),
               "ticket": max([len(r["ticket"] or "") for r in rows] + [6])}
-    for col in ("node", "phase", "drained", "fault", "severity", "ticket", "opened"):
+    for col in ("cluster", "node", "phase", "drained", "fault", "severity", "ticket", "opened"):
         t.add_column(col, no_wrap=True, min_width=widths.get(col))
     for r in rows:
         phase = r["phase"] or "?"
@@ -265,8 +269,8 @@ def status(
             phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
         elif r.get("waiting"):
             phase = f"{phase}: {r['waiting']}"  # why the drain permit waits (FleetGuard)
-        t.add_row(escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no", r["fault_class"] or "",
-                  r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
+        t.add_row(escape(r["cluster"] or "?"), escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no",
+                  r["fault_class"] or "", r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
     out.print(t)
     out.print(escape(_run(deadletter_line(s))))
 
@@ -278,24 +282,41 @@ def _short_time(iso: str | None) -> str:
     return iso[5:19].replace("T", " ")
 
 
-async def _command(s: Settings, node: str, update: str, cmd: Any) -> str:
+async def _command(s: Settings, node: str, update: str, cmd: Any, cluster: str | None = None) -> dict[str, Any]:
+    """Send `update` to `node`'s open incident: in `cluster`, else the one cluster where it has one open.
+
+    Returns {command, node, cluster, workflow_id, by, result} (what `--json` prints).
+    """
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
     from fleetmend import subjects
+    from fleetmend.lookup import open_cluster
     from fleetmend.connect import connect_temporal
 
     client = await connect_temporal(s)
-    wid = subjects.workflow_id(s.cluster, node)
+    cl = cluster or await open_cluster(client, node, s.cluster)
+    wid = subjects.workflow_id(cl, node)
     handle = client.get_workflow_handle(wid)
     try:
-        return await handle.execute_update(update, cmd, result_type=str)
+        result = await handle.execute_update(update, cmd, result_type=str)
     except WorkflowUpdateFailedError as e:
         raise FleetmendError(f"{node}: {e.cause.message if e.cause else e}") from e
     except RPCError as e:
         if "not found" in str(e).lower() or "already completed" in str(e).lower():
-            raise FleetmendError(f"no open incident for node {node} in cluster {s.cluster}") from e
+            raise FleetmendError(f"no open incident for node {node} in cluster {cl}") from e
         raise FleetmendError(f"{wid}: {e}") from e
+    return {"command": update, "node": node, "cluster": cl, "workflow_id": wid, "by": cmd.by, "result": result}
+
+
+def _done(res: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(res, default=str) + "\n")
+    else:
+        out.print(f"{res['node']} ({res['cluster']}): {res['result']}")
+
+
+JsonOpt = typer.Option(False, "--json", help="Print the result as one JSON object.")
 
 
 @app.command()
@@ -303,6 +324,7 @@ def repaired(
     node: str,
     ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id."),
     note: str = typer.Option("", "--note", help="What was done."),
+    as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
 ) -> None:
@@ -310,17 +332,18 @@ def repaired(
     from fleetmend.messages import RemediationApi, RepairedCommand
 
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, RemediationApi.MARK_REPAIRED, RepairedCommand(by=_who(), ticket=ticket,
-                                                                                   note=note))))
+    _done(_run(_command(s, node, RemediationApi.MARK_REPAIRED, RepairedCommand(by=_who(), ticket=ticket, note=note),
+                        cluster)), as_json)
 
 
 @app.command()
-def retest(node: str, cluster: Optional[str] = ClusterOpt, config: Optional[Path] = ConfigOpt) -> None:
+def retest(node: str, as_json: bool = JsonOpt, cluster: Optional[str] = ClusterOpt,
+           config: Optional[Path] = ConfigOpt) -> None:
     """Force NODE's verification diagnostics to run now."""
     from fleetmend.messages import RemediationApi, RetestCommand
 
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, RemediationApi.FORCE_RETEST, RetestCommand(by=_who()))))
+    _done(_run(_command(s, node, RemediationApi.FORCE_RETEST, RetestCommand(by=_who()), cluster)), as_json)
 
 
 @app.command()
@@ -328,6 +351,7 @@ def abort(
     node: str,
     note: str = typer.Option("", "--note", help="Why."),
     undrain: bool = typer.Option(False, "--undrain", help="Also undrain the node if fleetmend drained it."),
+    as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
 ) -> None:
@@ -335,30 +359,46 @@ def abort(
     from fleetmend.messages import AbortCommand, RemediationApi
 
     s = _settings(config, cluster=cluster)
-    out.print(_run(_command(s, node, RemediationApi.ABORT, AbortCommand(by=_who(), note=note, undrain=undrain))))
+    _done(_run(_command(s, node, RemediationApi.ABORT, AbortCommand(by=_who(), note=note, undrain=undrain),
+                        cluster)), as_json)
 
 
 @app.command()
 def tickets(as_json: bool = typer.Option(False, "--json"), config: Optional[Path] = ConfigOpt) -> None:
-    """Tickets in the local ticket store."""
-    from activities.ticket_store import LocalTicketStore
-
+    """Tickets in the deployment's ticket ledger (the JetStream KV bucket every worker shares; with
+    tickets.ledger = files, the JSON files under state_dir/tickets)."""
     s = _settings(config)
-    store = LocalTicketStore(s.state_dir / "tickets")
-    items = store.list()
+    items, where = _run(_read_tickets(s))
     if as_json:
         sys.stdout.write(json.dumps(items, default=str, indent=2) + "\n")
         return
     if not items:
-        out.print(f"no tickets in {s.state_dir / 'tickets'}")
+        out.print(f"no tickets in {where}")
         return
-    t = Table(title="tickets")
+    t = Table(title=f"tickets ({where})")
     for col in ("ticket", "node", "status", "severity", "fault", "title"):
         t.add_column(col)
     for it in items:
         t.add_row(*(escape(str(it.get(k))) for k in ("ticket_id", "node", "status", "severity", "fault_class",
                                                       "title")))
     out.print(t)
+
+
+async def _read_tickets(s: Settings) -> tuple[list[dict[str, Any]], str]:
+    if s.tickets.ledger == "files":
+        from activities.ticket_store import LocalTicketStore
+
+        store = LocalTicketStore(s.state_dir / "tickets")
+        return await store.list_all(), str(store.directory)
+    from activities.ticket_kv import KvTicketStore
+    from fleetmend.connect import connect_nats
+
+    nc = await connect_nats(s, name="fleetmend-cli")
+    try:
+        kv = KvTicketStore(nc.jetstream())
+        return await kv.list_all(), kv.directory
+    finally:
+        await nc.close()
 
 
 @app.command()
@@ -443,7 +483,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer", "sweep"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer", "sweep", "incidents"]
 _register_extensions()
 
 

@@ -53,11 +53,15 @@ async def setup_search_attributes(client: Any, namespace: str) -> dict[str, str]
     return {n: "added" if n in missing else "present" for n in SEARCH_ATTRIBUTES}
 
 
-async def _temporal_setup(s: Settings) -> dict[str, str]:
+async def _temporal_setup(s: Settings) -> dict[str, Any]:
     from fleetmend.connect import connect_temporal
 
+    from fleetmend.servers import ensure_retention
+
     client = await connect_temporal(s)
-    return await setup_search_attributes(client, s.temporal_namespace)
+    attrs = await setup_search_attributes(client, s.temporal_namespace)
+    before, now = await ensure_retention(client, s.temporal_namespace, s.temporal_retention_days)
+    return {"search_attributes": attrs, "retention_days": now, "retention_days_before": before}
 
 
 async def _nodes(s: Settings, with_incidents: bool) -> tuple[list[dict[str, Any]], str | None]:
@@ -113,7 +117,8 @@ def register(app: typer.Typer) -> None:
         address: Optional[str] = typer.Option(None, "--address", help="FLEETMEND_TEMPORAL_ADDRESS"),
         config: Optional[Path] = ConfigOpt,
     ) -> None:
-        """Register fleetmend's search attributes (FleetNode, FleetPhase, …) on a Temporal cluster; idempotent."""
+        """Register fleetmend's search attributes (FleetNode, FleetPhase, …) on a Temporal cluster and set the
+        namespace retention (temporal_retention_days, 90 by default); idempotent."""
         s = _settings(config, temporal_namespace=namespace, temporal_address=address)
         result = _run(_temporal_setup(s))
         if as_json:
@@ -122,9 +127,12 @@ def register(app: typer.Typer) -> None:
         t = Table(title=f"search attributes in {s.temporal_address} namespace {s.temporal_namespace}")
         for col in ("name", "type", ""):
             t.add_column(col)
-        for name, what in result.items():
+        for name, what in result["search_attributes"].items():
             t.add_row(name, SEARCH_ATTRIBUTES[name], what)
         out.print(t)
+        was = result["retention_days_before"]
+        out.print(f"closed incidents kept {result['retention_days']:g} days (temporal_retention_days)"
+                  + (f"; was {was:g}" if was != result["retention_days"] else ""))
 
     @app.command("nodes")
     def nodes(

@@ -124,6 +124,13 @@ async def _guard_update(settings: Settings, update: str, by: str, note: str) -> 
 def register(app: typer.Typer) -> None:
     from fleetmend.cli import main as m
 
+    def _guard_done(s: Settings, update: str, result: str, as_json: bool) -> None:
+        if as_json:
+            sys.stdout.write(json.dumps({"command": update, "cluster": s.cluster, "by": m._who(),
+                                         "result": result}) + "\n")
+        else:
+            m.out.print(result)
+
     breaker_app = typer.Typer(no_args_is_help=True, help="The cluster's drain breaker (FleetGuard).")
     app.add_typer(breaker_app, name="breaker")
 
@@ -196,29 +203,32 @@ def register(app: typer.Typer) -> None:
     @breaker_app.command("reset")
     def breaker_reset(
         note: str = typer.Option("", "--note", help="Why it is safe to resume."),
+        as_json: bool = m.JsonOpt,
         cluster: Optional[str] = m.ClusterOpt,
         config: Optional[Path] = m.ConfigOpt,
     ) -> None:
         """Reset a tripped breaker: queued drains resume, highest severity first."""
         s = m._settings(config, cluster=cluster)
-        m.out.print(m._run(_guard_update(s, "reset_breaker", m._who(), note)))
+        _guard_done(s, "reset_breaker", m._run(_guard_update(s, "reset_breaker", m._who(), note)), as_json)
 
     @app.command()
     def pause(
         note: str = typer.Option("", "--note", help="Why."),
+        as_json: bool = m.JsonOpt,
         cluster: Optional[str] = m.ClusterOpt,
         config: Optional[Path] = m.ConfigOpt,
     ) -> None:
         """Global pause: faults are still classified and recorded; no node is drained until `resume`."""
         s = m._settings(config, cluster=cluster)
-        m.out.print(m._run(_guard_update(s, "pause", m._who(), note)))
+        _guard_done(s, "pause", m._run(_guard_update(s, "pause", m._who(), note)), as_json)
 
     @app.command()
     def resume(
         note: str = typer.Option("", "--note"),
+        as_json: bool = m.JsonOpt,
         cluster: Optional[str] = m.ClusterOpt,
         config: Optional[Path] = m.ConfigOpt,
     ) -> None:
         """End a global pause; queued drains proceed within the budget."""
         s = m._settings(config, cluster=cluster)
-        m.out.print(m._run(_guard_update(s, "resume", m._who(), note)))
+        _guard_done(s, "resume", m._run(_guard_update(s, "resume", m._who(), note)), as_json)
