@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 import fleetmend
+from activities.ticket_kv import KvTicketStore
 from activities.ticket_store import LocalTicketStore
 from fleetmend.config import JiraSettings
 from fleetmend.errors import ConfigError, TicketError, TicketNotFoundError, TicketRejectedError
@@ -88,7 +89,7 @@ class JiraTicketFiler:
 
     name = "jira"
 
-    def __init__(self, settings: JiraSettings, local: LocalTicketStore, repaired_statuses: list[str],
+    def __init__(self, settings: JiraSettings, local: "LocalTicketStore | KvTicketStore", repaired_statuses: list[str],
                  *, transport: httpx.AsyncBaseTransport | None = None, backoff_s: float = 0.5) -> None:
         if not settings.url:
             raise ConfigError("tickets.kind = jira needs tickets.jira.url (FLEETMEND_TICKETS__JIRA__URL), "
@@ -182,7 +183,7 @@ class JiraTicketFiler:
                                    json.dumps({**asdict(req)}, indent=2, default=str).encode())
             key = found["key"]
             url = f"{self.base}/browse/{key}"
-            ref = await asyncio.to_thread(self.local.record_sync, req, ticket_id=key, url=url,
+            ref = await self.local.record(req, ticket_id=key, url=url,
                                           extra={"jira_url": self.base, "jira_id": str(found.get("id", ""))})
             return TicketRef(ref.ticket_id, ref.url, created=created and ref.created)
 
@@ -214,7 +215,7 @@ class JiraTicketFiler:
         Raises:
             TicketNotFoundError: unknown ticket in the ledger. TicketRejectedError, TicketError: as `file`.
         """
-        await asyncio.to_thread(self.local.update_sync, upd)
+        await self.local.update_record(upd)
         await self.comment(upd.ticket_id, f"fleetmend: {upd.status}. {upd.comment}".strip())
         target = self.s.transitions.get(upd.status)
         if target and not await self.transition(upd.ticket_id, target):
@@ -250,8 +251,8 @@ class JiraTicketFiler:
                             f"Jira status {status!r}" + (f", resolution {doc['resolution']!r}"
                                                          if doc.get("resolution") else ""))
 
-    def list(self) -> list[dict]:
-        return self.local.list()
+    async def list_all(self) -> list[dict]:
+        return await self.local.list_all()
 
 
 def _jira_errors(resp: httpx.Response) -> str:

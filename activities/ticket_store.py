@@ -202,6 +202,20 @@ class LocalTicketStore:
     async def find_by_incident(self, incident_id: str) -> dict | None:
         return await asyncio.to_thread(self.find_by_incident_sync, incident_id)
 
+    # -- the ledger interface the webhook and Jira filers use (shared with `KvTicketStore`) --------
+
+    async def record(self, req: TicketRequest, *, ticket_id: str | None = None, url: str | None = None,
+                     extra: dict | None = None) -> TicketRef:
+        """`record_sync` in a thread (see there)."""
+        return await asyncio.to_thread(self.record_sync, req, ticket_id=ticket_id, url=url, extra=extra)
+
+    async def update_record(self, upd: TicketUpdate) -> dict:
+        """`update_sync` in a thread (see there)."""
+        return await asyncio.to_thread(self.update_sync, upd)
+
+    async def list_all(self) -> list[dict]:
+        return await asyncio.to_thread(self.list)
+
     async def poll(self, ticket_id: str) -> TicketStatus:
         """The ledger's status of `ticket_id`. Raises TicketNotFoundError for an unknown ticket."""
         return await poll_ledger(self, ticket_id, self.repaired)

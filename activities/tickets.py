@@ -14,7 +14,7 @@ system as a source of "repaired") for the worker.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -44,14 +44,22 @@ class TicketFiler(Protocol):
         ...
 
 
-def build_ticket_filer(settings: Settings) -> TicketFiler:
-    """The filer for `settings.tickets.kind`; the local ledger lives in `settings.state_dir / "tickets"`.
+def build_ticket_filer(settings: Settings, js: Any = None) -> TicketFiler:
+    """The filer for `settings.tickets.kind`, with the deployment's ledger: the JetStream KV bucket
+    (`KvTicketStore`) when `js` is given and `tickets.ledger` is `kv`, else the files under
+    `settings.state_dir / "tickets"`.
 
     Raises:
         ConfigError: webhook without `tickets.webhook_url`; jira without url or credentials.
     """
     t = settings.tickets
-    local = LocalTicketStore(settings.state_dir / "tickets", repaired_statuses=t.repaired_statuses)
+    local: Any
+    if js is not None and t.ledger == "kv":
+        from activities.ticket_kv import KvTicketStore
+
+        local = KvTicketStore(js, repaired_statuses=t.repaired_statuses)
+    else:
+        local = LocalTicketStore(settings.state_dir / "tickets", repaired_statuses=t.repaired_statuses)
     if t.kind == TicketKind.LOCAL:
         return local
     if t.kind == TicketKind.WEBHOOK:

@@ -15,6 +15,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 import fleetmend
+from activities.ticket_kv import KvTicketStore
 from activities.ticket_store import DEFAULT_REPAIRED_STATUSES, LocalTicketStore, poll_ledger
 from fleetmend.errors import TicketError, TicketNotFoundError, TicketRejectedError
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
@@ -52,7 +53,7 @@ class WebhookTicketFiler:
 
     name = "webhook"
 
-    def __init__(self, url: str, headers: dict[str, str] | None, timeout_s: float, local: LocalTicketStore,
+    def __init__(self, url: str, headers: dict[str, str] | None, timeout_s: float, local: "LocalTicketStore | KvTicketStore",
                  *, max_attempts: int = 4, backoff_s: float = 0.5, update_url: str | None = None,
                  status_url: str | None = None, repaired_statuses: list[str] | None = None) -> None:
         self.status_url = status_url
@@ -127,8 +128,8 @@ class WebhookTicketFiler:
                 raise TicketError(f"webhook {self.url} unreachable after {self.max_attempts} attempts "
                                   f"for incident {req.incident_id}: {err!r}") from err
             remote_id, url = self._remote_id(resp, req.incident_id)
-            ref = await asyncio.to_thread(
-                self.local.record_sync, req, ticket_id=remote_id, url=url,
+            ref = await self.local.record(
+                req, ticket_id=remote_id, url=url,
                 extra={"webhook_url": self.url, "remote_status_code": resp.status_code})
             # Another process may have recorded first: the ledger's answer wins; the remote side
             # deduplicated the POST by Idempotency-Key.
@@ -140,7 +141,7 @@ class WebhookTicketFiler:
         Raises:
             TicketError: unknown ticket, or the update POST failed.
         """
-        doc = await asyncio.to_thread(self.local.update_sync, upd)
+        doc = await self.local.update_record(upd)
         if self.update_url:
             body = {**asdict(upd), "fleetmend_version": fleetmend.__version__}
             key = f"{upd.incident_id}/update/{len(doc['history'])}"
@@ -180,5 +181,5 @@ class WebhookTicketFiler:
                               f"{resp.text[:200]!r}") from err
         return TicketStatus(ticket_id, status, status.lower() in self.repaired, None, f"status from {url}")
 
-    def list(self) -> list[dict]:
-        return self.local.list()
+    async def list_all(self) -> list[dict]:
+        return await self.local.list_all()

@@ -301,7 +301,7 @@ class Chaos:
         from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
         from temporalio.service import RPCError
 
-        from activities.ticket_store import LocalTicketStore
+        from activities.ticket_kv import KvTicketStore
         from workflows.remediation import NodeRemediation
 
         statuses: dict[str, Any] = {}
@@ -323,7 +323,7 @@ class Chaos:
             dl = (await js.stream_info(subjects.DEADLETTER_STREAM)).state.messages
         except Exception:  # noqa: BLE001
             dl = 0
-        tickets = LocalTicketStore(self.state / "tickets").list()
+        tickets = await KvTicketStore(js).list_all()  # the deployment's ledger every worker shares
         return {"statuses": statuses, "drains": drains, "pending": pending, "deadletters": dl, "tickets": tickets}
 
     def quiet(self, obs: dict[str, Any]) -> bool:

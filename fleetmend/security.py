@@ -15,13 +15,16 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
     router     publish   the JetStream API calls it makes on its two streams and its durable consumer
                          (stream info/create, consumer info/create, fetch, message get), acks
                          ($JS.ACK.<fault stream>.<durable>.>), fleet.deadletter, fleet.*.fault.*
-                         (`agent_silent` events for nodes whose heartbeats stopped)
+                         (`agent_silent` events for nodes whose heartbeats stopped), the lease
+                         bucket (`$KV.<lease bucket>.>` and its API calls: the elected publisher of
+                         the consumer-lag gauge)
                subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
                          _INBOX_router.> (its own inbox prefix)
     worker     publish   fleet.*.diag.* (diagnostics, recovery and sweep benchmark requests), fleet.*.fault.*
                          (fail_slow of `fleetmend sweep --act`), $KV.<drain bucket>.>
                          and the JetStream API calls of that bucket (stream info/create, direct and
-                         message get, consumer create/info/delete for key listings, flow control)
+                         message get, consumer create/info/delete for key listings, flow control);
+                         the same for the ticket ledger, lease and notifications-sent buckets
                subscribe _INBOX_worker.> (its own inbox prefix)
     analyzer   publish   the JetStream API calls of its ordered consumers on the perf and job streams
                          (consumer create/delete, flow control) and of its KV bucket (lease, state),
@@ -81,6 +84,15 @@ def node_permissions(cluster: str, node: str) -> dict:
     }
 
 
+def _kv_bucket(bucket: str) -> list[str]:
+    """Publish permissions to use one JetStream KV bucket: its keys, and the API calls on its stream
+    (info/create, direct and message get, consumers for key listings, flow control)."""
+    kv = f"KV_{bucket}"
+    return [*_api(f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
+                  f"DIRECT.GET.{kv}.>", f"CONSUMER.CREATE.{kv}", f"CONSUMER.CREATE.{kv}.>", f"CONSUMER.INFO.{kv}.>",
+                  f"CONSUMER.DELETE.{kv}.>"), f"$KV.{bucket}.>", f"$JS.FC.{kv}.>"]
+
+
 def role_permissions(role: str) -> dict | None:
     """Permissions of `router`, `worker` or `admin` (None: unrestricted).
 
@@ -93,16 +105,22 @@ def role_permissions(role: str) -> dict | None:
                    f"CONSUMER.INFO.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}.>",
                    f"CONSUMER.DURABLE.CREATE.{fs}.{dur}", f"CONSUMER.MSG.NEXT.{fs}.{dur}", f"STREAM.MSG.GET.{fs}")
         return {"publish": {"allow": [*api, f"$JS.ACK.{fs}.{dur}.>", subjects.DEADLETTER_SUBJECT,
-                                      subjects.all_faults_subject()]},
+                                      subjects.all_faults_subject(), *_kv_bucket(subjects.LEASE_KV_BUCKET)]},
                 "subscribe": {"allow": [subjects.all_heartbeats_subject(), subjects.max_deliveries_advisory(fs, dur),
                                         role_inbox_prefix("router") + ".>"]}}
     if role == "worker":
+<<<<<<< HEAD
         kv = f"KV_{subjects.DRAIN_KV_BUCKET}"
         api = _api(f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
                    f"DIRECT.GET.{kv}.>", f"CONSUMER.CREATE.{kv}", f"CONSUMER.CREATE.{kv}.>",
                    f"CONSUMER.INFO.{kv}.>", f"CONSUMER.DELETE.{kv}.>")
         return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*",
                                       subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
+=======
+        buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
+                   subjects.NOTIFY_KV_BUCKET)
+        return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + ["fleet.*.diag.*"]},
+>>>>>>> 76a4bd7 (One ticket ledger per deployment in JetStream KV (activities/ticket_kv.py), shared by every worker replica and read by `fleetmend tickets`; index-first compare-and-set keeps filing idempotent across replicas and a crash between index and ticket (two filers on two connections against real NATS); NATS permissions for the ledger, lease and notification buckets)
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "analyzer":
         ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.ticket_store import LocalTicketStore
+from activities.ticket_kv import KvTicketStore
 from fleetmend import subjects
 from fleetmend.config import SlurmSettings, load_settings
 from fleetmend.connect import connect_nats, connect_temporal
@@ -105,7 +105,8 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         desc = await client.get_workflow_handle(subjects.workflow_id(cluster, "node2")).describe()
         assert "node2" in (await desc.static_summary() or ""), "the UI shows a one-line summary"
 
-        tickets = LocalTicketStore(s.state_dir / "tickets").list()
+        js = nc.jetstream()
+        tickets = [t for t in await KvTicketStore(js).list_all() if t["cluster"] == cluster]  # the shared ledger
         assert [t["node"] for t in tickets] == ["node2"]
         assert "Xid" in json.dumps(tickets[0]["evidence"]), "the raw kernel lines are in the ticket's evidence"
 
@@ -138,7 +139,7 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         assert st.outcome == "returned_to_service" and not st.drained
         slurm_cluster.wait_idle(["node2"])
         assert "DRAIN" not in slurm_cluster.state("node2")
-        assert LocalTicketStore(s.state_dir / "tickets").list()[0]["status"] == "resolved"
+        assert [t["status"] for t in await KvTicketStore(js).list_all() if t["cluster"] == cluster] == ["resolved"]
     finally:
         stop.set()
         agent_stop.set()

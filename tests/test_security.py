@@ -232,6 +232,18 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
         assert res.drained and res.owned
         assert f"node-{unique}" in [r.name for r in await sched.list_nodes()]  # key listing: a consumer
         assert (await sched.undrain(f"node-{unique}", "inc-1")).resumed
+
+        # the worker keeps the shared ticket ledger; worker and router contend for gauge-publisher leases
+        from activities.ticket_kv import KvTicketStore
+        from fleetmend.lease import KvLease, lease_bucket, lease_key
+        from fleetmend.messages import TicketRequest
+
+        ref = await KvTicketStore(worker.jetstream()).file(TicketRequest(
+            incident_id=f"inc-{unique}", cluster=CLUSTER, node="n2", title="t", severity="fatal",
+            fault_class="xid79", evidence={}))
+        assert ref.created
+        for role, c in (("router-lag", router), ("incident-poller", worker)):
+            assert await KvLease(await lease_bucket(c.jetstream()), lease_key(role, unique), role).tick()
     finally:
         for c in (router, worker, n2):
             await c.close()
