@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import structlog
 
@@ -44,7 +44,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
     node_events = getattr(adapter, "record_event", None)  # Kubernetes: Events on the Node
-    tickets = TicketActivities(build_ticket_filer(settings), node_events=node_events)
+    tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events)
     diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
@@ -79,9 +79,16 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
 
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
     watcher = metrics.IncidentWatcher(client, settings.cluster)
-    poll = asyncio.create_task(metrics.poll_forever(
-        watcher.refresh, settings.metrics.poll_interval_s, stop, log,
-        "incidents")) if settings.metrics.worker_port else None
+    # One replica per cluster publishes the fleet-level gauges (fleetmend/fleetgauges.py): elected by a KV lease.
+    from fleetmend import fleetgauges
+
+    def elected() -> None:  # observe only incidents opened from now on: the previous publisher saw the rest
+        watcher.since = datetime.now(timezone.utc)
+
+    poll = asyncio.create_task(fleetgauges.run_elected(
+        nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, watcher.refresh,
+        lambda: fleetgauges.forget_cluster_gauges(settings.cluster), settings.metrics.poll_interval_s, stop, log,
+        on_elected=elected)) if settings.metrics.worker_port else None
     running = asyncio.create_task(worker.run(), name="temporal-worker")
     beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
     metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected, polling

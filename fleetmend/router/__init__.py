@@ -25,9 +25,14 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     from fleetmend import metrics
 
     metrics.start_http_server(settings.metrics.router_port, settings.metrics.host)
-    lag = asyncio.create_task(metrics.poll_forever(
+    # one router replica per durable consumer publishes its lag (fleetmend/fleetgauges.py: a KV lease)
+    from fleetmend import fleetgauges
+
+    lag = asyncio.create_task(fleetgauges.run_elected(
+        router.js, fleetgauges.ROLE_ROUTER_LAG, router.durable,
         lambda: metrics.refresh_router_lag(router.js, router.stream, router.durable),
-        settings.metrics.poll_interval_s, stop, log, "router_lag")) if settings.metrics.router_port else None
+        lambda: fleetgauges.forget_router_lag(router.stream, router.durable),
+        settings.metrics.poll_interval_s, stop, log)) if settings.metrics.router_port else None
     # -- monitor of the monitor: silent agents become agent_silent faults (fleetmend/router/heartbeats.py)
     from fleetmend.router.heartbeats import HeartbeatMonitor
 
