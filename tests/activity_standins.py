@@ -14,7 +14,7 @@ from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
 from fleetmend.messages import RecoveryActivityRequest
 from fleetmend import subjects
 from fleetmend.diagnostics import RecoveryReport, RecoveryResult
-from fleetmend.messages import PermitDecision, PermitRelease, PermitRequest
+from fleetmend.messages import Notification, NotifyResult, PermitDecision, PermitRelease, PermitRequest
 
 
 @dataclass
@@ -36,6 +36,10 @@ class Calls:
     polls: list[str] = field(default_factory=list)
     ticket_status: str = "open"
     """What poll_ticket reports; "Done" counts as repaired."""
+    lemon: str | None = None
+    """The stand-in guard's `PermitDecision.lemon` (a lemon node goes straight to RMA)."""
+    notifications: list = field(default_factory=list)
+    """`Notification`s the workflow asked to send, in order."""
 
 
 def stand_ins(calls: Calls) -> list:
@@ -76,13 +80,13 @@ def stand_ins(calls: Calls) -> list:
         """A FleetGuard that always grants at once (tests/test_fleetguard.py runs the real one)."""
         calls.permits.append(req)
         await activity.client().get_workflow_handle(subjects.workflow_id(req.cluster, req.node)).signal(
-            "permit", PermitDecision(granted=True, reason="stand-in guard"))
+            "permit", PermitDecision(granted=True, reason="stand-in guard", lemon=calls.lemon))
 
     @activity.defn(name="decide_drain_permit")
     async def decide_drain_permit(req: PermitRequest) -> PermitDecision:
         """A FleetGuard that always grants at once (tests/test_fleetguard.py runs the real one)."""
         calls.permits.append(req)
-        return PermitDecision(granted=True, reason="stand-in guard")
+        return PermitDecision(granted=True, reason="stand-in guard", lemon=calls.lemon)
 
     @activity.defn(name="release_drain_permit")
     async def release_drain_permit(rel: PermitRelease) -> None:
@@ -105,8 +109,13 @@ def stand_ins(calls: Calls) -> list:
         calls.polls.append(ticket_id)
         return TicketStatus(ticket_id, calls.ticket_status, calls.ticket_status == "Done")
 
+    @activity.defn(name="notify")
+    async def notify(n: Notification) -> NotifyResult:
+        calls.notifications.append(n)
+        return NotifyResult(sent=["stand-in"])
+
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket]
+            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify]
 
 
 GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drain_permit", "running_incidents")

@@ -34,6 +34,7 @@ BASELINE = {
     "remediation_second_batch_in_triage", "fleetguard_breaker", "fleetguard_pause",
     "remediation_future_app_xid_drained",  # before patch two-sided-windows
     "remediation_many_pending_faults",  # before patch bounded-pending
+    "remediation_lemon_returned_before_notify",  # before patch notify
 }
 
 
@@ -139,7 +140,17 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
         h9 = await start(client, tq, cluster, f"many-{sfx}", many, close_after_idle_s=2, app_xid_repeats=100)
         await assert_eventually(lambda: phase_is(h9, "closed"), timeout_s=60)
 
-        for name, h in (("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
+
+        # A lemon node (the guard says so): straight to an RMA ticket, repaired, returned (recorded
+        # before patch notify: drain, lemon, ticket and return send no notification).
+        calls.lemon = f"lemon: lem-{sfx} back with xid79 after 2 repairs"
+        h10 = await start(client, tq, cluster, f"lem-{sfx}", [fault(cluster, f"lem-{sfx}", 79, drain=True)])
+        await assert_eventually(lambda: phase_is(h10, "awaiting_repair"))
+        calls.lemon = None
+        await h10.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci", ticket="RMA-9"))
+        await assert_eventually(lambda: phase_is(h10, "closed"))
+
+        for name, h in (("remediation_lemon_returned_before_notify", h10), ("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
                         ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8),
