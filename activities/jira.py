@@ -55,8 +55,9 @@ def description(req: TicketRequest) -> str:
     evidence = json.dumps(req.evidence, indent=2, sort_keys=True, default=str)
     head = (f"h3. {req.title}\n\n"
             f"||node|{req.node}|\n||cluster|{req.cluster}|\n||fault class|{req.fault_class}|\n"
-            f"||severity|{req.severity}|\n||incident|{req.incident_id}|\n\n"
-            f"Filed by fleetmend {fleetmend.__version__}. Full evidence attached as "
+            f"||severity|{req.severity}|\n||incident|{req.incident_id}|\n"
+            + (f"||runbook|{req.evidence['runbook']}|\n" if req.evidence.get("runbook") else "") + "\n"
+            + f"Filed by fleetmend {fleetmend.__version__}. Full evidence attached as "
             f"evidence-{_file_safe(req.incident_id)}.json.\n\n")
     budget = DESCRIPTION_MAX_CHARS - len(head) - 80
     if len(evidence) > budget:

@@ -100,6 +100,10 @@ class TicketActivities:
             TicketError: transient; Temporal retries.
         """
         activity.heartbeat({"phase": "filing", "incident_id": req.incident_id})
+        if req.fault_class and "runbook" not in req.evidence:  # the ticket text points at what to do
+            from fleetmend.runbooks import runbook_ref
+
+            req.evidence["runbook"] = runbook_ref(req.fault_class)
         try:
             ref = await self.filer.file(req)
         except TicketRejectedError as err:

@@ -131,6 +131,35 @@ class KubernetesSettings(_Section):
     """Pod termination grace for evictions; None keeps each pod's own."""
 
 
+class NotifySettings(_Section):
+    """Notifications to humans (`activities/notify.py`): any of a JSON webhook, a Slack incoming
+    webhook and PagerDuty Events API v2; none configured sends nothing. Each notification carries a
+    deduplication key, and what a channel accepted is recorded in the `fleetmend_notified` KV
+    bucket, so a retried activity never sends it twice (PagerDuty also deduplicates by `dedup_key`)."""
+
+    webhook_url: str | None = None
+    """POST JSON (the `Notification` fields) with `Idempotency-Key: <dedup_key>`."""
+    webhook_headers: dict[str, str] = Field(default_factory=dict)
+    slack_webhook_url: str | None = None
+    """A Slack incoming-webhook URL (https://hooks.slack.com/services/…)."""
+    pagerduty_routing_key: str | None = None
+    """Events API v2 integration key of the PagerDuty service."""
+    pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
+    events: list[str] = Field(default_factory=lambda: ["drained", "ticket_filed", "breaker_open", "lemon",
+                                                       "returned"])
+    """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned)."""
+    pagerduty_events: list[str] = Field(default_factory=lambda: ["ticket_filed", "breaker_open", "lemon",
+                                                                 "returned"])
+    """Which events reach PagerDuty (a page): by default not every drain, only what needs a human
+    (ticket, breaker, lemon) and the resolve on return to service."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per HTTP request (seconds); the activity's retry policy retries failures."""
+
+    @property
+    def any(self) -> bool:
+        return bool(self.webhook_url or self.slack_webhook_url or self.pagerduty_routing_key)
+
+
 class MetricsSettings(_Section):
     """Prometheus `/metrics` port per process; 0 turns it off. Distinct defaults let `dev up` run all."""
 
@@ -456,6 +485,7 @@ class Settings(BaseSettings):
     streams: StreamSettings = Field(default_factory=StreamSettings)
     analyzer: AnalyzerSettings = Field(default_factory=AnalyzerSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    notify: NotifySettings = Field(default_factory=NotifySettings)
     catalog_overrides: Path | None = None
     """TOML file of operator overrides to the fault catalog."""
     log_format: str = "auto"

@@ -56,6 +56,10 @@ def status_dict(st: Any) -> dict[str, Any]:
                                           "count", "fault_class", "immediate_action", "drain", "healthy",
                                           "observed_at")}
                    for f in d.get("faults", [])]
+    from fleetmend.runbooks import runbook_ref
+
+    classes = [d.get("fault_class")] + [f["fault_class"] for f in d["faults"] if f.get("drain")]
+    d["runbooks"] = {fc: runbook_ref(fc) for fc in dict.fromkeys(c for c in classes if c)}
     return d
 
 

@@ -57,10 +57,14 @@ class Activity:
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
     RELEASE_DRAIN_PERMIT = "release_drain_permit"
+<<<<<<< HEAD
     BENCH_NODE = "bench_node"
     """`Sweep`: one node's benchmark numbers (`fleetmend.sweep.BenchActivityRequest` → `BenchReport`)."""
     OPEN_FAIL_SLOW = "open_fail_slow"
     """`Sweep --act`: publish fail_slow for the outliers (`fleetmend.sweep.FailSlowRequest` → node names)."""
+=======
+    NOTIFY = "notify"
+>>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
 
 
 class RemediationApi:
@@ -767,3 +771,49 @@ class GuardStatus:
     infra_incidents: list[dict]
     recent_nodes: int
     log: list[str]
+
+
+# ------------------------------------------------------------------ activities: notifications
+
+
+class NotifyEvent(StrEnum):
+    """What a human is told about (webhook, Slack, PagerDuty); `notify.events` picks which."""
+
+    DRAINED = "drained"
+    TICKET_FILED = "ticket_filed"
+    BREAKER_OPEN = "breaker_open"
+    LEMON = "lemon"
+    RETURNED = "returned"
+
+
+@dataclass
+class Notification:
+    """One notification, sent to every configured channel at most once per `dedup_key`.
+
+    `dedup_key` is `fleetmend/<incident id>/<event>` (an incident's events) or
+    `fleetmend/<cluster>/breaker/<tripped at>`; PagerDuty gets `alert_key` (the incident's one
+    alert: drain and ticket trigger it, return to service resolves it).
+    """
+
+    event: NotifyEvent
+    cluster: str
+    summary: str
+    dedup_key: str
+    alert_key: str
+    node: str | None = None
+    severity: str = "info"
+    """fleetmend severity (info, degraded, fatal); PagerDuty's is derived from it."""
+    incident_id: str | None = None
+    ticket: str | None = None
+    ticket_url: str | None = None
+    runbook: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class NotifyResult:
+    sent: list[str] = field(default_factory=list)
+    """Channels that accepted it now."""
+    already: list[str] = field(default_factory=list)
+    """Channels that had it already (a retried activity): not sent again."""
+

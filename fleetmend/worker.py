@@ -49,14 +49,25 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
     recovery = RecoveryActivities(nc)
+<<<<<<< HEAD
     sweep = SweepActivities(nc)
+=======
+    from activities.notify import NotifyActivities, Notifier, channels_from_settings
+
+    notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
+                                       settings.notify.timeout_s))
+>>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
     return Worker(
         client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
                     guard.running_incidents, recovery.reset_gpu, recovery.reboot_node,
+<<<<<<< HEAD
                     sweep.bench_node, sweep.open_fail_slow],
+=======
+                    notify.notify],
+>>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
         max_cached_workflows=settings.worker.max_cached_workflows,
@@ -85,10 +96,19 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     def elected() -> None:  # observe only incidents opened from now on: the previous publisher saw the rest
         watcher.since = datetime.now(timezone.utc)
 
+    from activities.notify import Notifier, channels_from_settings, notify_breaker
+
+    notifier = Notifier(channels_from_settings(settings.notify), nc.jetstream(), settings.notify.timeout_s)
+
+    async def refresh() -> None:
+        await watcher.refresh()
+        if settings.notify.any:  # breaker open: one notification per trip, from the elected replica
+            await notify_breaker(client, settings.cluster, notifier)
+
     poll = asyncio.create_task(fleetgauges.run_elected(
-        nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, watcher.refresh,
+        nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, refresh,
         lambda: fleetgauges.forget_cluster_gauges(settings.cluster), settings.metrics.poll_interval_s, stop, log,
-        on_elected=elected)) if settings.metrics.worker_port else None
+        on_elected=elected)) if settings.metrics.worker_port or settings.notify.any else None
     running = asyncio.create_task(worker.run(), name="temporal-worker")
     beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
     metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected, polling

@@ -57,6 +57,9 @@ async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_
     await assert_eventually(lambda: _listed(client, f"FleetNode='{node}'", 1), what="visible")
     st = await cli_json(env, "status", node, "--json")  # configured cluster is "elsewhere": found anyway
     assert st["cluster"] == ca and st["phase"] == "awaiting_repair" and st["drained"] and st["drained_at"]
+    assert st["runbooks"] == {"xid79": "fleetmend runbook xid79 (docs/runbooks/xid79.md)"}
+    shown = await asyncio.to_thread(cli, env, "show", node)
+    assert shown.returncode == 0 and "runbook: fleetmend runbook xid79" in shown.stdout, shown.stdout
     res = await cli_json(env, "repaired", node, "--ticket", "RMA-1", "--json")
     assert res["cluster"] == ca and res["command"] == "mark_repaired" and "repair recorded" in res["result"]
     await assert_eventually(lambda: phase_is(h, "closed"), what="closed")

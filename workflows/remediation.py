@@ -43,6 +43,9 @@ permit-decide               awaiting_permit asks with `decide_drain_permit` (upd
 bounded-pending             more than `MAX_PENDING_FAULTS` faults waiting: the signal handler merges
                             repeats and keeps text only for drain-worthy ones (byte budget).
                             History: remediation_many_pending_faults.json
+notify                      a `notify` activity (webhook, Slack, PagerDuty) on drain, ticket filed,
+                            lemon node and return to service, awaited before the run ends.
+                            History: remediation_lemon_returned_before_notify.json
 ==========================  =====================================================================
 """
 
@@ -61,16 +64,24 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
-        IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Outcome, PermitDecision, PermitRelease,
+        IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Notification, NotifyEvent, NotifyResult,
+        Outcome, PermitDecision, PermitRelease,
         PermitRequest, Phase, Recovery, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
         MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
         TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, Urgency, iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide, verification_checks
+    from fleetmend.runbooks import runbook_ref
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 PATCH_PERMIT_DECIDE = "permit-decide"
 PATCH_BOUNDED_PENDING = "bounded-pending"
+PATCH_NOTIFY = "notify"
+
+NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
+                           maximum_interval=timedelta(minutes=2), maximum_attempts=10)
+"""A channel down is retried for ~10 minutes, then noted in the timeline; the incident never waits on it
+(the activity runs alongside; the run waits for it only before it ends)."""
 
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
@@ -107,6 +118,7 @@ class NodeRemediation:
         self._policy = IncidentPolicy()
         self._sa_last: tuple[object, ...] | None = None
         self._last_queue_note: str | None = None
+        self._notifications: list = []
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=RemediationApi.FAULTS)
@@ -239,6 +251,7 @@ class NodeRemediation:
         if self._abort is not None and s.phase != Phase.CLOSED:
             await self._do_abort()
         await workflow.wait_condition(workflow.all_handlers_finished)
+        await self._notifications_done()
         if self._pending:
             # Faults that arrived as this incident closed open the node's next incident.
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
@@ -363,6 +376,7 @@ class NodeRemediation:
             if decision.lemon:
                 s.lemon, s.recovery = decision.lemon, Recovery.RMA
                 self._note(decision.lemon)
+                self._notify(NotifyEvent.LEMON, f"{s.node}: lemon node, straight to RMA ({decision.lemon})")
             return True
         s.permit_requested = False
         self._note(f"drain permit denied: {decision.reason}")
@@ -415,6 +429,8 @@ class NodeRemediation:
             self._note(f"node already drained by an operator ({res.detail}); left as is, never undrained")
         else:
             self._note(f"drained ({res.state}): {res.detail}")
+            if res.drained:
+                self._notify(NotifyEvent.DRAINED, f"{s.node} drained: {s.fault_class} ({s.severity.value})")
         self._upsert()
         self._set_phase(Phase.DIAGNOSING)
 
@@ -450,6 +466,8 @@ class NodeRemediation:
         s.ticket, s.ticket_url = ref.ticket_id, ref.url
         self._note(f"ticket {ref.ticket_id} {'filed' if ref.created else 'already filed'}")
         self._upsert()
+        self._notify(NotifyEvent.TICKET_FILED, f"{title.removeprefix('[fleetmend] ')}: ticket {ref.ticket_id}, "
+                                               "awaiting repair")
         self._set_phase(Phase.AWAITING_REPAIR)
 
     async def _recover(self) -> bool:
@@ -614,6 +632,8 @@ class NodeRemediation:
             s.drained = not res.resumed and s.drained
             self._note(f"undrain: {'resumed' if res.resumed else 'not resumed'} ({res.detail})")
         await self._update_ticket("resolved", "Verification passed; node returned to service.")
+        if not s.operator_drained:
+            self._notify(NotifyEvent.RETURNED, f"{s.node} returned to service: verification passed")
         await self._finish(Outcome.OPERATOR_OWNED if s.operator_drained else Outcome.RETURNED)
 
     async def _do_abort(self) -> None:
@@ -632,6 +652,30 @@ class NodeRemediation:
         await self._finish(Outcome.ABORTED)
 
     # ---------------------------------------------------------------- helpers
+    def _notify(self, event: NotifyEvent, summary: str) -> None:
+        """Start the `notify` activity (never awaited here: a slow channel does not hold the incident)."""
+        if not workflow.patched(PATCH_NOTIFY):
+            return
+        s = self._state
+        n = Notification(event=event, cluster=s.cluster, node=s.node, summary=summary,
+                         dedup_key=f"fleetmend/{self._incident_id}/{event.value}",
+                         alert_key=f"fleetmend/{self._incident_id}", severity=s.severity.value,
+                         incident_id=self._incident_id, ticket=s.ticket, ticket_url=s.ticket_url,
+                         runbook=runbook_ref(s.fault_class) if s.fault_class else None,
+                         details={"fault_class": s.fault_class, "phase": s.phase.value, "lemon": s.lemon})
+        self._notifications.append(workflow.start_activity(
+            Activity.NOTIFY, n, result_type=NotifyResult, start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=NOTIFY_RETRY, summary=f"notify {event.value}: {s.node}"))
+
+    async def _notifications_done(self) -> None:
+        """Wait for the notifications this run started; one that failed every retry is noted, not fatal."""
+        pending, self._notifications = self._notifications, []
+        for handle in pending:
+            try:
+                await handle
+            except ActivityError as err:
+                self._note(f"notification not delivered: {err.cause or err}")
+
     async def _finish(self, outcome: Outcome) -> None:
         """Close the incident, giving FleetGuard its permit back (or withdrawing a queued request)."""
         s = self._state

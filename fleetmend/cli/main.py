@@ -246,6 +246,8 @@ def status(
             f.add_row(what, x.get("device") or "", "cleared" if x.get("healthy") else x["severity"],
                       x.get("immediate_action") or "", str(x.get("count", 1)), escape(x.get("message") or ""))
         out.print(f)
+        for ref in d.get("runbooks", {}).values():
+            out.print(f"runbook: {escape(ref)}")
         return
     rows = _run(_list_incidents(s, limit, cluster))
     if as_json:
@@ -483,7 +485,7 @@ def _register_extensions() -> None:
         importlib.import_module(f"fleetmend.cli.{name}").register(app)
 
 
-_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer", "sweep", "incidents"]
+_EXTENSIONS: list[str] = ["sim", "ops", "security", "policy", "explain", "permits", "analyzer", "sweep", "incidents", "runbook"]
 _register_extensions()
 
 

@@ -1,0 +1,45 @@
+"""`fleetmend runbook CLASS`: the runbook of a fault class (generated from the catalog,
+`fleetmend.runbooks`; the same text as docs/runbooks/CLASS.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from fleetmend.cli.main import ConfigOpt, _settings, err, out
+
+    @app.command("runbook")
+    def runbook(
+        fault_class: Optional[str] = typer.Argument(None, help="A fault class: xid79, gpu_fallen_off_bus, …"),
+        list_all: bool = typer.Option(False, "--list", help="List the fault classes that have a runbook."),
+        as_json: bool = typer.Option(False, "--json", help="{fault_class, markdown} (with --list: an array)."),
+        config: Optional[Path] = ConfigOpt,
+    ) -> None:
+        """What a fault class means, what fleetmend does about it and what a human checks."""
+        from fleetmend.catalog import load_catalog
+        from fleetmend.runbooks import fault_classes, render
+
+        s = _settings(config)
+        catalog = load_catalog(s.catalog_overrides)
+        if list_all or not fault_class:
+            classes = list(fault_classes(catalog))
+            if as_json:
+                sys.stdout.write(json.dumps(classes) + "\n")
+            else:
+                out.print("\n".join(classes), markup=False, highlight=False)
+            return
+        try:
+            text = render(fault_class, catalog)
+        except KeyError as e:
+            err.print(f"[red]error:[/red] {e.args[0]}")
+            raise typer.Exit(1) from e
+        if as_json:
+            sys.stdout.write(json.dumps({"fault_class": fault_class, "markdown": text}) + "\n")
+        else:
+            sys.stdout.write(text)

@@ -1,0 +1,169 @@
+"""A runbook per fault class, generated from the catalog data (`fleetmend/catalog/*.toml`).
+
+Each runbook says what the fault means (the catalog's description, NVIDIA's mnemonic and
+hardware-versus-application reading, possible causes), what fleetmend does about it (severity,
+drain, debounce, escalation, the recovery the immediate action selects, the verification before
+return) and what a human checks (the investigatory action, the commands). The same text is
+`fleetmend runbook CLASS`, `docs/runbooks/<class>.md` (regenerated with
+`python -m fleetmend.runbooks docs/runbooks`, checked up to date by the tests) and is referenced from
+tickets, notifications and `fleetmend show`.
+
+Fault classes: `xid<N>` for every XID the catalog describes (reserved "Unused" ones left out) and
+every non-XID kind that is not a clearing event. Imports only the contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fleetmend.catalog import Action, Catalog, KindEntry, XidEntry, default_catalog
+from fleetmend.policy import verification_checks
+
+RUNBOOK_DIR = "docs/runbooks"
+
+ACTION_TEXT: dict[str, str] = {
+    "IGNORE": "Nothing to do for the device; the fault is recorded.",
+    "RESTART_APP": "The application is at fault: restart it. The GPU is not suspect unless the fault repeats on "
+                   "the same GPU (history rule: `policy.app_xid_repeats` within `policy.app_xid_window_s`).",
+    "RESET_GPU": "Reset the GPU (`nvidia-smi -r`, only when no process holds it), then reboot if configured; "
+                 "what does not hold becomes a ticket.",
+    "RESTART_BM": "Reboot the node (bare metal); what does not hold becomes a ticket.",
+    "RESTART_VM": "Restart the VM; what does not hold becomes a ticket.",
+    "DRAIN_DIAGNOSE": "Drain and run diagnostics; the result goes into a ticket.",
+    "RMA": "Hardware replacement: no automatic recovery, an RMA ticket with the evidence at once.",
+    "CONTACT_SUPPORT": "Contact the vendor's support with the evidence.",
+    "CHECK_MECHANICALS": "Check cooling, power and seating (mechanicals) of the device.",
+    "CHECK_UVM": "Check the unified-memory (UVM) driver and its configuration.",
+    "UPDATE_SWFW": "Update the driver or firmware to a fixed version.",
+    "WORKFLOW_NVLINK_ERR": "NVLink error workflow: drain, reset the GPU, verify the links with DCGM diagnostics.",
+    "WORKFLOW_NVLINK5_ERR": "NVLink5 (XID 144-150): the decoded intrinfo rule says fatal (drain, reset) or "
+                            "non-fatal (record).",
+    "WORKFLOW_XID_45": "XID 45 follows other faults (a channel torn down): ignored next to another XID, else "
+                       "treated as an application fault.",
+    "WORKFLOW_XID_48": "Double-bit ECC error: drain, reset the GPU (row remapping takes effect), verify memory; "
+                       "with XID 63/64 the remap is pending.",
+    "XID_154": "The driver changed its recovery action: the printed action decides (Reset/Reboot drains).",
+    "XID_154_EVAL": "Evaluate the driver's recovery action printed with the event.",
+    "NONE": "The catalog assigns no action yet: recorded for review.",
+}
+
+
+def fault_classes(catalog: Catalog | None = None) -> dict[str, XidEntry | KindEntry]:
+    """fault class → catalog entry, sorted (XIDs by number, then kinds by name)."""
+    cat = catalog or default_catalog()
+    out: dict[str, XidEntry | KindEntry] = {}
+    for n in sorted(cat.xids):
+        e = cat.xids[n]
+        if e.description.strip().lower() != "unused":
+            out[f"xid{n}"] = e
+    for name in sorted(cat.kinds):
+        k = cat.kinds[name]
+        if not k.healthy:
+            out[name] = k
+    return out
+
+
+def runbook_ref(fault_class: str) -> str:
+    """How a ticket, a notification or `fleetmend show` points at the runbook (plain text)."""
+    return f"fleetmend runbook {fault_class} ({RUNBOOK_DIR}/{fault_class}.md)"
+
+
+def _action(a: Action | str) -> str:
+    key = getattr(a, "value", a)
+    return f"`{key}`: {ACTION_TEXT.get(key, 'see the catalog source.')}"
+
+
+def render(fault_class: str, catalog: Catalog | None = None) -> str:
+    """The runbook of `fault_class` as markdown.
+
+    Raises:
+        KeyError: not a fault class of the catalog (the message lists how to find them).
+    """
+    cat = catalog or default_catalog()
+    classes = fault_classes(cat)
+    if fault_class not in classes:
+        raise KeyError(f"no fault class {fault_class!r} in the catalog (xid<N> or a kind name; "
+                       f"`fleetmend runbook --list` lists them)")
+    e = classes[fault_class]
+    lines: list[str] = []
+    if isinstance(e, XidEntry):
+        sev, drain = e.derived()
+        kind, code, component = "xid", e.xid, e.component.value
+        lines += [f"# XID {e.xid} — {e.mnemonic} (`{fault_class}`)", "", "## What it means", "",
+                  e.description.rstrip(".") + ".", "",
+                  f"- reading: {e.hw_vs_app}", f"- component: {component}"]
+        if e.legacy_name_r555 and e.legacy_name_r555 != e.description:
+            lines.append(f"- older driver documentation (r555): {e.legacy_name_r555}")
+        if e.legacy_possible_causes:
+            lines.append(f"- possible causes: {e.legacy_possible_causes.replace(',', ', ')}")
+        clearable = None
+        escalation = None
+    else:
+        sev, drain = e.severity, e.drain
+        kind, code, component = e.name, None, e.component.value
+        lines += [f"# {e.name} (`{fault_class}`)", "", "## What it means", "", e.description.rstrip(".") + ".",
+                  "", f"- component: {component}"]
+        clearable = None if e.cleared_by.startswith("none:") else e.cleared_by
+        escalation = (f"{e.escalate_count} within {e.escalate_window_s:g} s on one device become "
+                      f"`{e.escalate_to}` ({e.escalate_reason})" if e.escalate_to else None)
+        if e.follows_recovery_action:
+            lines.append("- severity and drain follow the recovery action the driver prints")
+    lines += ["", "## What fleetmend does", "",
+              f"- severity **{sev.value}**; " + ("**drains the node** (within the cluster's blast-radius budget, "
+                                                 "FleetGuard)" if drain else "does **not** drain the node"),
+              f"- immediate action {_action(e.immediate_action)}"]
+    if clearable:
+        lines.append(f"- cleared by `{clearable}`: waits `policy.debounce_s` first and drains nothing if it clears")
+    elif not isinstance(e, XidEntry):
+        lines.append(f"- no clearing event ({e.cleared_by.removeprefix('none:').strip()})")
+    if escalation:
+        lines.append(f"- escalates: {escalation}")
+    if drain:
+        checks = verification_checks(component, kind, code)
+        lines += ["- then: diagnostics through the node's agent, the recovery above when the catalog names one, a "
+                  "ticket with the evidence (raw kernel lines, classification, diagnostics) for what does not hold",
+                  "- before return to service it verifies with: "
+                  + (", ".join(f"`{c}`" for c in checks) if checks else "every quick check of the agent"),
+                  "- the same fault back after `policy.lemon_repairs` repairs within `policy.lemon_window_s` makes "
+                  "the node a lemon: straight to an RMA ticket"]
+    inv = e.investigatory_action
+    lines += ["", "## What a human checks", ""]
+    if inv and inv.strip() not in ("(none)", "NONE", ""):
+        lines.append(f"- investigatory action: {inv.replace('_', ' ') if inv.isupper() else inv}")
+    lines += ["- `fleetmend status NODE`: the incident's timeline, the raw lines and what fired",
+              "- `fleetmend history NODE`: has this node had this before (a repeat is evidence for the vendor)",
+              "- after the repair: `fleetmend repaired NODE --ticket ID`; fleetmend verifies before the node returns",
+              "- a false alarm: `fleetmend abort NODE --undrain --note '…'`",
+              "", "## Source", "", e.source, ""]
+    return "\n".join(lines)
+
+
+def write_all(directory: Path, catalog: Catalog | None = None) -> list[Path]:
+    """Write every runbook and an index `README.md` under `directory`. Returns the files written."""
+    classes = fault_classes(catalog)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fc in classes:
+        p = directory / f"{fc}.md"
+        p.write_text(render(fc, catalog))
+        written.append(p)
+    idx = directory / "README.md"
+    idx.write_text(index(catalog))
+    return written + [idx]
+
+
+def index(catalog: Catalog | None = None) -> str:
+    rows = ["# Runbooks", "", "One per fault class, generated from the catalog (`python -m fleetmend.runbooks "
+            f"{RUNBOOK_DIR}`; a test checks they are up to date). `fleetmend runbook CLASS` prints one.", "",
+            "| fault class | severity | drains | immediate action |", "|---|---|---|---|"]
+    for fc, e in fault_classes(catalog).items():
+        sev, drain = e.derived() if isinstance(e, XidEntry) else (e.severity, e.drain)
+        rows.append(f"| [{fc}]({fc}.md) | {sev.value} | {'yes' if drain else 'no'} | "
+                    f"{getattr(e.immediate_action, 'value', e.immediate_action)} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - the generator
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else RUNBOOK_DIR)
+    print(f"{len(write_all(target))} files written under {target}")
