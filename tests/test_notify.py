@@ -189,7 +189,7 @@ async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, un
     from activities.fleetguard import FleetGuardActivities
     from activities.notify import notify_breaker
     from fleetmend.messages import GuardPolicy
-    from tests.activity_standins import Calls, stand_ins
+    from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
     from tests.conftest import assert_eventually
     from tests.test_workflow import fault, phase_is, start
     from workflows.fleetguard import FleetGuard
@@ -197,10 +197,10 @@ async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, un
 
     calls, tq, cluster = Calls(), f"tq-{unique}", f"b{unique}"
     guard = FleetGuardActivities(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
-    acts = [a for a in stand_ins(calls) if a.__name__ not in ("request_drain_permit", "release_drain_permit")]
+    acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     notifier = Notifier(channels(hooks))
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + [guard.request_drain_permit, guard.release_drain_permit]):
+                      activities=acts + guard_activities(guard)):
         assert await notify_breaker(temporal_client, cluster, notifier) is None  # no FleetGuard yet
         h1 = await start(temporal_client, tq, cluster, "x1", [fault(cluster, "x1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"))
