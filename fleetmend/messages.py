@@ -57,14 +57,11 @@ class Activity:
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
     RELEASE_DRAIN_PERMIT = "release_drain_permit"
-<<<<<<< HEAD
     BENCH_NODE = "bench_node"
     """`Sweep`: one node's benchmark numbers (`fleetmend.sweep.BenchActivityRequest` → `BenchReport`)."""
     OPEN_FAIL_SLOW = "open_fail_slow"
     """`Sweep --act`: publish fail_slow for the outliers (`fleetmend.sweep.FailSlowRequest` → node names)."""
-=======
     NOTIFY = "notify"
->>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
 
 
 class RemediationApi:

@@ -109,18 +109,10 @@ def role_permissions(role: str) -> dict | None:
                 "subscribe": {"allow": [subjects.all_heartbeats_subject(), subjects.max_deliveries_advisory(fs, dur),
                                         role_inbox_prefix("router") + ".>"]}}
     if role == "worker":
-<<<<<<< HEAD
-        kv = f"KV_{subjects.DRAIN_KV_BUCKET}"
-        api = _api(f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
-                   f"DIRECT.GET.{kv}.>", f"CONSUMER.CREATE.{kv}", f"CONSUMER.CREATE.{kv}.>",
-                   f"CONSUMER.INFO.{kv}.>", f"CONSUMER.DELETE.{kv}.>")
-        return {"publish": {"allow": [*api, f"$KV.{subjects.DRAIN_KV_BUCKET}.>", f"$JS.FC.{kv}.>", "fleet.*.diag.*",
-                                      subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
-=======
         buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
                    subjects.NOTIFY_KV_BUCKET)
-        return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + ["fleet.*.diag.*"]},
->>>>>>> 76a4bd7 (One ticket ledger per deployment in JetStream KV (activities/ticket_kv.py), shared by every worker replica and read by `fleetmend tickets`; index-first compare-and-set keeps filing idempotent across replicas and a crash between index and ticket (two filers on two connections against real NATS); NATS permissions for the ledger, lease and notification buckets)
+        return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + [
+                    "fleet.*.diag.*", subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "analyzer":
         ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"

@@ -49,25 +49,18 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
     recovery = RecoveryActivities(nc)
-<<<<<<< HEAD
     sweep = SweepActivities(nc)
-=======
     from activities.notify import NotifyActivities, Notifier, channels_from_settings
 
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
->>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
     return Worker(
         client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
                     guard.running_incidents, recovery.reset_gpu, recovery.reboot_node,
-<<<<<<< HEAD
-                    sweep.bench_node, sweep.open_fail_slow],
-=======
-                    notify.notify],
->>>>>>> ca6eb44 (Notifications (activities/notify.py): webhook, Slack and PagerDuty Events API v2 on drain, ticket filed, lemon and return to service (notify activity in NodeRemediation behind patch notify; pre-change history remediation_lemon_returned_before_notify replays) and breaker open (elected poller, once per trip); dedup keys and a KV sent-record so a retry never sends twice; tested against a local HTTP server. Runbooks per fault class generated from the catalog (fleetmend/runbooks.py, docs/runbooks, fleetmend runbook CLASS), referenced from tickets, notifications and fleetmend show)
+                    sweep.bench_node, sweep.open_fail_slow, notify.notify],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
         max_cached_workflows=settings.worker.max_cached_workflows,
