@@ -32,21 +32,26 @@ PY = sys.executable
 SIZES = {
     "small": {
         "pipeline": [["--nodes", "1000", "--events", "2000", "--raw", "10000", "--sws", "500"]],
-        "quarantine": [["--nodes", "1000", "--faults", "20", "--gap", "0.3"]],
+        "quarantine": [["--nodes", "1000", "--faults", "20", "--rate", "3"]],
         "storm": [["--nodes", "200", "--events", "20000"]],
         "agent": [["--seconds", "20"]],
     },
     "medium": {
         "pipeline": [["--nodes", n, "--events", "5000", "--raw", "30000", "--sws", "1000"]
                      for n in ("1000", "3000", "10000")],
-        "quarantine": [["--nodes", n, "--faults", "30", "--gap", "0.5"] for n in ("1000", "3000", "10000")],
+        "quarantine": [["--nodes", n, "--faults", "30", "--rate", "2"] for n in ("1000", "3000", "10000")]
+        + [["--nodes", "10000", "--faults", "200", "--rate", "20", "--modes", "real-drain"],
+           ["--nodes", "10000", "--modes", "burst", "--burst", "1000"]],
         "storm": [["--nodes", "2000", "--events", "100000"]],
         "agent": [["--seconds", "60"]],
     },
     "full": {
         "pipeline": [["--nodes", n, "--events", "10000", "--raw", "50000", "--sws", "2000"]
                      for n in ("1000", "3000", "10000")],
-        "quarantine": [["--nodes", n, "--faults", "50", "--gap", "0.5"] for n in ("1000", "3000", "10000")],
+        "quarantine": [["--nodes", n, "--faults", "50", "--rate", "2"] for n in ("1000", "3000", "10000")]
+        + [["--nodes", "10000", "--faults", f, "--rate", r, "--modes", "real-drain"] for f, r in (("200", "20"),
+                                                                                                   ("500", "50"))]
+        + [["--nodes", "10000", "--modes", "burst", "--burst", "1000"]],
         "storm": [["--nodes", "2000", "--events", "1000000"]],
         "agent": [["--seconds", "60"]],
     },
@@ -64,7 +69,8 @@ def run(script: str, args: list[str]) -> str:
     took = time.monotonic() - t0
     m = re.search(r"\n## .*", p.stdout, re.S)
     if m:
-        body = m.group(0)
+        body = m.group(0) + (f"\n(exit status {p.returncode}: a claim of the bench failed, see the table)\n"
+                             if p.returncode else "")
     elif p.returncode == 0:
         body = f"\n## {script} {' '.join(args)}\n\n```\n{p.stdout.strip()[-3000:]}\n```\n"
     else:
