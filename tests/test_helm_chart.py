@@ -212,8 +212,10 @@ def test_rbac_grants_exactly_what_the_kubernetes_adapter_calls(default_docs: lis
 
 
 def _known_metric_names() -> set[str]:
+    from fleetmend import fleetgauges
+
     known = set()
-    for obj in vars(metrics).values():
+    for obj in [*vars(metrics).values(), *vars(fleetgauges).values()]:
         if hasattr(obj, "describe") and hasattr(obj, "_name"):
             for fam in obj.describe():
                 known |= {fam.name, fam.name + "_total", fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"}
@@ -224,7 +226,9 @@ def test_alerts_and_service_monitor_use_real_metrics(full_docs: list[dict]) -> N
     (rule,) = by_kind(full_docs, "PrometheusRule").values()
     alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert set(alerts) == {"FleetmendBreakerOpen", "FleetmendSpoolGrowing", "FleetmendRouterLag",
-                           "FleetmendDeadLetters", "FleetmendAgentsSilent"}
+                           "FleetmendDeadLetters", "FleetmendAgentsSilent", "FleetmendNoGaugePublisher",
+                           "FleetmendGaugesDoubled", "FleetmendDrainsNearBudget", "FleetmendIncidentsAwaitingRepair"}
+    assert "fleetmend_fleet_gauges_publisher" in alerts["FleetmendGaugesDoubled"]
     used = {n for e in alerts.values() for n in re.findall(r"\bfleetmend_[a-z_]+", e)}
     assert used <= _known_metric_names(), used - _known_metric_names()
     (sm,) = by_kind(full_docs, "ServiceMonitor").values()
@@ -257,3 +261,13 @@ def test_example_values_for_nats_and_temporal_charts() -> None:
     stores = temporal["server"]["config"]["persistence"]
     assert stores["default"]["sql"]["pluginName"] == "postgres12"
     assert stores["visibility"]["sql"]["pluginName"] == "postgres12"
+
+
+def test_the_setup_job_sets_the_namespace_retention() -> None:
+    def env(docs: list[dict]) -> dict[str, str]:
+        (job,) = by_kind(docs, "Job").values()
+        return {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert env(render({}))["FLEETMEND_TEMPORAL_RETENTION_DAYS"] == "90"
+    assert env(render({"temporal": {"retentionDays": 400}}))["FLEETMEND_TEMPORAL_RETENTION_DAYS"] == "400"
+
