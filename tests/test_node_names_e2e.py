@@ -114,6 +114,8 @@ async def test_eks_node_name_end_to_end_standalone(nats_server, temporal_server,
         assert EKS in (await cli(env, "status")).stdout
         rows = json.loads((await cli(env, "nodes", "--json")).stdout)
         assert [r["name"] for r in rows] == [EKS]
+        injected = await cli(env, "inject", "--node", EKS, "--xid", "13", "--json")  # typed as the operator sees it
+        assert EKS in injected.stdout
         assert "repair recorded" in (await cli(env, "repaired", EKS, "--note", "reseated")).stdout
         closed = await incident(st.client, cluster, EKS, "closed")
         assert closed.outcome == "returned_to_service" and not closed.drained

@@ -68,7 +68,8 @@ async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
         await ensure_fault_stream(js, settings)
         subject = subjects.fault_subject(event.cluster, event.node)
         ack = await js.publish(subject, event.to_json_bytes(), headers={"Nats-Msg-Id": subjects.msg_id(event.event_id)})
-        return {"event_id": event.event_id, "subject": subject, "stream": ack.stream, "seq": ack.seq,
+        return {"event_id": event.event_id, "cluster": event.cluster, "node": event.node, "subject": subject,
+                "stream": ack.stream, "seq": ack.seq,
                 "duplicate": bool(ack.duplicate)}
     finally:
         await nc.close()
