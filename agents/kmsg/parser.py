@@ -89,7 +89,7 @@ class KmsgParser:
     """Stream parser for kernel log text.
 
     Args:
-        cluster, node: stamped on every event (`[A-Za-z0-9_-]+`).
+        cluster, node: stamped on every event (cluster `[A-Za-z0-9_-]+`; node any name `subjects.check_node_name` accepts).
         agent_version: stamped on every event.
         catalog: classifies events (severity, component); default: the packaged catalog.
         driver_version: NVIDIA driver version if known (selects NVLink5 v1/v2 decode rules); also
