@@ -122,6 +122,7 @@ def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> Non
     assert env["FLEETMEND_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["FLEETMEND_METRICS__AGENT_PORT"]["value"] == "9303"
     assert env["FLEETMEND_NATS_NKEY_SEED"]["value"] == "/etc/fleetmend/nats/$(FLEETMEND_NODE).nk"
+    assert env["FLEETMEND_AGENT__MANAGE_STREAM"]["value"] == "false"
     assert c["securityContext"]["runAsUser"] == 0 and c["securityContext"]["capabilities"]["add"] == ["SYSLOG"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["kmsg"]["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
@@ -271,3 +272,33 @@ def test_the_setup_job_sets_the_namespace_retention() -> None:
     assert env(render({}))["FLEETMEND_TEMPORAL_RETENTION_DAYS"] == "90"
     assert env(render({"temporal": {"retentionDays": 400}}))["FLEETMEND_TEMPORAL_RETENTION_DAYS"] == "400"
 
+
+def test_every_workloads_environment_loads_as_fleetmend_settings(full_docs: list[dict], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FLEETMEND_* variables the chart sets (settings reject unknown names) with the ConfigMap as
+    FLEETMEND_CONFIG, on a node named like an EKS node."""
+    import os
+
+    node = "ip-10-0-1-23.ec2.internal"
+    cfg = tmp_path / "fleetmend.toml"
+    cfg.write_text(by_kind(full_docs, "ConfigMap")["fleetmend-config"]["data"]["fleetmend.toml"])
+    workloads = [*by_kind(full_docs, "DaemonSet").values(), *by_kind(full_docs, "Deployment").values()]
+    for w in workloads:
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        env: dict[str, str] = {}
+        for e in c["env"]:
+            if "valueFrom" in e:
+                assert e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+                env[e["name"]] = node
+            else:
+                env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        env["FLEETMEND_CONFIG"] = str(cfg)
+        for k in [k for k in os.environ if k.startswith("FLEETMEND_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s = load_settings()
+        assert s.cluster == "eks-a" and s.nats_url == "nats://nats.nats.svc:4222", w["metadata"]["name"]
+        if w["kind"] == "DaemonSet":
+            assert s.node == node and s.metrics.agent_port == 9303 and not s.agent.manage_stream
+            assert str(s.nats_nkey_seed) == f"/etc/fleetmend/nats/{node}.nk"
