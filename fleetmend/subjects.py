@@ -40,6 +40,7 @@ NODE_NAME_MAX = 253
 
 _TOKEN_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _TOKEN = re.compile(r"^(?:[A-Za-z0-9_-]|=[0-9A-F]{2})+$")
+_COMMON_NODE = re.compile(r"[A-Za-z0-9._-]{1,253}\Z")
 
 
 def _check(kind: str, value: str) -> str:
@@ -62,6 +63,8 @@ def check_node_name(node: str) -> str:
         ValueError: empty, too long, a whitespace/control character or a path separator (the message
             says which).
     """
+    if isinstance(node, str) and _COMMON_NODE.match(node) and node not in (".", ".."):
+        return node  # the usual spelling (Kubernetes, Slurm): no per-character walk
     if not isinstance(node, str) or not node:
         raise ValueError(f"invalid node name {node!r}: empty")
     if len(node) > NODE_NAME_MAX:
