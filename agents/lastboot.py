@@ -93,7 +93,7 @@ _RIP_ANY = re.compile(r"\bRIP: (?:[0-9a-f]{4}:)?(?:\[<[0-9a-f]+>\]\s*)*(?P<fn>[\
 _FRAME_MODULE = re.compile(r"^\s*(?:\?\s*)?(?:\[<[0-9a-f]+>\]\s*(?:\?\s*)?)?(?P<fn>[\w.$]+)\+0x[0-9a-f]+/0x[0-9a-f]+"
                            r"\s*\[(?P<mod>[\w-]+)\]")
 _MODULES = re.compile(r"Modules linked in:\s*(?P<mods>.*)$")
-_TAINT = re.compile(r"\b(?:Tainted: (?P<t>[A-Z ]+?)\s{2,}|Not tainted)")
+_TAINT = re.compile(r"\b(?:Tainted: (?P<t>[A-Z ]*[A-Z])\s+(?=[\d-])|Not tainted)")
 _UPTIME = re.compile(r"^\s*(?:<\d{1,3}>)?\[\s*(?P<ts>\d+\.\d+)\]\s?(?P<msg>.*)$")
 _LEVEL = re.compile(r"^<\d{1,3}>")
 _RHEL_DIR = re.compile(r"(?P<d>\d{4}-\d\d-\d\d)-(?P<t>\d\d:\d\d:\d\d)$")
@@ -580,7 +580,7 @@ def _facts(lines: list[str]) -> dict[str, str | None]:
             modules = m["mods"].strip()
         m = _TAINT.search(msg)
         if m and tainted is None:
-            tainted = (m["t"] or "").strip() or "not tainted"
+            tainted = " ".join((m["t"] or "").split()) or "not tainted"
     if module is None and first_frame_mod is not None:
         module, function = first_frame_mod[0], function or first_frame_mod[1]
     return {"reason": reason, "panic_ts": panic_ts, "module": module, "function": function,

@@ -405,3 +405,17 @@ def test_module_of_an_old_kernel_rip_line() -> None:
                              " ? __pfx_poll_health+0x10/0x10 [mlx5_core]",
                              " mlx5_health_check_fatal_sensors+0x20/0x100 [mlx5_core]"])
     assert trace["module"] == "mlx5_core" and trace["function"] == "ioread32be"
+
+
+def test_nic_driver_oops_under_load_in_ramoops(tmp_path: Path) -> None:
+    """The ice driver's oops under 9K-MTU AF_XDP load, as ramoops keeps an oops dump (dump_oops=1)."""
+    root = make_root(tmp_path)
+    write_ramoops(root, _text("ice_rx_9k_mtu_oops.txt"), "Oops", 0, CRASH_AT)
+    state = tmp_path / "state"
+    previous_boot_state(state)
+    [ev] = collect(probe(root, state))
+    a = ev.attrs
+    assert a["module"] == "ice" and a["function"] == "ice_clean_rx_irq" and a["dump_reason"] == "Oops"
+    assert ev.pid == 3984 and a["process"] == "xskxceiver" and a["tainted"] == "G W"
+    assert a["previous_boot_id"] == BOOT_A and ev.kind == "kernel_panic_previous_boot"
+    assert "ice_clean_rx_irq [ice]" in ev.message
