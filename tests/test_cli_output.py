@@ -54,3 +54,12 @@ def test_json_logs_go_to_stderr_in_every_process_format() -> None:
     assert p.stdout == "RESULT\n"
     lines = [json.loads(x) for x in p.stderr.splitlines()]
     assert [x["event"] for x in lines] == ["probe_logged", "stdlib_logged"]
+
+
+def test_creds_generate_json_lists_what_it_wrote(tmp_path: Path) -> None:
+    p = _cli("creds", "generate", "--out", str(tmp_path / "c"), "--cluster", "c1", "--nodes", "n1,n2", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    names = {c["name"] for c in doc["credentials"]}
+    assert {"router", "worker", "admin"} <= names and len(names) == 5
+    assert all(Path(c["seed_file"]).exists() for c in doc["credentials"]) and Path(doc["accounts_conf"]).exists()

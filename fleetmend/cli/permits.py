@@ -43,10 +43,19 @@ def register(app: Any) -> None:
     def breaker_release(
         node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free."),
         note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
+        as_json: bool = m.JsonOpt,
         cluster: Optional[str] = m.ClusterOpt,
         config: Optional[Path] = m.ConfigOpt,
     ) -> None:
         """Free NODE's drain permit by hand (a permit held by an incident that no longer runs): audited with
         who you are. FleetGuard also does this by itself every `policy.permit_reconcile_s`."""
         s = m._settings(config, cluster=cluster)
-        m.out.print(m._run(_release(s, node, m._who(), note)))
+        result = m._run(_release(s, node, m._who(), note))
+        if as_json:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps({"command": "release_permit", "node": node, "cluster": s.cluster,
+                                         "by": m._who(), "result": result}) + "\n")
+            return
+        m.out.print(result)

@@ -22,6 +22,7 @@ def generate(
     nodes: Optional[str] = typer.Option(None, "--nodes", help="Comma-separated node names."),
     nodes_file: Optional[Path] = typer.Option(None, "--nodes-file", exists=True, dir_okay=False,
                                               help="File with one node name a line."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as one JSON object."),
 ) -> None:
     """Write an nkey seed per node (publish only its own fault/heartbeat subjects, answer only its own
     diagnostics) plus router, worker and admin seeds, and `accounts.conf` for nats-server. Existing
@@ -40,6 +41,15 @@ def generate(
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from e
+    if as_json:
+        import json
+        import sys
+
+        sys.stdout.write(json.dumps({"cluster": cluster, "out": str(out_dir), "accounts_conf": str(cs.accounts_conf),
+                                     "credentials": [{"name": c.name, "public_key": c.public_key,
+                                                      "seed_file": str(c.seed_file)} for c in cs.credentials]})
+                         + "\n")
+        return
     t = Table(title=f"NATS credentials for cluster {cluster} in {out_dir}")
     for col in ("who", "public key", "seed file"):
         t.add_column(col, no_wrap=True)
