@@ -173,9 +173,10 @@ async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max
     info = await ensure_stream(js, StreamConfig(
         name=PERF_STREAM, subjects=[all_perf_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
-        max_msgs_per_subject=max_msgs_per_subject), timeout_s)
+        max_msgs_per_subject=max_msgs_per_subject, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S), timeout_s)
     await ensure_stream(js, StreamConfig(
         name=JOB_STREAM, subjects=[all_jobs_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
-        max_msgs_per_subject=max(max_msgs_per_subject, 10_000)), timeout_s)
+        max_msgs_per_subject=max(max_msgs_per_subject, 10_000), duplicate_window=DEFAULT_DUPLICATE_WINDOW_S),
+        timeout_s)
     return info
