@@ -147,16 +147,19 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
 
 
 async def open_cluster(client: Any, node: str, default: str) -> str:
-    """The cluster of `node`'s open incident, for commands given no `--cluster`.
+    """The cluster of `node`'s open incident, for commands given no `--cluster`: the configured
+    cluster (`default`) when the node has one open there, else the one other cluster where it has.
 
     Returns `default` when visibility lists no open incident (the command then says there is none).
     Raises:
-        FleetmendError: open incidents in several clusters (names them: pick one with --cluster).
+        FleetmendError: open incidents in several other clusters (names them: pick one with --cluster).
     """
     clusters = set()
     async for wf in client.list_workflows(node_query(node, running=True), limit=20):
         clusters.add(_attrs(wf).get("FleetCluster"))
     clusters.discard(None)
+    if default in clusters:
+        return default
     if len(clusters) > 1:
         raise FleetmendError(f"{node} has open incidents in clusters {', '.join(sorted(clusters))}; "
                              "pick one with --cluster")

@@ -151,7 +151,7 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
         await _held_and_queued(f, "a", "b")
 
         async def b_waits_visibly():  # noqa: ANN202
-            r = await asyncio.to_thread(cli, "status", "--json")
+            r = await asyncio.to_thread(cli, "status", "--cluster", f.cluster, "--json")  # status alone: every cluster
             rows = {x["node"]: x for x in json.loads(r.output)}
             b = rows.get("b") or {}
             return b if b.get("phase") == "awaiting_permit" and (b.get("waiting") or "").startswith("budget") else None
