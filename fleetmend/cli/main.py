@@ -31,6 +31,7 @@ EXIT_STATUSES = """Exit statuses:
   2    bad usage or configuration (unknown option, invalid value, config file error)
   130  interrupted (Ctrl-C)
 
+`fleetmend explain` answers what it found instead (0/1/2/3, see its --help).
 With --json, stdout holds only the JSON result; logs and errors go to stderr."""
 app = typer.Typer(no_args_is_help=True, add_completion=True, rich_markup_mode=None, epilog=EXIT_STATUSES,
                   help="fleetmend: find bad GPU nodes, take them out, bring them back proven good.")
