@@ -407,7 +407,8 @@ class FleetGuard:
                                    granted_at=self._now()))
                 held += 1
             elif r.phase == Phase.AWAITING_PERMIT:
-                s.queue.append(Queued(node=r.node, severity=Severity(r.severity or "fatal").value,
+                sev = r.severity if r.severity in {v.value for v in Severity} else Severity.FATAL.value
+                s.queue.append(Queued(node=r.node, severity=sev,
                                       fault_class=r.fault_class, rack=r.rack, domains=list(r.domains),
                                       requested_at=self._now(), reason="rebuilt from its running incident"))
                 queued += 1
