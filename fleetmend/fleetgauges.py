@@ -56,10 +56,11 @@ def forget_router_lag(stream: str, consumer: str) -> None:
 async def run_elected(js: Any, role: str, scope: str, refresh: Callable[[], Awaitable[Any]],
                       forget: Callable[[], None], interval_s: float, stop: asyncio.Event, log: Any, *,
                       on_elected: Callable[[], None] | None = None, ttl_s: float = DEFAULT_TTL_S,
-                      holder: str | None = None) -> None:
+                      holder: str | None = None, state: dict[str, bool] | None = None) -> None:
     """Contend for the (role, scope) lease until `stop`; while held, `refresh()` every `interval_s`.
 
-    Losing the lease (or stopping) calls `forget()`; winning it calls `on_elected()` first. The lease
+    Losing the lease (or stopping) calls `forget()`; winning it calls `on_elected()` first; `state["held"]`
+    (when given) says whether this replica publishes now, for gauges set elsewhere. The lease
     is renewed every `ttl_s / 3`. NATS or refresh failures are logged once per streak, never fatal.
     On stop the lease is released, so another replica takes over at its next tick.
     """
@@ -95,6 +96,8 @@ async def run_elected(js: Any, role: str, scope: str, refresh: Callable[[], Awai
                 log.info("fleet_gauges_handed_over", role=role, scope=scope)
                 forget()
             held = now_held
+            if state is not None:
+                state["held"] = held
             PUBLISHER.labels(role=role, scope=scope).set(1 if held else 0)
             if held and time.monotonic() >= next_refresh:
                 next_refresh = time.monotonic() + interval_s

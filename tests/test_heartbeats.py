@@ -123,3 +123,25 @@ async def test_a_dotted_node_goes_silent_under_its_real_name_and_is_counted(nc, 
     finally:
         stop.set()
         await task
+
+
+async def test_only_the_elected_replica_sets_the_silent_gauge(nc, unique: str) -> None:
+    """Two monitors (two router replicas) see the same silence; only the one elected to publish the
+    fleet-level gauges sets `fleetmend_agents_silent`, so a sum over replicas counts the node once."""
+    from fleetmend import metrics
+
+    cluster, node = f"e{unique}", "n1"
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    stop = asyncio.Event()
+    other = HeartbeatMonitor(nc, js, silence_s=0.4, check_interval_s=0.05, publish_gauge=lambda: False)
+    task = asyncio.create_task(other.run(stop))
+    try:
+        await asyncio.sleep(0.1)
+        await _beat(nc, cluster, node)
+        await assert_eventually(lambda: len(other.published) == 1, timeout_s=10, what="agent_silent published")
+        await asyncio.sleep(0.2)
+        assert (cluster,) not in {tuple(k) for k in metrics.AGENTS_SILENT._metrics}  # never set by a non-publisher
+    finally:
+        stop.set()
+        await task

@@ -28,15 +28,21 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     # one router replica per durable consumer publishes its lag (fleetmend/fleetgauges.py: a KV lease)
     from fleetmend import fleetgauges
 
+    elected: dict[str, bool] = {"held": False}  # the lag's publisher also publishes the silent-agent gauge
+
+    def forget() -> None:
+        fleetgauges.forget_router_lag(router.stream, router.durable)
+        metrics.AGENTS_SILENT.clear()
+
     lag = asyncio.create_task(fleetgauges.run_elected(
         router.js, fleetgauges.ROLE_ROUTER_LAG, router.durable,
-        lambda: metrics.refresh_router_lag(router.js, router.stream, router.durable),
-        lambda: fleetgauges.forget_router_lag(router.stream, router.durable),
-        settings.metrics.poll_interval_s, stop, log)) if settings.metrics.router_port else None
+        lambda: metrics.refresh_router_lag(router.js, router.stream, router.durable), forget,
+        settings.metrics.poll_interval_s, stop, log, state=elected)) if settings.metrics.router_port else None
     # -- monitor of the monitor: silent agents become agent_silent faults (fleetmend/router/heartbeats.py)
     from fleetmend.router.heartbeats import HeartbeatMonitor
 
-    heartbeats = asyncio.create_task(HeartbeatMonitor(nc, nc.jetstream(), settings.router.heartbeat_silence_s)
+    heartbeats = asyncio.create_task(HeartbeatMonitor(nc, nc.jetstream(), settings.router.heartbeat_silence_s,
+                                                      publish_gauge=lambda: elected["held"])
                                      .run(stop), name="heartbeats")
     beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
     metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected

@@ -74,8 +74,11 @@ class HeartbeatMonitor:
     """
 
     def __init__(self, nc: Any, js: Any, silence_s: float, check_interval_s: float | None = None,
-                 publish_timeout_s: float = 5.0) -> None:
+                 publish_timeout_s: float = 5.0, publish_gauge: Any = None) -> None:
         self.nc, self.js = nc, js
+        self.publish_gauge = publish_gauge
+        """None (every replica sets the gauge), or a callable: set `fleetmend_agents_silent` only while it
+        says True (the router replica elected to publish fleet-level gauges, `fleetmend.fleetgauges`)."""
         self.silence_s = silence_s
         self.check_interval_s = check_interval_s or max(silence_s / 6, 0.05)
         self.publish_timeout_s = publish_timeout_s
@@ -129,6 +132,8 @@ class HeartbeatMonitor:
                 node.silent_since = node.last_at
                 self._pending.append(self._event(key, node, healthy=False))
             silent[key[0]] = silent.get(key[0], 0) + (node.silent_since is not None)
+        if self.publish_gauge is not None and not self.publish_gauge():
+            return
         for cluster, n in silent.items():
             metrics.AGENTS_SILENT.labels(cluster=cluster).set(n)
 
