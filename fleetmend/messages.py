@@ -247,12 +247,15 @@ class IncidentPolicy:
     ticket_poll_s: float = _policy_default("ticket_poll_s")
     close_info_after_s: float = _policy_default("close_info_after_s")
     permit_rerequest_s: float = _policy_default("permit_rerequest_s")
+    notify: bool = True
+    """Notification channels are configured (`[notify]`): the incident starts `notify` activities.
+    False: it starts none (no activity per event in a deployment that notifies nobody)."""
 
     @classmethod
-    def from_settings(cls, p: PolicySettings) -> "IncidentPolicy":
+    def from_settings(cls, p: PolicySettings, notify: bool = True) -> "IncidentPolicy":
         from dataclasses import fields
 
-        return cls(**{f.name: getattr(p, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(p, f.name) for f in fields(cls) if f.name != "notify"}, notify=notify)
 
 
 # ------------------------------------------------------------------ NodeRemediation's state

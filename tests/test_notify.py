@@ -232,3 +232,24 @@ async def test_a_lemon_node_is_notified(temporal_client, unique) -> None:  # noq
         await assert_eventually(lambda: len(calls.notifications) >= 3, what="notified")
     assert [n.event.value for n in calls.notifications] == ["lemon", "drained", "ticket_filed"]
     assert "RMA" in calls.notifications[2].summary and calls.notifications[0].node == "n9"
+
+
+async def test_no_channels_configured_starts_no_notify_activity(temporal_client, unique) -> None:  # noqa: ANN001
+    """The router sets `IncidentPolicy.notify` from `[notify]`: nobody to notify, no activity per event."""
+    from temporalio.worker import Worker
+
+    from fleetmend.config import Settings
+    from fleetmend.messages import IncidentPolicy
+    from tests.activity_standins import Calls, stand_ins
+    from tests.conftest import assert_eventually
+    from tests.test_workflow import fault, phase_is, start
+    from workflows.remediation import NodeRemediation
+
+    s = Settings()
+    assert IncidentPolicy.from_settings(s.policy, s.notify.any).notify is False
+    assert IncidentPolicy.from_settings(s.policy, NotifySettings(slack_webhook_url="http://s/").any).notify
+    calls, tq = Calls(), f"tq-{unique}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(temporal_client, tq, unique, "q1", [fault(unique, "q1", 79, drain=True)], notify=False)
+        await assert_eventually(lambda: phase_is(h, "awaiting_repair"))
+    assert calls.notifications == [] and len(calls.tickets) == 1

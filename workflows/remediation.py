@@ -654,7 +654,7 @@ class NodeRemediation:
     # ---------------------------------------------------------------- helpers
     def _notify(self, event: NotifyEvent, summary: str) -> None:
         """Start the `notify` activity (never awaited here: a slow channel does not hold the incident)."""
-        if not workflow.patched(PATCH_NOTIFY):
+        if not self._policy.notify or not workflow.patched(PATCH_NOTIFY):
             return
         s = self._state
         n = Notification(event=event, cluster=s.cluster, node=s.node, summary=summary,

@@ -288,7 +288,8 @@ class Router:
         """(faults, IncidentInput, FaultBatch) of a node's queued items: collapse and classify."""
         seqs = [m.metadata.sequence.stream if getattr(m, "metadata", None) else None for m, _ev, _t in items]
         faults = collapse([ev for _msg, ev, _t in items], self.catalog, seqs)
-        inp = IncidentInput(cluster=cluster, node=node, policy=IncidentPolicy.from_settings(self.s.policy))
+        inp = IncidentInput(cluster=cluster, node=node, policy=IncidentPolicy.from_settings(self.s.policy,
+                                                                                            self.s.notify.any))
         return faults, inp, FaultBatch(faults=faults, routed_at=datetime.now(timezone.utc))
     async def _isolate(self, cluster: str, node: str, items: list[tuple[Any, FaultEvent, float]],
                        err: Exception) -> list[tuple[Any, FaultEvent, float]]:
