@@ -117,13 +117,25 @@ class SlurmScheduler:
             raise SchedulerError(f"{argv[0]} not found; set slurm.scontrol/slurm.sinfo or install slurm-client") from err
         return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
 
+    @staticmethod
+    def _one_node(node: str) -> None:
+        """Refuse a name scontrol would expand to several nodes (`gpu[01-64]`, `a,b`): one incident
+        drains one node under one FleetGuard permit.
+
+        Raises:
+            NodeNotFoundError: `node` holds `[`, `]` or `,` (Slurm hostlist syntax).
+        """
+        if any(ch in node for ch in "[],"):
+            raise NodeNotFoundError(f"node {node!r} is a Slurm hostlist expression, not one node; refused")
+
     async def show(self, node: str) -> dict[str, str]:
         """`scontrol -o show node <node>` parsed (see `parse_scontrol_node`).
 
         Raises:
-            NodeNotFoundError: slurmctld does not know `node`.
+            NodeNotFoundError: slurmctld does not know `node`, or `node` names several nodes.
             SchedulerError: scontrol failed otherwise (stderr in the message).
         """
+        self._one_node(node)
         rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node", node)
         if rc != 0 or not out.strip():
             text = (err or out).strip()
@@ -133,6 +145,7 @@ class SlurmScheduler:
         return parse_scontrol_node(out)
 
     async def _update(self, node: str, *fields: str) -> None:
+        self._one_node(node)
         self.update_calls += 1
         rc, out, err = await self._run(self.settings.scontrol, "update", f"NodeName={node}", *fields)
         if rc != 0:

@@ -54,14 +54,16 @@ def check_node_name(node: str) -> str:
 
     Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace, a control character, a path
     separator (`/`, `\\`: the name is a path component of credential files and of the workflow id
-    `remediate/<cluster>/<node>`) or a quote (`'`, `"`, a backtick: names are quoted inside Temporal
-    visibility queries). That covers every Kubernetes node name (an RFC 1123 subdomain such
-    as `ip-10-0-1-23.ec2.internal`) and every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
+    `remediate/<cluster>/<node>`), a quote (`'`, `"`, a backtick: names are quoted inside Temporal
+    visibility queries) or Slurm hostlist syntax (`[`, `]`, `,`: `scontrol update NodeName=gpu[01-64]`
+    acts on every node the expression names, so one event would drain many nodes on one permit). That
+    covers every Kubernetes node name (an RFC 1123 subdomain such as `ip-10-0-1-23.ec2.internal`) and
+    every Slurm `NodeName` (`gpu.rack1-07`, `node_3`). The name itself is never put into a NATS subject
     or a KV key; `node_token` encodes it for those.
 
     Raises:
-        ValueError: empty, too long, a whitespace/control character or a path separator (the message
-            says which).
+        ValueError: empty, too long, a whitespace/control character, a path separator, a quote or a
+            hostlist character (the message says which).
     """
     if isinstance(node, str) and _COMMON_NODE.match(node) and node not in (".", ".."):
         return node  # the usual spelling (Kubernetes, Slurm): no per-character walk
@@ -76,6 +78,9 @@ def check_node_name(node: str) -> str:
             raise ValueError(f"invalid node name {node!r}: path separator {ch!r}")
         if ch in "'\"`":
             raise ValueError(f"invalid node name {node!r}: quote {ch!r}")
+        if ch in "[],":
+            raise ValueError(f"invalid node name {node!r}: {ch!r} is Slurm hostlist syntax (a name of several "
+                             "nodes); give one node")
     if node in (".", ".."):
         raise ValueError(f"invalid node name {node!r}: a directory name")
     return node

@@ -18,10 +18,10 @@ _KV_KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 # RFC 1123 subdomain (what Kubernetes accepts as a node name), at most 253 characters.
 _label = st.from_regex(r"\A[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?\Z")
 rfc1123 = st.lists(_label, min_size=1, max_size=12).map(".".join).filter(lambda s: len(s) <= 253)
-# Anything the contract accepts: printable, no whitespace, 1-253 characters.
+# Anything the contract accepts: printable, no whitespace, quote, path separator or hostlist syntax, 1-253 characters.
 any_name = st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zs", "Zl", "Zp", "Co", "Cn")),
                    min_size=1, max_size=NODE_NAME_MAX).filter(
-    lambda s: s.isprintable() and not any(c.isspace() or c in "/\\'\"`" for c in s) and s not in (".", ".."))
+    lambda s: s.isprintable() and not any(c.isspace() or c in "/\\'\"`[]," for c in s) and s not in (".", ".."))
 
 
 @given(rfc1123)
@@ -60,7 +60,8 @@ def test_examples() -> None:
     assert len(n) == 253 and token_node(node_token(n)) == n
 
 
-@pytest.mark.parametrize("bad", ["", " ", "a b", "node\n1", "x\t", "\x00", "a" * 254, "../etc", "a/b", "a\\b", "..", "a'b", 'a"b'])
+@pytest.mark.parametrize("bad", ["", " ", "a b", "node\n1", "x\t", "\x00", "a" * 254, "../etc", "a/b", "a\\b", "..", "a'b", 'a"b',
+                                 "gpu[01-64]", "node1,node2", "a]"])
 def test_bad_names_are_refused_with_a_reason(bad: str) -> None:
     with pytest.raises(ValueError, match="node name"):
         node_token(bad)

@@ -122,6 +122,17 @@ async def test_unknown_node_raises_node_not_found(slurm, sched) -> None:
         await sched.undrain("node99", "inc-6")
 
 
+async def test_a_hostlist_name_drains_nothing(slurm, sched) -> None:
+    # `scontrol update NodeName=node[1-4]` drains all four: one event must never do that on one permit
+    for name in ("node[1-4]", "node1,node2"):
+        with pytest.raises(NodeNotFoundError, match="hostlist"):
+            await sched.drain(name, "xid 79", "inc-h")
+        with pytest.raises(NodeNotFoundError, match="hostlist"):
+            await sched.undrain(name, "inc-h")
+    assert [slurm.sinfo_state(f"node{i}") for i in range(1, 5)] == ["idle"] * 4
+    assert sched.update_calls == 0
+
+
 async def test_list_nodes(slurm, sched) -> None:
     await sched.drain("node1", "xid 79", "inc-7")
     slurm.run("scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=ops")
