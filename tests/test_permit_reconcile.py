@@ -159,6 +159,12 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
         await assert_eventually(b_waits_visibly, what="`fleetmend status` shows b waiting for the budget")
         with pytest.raises(WorkflowUpdateFailedError):
             await f.guard().execute_update(FleetGuard.release_permit, PermitReleaseCommand(by=" ", node="a"))
+        # a's incident still runs with its drain in force: freeing its permit would let b drain too
+        r = await asyncio.to_thread(cli, "breaker", "release", "a", "--note", "too early")
+        assert r.exit_code == 1 and "still runs" in r.output, r.output
+        assert [h["node"] for h in (await f.status()).held] == ["a"] and not f.drained("b")
+        a = f.client.get_workflow_handle(subjects.workflow_id(f.cluster, "a"))
+        await a.terminate(reason="terminated by hand; its permit leaks (reconciliation is an hour away here)")
         r = await asyncio.to_thread(cli, "breaker", "release", "a", "--note", "leaked")
         assert r.exit_code == 0 and "a: permit released" in r.output, r.output
         await assert_eventually(lambda: f.drained("b"), what="b drained")

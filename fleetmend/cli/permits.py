@@ -11,7 +11,28 @@ from typing import Any, Optional
 import typer
 
 
-async def _release(settings: Any, node: str, by: str, note: str) -> str:
+async def _running_incident(client: Any, cluster: str, node: str) -> str | None:
+    """`node`'s incident workflow id in `cluster` when it still runs, else None."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    from fleetmend import subjects
+
+    wid = subjects.workflow_id(cluster, node)
+    try:
+        desc = await client.get_workflow_handle(wid).describe()
+    except RPCError:
+        return None  # never opened, or gone with the namespace's retention
+    return wid if desc.status == WorkflowExecutionStatus.RUNNING else None
+
+
+async def _release(settings: Any, node: str, by: str, note: str, force: bool = False) -> str:
+    """Free `node`'s permit. Refused while `node`'s incident still runs (its drain is in force: freeing its
+    permit lets one more node drain than the budget allows) unless `force`.
+
+    Raises:
+        FleetmendError: the incident still runs (without `force`), the guard refused, or Temporal failed.
+    """
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
 
@@ -21,6 +42,12 @@ async def _release(settings: Any, node: str, by: str, note: str) -> str:
     from fleetmend.messages import GuardApi, PermitReleaseCommand
 
     client = await connect_temporal(settings)
+    running = None if force else await _running_incident(client, settings.cluster, node)
+    if running:
+        raise FleetmendError(
+            f"{node}'s incident {running} still runs and its permit counts its drain; releasing it would let "
+            f"one more node drain than the budget allows. End the incident (`fleetmend abort {node} "
+            f"[--undrain]`, which frees the permit), or add --force if the permit is wrong anyway")
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(settings.cluster))
     try:
         return await handle.execute_update(GuardApi.RELEASE_PERMIT, PermitReleaseCommand(by=by, node=node, note=note),
@@ -43,14 +70,16 @@ def register(app: Any) -> None:
     def breaker_release(
         node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free."),
         note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
+        force: bool = typer.Option(False, "--force", help="Release even while NODE's incident still runs."),
         as_json: bool = m.JsonOpt,
         cluster: Optional[str] = m.ClusterOpt,
         config: Optional[Path] = m.ConfigOpt,
     ) -> None:
         """Free NODE's drain permit by hand (a permit held by an incident that no longer runs): audited with
-        who you are. FleetGuard also does this by itself every `policy.permit_reconcile_s`."""
+        who you are. Refused while NODE's incident still runs (--force overrides). FleetGuard also does this
+        by itself every `policy.permit_reconcile_s`."""
         s = m._settings(config, cluster=cluster)
-        result = m._run(_release(s, node, m._who(), note))
+        result = m._run(_release(s, node, m._who(), note, force))
         if as_json:
             import json
             import sys
