@@ -55,6 +55,15 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):  # n
     assert bad.exit_code == 2 and "unknown kind 'ib_prot_down'" in bad.output
     both = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7")
     assert both.exit_code == 2 and "exactly one of --xid" in both.output
+    # the router classifies by the catalog: a severity it would override is refused, not published
+    sev = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--kind", "ib_port_down",
+                                  "--severity", "fatal")
+    assert sev.exit_code == 2 and "by the catalog as degraded" in sev.output, sev.output
+    same = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--xid", "79", "--severity", "fatal")
+    assert same.exit_code == 0, same.output
+    name = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu 7", "--xid", "79")
+    assert name.exit_code == 2 and "--node: invalid node name 'gpu 7'" in name.output, name.output
+    assert "pydantic" not in name.output and "validation error" not in name.output
 
 
 async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):  # noqa: ANN001

@@ -27,10 +27,13 @@ from fleetmend.errors import FleetmendError
 
 def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind: str | None,
                          severity: str | None, bus_id: str | None, by: str):  # noqa: ANN201 - FaultEvent
-    """The synthetic event `inject` publishes. Severity and component default to the catalog's.
+    """The synthetic event `inject` publishes. Severity and component are the catalog's: the router
+    classifies every event by the catalog, so a `severity` other than the catalog's is refused rather than
+    published and silently overridden.
 
     Raises:
-        FleetmendError: neither or both of xid/kind; an unknown kind (lists a few known ones).
+        FleetmendError: neither or both of xid/kind; an unknown kind (lists a few known ones); a
+            `severity` that differs from the catalog's.
     """
     from fleetmend.catalog import load_catalog
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
@@ -51,6 +54,11 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
             known = ", ".join(sorted(catalog.kinds)[:12])
             raise FleetmendError(f"unknown kind {kind!r}; expected a catalog kind such as {known}, …")
         sev, comp, ev_kind, code, message, raw = k.severity, k.component, kind, None, f"injected {kind}", ""
+    if severity is not None and Severity(severity) != sev:
+        what = f"XID {xid}" if xid is not None else kind
+        raise FleetmendError(f"the router classifies {what} by the catalog as {sev.value}, whatever the event "
+                             f"says: --severity {severity} would be ignored (drop it, or change the class's "
+                             "severity in the catalog with catalog_overrides)")
     return FaultEvent(cluster=settings.cluster, node=node, component=comp, kind=ev_kind, code=code,
                       severity=Severity(severity) if severity else sev, source=Source.INJECT,
                       device=Device(pci_bus_id=bus_id) if bus_id else Device(),
@@ -140,8 +148,8 @@ def register(app: typer.Typer) -> None:
         node: str = typer.Option(..., "--node", help="Node the synthetic fault is about."),
         xid: Optional[int] = typer.Option(None, "--xid", help="An XID number (e.g. 79)."),
         kind: Optional[str] = typer.Option(None, "--kind", help="A catalog kind (e.g. aer_fatal, ib_port_down)."),
-        severity: Optional[str] = typer.Option(None, "--severity", help="info, degraded or fatal (default: "
-                                               "the catalog's)."),
+        severity: Optional[str] = typer.Option(None, "--severity", help="info, degraded or fatal: must be the "
+                                               "catalog's (the router classifies by it)."),
         bus_id: Optional[str] = typer.Option(None, "--bus-id", help="GPU PCI bus id, e.g. 0000:3b:00.0."),
         cluster: Optional[str] = m.ClusterOpt,
         as_json: bool = typer.Option(False, "--json"),
@@ -158,7 +166,12 @@ def register(app: typer.Typer) -> None:
             m.err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from e
         except ValueError as e:  # pydantic: a bad node name or bus id
-            m.err.print(f"[red]error:[/red] {e}")
+            from pydantic import ValidationError
+
+            text = "; ".join(f"--{'-'.join(str(p) for p in x['loc']).replace('pci_bus_id', 'bus-id')}: "
+                             f"{x['msg'].removeprefix('Value error, ')}" for x in e.errors()) \
+                if isinstance(e, ValidationError) else str(e)
+            m.err.print(f"[red]error:[/red] {escape(text)}")
             raise typer.Exit(2) from e
         res = m._run(_inject(s, event))
         if as_json:
