@@ -218,7 +218,8 @@ async def test_two_clusters_one_node_name_abort_undrain_in_b_keeps_a_drained(nat
         for st in (a, b):
             assert (await incident(st.client, st.s.cluster, EKS, "awaiting_repair")).drained
         kv = await a.nc.jetstream().key_value(subjects.DRAIN_KV_BUCKET)
-        out = await cli(env_of(settings["b"]), "abort", EKS, "--undrain", "--note", "test")
+        out = await cli(env_of(settings["b"]), "abort", EKS, "--undrain", "--note", "test",
+                        "--cluster", settings["b"].cluster)
         assert out.returncode == 0
         closed = await incident(b.client, settings["b"].cluster, EKS, "closed")
         assert not closed.drained
