@@ -333,7 +333,7 @@ async def main(a: argparse.Namespace) -> int:
                          f"{'  OVER BUDGET' if over else ''}  ({r['drain_records']} records)"))
         w = r["window"]
         if w is not None:
-            bad |= bool(w["neither"])
+            bad |= bool(w["neither"]) or w["at_s"] > a.burst_window
             rows.append((f"{m}: drained or visibly queued", f"{w['drained']} drained + {w['queued']} queued of "
                          f"{r['count']} at {w['at_s']:.1f} s (window {a.burst_window:g} s); reasons "
                          f"{w['reasons']}; neither {len(w['neither'])}"
