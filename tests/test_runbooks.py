@@ -52,6 +52,10 @@ def test_runbook_command() -> None:
     bad = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "runbook", "xid9999"], capture_output=True,
                          text=True, cwd=REPO, timeout=60, env=env)
     assert bad.returncode == 1 and bad.stdout == "" and "--list" in bad.stderr
+    for spelled in ("XID79", "xid 79", "79"):  # as `explain` and `status` print it, or the bare number
+        p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "runbook", spelled, "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
+        assert p.returncode == 0 and json.loads(p.stdout)["fault_class"] == "xid79", (spelled, p.stderr)
 
 
 async def test_a_filed_ticket_points_at_the_runbook(tmp_path: Path) -> None:

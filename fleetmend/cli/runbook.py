@@ -34,6 +34,10 @@ def register(app: typer.Typer) -> None:
             else:
                 out.print("\n".join(classes), markup=False, highlight=False)
             return
+        # as an operator types it: XID79, "xid 79", 79 (what `fleetmend explain` prints is "XID 79")
+        fault_class = "".join(fault_class.split()).lower()
+        if fault_class.isdigit():
+            fault_class = f"xid{fault_class}"
         try:
             text = render(fault_class, catalog)
         except KeyError as e:
