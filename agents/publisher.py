@@ -131,7 +131,11 @@ class Publisher:
     def on_disconnected(self) -> None:
         """Wire to nats `disconnected_cb`."""
         if self._online.is_set():
-            self._log.warning("nats_disconnected", spool_depth=self.spool.depth)
+            nc = self._nc
+            if nc is not None and (getattr(nc, "is_draining", False) or getattr(nc, "is_closed", False)):
+                self._log.info("nats_closed", spool_depth=self.spool.depth)  # our own drain at exit
+            else:
+                self._log.warning("nats_disconnected", spool_depth=self.spool.depth)
         self._online.clear()
 
     def on_reconnected(self) -> None:
