@@ -82,10 +82,10 @@ class Conditions:
             entry = self.catalog.kinds.get(r.kind)
             cleared_by = entry.cleared_by if entry is not None else ""
             attrs["clearing_kind"] = None if cleared_by.startswith("none:") or not cleared_by else cleared_by
-        return FaultEvent(cluster=self.cluster, node=self.node, component=r.component, device=r.device,
-                          kind=r.kind, code=r.code, severity=Severity.INFO if healthy else r.severity,
-                          healthy=healthy, message=message or r.message, source=self.source,
-                          raw=r.raw or message or r.message, agent_version=self.agent_version, attrs=attrs)
+        return self.catalog.stamp(FaultEvent(
+            cluster=self.cluster, node=self.node, component=r.component, device=r.device, kind=r.kind, code=r.code,
+            severity=Severity.INFO if healthy else r.severity, healthy=healthy, message=message or r.message,
+            source=self.source, raw=r.raw or message or r.message, agent_version=self.agent_version, attrs=attrs))
 
     def observe(self, slot: str, reading: Reading | None | _Unknown, clear_message: str = "") -> list[FaultEvent]:
         """Record this poll's reading of `slot`; return the events to publish (0, 1 or 2).

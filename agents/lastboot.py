@@ -774,7 +774,7 @@ class LastBootProbe:
         return out, commit
 
     def _finish(self, draft: FaultEvent) -> FaultEvent:
-        return draft.model_copy(update={"severity": self.catalog.classify(draft).severity})
+        return self.catalog.stamp(draft, keep_severity=False)  # classified once, here
 
     def _crash_event(self, crash: Crash, dump: Dump, previous_boot: str | None, unexpected: bool,
                      errors: list[str]) -> FaultEvent:

@@ -81,16 +81,6 @@ CLOCK_REASONS = {  # nvmlClocksEventReason* bit → kind
     0x40: "clocks_thermal_slowdown",  # HW thermal slowdown
     0x80: "clocks_power_brake",
 }
-RECOVERY_ACTIONS = {  # NVML_GPU_RECOVERY_ACTION_* → (name, severity)
-    0: ("NONE", None),
-    1: ("GPU_RESET", Severity.FATAL),
-    2: ("NODE_REBOOT", Severity.FATAL),
-    3: ("DRAIN_P2P", Severity.DEGRADED),
-    4: ("DRAIN_AND_RESET", Severity.FATAL),
-    5: ("RECOVER_IMEX_DOMAIN", Severity.DEGRADED),
-    6: ("BUS_RESET", Severity.FATAL),
-    7: ("SYSTEM_REBOOT", Severity.FATAL),
-}
 E_INVALID_ARGUMENT, E_NOT_SUPPORTED, E_NOT_FOUND = 2, 3, 6
 E_DRIVER_NOT_LOADED, E_TIMEOUT, E_LIBRARY_NOT_FOUND, E_FUNCTION_NOT_FOUND, E_GPU_IS_LOST = 9, 10, 12, 13, 15
 ABSENT = frozenset({E_DRIVER_NOT_LOADED, E_LIBRARY_NOT_FOUND})
@@ -328,15 +318,15 @@ class NvmlProbe:
         gpu = self._gpu_of(data.device)
         device = gpu.device if gpu is not None else Device()
         entry = self.catalog.xids.get(xid)
-        severity = entry.derived()[0] if entry is not None else Severity.DEGRADED
         what = f"{entry.mnemonic}: {entry.description}" if entry is not None else "not in the XID catalog"
         where = device.pci_bus_id or (f"GPU {device.index}" if device.index is not None else "unknown GPU")
         msg = f"NVML XID critical error event: Xid {xid} on {where} ({what})"
-        return FaultEvent(cluster=self.cluster, node=self.node, component=Component.GPU, device=device, kind="xid",
-                          code=xid, severity=severity, message=msg[:4000], source=Source.NVML, raw=msg,
-                          agent_version=self.agent_version,
-                          attrs={"via": "nvml_event", "gpu_instance_id": _int_or_none(getattr(data, "gpuInstanceId", None)),
-                                 "compute_instance_id": _int_or_none(getattr(data, "computeInstanceId", None))})
+        return self.catalog.stamp(FaultEvent(
+            cluster=self.cluster, node=self.node, component=Component.GPU, device=device, kind="xid", code=xid,
+            severity=Severity.DEGRADED, message=msg[:4000], source=Source.NVML, raw=msg, agent_version=self.agent_version,
+            attrs={"via": "nvml_event", "gpu_instance_id": _int_or_none(getattr(data, "gpuInstanceId", None)),
+                   "compute_instance_id": _int_or_none(getattr(data, "computeInstanceId", None))}),
+            keep_severity=False)
 
     def _gpu_of(self, handle: Any) -> _Gpu | None:
         for g in self.gpus:
@@ -593,8 +583,9 @@ class NvmlProbe:
                 value = int(fv.value.uiVal)
         if value is UNKNOWN:
             return UNKNOWN
-        name, sev = RECOVERY_ACTIONS.get(int(value), (f"UNKNOWN_{int(value)}", Severity.DEGRADED))
-        if sev is None:
+        act = self.catalog.recovery_action(nvml=int(value))  # catalog: recovery_actions.toml
+        name, sev = (act.name, act.severity) if act is not None else (f"UNKNOWN_{int(value)}", Severity.DEGRADED)
+        if sev is Severity.INFO:
             return None
         return Reading(kind="gpu_recovery_action", component=Component.GPU, severity=sev, device=g.device,
                        attrs={"recovery_action": name}, signature=(name,),

@@ -31,14 +31,14 @@ async def main(incidents: int, signals: int, cache: int) -> None:
     from fleetmend.converter import data_converter
     from fleetmend.messages import FaultBatch, IncidentInput, IncidentPolicy, RoutedFault
     from workflows.remediation import NodeRemediation
-    from fleetmend.catalog import Verdict
+    from fleetmend.events import Verdict
 
     def xid13(node: str) -> RoutedFault:
         ev = FaultEvent(cluster="wm", node=node, component=Component.GPU, kind="xid", code=13,
                         severity=Severity.DEGRADED, source=Source.INJECT, device=Device(pci_bus_id="0000:3b:00.0"),
-                        raw="NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=python, Graphics Exception", message="XID 13")
-        return RoutedFault(event=ev, verdict=Verdict(severity="degraded", immediate_action="RESTART_APP",
-                                                     fault_class="xid13"))
+                        raw="NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=python, Graphics Exception", message="XID 13",
+                        verdict=Verdict(severity="degraded", immediate_action="RESTART_APP", fault_class="xid13"))
+        return RoutedFault(event=ev)
 
     rows: list[tuple[str, str]] = [("machine", machine()), ("incidents / signal rounds / cache",
                                                             f"{incidents} / {signals} / {cache}")]

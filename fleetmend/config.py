@@ -418,6 +418,12 @@ class PolicySettings(_Section):
     """Agent side: argv for a GPU reset; the PCI bus id is appended. Runs only when no process holds the GPU."""
 
 
+def policy_default(name: str) -> Any:
+    """The default of `PolicySettings.<name>`: every other shape of policy takes its defaults from here."""
+    f = PolicySettings.model_fields[name]
+    return f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
+
+
 class TlsSettings(_Section):
     """TLS for one client connection (NATS or Temporal). Files are PEM.
 

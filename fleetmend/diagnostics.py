@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetmend.events import utcnow
+from fleetmend.events import Recovery, utcnow
 
 
 class DiagLevel(StrEnum):
@@ -126,6 +126,13 @@ class RecoveryReport(BaseModel):
 def is_recovery_request(data: bytes) -> bool:
     """Cheap test the agent's diag subscriber uses to route a message to the recovery handler."""
     return b'"type"' in data and b'"recovery"' in data
+
+
+def recovery_steps(recovery: Recovery | None) -> list[RecoveryOp]:
+    """What a catalog `recovery` does, in order (each step followed by a settle period and verification):
+    RESET_GPU → GPU reset, then a reboot; RESTART_BM → a reboot; RMA and DRAIN_DIAGNOSE → none."""
+    return {Recovery.RESET_GPU: [RecoveryOp.RESET_GPU, RecoveryOp.REBOOT],
+            Recovery.RESTART_BM: [RecoveryOp.REBOOT]}.get(recovery, []) if recovery else []
 
 
 # ------------------------------------------------------------------ sweep benchmark (fleetmend sweep)

@@ -88,6 +88,61 @@ class Severity(StrEnum):
 _SEVERITY_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
 
 
+class Urgency(StrEnum):
+    """How urgently a drain-worthy fault drains."""
+
+    NOW = "now"
+    WHEN_IDLE = "when_idle"
+    """Running jobs finish first (a Slurm DRAIN already lets them); nothing is reset until idle."""
+
+
+class Recovery(StrEnum):
+    """What an incident tries after draining, before a vendor ticket (catalog `recovery`)."""
+
+    RESET_GPU = "RESET_GPU"
+    RESTART_BM = "RESTART_BM"
+    RMA = "RMA"
+    DIAGNOSE = "DRAIN_DIAGNOSE"
+    """No automatic recovery: diagnose and file a ticket."""
+
+
+class History(StrEnum):
+    """The history rule (fleetmend/policy.py) that reads a fault class (catalog `history`)."""
+
+    REPEATS = "repeats"
+    SYMPATHETIC = "sympathetic"
+    DBE = "dbe"
+    REMAP_PENDING = "remap_pending"
+    REMAP_FAILURE = "remap_failure"
+    RATE = "rate"
+
+
+class Verdict(BaseModel):
+    """The catalog's decision about one event (`Catalog.verdict`), made once, by whoever builds the
+    event (`Catalog.stamp`); every later stage reads it and none classifies again.
+
+    Fields: severity; immediate_action (NVIDIA's for XIDs); fault_class (`xid79`, `aer_fatal`); drain
+    (automation may take the node out of service); clearable (the kind has a clearing event: debounced);
+    urgency, recovery, verify (agent checks that prove it gone; empty: every QUICK check), history (the
+    history rule that reads it); source (the catalog row's citation); description.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    severity: Severity
+    immediate_action: str
+    investigatory_action: str = ""
+    fault_class: str = ""
+    drain: bool = False
+    source: str = ""
+    description: str = ""
+    clearable: bool = False
+    urgency: Urgency = Urgency.NOW
+    recovery: Recovery = Recovery.DIAGNOSE
+    verify: list[str] = Field(default_factory=list)
+    history: History | None = None
+
+
 class Source(StrEnum):
     """Which probe (or tool) produced the event."""
 
@@ -196,7 +251,7 @@ class FaultEvent(BaseModel):
         kind: what was seen, snake_case and stable (`xid`, `gpu_fallen_off_bus`, `aer_fatal`,
             `ib_port_down`, `hung_task`, ...). The catalog is keyed by `kind` (+ `code`).
         code: numeric code where the kind has one (the XID number, SXid number).
-        severity: `Severity`: the catalog's (`Catalog.classify`), set by the producer when it builds the event.
+        severity: `Severity`: the producer's reading (`verdict.severity` once classified).
         healthy: True for a clearing event of an earlier unhealthy `kind` on the same device.
         message: one readable line.
         observed_at: UTC time the agent observed it (kernel timestamps are often relative).
@@ -205,6 +260,8 @@ class FaultEvent(BaseModel):
         agent_version: version of the agent that built the event.
         pid: process the event is attributed to (XID `pid=`), None when unknown.
         attrs: small extra decoded fields (e.g. NVLink5 `unit`, `rst`, `d_rst`), str/int/bool values.
+        verdict: the catalog's `Verdict`, set once by the producer (`Catalog.stamp`); None from a
+            producer that does not classify (an older agent, a hand-written event): the router stamps it.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", use_enum_values=False)
@@ -227,6 +284,7 @@ class FaultEvent(BaseModel):
     agent_version: str = "unknown"
     pid: int | None = None
     attrs: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    verdict: Verdict | None = None
 
     @field_validator("node")
     @classmethod

@@ -31,10 +31,9 @@ from typing import Any
 
 from temporalio.common import SearchAttributeKey
 
-from fleetmend.catalog import Verdict
-from fleetmend.config import PolicySettings
+from fleetmend.config import PolicySettings, policy_default
 from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult, RecoveryOp
-from fleetmend.events import Component, ConditionKey, FaultEvent, Severity
+from fleetmend.events import Component, ConditionKey, FaultEvent, History, Recovery, Severity, Urgency
 
 # ------------------------------------------------------------------ names
 
@@ -134,21 +133,6 @@ class Outcome(StrEnum):
     DENIED = "permit_denied"
 
 
-class Urgency(StrEnum):
-    NOW = "now"
-    WHEN_IDLE = "when_idle"
-
-
-class Recovery(StrEnum):
-    """What the incident tries after draining, before a vendor ticket."""
-
-    RESET_GPU = "RESET_GPU"
-    RESTART_BM = "RESTART_BM"
-    RMA = "RMA"
-    DIAGNOSE = "DRAIN_DIAGNOSE"
-    """No automatic recovery: diagnose and file a ticket."""
-
-
 # ------------------------------------------------------------------ router → NodeRemediation
 
 # Byte budget of everything that reaches Temporal. Temporal refuses a payload over 2 MiB (and warns
@@ -201,8 +185,8 @@ class Occurrence:
 @dataclass
 class RoutedFault:
     event: FaultEvent
-    """The first occurrence in the batch (its text, device and verdict stand for all of them)."""
-    verdict: Verdict
+    """The first occurrence in the batch, with its `Verdict` (its text, device and verdict stand for all
+    of them)."""
     repeats: list[Occurrence] = field(default_factory=list)
     """Later occurrences of the same condition (`ConditionKey` and `healthy`) in the same batch,
     oldest first. The router collapses a storm of one node's repeats into one entry so the signal
@@ -220,11 +204,6 @@ class FaultBatch:
     routed_at: datetime | None = None
 
 
-def _policy_default(name: str) -> Any:
-    f = PolicySettings.model_fields[name]
-    return f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
-
-
 @dataclass
 class IncidentPolicy:
     """The `PolicySettings` knobs one incident runs with, fixed at its start (kept in history).
@@ -233,20 +212,20 @@ class IncidentPolicy:
     `PolicySettings`' own (one place). Units: seconds for every `_s` field.
     """
 
-    observe_only: bool = _policy_default("observe_only")
-    repair_escalation_s: float = _policy_default("repair_escalation_s")
-    settle_s: float = _policy_default("settle_s")
-    diag_timeout_s: float = _policy_default("diag_timeout_s")
-    close_after_idle_s: float = _policy_default("close_after_idle_s")
-    debounce_s: float = _policy_default("debounce_s")
-    app_xid_repeats: int = _policy_default("app_xid_repeats")
-    app_xid_window_s: float = _policy_default("app_xid_window_s")
-    sbe_events_per_window: int = _policy_default("sbe_events_per_window")
-    sbe_window_s: float = _policy_default("sbe_window_s")
-    recovery_settle_s: float = _policy_default("recovery_settle_s")
-    ticket_poll_s: float = _policy_default("ticket_poll_s")
-    close_info_after_s: float = _policy_default("close_info_after_s")
-    permit_rerequest_s: float = _policy_default("permit_rerequest_s")
+    observe_only: bool = policy_default("observe_only")
+    repair_escalation_s: float = policy_default("repair_escalation_s")
+    settle_s: float = policy_default("settle_s")
+    diag_timeout_s: float = policy_default("diag_timeout_s")
+    close_after_idle_s: float = policy_default("close_after_idle_s")
+    debounce_s: float = policy_default("debounce_s")
+    app_xid_repeats: int = policy_default("app_xid_repeats")
+    app_xid_window_s: float = policy_default("app_xid_window_s")
+    sbe_events_per_window: int = policy_default("sbe_events_per_window")
+    sbe_window_s: float = policy_default("sbe_window_s")
+    recovery_settle_s: float = policy_default("recovery_settle_s")
+    ticket_poll_s: float = policy_default("ticket_poll_s")
+    close_info_after_s: float = policy_default("close_info_after_s")
+    permit_rerequest_s: float = policy_default("permit_rerequest_s")
     notify: bool = True
     """Notification channels are configured (`[notify]`): the incident starts `notify` activities.
     False: it starts none (no activity per event in a deployment that notifies nobody)."""
@@ -289,14 +268,19 @@ class FaultRecord:
     """Arrival order of the latest occurrence (`IncidentState.arrivals`)."""
     stream_seq: int | None = None
     """Fault-stream sequence of the first occurrence (the full `raw` text: `fleetmend show`, the NATS tools)."""
+    urgency: Urgency = Urgency.NOW
+    recovery: Recovery = Recovery.DIAGNOSE
+    verify: list[str] = field(default_factory=list)
+    history: History | None = None
+    """From the catalog row (`Verdict`): how urgently, what recovery, which checks, which history rule."""
 
     @property
     def key(self) -> ConditionKey:
         return ConditionKey(self.kind, self.code, self.device)
 
     def view(self) -> dict[str, Any]:
-        """JSON-safe dict (enums as strings, times ISO-8601 to the second): status and evidence."""
-        d = dict(self.__dict__)
+        """JSON-safe dict (enums as strings, times ISO-8601): status and evidence."""
+        d = {k: v for k, v in self.__dict__.items() if k not in ("urgency", "recovery", "verify", "history")}
         d["severity"], d["component"] = self.severity.value, self.component.value
         d["observed_at"] = iso(self.observed_at)
         d["times"] = [iso(t) for t in self.times]
@@ -603,18 +587,18 @@ class GuardPolicy:
     """Blast-radius policy (`from_settings`), carried by every request: the newest wins. Defaults are
     `PolicySettings`' own."""
 
-    max_drained_nodes: int = _policy_default("max_drained_nodes")
-    max_drained_percent: float = _policy_default("max_drained_percent")
-    max_drained_per_rack: int = _policy_default("max_drained_per_rack")
-    cluster_nodes: int | None = _policy_default("cluster_nodes")
-    breaker_distinct_nodes: int = _policy_default("breaker_distinct_nodes")
-    breaker_window_s: float = _policy_default("breaker_window_s")
-    domain_incident_nodes: int = _policy_default("domain_incident_nodes")
-    domain_window_s: float = _policy_default("domain_window_s")
-    lemon_repairs: int = _policy_default("lemon_repairs")
-    lemon_window_s: float = _policy_default("lemon_window_s")
-    observe_only: bool = _policy_default("observe_only")
-    permit_reconcile_s: float = _policy_default("permit_reconcile_s")
+    max_drained_nodes: int = policy_default("max_drained_nodes")
+    max_drained_percent: float = policy_default("max_drained_percent")
+    max_drained_per_rack: int = policy_default("max_drained_per_rack")
+    cluster_nodes: int | None = policy_default("cluster_nodes")
+    breaker_distinct_nodes: int = policy_default("breaker_distinct_nodes")
+    breaker_window_s: float = policy_default("breaker_window_s")
+    domain_incident_nodes: int = policy_default("domain_incident_nodes")
+    domain_window_s: float = policy_default("domain_window_s")
+    lemon_repairs: int = policy_default("lemon_repairs")
+    lemon_window_s: float = policy_default("lemon_window_s")
+    observe_only: bool = policy_default("observe_only")
+    permit_reconcile_s: float = policy_default("permit_reconcile_s")
     topology_nodes: int = 0
     """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
 

@@ -1,24 +1,26 @@
-"""Remediation policy: the rules that need history, the blast-radius arithmetic, failure domains,
-and the recovery request/reply contract between the worker and a node's agent.
+"""Remediation policy: the rules that need history, the blast-radius arithmetic, failure domains.
 
 Pure functions over plain data, so the workflows call them deterministically (no I/O, time comes in
-as an argument) and tests exercise them without Temporal. Imports only stdlib and pydantic.
+as an argument) and tests exercise them without Temporal. What one fault class does (severity,
+drain, urgency, recovery, verification) is catalog data (fleetmend/catalog/); the rules here only add
+what needs more than one event. Which rule reads a fault is the catalog row's `history` field, so no
+XID number is written here.
 
 History rules (`decide`), each citing its source:
 
 ======================  ==========================================================================
 rule                    what it does
 ======================  ==========================================================================
-app_xid_repeat          XID 13 or 31 on the *same GPU* `app_xid_repeats` times within
+app_xid_repeat          `repeats` (XID 13, 31) on the *same GPU* `app_xid_repeats` times within
                         `app_xid_window_s` → hardware suspect, drain (NVIDIA XID catalog: 13/31 are
                         application faults "unless repeated on the same GPU across jobs").
-xid45_sympathetic       XID 45 (preemptive cleanup) next to another XID is a consequence of it and
+xid45_sympathetic       `sympathetic` (XID 45, preemptive cleanup) next to another XID is a consequence of it and
                         ignored; alone it is recorded only (catalog action WORKFLOW_XID_45).
-xid48_with_remap        XID 48 (DBE) with 63 (row remap pending) or 64 (remap failure) on the same
-                        GPU → drain and reset the GPU (the reset applies the pending remap; NVIDIA
+xid48_with_remap        `dbe` (XID 48) with `remap_pending`/`remap_failure` (XID 63/64) on the
+                        same GPU → drain and the row's recovery (reset the GPU) (the reset applies the pending remap; NVIDIA
                         "GPU Memory Error Management", row remapping).
-sbe_or_remap_idle       a rising SBE rate (`sbe_events_per_window` SBE events within `sbe_window_s`)
-                        or a pending row remap alone → drain *when idle*: a Slurm DRAIN already
+sbe_or_remap_idle       a rising `rate` (`sbe_events_per_window` SBE events within `sbe_window_s`)
+                        or a `remap_pending` alone → drain with the row's urgency (*when idle*): a Slurm DRAIN already
                         lets running jobs finish (DRAINING → DRAINED), so "when idle" is the same
                         scheduler request; what differs is that nothing is reset or diagnosed until
                         the node is idle, and no job is cut short (NVIDIA: pending remaps are applied
@@ -43,9 +45,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from fleetmend.catalog import History, Recovery, Urgency
+from fleetmend.config import policy_default
 from fleetmend.errors import ConfigError
 from fleetmend.events import Severity
-from fleetmend.messages import Recovery, Urgency
 
 # ------------------------------------------------------------------ failure domains
 
@@ -125,23 +128,6 @@ def drain_budget(known_nodes: int, max_drained_nodes: int, max_drained_percent: 
 # ------------------------------------------------------------------ history rules
 
 
-_RECOVERY_BY_ACTION = {
-    "RESET_GPU": Recovery.RESET_GPU,
-    "RESTART_BM": Recovery.RESTART_BM,
-    "RESTART_VM": Recovery.RESTART_BM,
-    "RMA": Recovery.RMA,
-    "WORKFLOW_XID_48": Recovery.RESET_GPU,
-    "WORKFLOW_NVLINK_ERR": Recovery.RESET_GPU,
-}
-"""Catalog immediate action → recovery step (NVIDIA XID catalog 'Immediate Action' column)."""
-
-APP_XIDS = frozenset({13, 31})
-SYMPATHETIC_XIDS = frozenset({45})
-REMAP_XIDS = frozenset({63, 64})
-SBE_KINDS = frozenset({"ecc_sbe_volatile"})
-REMAP_PENDING_KINDS = frozenset({"remapped_rows_pending", "row_remap_pending"})
-
-
 @dataclass
 class FaultView:
     """What a rule needs to know about one recorded fault (the workflow builds these)."""
@@ -155,6 +141,10 @@ class FaultView:
     fault_class: str
     times: list[datetime]
     """Occurrences (observed_at), oldest first; at least one."""
+    recovery: Recovery = Recovery.DIAGNOSE
+    urgency: Urgency = Urgency.NOW
+    history: History | None = None
+    """The catalog row's history rule."""
     cleared: bool = False
     clearable: bool = False
     message: str = ""
@@ -164,10 +154,12 @@ class FaultView:
 
 @dataclass
 class RuleSettings:
-    app_xid_repeats: int = 3
-    app_xid_window_s: float = 3600.0
-    sbe_events_per_window: int = 10
-    sbe_window_s: float = 3600.0
+    """The history rules' knobs (defaults: `PolicySettings`)."""
+
+    app_xid_repeats: int = policy_default("app_xid_repeats")
+    app_xid_window_s: float = policy_default("app_xid_window_s")
+    sbe_events_per_window: int = policy_default("sbe_events_per_window")
+    sbe_window_s: float = policy_default("sbe_window_s")
     max_future_s: float | None = None
     """Two-sided windows: an occurrence counts only between `now - window` and `now + max_future_s`
     (the agents' allowed clock skew, `fleetmend.events.MAX_CLOCK_SKEW_S`). None: no upper bound
@@ -210,42 +202,46 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
     """
     d = Decision(drain=False)
     xids_by_dev: dict[str | None, set[int]] = {}
+    tags_by_dev: dict[str | None, dict[History, set[int]]] = {}
     for f in faults:
         if f.kind == "xid" and f.code is not None:
             xids_by_dev.setdefault(f.device, set()).add(f.code)
+            if f.history is not None:
+                tags_by_dev.setdefault(f.device, {}).setdefault(f.history, set()).add(f.code)
     all_xids = set().union(*xids_by_dev.values()) if xids_by_dev else set()
+    sympathetic = {f.code for f in faults if f.kind == "xid" and f.history is History.SYMPATHETIC}
     candidates: list[tuple[FaultView, Urgency, Recovery, str]] = []
     for f in faults:
         if f.cleared:
             continue
-        if f.kind == "xid" and f.code in SYMPATHETIC_XIDS:
-            others = sorted(all_xids - SYMPATHETIC_XIDS)
-            d.reasons.append(f"XID 45 on {f.device}: sympathetic to XID {', '.join(map(str, others))}; ignored"
-                             if others else f"XID 45 alone on {f.device}: preemptive cleanup, recorded only")
+        tags = tags_by_dev.get(f.device, {})
+        if f.kind == "xid" and f.history is History.SYMPATHETIC:
+            others = sorted(all_xids - sympathetic)
+            d.reasons.append(f"XID {f.code} on {f.device}: sympathetic to XID {', '.join(map(str, others))}; ignored"
+                             if others else f"XID {f.code} alone on {f.device}: preemptive cleanup, recorded only")
             continue
-        if f.kind == "xid" and f.code in APP_XIDS and not f.drain:
+        if f.kind == "xid" and f.history is History.REPEATS and not f.drain:
             recent = _within(f.times, now, rules.app_xid_window_s, rules.max_future_s)
             if len(recent) >= rules.app_xid_repeats:
                 candidates.append((f, Urgency.NOW, Recovery.DIAGNOSE,
                                    f"XID {f.code} {len(recent)}× on GPU {f.device} within "
                                    f"{rules.app_xid_window_s:.0f}s (≥ {rules.app_xid_repeats}): hardware suspect"))
             continue
-        if f.kind == "xid" and f.code == 48 and xids_by_dev.get(f.device, set()) & REMAP_XIDS:
-            with_ = sorted(xids_by_dev[f.device] & REMAP_XIDS)
-            candidates.append((f, Urgency.NOW, Recovery.RESET_GPU,
-                               f"XID 48 (DBE) with XID {'/'.join(map(str, with_))} on GPU {f.device}: "
+        remap = tags.get(History.REMAP_PENDING, set()) | tags.get(History.REMAP_FAILURE, set())
+        if f.kind == "xid" and f.history is History.DBE and remap:
+            candidates.append((f, f.urgency, f.recovery,
+                               f"XID {f.code} (DBE) with XID {'/'.join(map(str, sorted(remap)))} on GPU {f.device}: "
                                "drain and reset the GPU (applies the row remap)"))
             continue
-        if f.kind in SBE_KINDS:
+        if f.history is History.RATE:
             recent = _within(f.times, now, rules.sbe_window_s, rules.max_future_s)
             if len(recent) >= rules.sbe_events_per_window:
-                candidates.append((f, Urgency.WHEN_IDLE, Recovery.RESET_GPU,
+                candidates.append((f, f.urgency, f.recovery,
                                    f"SBE rate rising on GPU {f.device}: {len(recent)} events within "
                                    f"{rules.sbe_window_s:.0f}s: drain when idle, then reset"))
             continue
-        if (f.kind in REMAP_PENDING_KINDS or (f.kind == "xid" and f.code == 63)) and not (
-                f.kind == "xid" and 48 in xids_by_dev.get(f.device, set())):
-            candidates.append((f, Urgency.WHEN_IDLE, Recovery.RESET_GPU,
+        if f.history is History.REMAP_PENDING and not (f.kind == "xid" and tags.get(History.DBE)):
+            candidates.append((f, f.urgency, f.recovery,
                                f"row remap pending on GPU {f.device}: drain when idle, then reset to apply it"))
             continue
         if f.kind == "fail_slow" and f.drain:
@@ -254,8 +250,7 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
                                "drain when idle, diagnose, ticket"))
             continue
         if f.drain:
-            rec = _RECOVERY_BY_ACTION.get(f.immediate_action, Recovery.DIAGNOSE)
-            candidates.append((f, Urgency.NOW, rec, f"{f.fault_class}: catalog action {f.immediate_action}"))
+            candidates.append((f, f.urgency, f.recovery, f"{f.fault_class}: catalog action {f.immediate_action}"))
     if not candidates:
         return d
     # Debounce: clearable faults younger than the window wait (unless something else drains now).
@@ -277,32 +272,3 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
     d.severity = Severity.worst(Severity.DEGRADED, *(c[0].severity for c in firm))
     d.reasons.extend(c[3] for c in firm)
     return d
-
-
-# ------------------------------------------------------------------ verification by fault
-
-_NVLINK_XIDS = frozenset({74, *range(144, 151)})
-_MEMORY_XIDS = frozenset({48, 63, 64, 92, 94, 95})
-_PCIE_KINDS = frozenset({"gpu_fallen_off_bus", "aer_fatal", "aer_uncorrected", "aer_recovery_failed",
-                         "pcie_link_degraded"})
-
-
-def verification_checks(component: str, kind: str, code: int | None) -> list[str]:
-    """Diagnostics (agent check names, agents/diag.py) that prove *this* fault is gone.
-
-    NVLink faults → DCGM diag (its level 2 runs the NVLink/P2P bandwidth tests); ECC/row-remap →
-    remapped_rows_pending plus DCGM's memory test; PCIe/bus → link width and GPU count; IB → port
-    state. Every list starts with nvml_reachable/gpu_count for GPU faults. Empty: every QUICK check.
-    A check that does not apply on the host answers NOT_APPLICABLE (never a false FAIL).
-    """
-    gpu = ["nvml_reachable", "gpu_count"]
-    if component == "nvlink" or (kind == "xid" and code in _NVLINK_XIDS):
-        return gpu + ["dcgm_diag"]
-    if component == "memory" or kind.startswith(("ecc_", "row_remap", "remapped_rows", "retired_pages")) or (
-            kind == "xid" and code in _MEMORY_XIDS):
-        return gpu + ["remapped_rows_pending", "dcgm_diag"]
-    if component == "pcie" or kind in _PCIE_KINDS or (kind == "xid" and code == 79):
-        return gpu + ["pcie_link_width"]
-    if component == "ib":
-        return ["ib_ports_active"]
-    return []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetmend.catalog import Action, load_catalog
+from fleetmend.catalog import Action, Recovery, load_catalog
 from fleetmend.errors import CatalogError
 from fleetmend.events import Component, FaultEvent, Severity, Source
 from tests.corpus_paths import need_corpus
@@ -123,6 +123,16 @@ def test_nvlink5_classification_uses_attrs(cat) -> None:
 def test_xid154_reads_new_recovery_action(cat) -> None:
     assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "Drain and Reset"})).severity is Severity.FATAL
     assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "None"})).severity is Severity.INFO
+    assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "Drain P2P"})).severity is Severity.DEGRADED
+    assert cat.classify(_ev("xid", 154, attrs={"recovery_action": "Node Reboot Required"})).drain
+
+
+def test_recovery_actions_are_one_table(cat) -> None:
+    """NVML's value, XID 154's text and nvidia-smi's text name the same rows of recovery_actions.toml."""
+    assert {a.nvml for a in cat.recovery_actions} == set(range(8))
+    assert cat.recovery_action("Drain and Reset").name == "DRAIN_AND_RESET" == cat.recovery_action(nvml=4).name
+    assert cat.recovery_action("Drain P2P").severity is Severity.DEGRADED
+    assert cat.recovery_action("Reset").name == "GPU_RESET" and cat.recovery_action("no idea") is None
 
 
 def test_unknown_kind_and_xid_classify_without_raising(cat) -> None:
@@ -139,9 +149,13 @@ def test_healthy_event_is_info(cat) -> None:
 
 def test_overrides_apply(tmp_path) -> None:
     f = tmp_path / "ovr.toml"
-    f.write_text('[xid.13]\nimmediate_action = "RMA"\nseverity = "fatal"\n[kind.aer_corrected]\nseverity = "degraded"\n')
+    f.write_text('[xid.13]\nimmediate_action = "RMA"\nseverity = "fatal"\ndrain = true\nrecovery = "RMA"\n'
+                 '[kind.aer_corrected]\nseverity = "degraded"\n')
     c = load_catalog(overrides=f)
-    assert c.xid(13).immediate_action is Action.RMA and c.xid(13).derived() == (Severity.FATAL, True)
+    assert c.xid(13).immediate_action is Action.RMA and (c.xid(13).severity, c.xid(13).drain) == (Severity.FATAL, True)
+    v = c.verdict(_ev("xid", 13))
+    assert v.recovery is Recovery.RMA and v.drain and v.severity is Severity.FATAL  # one row changed: all of it
+    assert c.xid(31).recovery is Recovery.DIAGNOSE
     assert c.kind("aer_corrected").severity is Severity.DEGRADED
     assert c.xid(79).immediate_action is Action.RESTART_BM
 

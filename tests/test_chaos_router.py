@@ -185,14 +185,14 @@ async def test_cli_command_by_is_in_workflow_history(temporal_client, temporal_s
     async with Worker(temporal_client, task_queue=f"tq-{unique}", workflows=[NodeRemediation],
                       activities=stand_ins(Calls())):
         from fleetmend.messages import FaultBatch, IncidentInput, RoutedFault
-        from fleetmend.catalog import Verdict
+        from fleetmend.events import Verdict
 
-        ev = app_event(cluster, node)
+        ev = app_event(cluster, node).model_copy(update={"verdict": Verdict(
+            severity="degraded", immediate_action="RESTART_APP", fault_class="xid13")})
         h = await temporal_client.start_workflow(
             NodeRemediation.run, IncidentInput(cluster=cluster, node=node), id=subjects.workflow_id(cluster, node),
             task_queue=f"tq-{unique}", start_signal="faults",
-            start_signal_args=[FaultBatch(faults=[RoutedFault(event=ev, verdict=Verdict(
-                severity="degraded", immediate_action="RESTART_APP", fault_class="xid13"))])])
+            start_signal_args=[FaultBatch(faults=[RoutedFault(event=ev)])])
         await h.execute_update("abort", AbortCommand(by="alice@ops-host", note="chaos audit"), result_type=str)
         await h.result()
         found = False

@@ -108,8 +108,10 @@ def test_constants_are_the_nvml_values() -> None:
     assert set(nvml_mod.CLOCK_REASONS) == {p.nvmlClocksEventReasonHwSlowdown, p.nvmlClocksEventReasonSwThermalSlowdown,
                                            p.nvmlClocksEventReasonHwThermalSlowdown,
                                            p.nvmlClocksEventReasonHwPowerBrakeSlowdown}
-    assert nvml_mod.RECOVERY_ACTIONS[p.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT][0] == "NODE_REBOOT"
-    assert nvml_mod.RECOVERY_ACTIONS[p.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P][0] == "DRAIN_P2P"
+    from fleetmend.catalog import default_catalog
+
+    assert default_catalog().recovery_action(nvml=p.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT).name == "NODE_REBOOT"
+    assert default_catalog().recovery_action(nvml=p.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P).name == "DRAIN_P2P"
     assert (nvml_mod.E_TIMEOUT, nvml_mod.E_GPU_IS_LOST, nvml_mod.E_LIBRARY_NOT_FOUND) == (
         p.NVML_ERROR_TIMEOUT, p.NVML_ERROR_GPU_IS_LOST, p.NVML_ERROR_LIBRARY_NOT_FOUND)
 

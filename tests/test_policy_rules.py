@@ -9,18 +9,25 @@ import pytest
 
 from fleetmend.errors import ConfigError
 from fleetmend.policy import (
-    FaultView, RuleSettings, decide, drain_budget, load_topology, verification_checks,
+    FaultView, RuleSettings, decide, drain_budget, load_topology,
 )
-from fleetmend.messages import Recovery, Urgency
+from fleetmend.catalog import Recovery, Urgency, default_catalog
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 GPU = "0000:3b:00.0"
 
 
+def row(kind: str, code: int | None = None) -> dict:
+    """The catalog row's urgency, recovery and history rule (what the workflow's records carry)."""
+    r = default_catalog().xid(code) if kind == "xid" else default_catalog().kind(kind)
+    return dict(recovery=r.recovery, urgency=r.urgency, history=r.history)
+
+
 def xid(code: int, *, times: int = 1, drain: bool = False, action: str = "RESTART_APP", sev: str = "degraded",
         device: str = GPU, spread_s: float = 60.0) -> FaultView:
     return FaultView(kind="xid", code=code, device=device, severity=sev, drain=drain, immediate_action=action,
-                     fault_class=f"xid{code}", times=[NOW - timedelta(seconds=spread_s * i) for i in range(times)][::-1])
+                     fault_class=f"xid{code}", times=[NOW - timedelta(seconds=spread_s * i) for i in range(times)][::-1],
+                     **row("xid", code))
 
 
 def test_app_xid_once_is_recorded_only():
@@ -61,7 +68,7 @@ def test_pending_remap_or_rising_sbe_rate_drain_when_idle():
     assert remap.drain and remap.urgency is Urgency.WHEN_IDLE and remap.recovery is Recovery.RESET_GPU
     sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
                     immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
-                    times=[NOW - timedelta(seconds=30 * i) for i in range(12)][::-1])
+                    times=[NOW - timedelta(seconds=30 * i) for i in range(12)][::-1], **row("ecc_sbe_volatile"))
     d = decide([sbe], NOW, RuleSettings(sbe_events_per_window=10, sbe_window_s=3600))
     assert d.drain and d.urgency is Urgency.WHEN_IDLE and "SBE rate rising" in d.reasons[0]
     sbe.times = sbe.times[-3:]
@@ -77,6 +84,7 @@ def test_when_idle_yields_to_a_fault_that_needs_draining_now():
 def test_debounce_waits_for_a_clearable_fault_and_a_cleared_one_never_drains():
     link = FaultView(kind="ib_port_down", code=None, device="mlx5_0", severity="fatal", drain=True,
                      immediate_action="DRAIN_DIAGNOSE", fault_class="ib_port_down", times=[NOW], clearable=True,
+                     **row("ib_port_down"),
                      arrived_at=NOW - timedelta(seconds=10))
     d = decide([link], NOW, RuleSettings(), debounce_s=30)
     assert not d.drain and d.debounce == [link]
@@ -88,7 +96,8 @@ def test_debounce_waits_for_a_clearable_fault_and_a_cleared_one_never_drains():
 
 def test_rma_action_wins():
     d = decide([FaultView(kind="row_remap_failure", code=None, device=GPU, severity="fatal", drain=True,
-                          immediate_action="RMA", fault_class="row_remap_failure", times=[NOW])], NOW, RuleSettings())
+                          immediate_action="RMA", fault_class="row_remap_failure", times=[NOW],
+                          **row("row_remap_failure"))], NOW, RuleSettings())
     assert d.drain and d.recovery is Recovery.RMA
 
 
@@ -113,13 +122,24 @@ def test_topology_file(tmp_path: Path):
 
 
 def test_verification_is_chosen_from_the_original_fault():
-    assert "dcgm_diag" in verification_checks("gpu", "xid", 74)            # NVLink → DCGM's NVLink tests
-    assert "dcgm_diag" in verification_checks("nvlink", "nvlink_down", None)
-    assert "remapped_rows_pending" in verification_checks("gpu", "xid", 48)  # ECC → remap + memory
-    assert "remapped_rows_pending" in verification_checks("gpu", "row_remap_failure", None)
-    assert "pcie_link_width" in verification_checks("gpu", "xid", 79)      # off the bus → link + count
-    assert verification_checks("ib", "ib_port_down", None) == ["ib_ports_active"]
-    assert verification_checks("kernel", "oops", None) == []                # every QUICK check
+    """Each catalog row names the checks that prove its fault gone (empty: every QUICK check)."""
+    cat = default_catalog()
+    assert "dcgm_diag" in cat.xid(74).verify                               # NVLink → DCGM's NVLink tests
+    assert "dcgm_diag" in cat.kind("nvlink_down").verify
+    assert "remapped_rows_pending" in cat.xid(48).verify                   # ECC → remap + memory
+    assert "remapped_rows_pending" in cat.kind("row_remap_failure").verify
+    assert "pcie_link_width" in cat.xid(79).verify                         # off the bus → link + count
+    assert cat.kind("ib_port_down").verify == ["ib_ports_active"]
+    assert cat.kind("oops").verify == []                                   # every QUICK check
+
+
+def test_the_rules_name_no_xid_number():
+    """Which rule reads a fault is the catalog row's `history`; the policy module holds no XID table."""
+    import fleetmend.policy as policy
+
+    src = Path(policy.__file__).read_text()
+    code = src[src.index('"""', src.index('"""') + 3) + 3:]  # past the module docstring
+    assert not any(f"{{{n}" in code or f" {n}}}" in code or f"== {n}" in code for n in (13, 31, 45, 48, 63, 64))
 
 
 def test_history_windows_are_two_sided():
@@ -128,15 +148,15 @@ def test_history_windows_are_two_sided():
     from fleetmend.events import MAX_CLOCK_SKEW_S
 
     two_sided = RuleSettings(max_future_s=MAX_CLOCK_SKEW_S)
-    ahead = FaultView(kind="xid", code=13, device=GPU, severity="degraded", drain=False, immediate_action="RESTART_APP",
-                      fault_class="xid13", times=[NOW + timedelta(days=3 * 365, seconds=i) for i in range(3)])
+    ahead = xid(13, times=1)
+    ahead.times = [NOW + timedelta(days=3 * 365, seconds=i) for i in range(3)]
     assert not decide([ahead], NOW, two_sided).drain
     assert decide([ahead], NOW, RuleSettings()).drain, "the one-sided window (pre-patch incidents) counted them"
     sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
                     immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
-                    times=[NOW + timedelta(days=400, seconds=i) for i in range(20)])
+                    times=[NOW + timedelta(days=400, seconds=i) for i in range(20)], **row("ecc_sbe_volatile"))
     assert not decide([sbe], NOW, two_sided).drain
     # within the allowed skew still counts
-    near = FaultView(kind="xid", code=13, device=GPU, severity="degraded", drain=False, immediate_action="RESTART_APP",
-                     fault_class="xid13", times=[NOW + timedelta(seconds=MAX_CLOCK_SKEW_S / 2)] * 3)
+    near = xid(13)
+    near.times = [NOW + timedelta(seconds=MAX_CLOCK_SKEW_S / 2)] * 3
     assert decide([near], NOW, two_sided).drain

@@ -16,11 +16,11 @@ from fleetmend.diagnostics import RecoveryOp, RecoveryResult
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_fleetguard import tenv  # noqa: F401 - the module-scoped time-skipping server
-from tests.test_workflow import start
+from tests.test_workflow import row_reading, start
 from workflows.fleetguard import FleetGuard
 from fleetmend.messages import FaultBatch, RepairedCommand, RoutedFault
 from workflows.remediation import NodeRemediation
-from fleetmend.catalog import Verdict
+from fleetmend.events import Verdict
 
 GPU = "0000:3b:00.0"
 
@@ -28,12 +28,13 @@ GPU = "0000:3b:00.0"
 def ev(cluster: str, node: str, *, kind: str = "xid", code: int | None = None, drain: bool = False,
        severity: str = "degraded", action: str = "RESTART_APP", component: Component = Component.GPU,
        device: Device | None = None, healthy: bool = False, clearable: bool = False) -> RoutedFault:
-    e = FaultEvent(cluster=cluster, node=node, component=component, kind=kind, code=code,
-                   severity=Severity(severity), source=Source.KMSG, device=device or Device(pci_bus_id=GPU),
-                   message=f"{kind} {code or ''}".strip(), healthy=healthy)
     fc = f"xid{code}" if kind == "xid" else kind
-    return RoutedFault(event=e, verdict=Verdict(severity="info" if healthy else severity, immediate_action=action,
-                                                fault_class=fc, drain=drain and not healthy, clearable=clearable))
+    v = Verdict(severity="info" if healthy else severity, immediate_action=action, fault_class=fc,
+                drain=drain and not healthy, clearable=clearable, **row_reading(kind, code))
+    return RoutedFault(event=FaultEvent(cluster=cluster, node=node, component=component, kind=kind, code=code,
+                                        severity=Severity(severity), source=Source.KMSG,
+                                        device=device or Device(pci_bus_id=GPU),
+                                        message=f"{kind} {code or ''}".strip(), healthy=healthy, verdict=v))
 
 
 @pytest.fixture

@@ -192,7 +192,29 @@ def test_collapse_keeps_every_occurrence_and_orders_by_the_latest():
     assert [(rf.event.event_id, [r.event_id for r in rf.repeats]) for rf in out] == [
         (x.event_id, []), (u1.event_id, [u2.event_id]), (d1.event_id, [d2.event_id, d3.event_id])]
     assert collapse([], default_catalog()) == []
-    assert out[0].verdict.fault_class == "xid13" and out[2].verdict.clearable
+    assert out[0].event.verdict.fault_class == "xid13" and out[2].event.verdict.clearable  # stamped by the router
+
+
+def test_the_router_reads_the_producers_verdict_and_classifies_only_events_without_one():
+    from fleetmend.catalog import default_catalog
+    from fleetmend.events import Verdict
+    from fleetmend.router.core import collapse
+
+    mine = Verdict(severity=Severity.FATAL, immediate_action="RMA", fault_class="operator_reading", drain=True)
+    stamped = xid_event("c", "n", 13).model_copy(update={"verdict": mine})
+    bare = xid_event("c", "n2", 79)
+    out = collapse([stamped, bare], default_catalog())
+    assert out[0].event.verdict is mine  # read, not classified again
+    assert out[1].event.verdict is not None and out[1].event.verdict.fault_class == "xid79" and out[1].event.verdict.drain
+
+
+def test_producers_classify_once_when_they_build_the_event():
+    """The kmsg parser stamps each event with the catalog's verdict (severity, drain, recovery, checks)."""
+    from agents.kmsg import parse_text
+
+    (ev,) = parse_text("NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
+    assert ev.verdict is not None and ev.verdict.fault_class == "xid79" and ev.verdict.drain
+    assert ev.verdict.severity is ev.severity is Severity.FATAL and "pcie_link_width" in ev.verdict.verify
 
 
 async def test_a_nodes_storm_is_collapsed_and_every_event_counted(settings, nc, temporal_client, unique):

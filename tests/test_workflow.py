@@ -19,7 +19,7 @@ from fleetmend.messages import (
     FaultBatch, AbortCommand, RepairedCommand, RetestCommand, IncidentInput, IncidentPolicy, RoutedFault,
 )
 from workflows.remediation import NodeRemediation
-from fleetmend.catalog import Verdict
+from fleetmend.events import Verdict
 
 
 def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal", event_id: str | None = None,
@@ -27,9 +27,20 @@ def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal
     ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=xid,
                     severity=Severity(severity), source=Source.KMSG, device=Device(pci_bus_id="0000:3b:00.0"),
                     raw=f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid=1, name=python, test", message=f"XID {xid}",
-                    healthy=healthy, **({"event_id": event_id} if event_id else {}))
-    return RoutedFault(event=ev, verdict=Verdict(severity=severity, immediate_action="RESTART_BM" if drain else
-                                                 "RESTART_APP", fault_class=f"xid{xid}", drain=drain))
+                    healthy=healthy, **({"event_id": event_id} if event_id else {}),
+                    verdict=Verdict(severity=severity, immediate_action="RESTART_BM" if drain else "RESTART_APP",
+                                    fault_class=f"xid{xid}", drain=drain, **row_reading("xid", xid)))
+    return RoutedFault(event=ev)
+
+
+def row_reading(kind: str, code: int | None = None) -> dict:
+    """The catalog row's urgency, recovery, verification and history rule, as the router's verdict
+    carries them (tests set severity/drain/action themselves); unknown kinds: the defaults."""
+    from fleetmend.catalog import default_catalog
+
+    cat = default_catalog()
+    r = cat.xids.get(code) if kind == "xid" and code is not None else cat.kinds.get(kind)
+    return {} if r is None else dict(urgency=r.urgency, recovery=r.recovery, verify=list(r.verify), history=r.history)
 
 
 FAST_POLICY = {"debounce_s": 0.0, "recovery_settle_s": 0.0, "ticket_poll_s": 0.0, "close_info_after_s": 0.0}

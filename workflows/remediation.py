@@ -59,8 +59,10 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from fleetmend.diagnostics import DiagLevel, DiagReport, DiagResult, RecoveryOp, RecoveryReport, RecoveryResult
-    from fleetmend.events import MAX_CLOCK_SKEW_S, Severity, condition_key
+    from fleetmend.diagnostics import (
+        DiagLevel, DiagReport, DiagResult, RecoveryOp, RecoveryReport, RecoveryResult, recovery_steps,
+    )
+    from fleetmend.events import MAX_CLOCK_SKEW_S, Severity, Verdict, condition_key
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
@@ -70,7 +72,7 @@ with workflow.unsafe.imports_passed_through():
         MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
         TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, Urgency, iso,
     )
-    from fleetmend.policy import Decision, FaultView, RuleSettings, decide, verification_checks
+    from fleetmend.policy import Decision, FaultView, RuleSettings, decide
     from fleetmend.runbooks import runbook_ref
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
@@ -315,7 +317,8 @@ class NodeRemediation:
         s, p = self._state, self._policy
         views = [FaultView(kind=f.kind, code=f.code, device=f.device, severity=f.severity, drain=f.drain,
                            immediate_action=f.immediate_action, fault_class=f.fault_class,
-                           times=list(f.times or [f.observed_at]),
+                           times=list(f.times or [f.observed_at]), recovery=f.recovery, urgency=f.urgency,
+                           history=f.history,
                            cleared=self._cleared(f), clearable=f.clearable, message=f.message,
                            arrived_at=f.arrived_at)
                  for f in s.faults if not f.healthy]
@@ -477,8 +480,7 @@ class NodeRemediation:
         if s.lemon is not None or s.recovery is Recovery.RMA:
             self._recovery_note("no recovery attempt: " + (s.lemon or f"{s.fault_class}: catalog says RMA"))
             return False
-        plan = {Recovery.RESET_GPU: [RecoveryOp.RESET_GPU, RecoveryOp.REBOOT],
-                Recovery.RESTART_BM: [RecoveryOp.REBOOT]}.get(s.recovery, []) if s.recovery else []
+        plan = recovery_steps(s.recovery)
         for op in plan:
             if op in s.recovery_tried:
                 continue
@@ -542,12 +544,10 @@ class NodeRemediation:
         return [f for f in self._state.faults[faults_before:] if f.drain and not f.healthy]
 
     def _verify_checks(self) -> list[str] | None:
-        """Checks that prove the original fault gone (policy.verification_checks); None: every QUICK check."""
+        """Checks that prove the original fault gone (its catalog row's `verify`); None: every QUICK check."""
         s = self._state
         root = next((f for f in s.faults if f.fault_class == s.fault_class and not f.healthy), None)
-        if root is None:
-            return None
-        return verification_checks(root.component, root.kind, root.code) or None
+        return (root.verify or None) if root is not None else None
 
     async def _await_repair(self) -> None:
         s = self._state
@@ -740,7 +740,9 @@ class NodeRemediation:
         self._pending_dropped = 0
         seen = set(s.seen_ids)
         for rf in batch:
-            ev, v = rf.event, rf.verdict
+            ev = rf.event
+            v = ev.verdict or Verdict(severity=ev.severity, immediate_action="NONE", fault_class=ev.kind,
+                                      source="not classified")  # the router stamps every event it routes
             new_times: list[datetime] = []
             for event_id, observed_at in [(ev.event_id, ev.observed_at),
                                           *((r.event_id, r.observed_at) for r in rf.repeats)]:
@@ -766,7 +768,8 @@ class NodeRemediation:
                 component=ev.component, device=key.device, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
                 observed_at=ev.observed_at, fault_class=v.fault_class, immediate_action=v.immediate_action,
                 drain=v.drain, source=v.source, count=len(new_times), times=new_times[-MAX_TIMES_KEPT:],
-                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals, stream_seq=rf.stream_seq))
+                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals, stream_seq=rf.stream_seq,
+                urgency=v.urgency, recovery=v.recovery, verify=list(v.verify), history=v.history))
             if not ev.healthy:
                 s.severity = Severity.worst(s.severity, v.severity)
             if s.fault_class is None and not ev.healthy:

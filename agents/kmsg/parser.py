@@ -392,7 +392,7 @@ class KmsgParser:
     def _sev_of(self, c: Candidate) -> int:
         if c.kind == "xid" and c.code is not None:
             entry = self.catalog.xids.get(c.code)
-            return _RANK[entry.derived()[0]] if entry else 1
+            return _RANK[entry.base_severity] if entry else 1
         return self._sev(c.kind)
 
     def _close(self, out: list[FaultEvent]) -> None:
@@ -464,7 +464,7 @@ class KmsgParser:
             n = n + 1 if last == rec.origin else 0
             self._last_id_origin = (rec.origin, n)
             update["event_id"] = self.event_id_for(rec.origin, n)
-        return draft.model_copy(update=update)
+        return self.catalog.stamp(draft.model_copy(update=update), classification=cls)  # classified once, here
 
 
     def _escalate(self, rec: _Record, attrs: dict[str, Attr]) -> None:

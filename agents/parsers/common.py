@@ -25,16 +25,18 @@ class Ctx:
               attrs: dict[str, Any] | None = None) -> FaultEvent:
         clean = {k: v for k, v in (attrs or {}).items() if v is None or isinstance(v, (str, int, float, bool))}
         message = " ".join(message.split())[:4000]
-        return FaultEvent(cluster=self.cluster, node=self.node, component=component, device=device or Device(),
-                          kind=kind, code=code, severity=severity, message=message, source=source,
-                          raw=raw or message, agent_version=self.agent_version, pid=pid, attrs=clean)
+        return self.catalog.stamp(FaultEvent(
+            cluster=self.cluster, node=self.node, component=component, device=device or Device(), kind=kind,
+            code=code, severity=severity, message=message, source=source, raw=raw or message,
+            agent_version=self.agent_version, pid=pid, attrs=clean))
 
     def xid(self, xid: int, source: Source, message: str, *, device: Device | None = None, raw: str = "",
             attrs: dict[str, Any] | None = None) -> FaultEvent:
-        """An XID event whose severity is the catalog's (unknown XIDs: degraded)."""
-        entry = self.catalog.xids.get(xid)
-        sev = entry.derived()[0] if entry is not None else Severity.DEGRADED
-        return self.event("xid", Component.GPU, sev, message, source, device=device, code=xid, raw=raw, attrs=attrs)
+        """An XID event whose severity is its verdict's (the catalog's; unknown XIDs: degraded)."""
+        ev = self.event("xid", Component.GPU, Severity.DEGRADED, message, source, device=device, code=xid, raw=raw,
+                        attrs=attrs)
+        assert ev.verdict is not None
+        return ev.model_copy(update={"severity": ev.verdict.severity})
 
 
 def to_int(v: Any) -> int | None:

@@ -203,7 +203,8 @@ def _query(text: str, ctx: Ctx) -> list[FaultEvent]:
                                  attrs={"pcie_link_width": cw, "pcie_link_width_max": mw}))
         if r.get("recovery"):
             action = r["recovery"]
-            sev = Severity.DEGRADED if "drain p2p" in action.lower() else Severity.FATAL
+            known = ctx.catalog.recovery_action(action)  # catalog: recovery_actions.toml
+            sev = known.severity if known is not None else Severity.FATAL
             out.append(ctx.event("gpu_recovery_action", Component.GPU, sev, f"{where}: recovery action {action}",
                                  SRC, device=dev, raw=body, attrs={"recovery_action": action}))
     return out

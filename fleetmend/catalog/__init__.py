@@ -14,34 +14,26 @@ Operators override any entry with their own TOML (`load_catalog(overrides=Path)`
 `[xid.79] immediate_action = "RMA"`, `[kind.aer_corrected] severity = "degraded"`. Unknown keys are
 errors (`CatalogError` naming the file and entry).
 
-Severity and drain for XIDs (derived from NVIDIA's immediate action and the hardware-versus-application
-reading, unless an entry sets `severity`/`drain` explicitly):
+What each fault class does is data, one row per XID (`[xid.N]`) or kind (`[kind.NAME]`), so "what
+happens on XID 79" is one table in `xid.toml`:
 
-======================================================  ===========  =======
-immediate_action                                        severity     drain
-======================================================  ===========  =======
-RESET_GPU, RESTART_BM, RESTART_VM, RMA,                 fatal        yes
-WORKFLOW_XID_48 (DBE), WORKFLOW_NVLINK_ERR (XID 74)
-CONTACT_SUPPORT with hw_vs_app starting "hardware"      fatal        yes
-CONTACT_SUPPORT otherwise (driver/system, unused)       degraded     no
-RESTART_APP, WORKFLOW_XID_45, CHECK_MECHANICALS,        degraded     no
-CHECK_UVM, UPDATE_SWFW, NONE (no action assigned yet)
-DRAIN_DIAGNOSE                                          degraded     yes
-IGNORE with hw_vs_app starting "hardware" (63, 92, 121) degraded     no
-IGNORE otherwise (43, 137, ...)                         info         no
-WORKFLOW_NVLINK5_ERR (XID 144-150)                      per decoded rule: "Fatal"/"Link Fatal" ->
-                                                        fatal + drain, "Non-fatal" -> degraded;
-                                                        undecodable: the driver's own word
-                                                        (Fatal/Nonfatal) in the message
-XID_154 (recovery action changed)                       per the new action printed: Reset/Reboot ->
-                                                        fatal + drain, Drain P2P -> degraded, else info
-======================================================  ===========  =======
+- `severity`, `drain`: how bad, and whether automation takes the node out of service. XID rows get
+  them from `scripts/gen_xid_catalog.py` (NVIDIA's immediate action + hardware-versus-application
+  reading; the rules and their sources are in the generator). XID 144-150 (`WORKFLOW_NVLINK5_ERR`)
+  and 154 (`XID_154`) rows leave them out: they are decoded per event (NVLink5 rule table; the
+  recovery action the driver printed), unless an override sets them.
+- `urgency`: `now` (default) or `when_idle` (running jobs finish first).
+- `recovery`: what the incident tries after the drain, before a vendor ticket: `RESET_GPU` (GPU reset,
+  then a reboot), `RESTART_BM` (reboot), `RMA` (straight to a ticket), `DRAIN_DIAGNOSE` (diagnose, ticket).
+- `verify`: the agent checks that prove the fault gone (agents/diag.py names); empty = every QUICK check.
+- `history`: the history rule that reads this class (fleetmend/policy.py): `repeats` (an application
+  XID repeating on one GPU), `sympathetic` (a consequence of another XID), `dbe` / `remap_pending` /
+  `remap_failure` (a DBE with a row-remap XID), `rate` (a rising corrected-error rate).
+- `cleared_by` (kinds): the clearing kind, or "none: <why>"; `source`: where the row comes from.
 
-Why: operator readings of real kernel logs (the corpus the decoder tests read, `expected.severity`) put restart-the-app
-faults (XID 13, 31, 45) at degraded, a pending row remap (XID 63, IGNORE but hardware) at degraded, and
-anything needing a GPU reset or reboot (XID 79, 95, 119, 120, 48, 74, 149 Fatal) at fatal. Automation
-drains only when the device is untrustworthy until reset/reboot/replacement; an application fault alone
-never drains (XID 13/31 repeating and lemon nodes are history rules, fleetmend/policy.py, not here).
+Operators override any row with their own TOML (`load_catalog(overrides=Path)`), same layout:
+`[xid.79] recovery = "RESTART_BM"`, `[kind.aer_corrected] severity = "degraded"`. Unknown keys are
+errors (`CatalogError` naming the file and entry).
 
 Imports only stdlib, pydantic and the fleetmend contract.
 """
@@ -49,17 +41,16 @@ Imports only stdlib, pydantic and the fleetmend contract.
 
 import re
 import tomllib
-from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleetmend.errors import CatalogError
-from fleetmend.events import Component, FaultEvent, Severity
+from fleetmend.events import Component, FaultEvent, History, Recovery, Severity, Urgency, Verdict
 
 __all__ = [
     "Action",
@@ -69,6 +60,9 @@ __all__ = [
     "Verdict",
     "Nvlink5Decode",
     "Nvlink5Rule",
+    "Recovery",
+    "RecoveryActionEntry",
+    "Urgency",
     "XidEntry",
     "default_catalog",
     "load_catalog",
@@ -99,14 +93,8 @@ class Action(StrEnum):
     """The catalog assigns no action (newest XIDs)."""
 
 
-_FATAL_ACTIONS = {
-    Action.RESET_GPU,
-    Action.RESTART_BM,
-    Action.RESTART_VM,
-    Action.RMA,
-    Action.WORKFLOW_XID_48,
-    Action.WORKFLOW_NVLINK_ERR,
-}
+_DECODED = frozenset({"WORKFLOW_NVLINK5_ERR", "XID_154"})
+"""Immediate actions whose severity is decoded per event (a row may leave severity/drain out)."""
 
 
 class _Entry(BaseModel):
@@ -127,32 +115,28 @@ class XidEntry(_Entry):
     legacy_name_r555: str = ""
     source: str = Field(min_length=1)
     severity: Severity | None = None
-    """Explicit severity (operator override); None derives it (module docstring table)."""
+    """None only on rows decoded per event (XID 144-150, 154): see the module docstring."""
     drain: bool | None = None
-    """Explicit drain decision (operator override); None derives it."""
+    urgency: Urgency = Urgency.NOW
+    recovery: Recovery
+    verify: list[str] = Field(default_factory=list)
+    history: History | None = None
+    history_source: str = ""
+    """Where the `history` / `urgency` reading comes from (set together with them)."""
+
+    @model_validator(mode="after")
+    def _severity_given(self) -> "XidEntry":
+        if self.immediate_action.value not in _DECODED and (self.severity is None or self.drain is None):
+            raise ValueError(f"severity and drain are required (only {sorted(_DECODED)} rows are decoded per event)")
+        return self
 
     @property
-    def hardware(self) -> bool:
-        """True when the catalog attributes the XID to hardware (not the application)."""
-        return self.hw_vs_app.strip().lower().startswith("hardware")
-
-    def derived(self) -> tuple[Severity, bool]:
-        """(severity, drain) per the module docstring table, explicit fields winning."""
-        a = self.immediate_action
-        if a in _FATAL_ACTIONS:
-            sev, drain = Severity.FATAL, True
-        elif a is Action.CONTACT_SUPPORT:
-            sev = Severity.FATAL if self.hardware else Severity.DEGRADED
-            drain = sev is Severity.FATAL
-        elif a is Action.IGNORE:
-            sev, drain = (Severity.DEGRADED if self.hardware else Severity.INFO), False
-        elif a is Action.XID_154:
-            sev, drain = Severity.INFO, False
-        elif a is Action.DRAIN_DIAGNOSE:
-            sev, drain = Severity.DEGRADED, True
-        else:
-            sev, drain = Severity.DEGRADED, False
-        return (self.severity or sev, drain if self.drain is None else self.drain)
+    def base_severity(self) -> Severity:
+        """The row's severity; for a row decoded per event, what it is until decoded (info for XID 154,
+        degraded otherwise)."""
+        if self.severity is not None:
+            return self.severity
+        return Severity.INFO if self.immediate_action is Action.XID_154 else Severity.DEGRADED
 
 
 class KindEntry(_Entry):
@@ -178,6 +162,11 @@ class KindEntry(_Entry):
     escalate_window_s: float | None = Field(default=None, gt=0)
     escalate_reason: str | None = None
     """Why that threshold (required with `escalate_to`)."""
+    urgency: Urgency = Urgency.NOW
+    recovery: Recovery
+    verify: list[str] = Field(default_factory=list)
+    history: History | None = None
+    history_source: str = ""
 
     @field_validator("cleared_by")
     @classmethod
@@ -269,22 +258,6 @@ class Classification(BaseModel):
     unit: str | None = None
 
 
-@dataclass
-class Verdict:
-    """The catalog's decision about one event, as it travels with the event to the workflow
-    (`Catalog.verdict`): plain fields, so it is stable in workflow history."""
-
-    severity: Severity
-    immediate_action: str
-    investigatory_action: str = ""
-    fault_class: str = ""
-    drain: bool = False
-    source: str = ""
-    description: str = ""
-    clearable: bool = False
-    """The kind has a clearing event (catalog `cleared_by`): debounced before it drains."""
-
-
 def _driver_major(version: str | int | float | bool | None) -> int | None:
     if version is None or isinstance(version, bool):
         return None
@@ -292,19 +265,33 @@ def _driver_major(version: str | int | float | bool | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-_RECOVERY_SEVERITY = (
-    (re.compile(r"reset|reboot", re.I), Severity.FATAL, True),
-    (re.compile(r"drain", re.I), Severity.DEGRADED, False),
-)
+class RecoveryActionEntry(_Entry):
+    """One `[action.NAME]` row of `recovery_actions.toml`: a GPU recovery action the driver asks for."""
+
+    name: str
+    nvml: int = Field(ge=0)
+    severity: Severity
+    drain: bool
+    words: list[str] = Field(default_factory=list)
 
 
 class Catalog:
     """The loaded, validated catalog. Build with `load_catalog()` (or `default_catalog()`)."""
 
-    def __init__(self, xids: dict[int, XidEntry], kinds: dict[str, KindEntry], nvlink5: list[Nvlink5Rule]):
+    def __init__(self, xids: dict[int, XidEntry], kinds: dict[str, KindEntry], nvlink5: list[Nvlink5Rule],
+                 recovery_actions: list[RecoveryActionEntry] | None = None):
         self.xids = xids
         self.kinds = kinds
         self.nvlink5 = nvlink5
+        self.recovery_actions = list(recovery_actions or [])
+
+    def recovery_action(self, text: str | None = None, nvml: int | None = None) -> RecoveryActionEntry | None:
+        """The GPU recovery action meant by the driver's `text` (first row whose words all appear, case
+        folded) or by its NVML value. None when no row matches."""
+        if nvml is not None:
+            return next((a for a in self.recovery_actions if a.nvml == nvml), None)
+        low = (text or "").lower()
+        return next((a for a in self.recovery_actions if a.words and all(w in low for w in a.words)), None)
 
     def xid(self, n: int) -> XidEntry:
         """The catalog entry for XID `n`. Raises KeyError (message names the known range)."""
@@ -414,10 +401,9 @@ class Catalog:
         severity, drain = entry.severity, entry.drain
         if entry.follows_recovery_action:
             action = str(event.attrs.get("recovery_action", ""))
-            for rx, sev, dr in _RECOVERY_SEVERITY:
-                if rx.search(action):
-                    severity, drain = sev, dr
-                    break
+            act = self.recovery_action(action)  # recovery_actions.toml, as for XID 154
+            if act is not None and act.severity is not Severity.INFO:
+                severity, drain = act.severity, act.drain
         return Classification(
             severity=Severity.INFO if event.healthy or entry.healthy else severity,
             immediate_action=entry.immediate_action,
@@ -437,13 +423,33 @@ class Catalog:
         entry = self.kinds.get(event.kind)
         return entry is not None and not entry.cleared_by.startswith("none:")
 
-    def verdict(self, event: FaultEvent) -> Verdict:
-        """`classify` as the `Verdict` the router attaches to the event for the workflow."""
-        c = self.classify(event)
+    def stamp(self, event: FaultEvent, *, keep_severity: bool = True,
+              classification: Classification | None = None) -> FaultEvent:
+        """The event with its `Verdict`: how every producer classifies, once, when it builds an event.
+
+        Args:
+            keep_severity: keep the event's own `severity` (the probe's reading); False sets it to the
+                verdict's.
+            classification: `classify(event)` when the caller already has it (not computed twice).
+        """
+        v = self.verdict(event, classification)
+        update: dict[str, Any] = {"verdict": v}
+        if not keep_severity:
+            update["severity"] = v.severity
+        return event.model_copy(update=update)
+
+    def verdict(self, event: FaultEvent, classification: Classification | None = None) -> Verdict:
+        """`classify` plus the row's urgency, recovery, verification checks and history rule: the
+        `Verdict` that travels with the event to the workflow. Unknown kinds: diagnose, every check."""
+        c = classification or self.classify(event)
+        row: XidEntry | KindEntry | None = (self.xids.get(event.code) if event.kind == "xid" and event.code is not None
+                                           else self.kinds.get(event.kind))
+        extra = {} if row is None else dict(urgency=row.urgency, recovery=row.recovery, verify=list(row.verify),
+                                            history=row.history)
         return Verdict(severity=c.severity, immediate_action=c.immediate_action.value,
                        investigatory_action=c.investigatory_action or "", fault_class=c.fault_class,
                        drain=c.drain, source=c.source or "", description=c.description or "",
-                       clearable=self.clearable(event))
+                       clearable=self.clearable(event), **extra)
 
     def _classify_xid(self, event: FaultEvent) -> Classification:
         n = int(event.code)  # type: ignore[arg-type]
@@ -459,7 +465,7 @@ class Catalog:
                 drain=False,
                 component=Component.GPU,
             )
-        severity, drain = entry.derived()
+        severity, drain = entry.base_severity, bool(entry.drain)
         resolution: Action | None = None
         unit: str | None = None
         source = entry.source
@@ -486,11 +492,9 @@ class Catalog:
             if entry.drain is None:
                 drain = severity is Severity.FATAL
         elif entry.immediate_action is Action.XID_154 and entry.severity is None:
-            new = str(event.attrs.get("recovery_action", ""))
-            for rx, sev, dr in _RECOVERY_SEVERITY:
-                if rx.search(new):
-                    severity, drain = sev, dr if entry.drain is None else entry.drain
-                    break
+            act = self.recovery_action(str(event.attrs.get("recovery_action", "")))
+            if act is not None and act.severity is not Severity.INFO:
+                severity, drain = act.severity, act.drain if entry.drain is None else entry.drain
         return Classification(
             severity=severity,
             immediate_action=entry.immediate_action,
@@ -571,6 +575,7 @@ def load_catalog(overrides: Path | None = None) -> Catalog:
     xid_data = _read_toml(pkg.joinpath("xid.toml").read_text(encoding="utf-8"), "xid.toml")
     kind_data = _read_toml(pkg.joinpath("kinds.toml").read_text(encoding="utf-8"), "kinds.toml")
     nv_data = _read_toml(pkg.joinpath("nvlink5.toml").read_text(encoding="utf-8"), "nvlink5.toml")
+    ra_data = _read_toml(pkg.joinpath("recovery_actions.toml").read_text(encoding="utf-8"), "recovery_actions.toml")
 
     xid_raw = {int(k): {"xid": int(k), **v} for k, v in xid_data.get("xid", {}).items()}
     kind_raw = {k: {"name": k, **v} for k, v in kind_data.get("kind", {}).items()}
@@ -598,7 +603,9 @@ def load_catalog(overrides: Path | None = None) -> Catalog:
         ):
             raise CatalogError(f"{where_k[name]}: [kind.{name}]: escalate_to needs a known kind, "
                                "escalate_count, escalate_window_s and escalate_reason")
-    return Catalog(xids, kinds, rules)
+    actions = [_build(RecoveryActionEntry, {"name": k, **v}, f"recovery_actions.toml: [action.{k}]")
+               for k, v in ra_data.get("action", {}).items()]
+    return Catalog(xids, kinds, rules, actions)
 
 
 @lru_cache(maxsize=1)

@@ -43,7 +43,7 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
     catalog = load_catalog(settings.catalog_overrides)
     if xid is not None:
         entry = catalog.xids.get(xid)
-        sev = entry.derived()[0] if entry else Severity.DEGRADED
+        sev = entry.base_severity if entry else Severity.DEGRADED
         comp = entry.component if entry else Component.GPU
         ev_kind, code, message = "xid", xid, f"injected XID {xid}" + (f" ({entry.mnemonic})" if entry else "")
         raw = f"NVRM: Xid (PCI:{(bus_id or '0000:00:00.0')[:-2]}): {xid}, injected by fleetmend inject"
@@ -59,10 +59,11 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
         raise FleetmendError(f"the router classifies {what} by the catalog as {sev.value}, whatever the event "
                              f"says: --severity {severity} would be ignored (drop it, or change the class's "
                              "severity in the catalog with catalog_overrides)")
-    return FaultEvent(cluster=settings.cluster, node=node, component=comp, kind=ev_kind, code=code,
-                      severity=Severity(severity) if severity else sev, source=Source.INJECT,
-                      device=Device(pci_bus_id=bus_id) if bus_id else Device(),
-                      message=f"{message} by {by}", raw=raw, attrs={"injected_by": by})
+    return catalog.stamp(FaultEvent(
+        cluster=settings.cluster, node=node, component=comp, kind=ev_kind, code=code,
+        severity=Severity(severity) if severity else sev, source=Source.INJECT,
+        device=Device(pci_bus_id=bus_id) if bus_id else Device(), message=f"{message} by {by}", raw=raw,
+        attrs={"injected_by": by}))
 
 
 async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001

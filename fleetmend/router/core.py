@@ -453,11 +453,11 @@ def split_batch(faults: list[RoutedFault], limit: int = MAX_SIGNAL_BYTES,
 def collapse(events: list[FaultEvent], catalog, seqs: list[int | None] | None = None) -> list[RoutedFault]:  # noqa: ANN001
     """Collapse one node's queued events, oldest first, by condition into `RoutedFault`s.
 
-    Each entry keeps its condition's first event (with the catalog's `Verdict` on it, then cut to
-    the workflow byte budget by `messages.for_workflow`, its fault-stream sequence from `seqs`) and
-    lists the later ones as `repeats` (id and time); entries are ordered by their *latest*
-    occurrence, so the workflow's arrival order still says which of a flapping link's DOWN and UP
-    came last.
+    Each entry keeps its condition's first event (with its `Verdict`: the producer's, or stamped here
+    with `catalog` when the producer did not classify; then cut to the workflow byte budget by
+    `messages.for_workflow`, its fault-stream sequence from `seqs`) and lists the later ones as `repeats`
+    (id and time); entries are ordered by their *latest* occurrence, so the workflow's arrival order
+    still says which of a flapping link's DOWN and UP came last.
     """
     groups: dict[tuple, tuple[RoutedFault, list[int]]] = {}
     for i, ev in enumerate(events):
@@ -465,7 +465,8 @@ def collapse(events: list[FaultEvent], catalog, seqs: list[int | None] | None = 
         got = groups.get(key)
         if got is None:
             seq = seqs[i] if seqs else None
-            groups[key] = (RoutedFault(event=for_workflow(ev, seq), verdict=catalog.verdict(ev), stream_seq=seq), [i])
+            stamped = ev if ev.verdict is not None else catalog.stamp(ev)
+            groups[key] = (RoutedFault(event=for_workflow(stamped, seq), stream_seq=seq), [i])
         else:
             got[0].repeats.append(Occurrence(event_id=ev.event_id, observed_at=ev.observed_at))
             got[1][0] = i
