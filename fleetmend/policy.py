@@ -245,7 +245,7 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
                                f"row remap pending on GPU {f.device}: drain when idle, then reset to apply it"))
             continue
         if f.kind == "fail_slow" and f.drain:
-            candidates.append((f, Urgency.WHEN_IDLE, Recovery.DIAGNOSE,
+            candidates.append((f, f.urgency, f.recovery,
                                f"fail-slow on {f.device or 'the node'}: a persistent outlier among its peers; "
                                "drain when idle, diagnose, ticket"))
             continue
