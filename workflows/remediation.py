@@ -143,19 +143,19 @@ class NodeRemediation:
                 head.repeats.extend(rf.repeats)
                 order.remove(k)
             else:
-                merged[k] = RoutedFault(event=rf.event, verdict=rf.verdict, repeats=list(rf.repeats),
+                merged[k] = RoutedFault(event=rf.event, repeats=list(rf.repeats),
                                         stream_seq=rf.stream_seq)
             order.append(k)  # ordered by the latest occurrence, as the router orders a batch
         pending = [merged[k] for k in order]
         if len(pending) > MAX_PENDING_FAULTS:
             cut = len(pending) - MAX_PENDING_FAULTS
-            pending = [rf if i >= cut or rf.verdict.drain else
+            pending = [rf if i >= cut or _drains(rf) else
                        RoutedFault(event=rf.event.model_copy(update={"raw": "", "attrs": {},
                                                                      "message": rf.event.message[:80]}),
-                                   verdict=rf.verdict, repeats=rf.repeats, stream_seq=rf.stream_seq)
+                                   repeats=rf.repeats, stream_seq=rf.stream_seq)
                        for i, rf in enumerate(pending)]
         while len(pending) > MAX_PENDING_HARD:
-            i = next((i for i, rf in enumerate(pending) if not rf.verdict.drain), 0)
+            i = next((i for i, rf in enumerate(pending) if not _drains(rf)), 0)
             self._pending_dropped += 1 + len(pending[i].repeats)
             del pending[i]
         self._pending = pending
@@ -864,6 +864,11 @@ class NodeRemediation:
     def _require_by(cmd: RepairedCommand | RetestCommand | AbortCommand) -> None:
         if not cmd.by or not cmd.by.strip():
             raise ValueError("a command must say who sent it (`by`), for the audit trail")
+
+
+def _drains(rf: RoutedFault) -> bool:
+    """Whether the fault's verdict says drain (an unclassified event does not)."""
+    return rf.event.verdict is not None and rf.event.verdict.drain
 
 
 __all__ = ["NodeRemediation", "ApplicationError"]

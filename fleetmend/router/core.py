@@ -428,13 +428,13 @@ def split_batch(faults: list[RoutedFault], limit: int = MAX_SIGNAL_BYTES,
         if len(rf.repeats) <= max_repeats:
             expanded.append(rf)
             continue
-        expanded.append(RoutedFault(event=rf.event, verdict=rf.verdict, repeats=rf.repeats[:max_repeats],
+        expanded.append(RoutedFault(event=rf.event, repeats=rf.repeats[:max_repeats],
                                     stream_seq=rf.stream_seq))
         rest = rf.repeats[max_repeats:]
         for j in range(0, len(rest), max_repeats + 1):
             part = rest[j:j + max_repeats + 1]
             head = rf.event.model_copy(update={"event_id": part[0].event_id, "observed_at": part[0].observed_at})
-            expanded.append(RoutedFault(event=head, verdict=rf.verdict, repeats=part[1:]))
+            expanded.append(RoutedFault(event=head, repeats=part[1:]))
     chunks: list[list[RoutedFault]] = []
     cur: list[RoutedFault] = []
     size = 0
