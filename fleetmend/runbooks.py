@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 from fleetmend.catalog import Action, Catalog, KindEntry, XidEntry, default_catalog
-from fleetmend.policy import verification_checks
 
 RUNBOOK_DIR = "docs/runbooks"
 
@@ -88,8 +87,8 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
     e = classes[fault_class]
     lines: list[str] = []
     if isinstance(e, XidEntry):
-        sev, drain = e.derived()
-        kind, code, component = "xid", e.xid, e.component.value
+        sev, drain = e.base_severity, bool(e.drain)
+        component = e.component.value
         lines += [f"# XID {e.xid} — {e.mnemonic} (`{fault_class}`)", "", "## What it means", "",
                   e.description.rstrip(".") + ".", "",
                   f"- reading: {e.hw_vs_app}", f"- component: {component}"]
@@ -101,7 +100,7 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
         escalation = None
     else:
         sev, drain = e.severity, e.drain
-        kind, code, component = e.name, None, e.component.value
+        component = e.component.value
         lines += [f"# {e.name} (`{fault_class}`)", "", "## What it means", "", e.description.rstrip(".") + ".",
                   "", f"- component: {component}"]
         clearable = None if e.cleared_by.startswith("none:") else e.cleared_by
@@ -120,7 +119,7 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
     if escalation:
         lines.append(f"- escalates: {escalation}")
     if drain:
-        checks = verification_checks(component, kind, code)
+        checks = e.verify
         lines += ["- then: diagnostics through the node's agent, the recovery above when the catalog names one, a "
                   "ticket with the evidence (raw kernel lines, classification, diagnostics) for what does not hold",
                   "- before return to service it verifies with: "
@@ -158,7 +157,7 @@ def index(catalog: Catalog | None = None) -> str:
             f"{RUNBOOK_DIR}`; a test checks they are up to date). `fleetmend runbook CLASS` prints one.", "",
             "| fault class | severity | drains | immediate action |", "|---|---|---|---|"]
     for fc, e in fault_classes(catalog).items():
-        sev, drain = e.derived() if isinstance(e, XidEntry) else (e.severity, e.drain)
+        sev, drain = (e.base_severity, bool(e.drain)) if isinstance(e, XidEntry) else (e.severity, e.drain)
         rows.append(f"| [{fc}]({fc}.md) | {sev.value} | {'yes' if drain else 'no'} | "
                     f"{getattr(e.immediate_action, 'value', e.immediate_action)} |")
     return "\n".join(rows) + "\n"
