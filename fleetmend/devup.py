@@ -164,13 +164,41 @@ async def _retention(s: Settings) -> None:
     print(f"retention       closed incidents kept {days:g} days (temporal_retention_days)", flush=True)
 
 
+def lock_state_dir(state: Path) -> int | None:
+    """Hold `state/devup.lock` (an exclusive `flock`, released when this process exits) so that one
+    `dev up` uses a state directory at a time: a second one on other ports would start a second
+    nats-server on the same JetStream store and a second Temporal on the same SQLite file, and
+    overwrite the first one's pid file (whose watchdog then could not stop the first one's children).
+
+    Returns:
+        The lock's file descriptor (keep it open), or None when another process holds the lock.
+    """
+    import fcntl
+
+    fd = os.open(state / "devup.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False) -> int:
-    """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop).
+    """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop; 1 when
+    another `dev up` holds the state directory, a server died, or a process kept failing).
 
     `secure`: NATS requires the per-role credentials of `secure_setup`, and each child connects
     with its own (the agent with its node's, the router and worker with theirs)."""
     state = s.state_dir
     (state / "logs").mkdir(parents=True, exist_ok=True)
+    if lock_state_dir(state) is None:
+        holder = (state / "devup.lock").read_text().strip() or "?"
+        print(f"error: another `fleetmend dev up` (pid {holder}) uses {state}; stop it, or set "
+              "FLEETMEND_STATE_DIR to another directory", file=sys.stderr, flush=True)
+        return 1
     nats_host, nats_port = _host_port(s.nats_url, "FLEETMEND_NATS_URL")
     t_host, t_port = _host_port(s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
 

@@ -123,6 +123,13 @@ def test_dev_up_exits_non_zero_when_a_server_dies(tmp_path: Path):
     env.pop("FLEETMEND_CONFIG", None)
     log = tmp_path / "devup.log"
     p, pids = _start(env, log)
+    # a second dev up on the same state directory (other ports): refused before it starts anything,
+    # and the first one's pid file (its watchdog's list) is left alone
+    other = {**env, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+             "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}", "FLEETMEND_TEMPORAL_UI_PORT": str(free_port())}
+    second = subprocess.run(FLEETMEND + ["dev", "up"], env=other, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and f"another `fleetmend dev up` (pid {p.pid}) uses" in second.stderr, second
+    assert "nats-server" not in second.stdout and (tmp_path / "state" / "devup.pids").exists()
     import psutil
 
     [nats] = [c for c in psutil.Process(p.pid).children(recursive=True) if c.name() == "nats-server"]
