@@ -109,6 +109,9 @@ class JiraSettings(_Section):
     (the Cloud replacement; same `jql`, `fields`, `maxResults` parameters and `issues` answer)."""
 
 
+TicketSettings.model_rebuild()  # resolve its "JiraSettings" reference (pydantic-settings warned on FLEETMEND_TICKETS__JIRA__*)
+
+
 class KubernetesSettings(_Section):
     """The Kubernetes scheduler adapter (activities/kubernetes.py)."""
 
@@ -591,3 +594,41 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
             loc = ".".join(str(p) for p in e["loc"]) or "(root)"
             lines.append(f"  {loc}: {e['msg']}")
         raise ConfigError("\n".join(lines)) from err
+
+
+# ---------------------------------------------------------------- printing settings without secrets
+_SECRET_KEYS = ("password", "token", "routing_key", "slack_webhook_url", "webhook_headers", "secret")
+
+
+def redacted(settings: Settings) -> dict[str, Any]:
+    """`settings` as JSON-ready data with every secret replaced by `"***"` (what `config check` prints:
+    its output gets pasted into tickets and chats). Secret: a field whose name holds password, token,
+    routing_key or secret, Slack's webhook URL (the URL is the credential), the values of
+    `webhook_headers` (Authorization), and the password in a URL's user info (`nats://u:***@host`)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    def url(v: str) -> str:
+        try:
+            parts = urlsplit(v)
+        except ValueError:
+            return v
+        if parts.password is None:
+            return v
+        host = parts.hostname or ""
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, dict):
+            out = {}
+            for k, v in d.items():
+                if v and any(s in k for s in _SECRET_KEYS):
+                    out[k] = {h: "***" for h in v} if isinstance(v, dict) else "***"
+                else:
+                    out[k] = walk(v)
+            return out
+        if isinstance(d, list):
+            return [walk(x) for x in d]
+        return url(d) if isinstance(d, str) and "@" in d and "://" in d else d
+
+    return walk(settings.model_dump(mode="json"))

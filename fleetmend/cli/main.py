@@ -464,7 +464,9 @@ def config_check(config: Optional[Path] = ConfigOpt) -> None:
     import difflib
 
     s = _settings(config)
-    out.print(s.model_dump_json(indent=2))
+    from fleetmend.config import redacted
+
+    out.print_json(json.dumps(redacted(s)))
     known = set(Settings.model_fields) | {"config"}
     for var in sorted(v for v in os.environ if v.startswith("FLEETMEND_")):
         name = var[len("FLEETMEND_"):].lower().split("__")[0]
