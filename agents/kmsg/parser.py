@@ -74,7 +74,6 @@ class _Record:
         return ts is None or self.ts_last is None or abs(ts - self.ts_last) <= window_s
 
 
-_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
 
 
 @dataclass
@@ -338,7 +337,7 @@ class KmsgParser:
 
     def _sev(self, kind: str) -> int:
         entry = self.catalog.kinds.get(kind)
-        return _RANK[entry.severity] if entry else 1
+        return entry.severity.rank if entry else 1
 
     def _merge(self, rec: _Record, cand: Candidate, f: Framed) -> bool:
         a = rec.cand
@@ -392,7 +391,7 @@ class KmsgParser:
     def _sev_of(self, c: Candidate) -> int:
         if c.kind == "xid" and c.code is not None:
             entry = self.catalog.xids.get(c.code)
-            return _RANK[entry.base_severity] if entry else 1
+            return entry.base_severity.rank if entry else 1
         return self._sev(c.kind)
 
     def _close(self, out: list[FaultEvent]) -> None:

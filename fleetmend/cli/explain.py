@@ -93,7 +93,7 @@ class ExplainRun:
         self.counts[key] = self.counts.get(key, 0) + 1
         if not x.event.healthy:
             self.drain = self.drain or x.classification.drain
-            if self.worst is None or _RANK[x.event.severity] > _RANK[self.worst]:
+            if self.worst is None or x.event.severity.rank > self.worst.rank:
                 self.worst = x.event.severity
 
     @property
@@ -101,7 +101,6 @@ class ExplainRun:
         return sum(self.counts.values())
 
 
-_RANK = {Severity.INFO: 0, Severity.DEGRADED: 1, Severity.FATAL: 2}
 
 
 def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Catalog | None = None,
