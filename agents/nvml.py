@@ -111,6 +111,23 @@ def _code(err: BaseException) -> int | None:
     return v if isinstance(v, int) else None
 
 
+def present_nvlinks(nv: Any, handle: Any, nvml_error: type[BaseException]) -> list[int]:
+    """The NVLink indices (0..NVLINK_MAX_LINKS-1) whose state NVML can read on `handle`.
+
+    Raises: `nvml_error` with `NVML_ERROR_GPU_IS_LOST` (the caller reports the lost GPU); any other
+    NVML error on a link means that link is absent."""
+    links: list[int] = []
+    for link in range(NVLINK_MAX_LINKS):
+        try:
+            nv.nvmlDeviceGetNvLinkState(handle, link)
+        except nvml_error as err:
+            if _code(err) == E_GPU_IS_LOST:
+                raise
+            continue
+        links.append(link)
+    return links
+
+
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
@@ -516,15 +533,7 @@ class NvmlProbe:
     def _nvlink(self, g: _Gpu, where: str) -> list[tuple[str, Any]]:
         nv = self.nvml
         if g.links is None:
-            g.links = []
-            for link in range(NVLINK_MAX_LINKS):
-                try:
-                    nv.nvmlDeviceGetNvLinkState(g.handle, link)
-                except self.NVMLError as err:
-                    if _code(err) == E_GPU_IS_LOST:
-                        raise
-                    continue
-                g.links.append(link)
+            g.links = present_nvlinks(nv, g.handle, self.NVMLError)
         r: list[tuple[str, Any]] = []
         for link in g.links:
             dev = g.device.model_copy(update={"port": link})

@@ -47,7 +47,6 @@ from agents.nvml import (
     E_GPU_IS_LOST,
     ERR_CORRECTED,
     NVLINK_COUNTERS,
-    NVLINK_MAX_LINKS,
     TEMPERATURE_GPU,
     UNSUPPORTED,
     VOLATILE,
@@ -55,6 +54,7 @@ from agents.nvml import (
     _nvml_error_type,
     _real_pynvml,
     _text,
+    present_nvlinks,
 )
 from agents.sysfs import _int, _read, parse_rate
 from fleetmend import __version__
@@ -269,15 +269,7 @@ class PerfSampler:
     def _nvlink(self, g: _Gpu) -> dict[str, Any]:
         nv = self.nvml
         if g.links is None:
-            g.links = []
-            for link in range(NVLINK_MAX_LINKS):
-                try:
-                    nv.nvmlDeviceGetNvLinkState(g.handle, link)
-                except self.NVMLError as err:
-                    if _code(err) == E_GPU_IS_LOST:
-                        raise
-                    continue
-                g.links.append(link)
+            g.links = present_nvlinks(nv, g.handle, self.NVMLError)
         if not g.links:
             return {}
         up = 0
