@@ -206,16 +206,11 @@ class StandaloneScheduler:
 
     async def list_nodes(self) -> list[NodeInfo]:
         """This cluster's drained nodes, by their real names (in-service nodes are not recorded)."""
-        from nats.js.errors import NoKeysError
+        from fleetmend.jetstream import kv_keys
 
-        kv = await self.kv()
-        async with asyncio.timeout(self.op_timeout_s):
-            try:
-                keys = await kv.keys()
-            except NoKeysError:
-                return []
+        await self.kv()  # creates the bucket on first use
         rows = []
-        for k in sorted(keys):
+        for k in await kv_keys(self.js, self.bucket, timeout_s=self.op_timeout_s):
             try:
                 cluster, node = subjects.parse_drain_kv_key(k)
             except ValueError:

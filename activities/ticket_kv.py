@@ -185,19 +185,14 @@ class KvTicketStore:
 
     async def list_all(self) -> list[dict]:
         """Every ticket, oldest filed first (for `fleetmend tickets`)."""
-        from nats.js.errors import NoKeysError
+        from fleetmend.jetstream import kv_keys
 
-        kv = await self.kv()
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return []
+        await self.kv()  # creates the bucket on first use
         docs = []
-        for k in keys:
-            if k.startswith("t."):
-                doc, _ = await self._get(k)
-                if doc:
-                    docs.append(doc)
+        for k in await kv_keys(self.js, self.bucket, "t.", timeout_s=self.timeout_s):
+            doc, _ = await self._get(k)
+            if doc:
+                docs.append(doc)
         return sorted(docs, key=lambda d: (d.get("filed_at", ""), d["ticket_id"]))
 
     # -- TicketFiler ----------------------------------------------------------------------------

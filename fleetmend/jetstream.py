@@ -180,3 +180,26 @@ async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max
         max_msgs_per_subject=max(max_msgs_per_subject, 10_000), duplicate_window=DEFAULT_DUPLICATE_WINDOW_S),
         timeout_s)
     return info
+
+
+async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "", timeout_s: float = 5.0) -> list[str]:
+    """Keys of KV `bucket` that start with `prefix` (a whole dot-separated token prefix, e.g. `"t."`),
+    sorted; [] for an empty bucket.
+
+    Read from the bucket stream's per-subject state (`STREAM.INFO` with a subjects filter), not from
+    nats-py's `KeyValue.keys()`, whose watcher can signal "no more keys" before the messages already
+    buffered on its subscription are counted and then reports an empty bucket that is not (a
+    `fleetmend tickets` right after a ticket was filed printed none). A key whose latest entry is a
+    delete or purge marker is still listed: callers read each key and treat a deleted one as absent
+    (`KeyDeletedError` is a `KeyNotFoundError`). The server lists up to 100,000 subjects per call,
+    beyond what a ticket ledger or drain store holds.
+
+    Raises:
+        nats.js.errors.NotFoundError: the bucket does not exist.
+        asyncio.TimeoutError: the server did not answer within `timeout_s`.
+    """
+    pre = f"$KV.{bucket}."
+    async with asyncio.timeout(timeout_s):
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{pre}{prefix}>" if prefix else f"{pre}>")
+    subjects_ = info.state.subjects or {}
+    return sorted(s[len(pre):] for s in subjects_ if s.startswith(pre))

@@ -11,6 +11,7 @@ from pathlib import Path
 import nats
 import pytest
 import structlog
+from nats.js.errors import NotFoundError
 
 from agents.runner import run_agent
 from fleetmend import jetstream, servers
@@ -197,3 +198,28 @@ def test_a_stream_raised_to_three_replicas_is_reported_never_lowered():
     assert differences(want, have) == {"num_replicas": (3, 1)}
     assert differences(want, fault_stream_config(StreamSettings())) == {}
     assert "update_stream" not in inspect.getsource(ensure_stream)
+
+
+async def test_kv_keys_lists_every_key_right_after_it_was_written(nc, unique):
+    """`kv_keys` sees a key the moment its put returned, on every try: nats-py's `KeyValue.keys()` can
+    report an empty bucket (NoKeysError) when its watcher's messages are still buffered, which made
+    `fleetmend tickets` print no ticket right after one was filed."""
+    from nats.js.api import KeyValueConfig
+
+    from fleetmend.jetstream import kv_keys
+
+    js = nc.jetstream()
+    bucket = f"keys_{unique}"
+    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=5))
+    assert await kv_keys(js, bucket) == []
+    written: list[str] = []
+    for i in range(40):
+        for key in (f"t.FM-{i:06d}", f"i.inc-{i}"):
+            await kv.put(key, b"{}")
+            written.append(key)
+        assert await kv_keys(js, bucket) == sorted(written)
+        assert await kv_keys(js, bucket, "t.") == sorted(k for k in written if k.startswith("t."))
+    await kv.delete("t.FM-000000")
+    assert "t.FM-000000" in await kv_keys(js, bucket, "t."), "a deleted key stays listed; readers skip it"
+    with pytest.raises(NotFoundError):
+        await kv_keys(js, f"absent_{unique}")
