@@ -15,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import importlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
 from fleetmend import __version__
-from fleetmend.config import Settings
+from fleetmend.config import (AgentSettings, LastbootProbeSettings, NvmlProbeSettings, Settings, SysfsProbeSettings,
+                              UdevProbeSettings)
 from fleetmend.events import FaultEvent, Source
 
-Emit = Callable[[FaultEvent], Awaitable[Any]]
+if TYPE_CHECKING:  # the probe modules are imported lazily (a missing hardware library stops one probe only)
+    from agents.perf import PerfSampler
+    from fleetmend.catalog import Catalog
+
+Emit = Callable[[FaultEvent], Awaitable[object]]
 """`await emit(event)`; the agent's returns a future settled once the event is published or spooled."""
 
 
@@ -100,41 +106,98 @@ def probe_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-HARDWARE_PROBES = ("nvml", "sysfs", "udev", "lastboot")
+@dataclass(frozen=True)
+class ProbeContext:
+    """What every probe builder gets besides its own settings section."""
+
+    cluster: str
+    node: str
+    catalog: Catalog | None
+    agent_state_dir: Path
+    """`<state_dir>/agent/<node>`: lastboot keeps what it published here."""
+    host_root: Path
+    """The host's `/` as the agent sees it (`agent.host_root`)."""
+
+
+def _nvml(cfg: NvmlProbeSettings, ctx: ProbeContext) -> Probe:
+    cls = probe_class("nvml")
+    return cls("default", cluster=ctx.cluster, node=ctx.node, agent_version=__version__, catalog=ctx.catalog,
+               poll_interval_s=cfg.poll_interval_s, retry_interval_s=cfg.retry_interval_s,
+               xid_events=cfg.xid_events, xid_wait_ms=cfg.xid_wait_ms,
+               pcie_gen_min_util_pct=cfg.pcie_gen_min_util_pct, temperature_max_c=cfg.temperature_max_c,
+               nvlink_error_step=cfg.nvlink_error_step)
+
+
+def _sysfs(cfg: SysfsProbeSettings, ctx: ProbeContext) -> Probe:
+    cls = probe_class("sysfs")
+    return cls(cfg.root, cluster=ctx.cluster, node=ctx.node, agent_version=__version__, catalog=ctx.catalog,
+               poll_interval_s=cfg.poll_interval_s, ib_expected_rate_gbps=cfg.ib_expected_rate_gbps)
+
+
+def _udev(cfg: UdevProbeSettings, ctx: ProbeContext) -> Probe:
+    cls = probe_class("udev")
+    return cls(cfg.source, include_virtual_net=cfg.include_virtual_net, cluster=ctx.cluster, node=ctx.node,
+               agent_version=__version__, catalog=ctx.catalog)
+
+
+def _lastboot(cfg: LastbootProbeSettings, ctx: ProbeContext) -> Probe:
+    cls = probe_class("lastboot")
+    return cls(ctx.host_root, ctx.agent_state_dir, cluster=ctx.cluster, node=ctx.node, agent_version=__version__,
+               catalog=ctx.catalog, journal="default" if cfg.journal else None)
+
+
+class _Toggle(Protocol):
+    enabled: bool
+
+
+S = TypeVar("S", bound=_Toggle)
+
+
+class ProbeFactory(Protocol):
+    """Builds one probe kind from `AgentSettings`, or None when its section turns it off."""
+
+    def __call__(self, agent: AgentSettings, ctx: ProbeContext) -> Probe | None: ...
+
+
+@dataclass(frozen=True)
+class HardwareProbeSpec(Generic[S]):
+    """One hardware probe kind: its own section of `AgentSettings` (with an `enabled` flag) and the
+    builder that reads only that section."""
+
+    section: Callable[[AgentSettings], S]
+    build: Callable[[S, ProbeContext], Probe]
+
+    def __call__(self, agent: AgentSettings, ctx: ProbeContext) -> Probe | None:
+        cfg = self.section(agent)
+        return self.build(cfg, ctx) if cfg.enabled else None
+
+
+HARDWARE_REGISTRY: dict[str, ProbeFactory] = {
+    "nvml": HardwareProbeSpec(lambda a: a.nvml, _nvml),
+    "sysfs": HardwareProbeSpec(lambda a: a.sysfs, _sysfs),
+    "udev": HardwareProbeSpec(lambda a: a.udev, _udev),
+    "lastboot": HardwareProbeSpec(lambda a: a.lastboot, _lastboot),
+}
+"""Hardware probe name (`agent.<name>` is its settings section) → its factory, in start order."""
+
+HARDWARE_PROBES = tuple(HARDWARE_REGISTRY)
 """Probes of live hardware state; left out when the agent replays a file or runs `--once`."""
-
-
-def _hardware_probe(name: str, settings: Settings, catalog: Any, agent_state_dir: Path | None) -> Any:
-    a = settings.agent
-    common = dict(cluster=settings.cluster, node=settings.node, agent_version=__version__, catalog=catalog)
-    cls = probe_class(name)
-    if name == "lastboot":
-        state = agent_state_dir or settings.state_dir / "agent" / settings.node
-        return cls(a.host_root, state, journal="default" if a.lastboot_journal else None, **common)
-    if name == "nvml":
-        return cls("default", poll_interval_s=a.nvml_poll_interval_s, retry_interval_s=a.nvml_retry_interval_s,
-                   xid_events=a.nvml_xid_events, xid_wait_ms=a.nvml_xid_wait_ms,
-                   pcie_gen_min_util_pct=a.pcie_gen_min_util_pct, temperature_max_c=a.gpu_temperature_max_c,
-                   nvlink_error_step=a.nvlink_error_step, **common)
-    if name == "sysfs":
-        return cls(a.sysfs_root, poll_interval_s=a.sysfs_poll_interval_s,
-                   ib_expected_rate_gbps=a.ib_expected_rate_gbps, **common)
-    return cls(a.udev_source, include_virtual_net=a.udev_include_virtual_net, **common)
 
 
 def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: Path | None = None,
                  inject_file: Path | None = None, kmsg: bool = True, hardware: bool = True,
-                 agent_state_dir: Path | None = None) -> list[Any]:
-    """The probes this agent runs.
+                 agent_state_dir: Path | None = None) -> list[Probe]:
+    """The probes this agent runs, each built from its own section of `settings.agent`.
 
     Args:
-        settings: cluster, node and `agent.kmsg_path`.
+        settings: cluster, node, `catalog_overrides` and the probe sections `agent.kmsg`,
+            `agent.nvml`, `agent.sysfs`, `agent.udev`, `agent.lastboot`.
         kmsg_file: replay this captured kernel log once (follow=False, no cursor) instead of
-            following `settings.agent.kmsg_path`.
+            following `settings.agent.kmsg.path`.
         state_dir: where the kmsg probe keeps its cursor (live mode only).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out (e.g. a drill that only injects).
-        hardware: add the nvml, sysfs, udev and lastboot probes that `settings.agent.*_enabled` turn on.
+        hardware: add the hardware probes (`HARDWARE_PROBES`) whose `agent.<name>.enabled` is true.
         agent_state_dir: the agent's state directory (lastboot keeps what it published there);
             default `<state_dir>/agent/<node>`.
     Raises:
@@ -143,8 +206,8 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
         Probes, each satisfying `Probe`. A probe whose module cannot be imported becomes an
         `UnavailableProbe`, which fails on start and shows as failed in the heartbeat.
     """
-    probes: list[Any] = []
-    catalog = None
+    probes: list[Probe] = []
+    catalog: Catalog | None = None
     if settings.catalog_overrides is not None:
         from fleetmend.catalog import load_catalog
 
@@ -158,18 +221,33 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
             if kmsg_file is not None:
                 probes.append(kmsg_cls(source=kmsg_file, parser=parser, follow=False, state_dir=None))
             else:
-                probes.append(kmsg_cls(source=settings.agent.kmsg_path, parser=parser, follow=True,
+                probes.append(kmsg_cls(source=settings.agent.kmsg.path, parser=parser, follow=True,
                                        state_dir=state_dir))
         except ImportError as err:
             probes.append(UnavailableProbe("kmsg", f"kmsg probe unavailable: {err}"))
     if hardware:
-        for name in HARDWARE_PROBES:
-            if not getattr(settings.agent, f"{name}_enabled"):
-                continue
+        ctx = ProbeContext(settings.cluster, settings.node, catalog,
+                           agent_state_dir or settings.state_dir / "agent" / settings.node, settings.agent.host_root)
+        for name, factory in HARDWARE_REGISTRY.items():
             try:
-                probes.append(_hardware_probe(name, settings, catalog, agent_state_dir))
+                probe = factory(settings.agent, ctx)
             except ImportError as err:
-                probes.append(UnavailableProbe(name, f"{name} probe unavailable: {err}"))
+                probe = UnavailableProbe(name, f"{name} probe unavailable: {err}")
+            if probe is not None:
+                probes.append(probe)
     if inject_file is not None:
         probes.append(InjectProbe(inject_file, settings.cluster, settings.node))
     return probes
+
+
+def build_perf_sampler(settings: Settings, nvml: object = "default") -> PerfSampler | None:
+    """The perf sampler from `agent.perf` (interval) and `agent.sysfs.root`; None when `agent.perf.enabled`
+    is false. `nvml` is the `pynvml` module or a stand-in ("default": import it); it is not used when
+    `agent.nvml.enabled` is false. Raises ValueError for a non-positive interval."""
+    a = settings.agent
+    if not a.perf.enabled:
+        return None
+    from agents.perf import PerfSampler
+
+    return PerfSampler(nvml if a.nvml.enabled else None, a.sysfs.root, cluster=settings.cluster,
+                       node=settings.node, interval_s=a.perf.interval_s)

@@ -27,7 +27,7 @@ import orjson
 import structlog
 
 from agents.diag import DiagResponder
-from agents.probes import Emit, build_probes
+from agents.probes import Emit, Probe, build_perf_sampler, build_probes
 from agents.publisher import Publisher
 from agents.spool import Spool
 from fleetmend import __version__
@@ -73,7 +73,7 @@ def apply_process_limits(agent: AgentSettings, log: Any) -> dict[str, Any]:
     return applied
 
 
-async def _supervise(probe: Any, emit: Emit, status: dict[str, str], restart: bool, log: Any) -> None:
+async def _supervise(probe: Probe, emit: Emit, status: dict[str, str], restart: bool, log: Any) -> None:
     """Run one probe; on failure record it for the heartbeat and (unless `restart` is False)
     restart it with a doubling backoff. A restarted kmsg probe resumes from its cursor, so a restart
     loses nothing unless the kernel ring buffer wrapped in the meantime."""
@@ -98,7 +98,7 @@ async def _supervise(probe: Any, emit: Emit, status: dict[str, str], restart: bo
 
 
 async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: bool = False,
-                    stop: asyncio.Event | None = None, *, probes: list[Any] | None = None,
+                    stop: asyncio.Event | None = None, *, probes: list[Probe] | None = None,
                     inject_file: Path | None = None, kmsg: bool = True, hardware: bool | None = None,
                     nvml: Any = "default",
                     shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
@@ -107,14 +107,14 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
     Args:
         settings: cluster, node, NATS, `state_dir` and the `agent` section.
         kmsg_file: replay this captured kernel log (follow=False) through the same parser as
-            the live `/dev/kmsg`, instead of following `agent.kmsg_path`.
+            the live `/dev/kmsg`, instead of following `agent.kmsg.path`.
         once: exit when every probe has finished and every event is acked by JetStream or spooled
             (and, if NATS is reachable, the spool replayed).
         stop: set it to shut down; None installs SIGTERM/SIGINT handlers that set one.
         probes: use these probes instead of `build_probes(...)` (tests, embedding).
         inject_file: also replay this JSON-lines file of events (`InjectProbe`).
         kmsg: False leaves the kmsg probe out.
-        hardware: run the nvml/sysfs/udev probes (those enabled in `settings.agent`); None (default):
+        hardware: run the hardware probes (those whose `settings.agent.<probe>.enabled` is true); None (default):
             only when the agent runs live, i.e. without `once`, `kmsg_file` and `inject_file` (a replay
             or drill publishes exactly what it replays).
         nvml: `pynvml` module or stand-in for the diagnostics responder ("default": import it).
@@ -205,7 +205,7 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         publisher.attach(nc, js)
         log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,
-                             expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg_path)
+                             expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path)
         from agents.recovery import RecoveryHandler  # recovery requests share the diag subject
 
         from agents.lastboot import record_reboot_ordered
@@ -311,24 +311,23 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
 
 async def _perf_loop(settings: Settings, conn: dict[str, Any], connected: asyncio.Event, stop: asyncio.Event, *,
                      hardware_live: bool, nvml: Any, log: Any) -> None:
-    """Publish a `PerfSample` every `agent.perf_interval_s` on the node's perf subject (core NATS,
+    """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
     fire and forget: a sample lost while NATS is away is replaced by the next one). Live agents only."""
-    if not (settings.agent.perf_enabled and hardware_live):
+    if not (settings.agent.perf.enabled and hardware_live):
         return
-    from agents.perf import PerfSampler
     from fleetmend.subjects import perf_subject
 
     await connected.wait()
+    sampler = build_perf_sampler(settings, nvml)
+    assert sampler is not None  # agent.perf.enabled, checked above
     subject = perf_subject(settings.cluster, settings.node)
-    sampler = PerfSampler(nvml if settings.agent.nvml_enabled else None, settings.agent.sysfs_root,
-                          cluster=settings.cluster, node=settings.node, interval_s=settings.agent.perf_interval_s)
 
     async def publish(sample: Any) -> None:
         nc = conn.get("nc")
         if nc is not None and nc.is_connected:
             await nc.publish(subject, sample.to_json_bytes())
 
-    log.info("perf_sampling", subject=subject, interval_s=settings.agent.perf_interval_s)
+    log.info("perf_sampling", subject=subject, interval_s=settings.agent.perf.interval_s)
     await sampler.run(publish, stop)
 
 

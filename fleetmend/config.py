@@ -176,8 +176,104 @@ class MetricsSettings(_Section):
     scrape interval)."""
 
 
+# -- agent probes: one section per probe kind (`agent.kmsg`, `agent.nvml`, ...), read by the probe registry
+class KmsgProbeSettings(_Section):
+    """`agent.kmsg`: the kernel-log probe (always on; `--kmsg-file` replays a file instead)."""
+
+    path: Path = Path("/dev/kmsg")
+    """Kernel log followed live (also what the diagnostics responder reads)."""
+
+
+class NvmlProbeSettings(_Section):
+    """`agent.nvml`: the NVML probe."""
+
+    enabled: bool = True
+    """On a host without the NVIDIA driver it publishes one nvml_unavailable (info) and goes quiet."""
+    poll_interval_s: float = 30.0
+    """ECC/remap/PCIe/NVLink/clock reads: ~20 NVML calls per GPU, microseconds each; 30 s finds a pending
+    remap long before a scheduler would place the next job (XIDs arrive as events, not by polling)."""
+    retry_interval_s: float = 300.0
+    """How often nvmlInit is retried while NVML is unavailable (a driver installed later is picked up)."""
+    xid_events: bool = True
+    """Also wait on NVML's XID event set (nvmlEventSetWait_v2) beside the kernel log."""
+    xid_wait_ms: int = 1000
+    """One event-set wait; bounds how long stop waits for the XID thread (1 s)."""
+    pcie_gen_min_util_pct: int = 50
+    """Judge a GPU's PCIe generation only at or above this utilization: an idle GPU drops to Gen1 on purpose."""
+    temperature_max_c: int = 87
+    """Temperature limit where the GPU reports no slowdown threshold (H100 slows down near 87-90 °C)."""
+    nvlink_error_step: int = 100
+    """An NVLink CRC/replay counter rising by this much within one poll is published (a DL recovery error always)."""
+
+
+class SysfsProbeSettings(_Section):
+    """`agent.sysfs`: the sysfs probe (IB ports, NIC carrier, PCIe links)."""
+
+    enabled: bool = True
+    poll_interval_s: float = 30.0
+    """IB port/NIC carrier/PCIe link reads: ~10 small sysfs reads per device; 30 s like NVML."""
+    root: Path = Path("/")
+    """Root the `sys/...` paths are read under (a container mounting the host's /sys elsewhere sets it);
+    the perf sampler reads under it too."""
+    ib_expected_rate_gbps: float | None = None
+    """An ACTIVE IB port below this rate is degraded (e.g. 400 for NDR); None: rate not judged."""
+
+
+class UdevProbeSettings(_Section):
+    """`agent.udev`: the udev/uevent probe (PCI and netdev add/remove)."""
+
+    enabled: bool = True
+    source: str = "auto"
+    """auto ('udev' where /run/udev/control exists, else the kernel's own uevents), udev or kernel."""
+    include_virtual_net: bool = False
+    """Also report removal of virtual netdevs (veth, bridges); off: container churn is no fault."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v not in ("auto", "udev", "kernel"):
+            raise ValueError(f"unknown udev source {v!r}; expected auto, udev, kernel")
+        return v
+
+
+class LastbootProbeSettings(_Section):
+    """`agent.lastboot`: what survived the previous boot, read once at start when the agent runs live."""
+
+    enabled: bool = True
+    """Publish a crash that survived the reboot (pstore, kdump, previous boot's journal) and unexpected reboots."""
+    journal: bool = True
+    """Also read the previous boot's kernel journal (`journalctl -k -b -1`; needs journalctl and a persistent journal)."""
+
+
+class PerfProbeSettings(_Section):
+    """`agent.perf`: performance telemetry for fail-slow detection (live agents only)."""
+
+    enabled: bool = True
+    """Publish a `PerfSample` on `fleet.<cluster>.perf.<node>` every `interval_s`."""
+    interval_s: float = Field(default=60.0, gt=0)
+    """60 s: a fail-slow lasts minutes to hours, so a minute resolves it while the sampler stays far below
+    0.1 % of a core (~30 NVML calls per GPU and a few hundred small file reads a sample)."""
+
+
+FLAT_PROBE_KEYS: dict[str, tuple[str, str]] = {
+    "kmsg_path": ("kmsg", "path"),
+    "nvml_enabled": ("nvml", "enabled"), "nvml_poll_interval_s": ("nvml", "poll_interval_s"),
+    "nvml_retry_interval_s": ("nvml", "retry_interval_s"), "nvml_xid_events": ("nvml", "xid_events"),
+    "nvml_xid_wait_ms": ("nvml", "xid_wait_ms"), "pcie_gen_min_util_pct": ("nvml", "pcie_gen_min_util_pct"),
+    "gpu_temperature_max_c": ("nvml", "temperature_max_c"), "nvlink_error_step": ("nvml", "nvlink_error_step"),
+    "sysfs_enabled": ("sysfs", "enabled"), "sysfs_poll_interval_s": ("sysfs", "poll_interval_s"),
+    "sysfs_root": ("sysfs", "root"), "ib_expected_rate_gbps": ("sysfs", "ib_expected_rate_gbps"),
+    "udev_enabled": ("udev", "enabled"), "udev_source": ("udev", "source"),
+    "udev_include_virtual_net": ("udev", "include_virtual_net"),
+    "lastboot_enabled": ("lastboot", "enabled"), "lastboot_journal": ("lastboot", "journal"),
+    "perf_enabled": ("perf", "enabled"), "perf_interval_s": ("perf", "interval_s"),
+}
+"""Flat `agent.*` probe keys of earlier releases → (section, field). Still accepted (TOML, environment
+`FLEETMEND_AGENT__NVML_ENABLED`, keyword arguments) and moved into their section; setting a flat key
+and its sectioned spelling together is an error."""
+
+
 class AgentSettings(_Section):
-    kmsg_path: Path = Path("/dev/kmsg")
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     """10 s: a silent node is noticed within a minute at the router's default silence of 60 s."""
     spool_max_bytes: int = 64 * 1024 * 1024
@@ -192,62 +288,44 @@ class AgentSettings(_Section):
     """Raised niceness so the agent never competes with the training job; 0 leaves it."""
     expected_gpus: int | None = None
     """Quick diagnostics fail when fewer GPUs are visible; None: whatever NVML reports."""
-    # -- hardware probes (run when the agent runs live: no --once, no replayed file)
-    nvml_enabled: bool = True
-    """NVML probe. On a host without the NVIDIA driver it publishes one nvml_unavailable (info) and goes quiet."""
-    nvml_poll_interval_s: float = 30.0
-    """ECC/remap/PCIe/NVLink/clock reads: ~20 NVML calls per GPU, microseconds each; 30 s finds a pending
-    remap long before a scheduler would place the next job (XIDs arrive as events, not by polling)."""
-    nvml_retry_interval_s: float = 300.0
-    """How often nvmlInit is retried while NVML is unavailable (a driver installed later is picked up)."""
-    nvml_xid_events: bool = True
-    """Also wait on NVML's XID event set (nvmlEventSetWait_v2) beside the kernel log."""
-    nvml_xid_wait_ms: int = 1000
-    """One event-set wait; bounds how long stop waits for the XID thread (1 s)."""
-    pcie_gen_min_util_pct: int = 50
-    """Judge a GPU's PCIe generation only at or above this utilization: an idle GPU drops to Gen1 on purpose."""
-    gpu_temperature_max_c: int = 87
-    """Temperature limit where the GPU reports no slowdown threshold (H100 slows down near 87-90 °C)."""
-    nvlink_error_step: int = 100
-    """An NVLink CRC/replay counter rising by this much within one poll is published (a DL recovery error always)."""
-    sysfs_enabled: bool = True
-    sysfs_poll_interval_s: float = 30.0
-    """IB port/NIC carrier/PCIe link reads: ~10 small sysfs reads per device; 30 s like NVML."""
-    sysfs_root: Path = Path("/")
-    """Root the `sys/...` paths are read under (a container mounting the host's /sys elsewhere sets it)."""
-    ib_expected_rate_gbps: float | None = None
-    """An ACTIVE IB port below this rate is degraded (e.g. 400 for NDR); None: rate not judged."""
-    udev_enabled: bool = True
-    udev_source: str = "auto"
-    """auto ('udev' where /run/udev/control exists, else the kernel's own uevents), udev or kernel."""
-    udev_include_virtual_net: bool = False
-    """Also report removal of virtual netdevs (veth, bridges); off: container churn is no fault."""
-    # -- what survived the previous boot (agents/lastboot.py), read once at start when the agent runs live
     host_root: Path = Path("/")
     """The host's `/` as the agent sees it (a container mounting the host at /host sets "/host"): pstore,
-    kdump, journal files and /proc are read under it."""
-    lastboot_enabled: bool = True
-    """Publish a crash that survived the reboot (pstore, kdump, previous boot's journal) and unexpected reboots."""
-    lastboot_journal: bool = True
-    """Also read the previous boot's kernel journal (`journalctl -k -b -1`; needs journalctl and a persistent journal)."""
-    # -- performance telemetry and benchmarks (fail-slow detection, agents/perf.py)
-    perf_enabled: bool = True
-    """Publish a `PerfSample` on `fleet.<cluster>.perf.<node>` every `perf_interval_s` (live agents only)."""
-    perf_interval_s: float = Field(default=60.0, gt=0)
-    """60 s: a fail-slow lasts minutes to hours, so a minute resolves it while the sampler stays far below
-    0.1 % of a core (~30 NVML calls per GPU and a few hundred small file reads a sample)."""
+    kdump, journal files and /proc are read under it (the lastboot probe, the clean-stop record)."""
+    # -- probes: hardware ones run when the agent runs live (no --once, no replayed file)
+    kmsg: KmsgProbeSettings = Field(default_factory=KmsgProbeSettings)
+    nvml: NvmlProbeSettings = Field(default_factory=NvmlProbeSettings)
+    sysfs: SysfsProbeSettings = Field(default_factory=SysfsProbeSettings)
+    udev: UdevProbeSettings = Field(default_factory=UdevProbeSettings)
+    lastboot: LastbootProbeSettings = Field(default_factory=LastbootProbeSettings)
+    perf: PerfProbeSettings = Field(default_factory=PerfProbeSettings)
+    # -- benchmarks (`fleetmend sweep`, agents/bench.py)
     bench_command: list[str] = Field(default_factory=list)
     """Site benchmark for `fleetmend sweep`: argv whose stdout is one JSON object of named numbers (higher
     is better unless the name ends in `_s`, `_ms`, `_us` or contains `latency`/`time`). Empty: none."""
     bench_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on one sweep benchmark run on this node (built-in checks and `bench_command` together)."""
 
-    @field_validator("udev_source")
+    @model_validator(mode="before")
     @classmethod
-    def _udev_source(cls, v: str) -> str:
-        if v not in ("auto", "udev", "kernel"):
-            raise ValueError(f"unknown udev_source {v!r}; expected auto, udev, kernel")
-        return v
+    def _flat_probe_keys(cls, data: Any) -> Any:
+        """Move flat keys (`nvml_enabled`) into their section (`nvml.enabled`); see `FLAT_PROBE_KEYS`."""
+        if not isinstance(data, dict) or not any(k in data for k in FLAT_PROBE_KEYS):
+            return data
+        data = dict(data)
+        for flat, (section, field) in FLAT_PROBE_KEYS.items():
+            if flat not in data:
+                continue
+            value = data.pop(flat)
+            sec = data.get(section)
+            if isinstance(sec, BaseModel):
+                sec = sec.model_dump(exclude_unset=True)
+            sec = dict(sec or {})
+            if field in sec:
+                raise ValueError(f"agent.{flat} and agent.{section}.{field} are the same setting; "
+                                 f"set only agent.{section}.{field}")
+            sec[field] = value
+            data[section] = sec
+        return data
 
 
 class RouterSettings(_Section):

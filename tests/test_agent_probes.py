@@ -34,14 +34,29 @@ def test_build_probes_follows_the_enable_flags(tmp_path: Path) -> None:
     assert list(probes) == ["kmsg", *HARDWARE_PROBES]
     assert probes["nvml"].poll_interval_s == 5 and probes["sysfs"].root == tmp_path
     assert probes["udev"].source == "kernel"
-    off = s.model_copy(update={"agent": s.agent.model_copy(update={"nvml_enabled": False, "udev_enabled": False})})
+    off = s.model_copy(update={"agent": s.agent.model_copy(update={"nvml": s.agent.nvml.model_copy(
+        update={"enabled": False}), "udev": s.agent.udev.model_copy(update={"enabled": False})})})
     assert [p.name for p in build_probes(off)] == ["kmsg", "sysfs", "lastboot"]
+    flat = Settings(node="n1", agent=AgentSettings(kmsg_path=tmp_path / "k", nvml_enabled=False,
+                                                   udev={"enabled": False}))  # old flat key and new section
+    assert [p.name for p in build_probes(flat)] == ["kmsg", "sysfs", "lastboot"]
     assert [p.name for p in build_probes(s, hardware=False)] == ["kmsg"]
 
 
 def test_bad_udev_source_fails_at_startup(monkeypatch) -> None:
     monkeypatch.setenv("FLEETMEND_AGENT__UDEV_SOURCE", "udevd")
     with pytest.raises(ConfigError, match="expected auto, udev, kernel"):
+        load_settings(None)
+
+
+def test_flat_probe_keys_land_in_their_section(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLEETMEND_AGENT__LASTBOOT_ENABLED", "false")  # flat spelling of earlier releases
+    monkeypatch.setenv("FLEETMEND_AGENT__SYSFS__ROOT", str(tmp_path))  # sectioned spelling
+    s = load_settings(None, node="n1")
+    assert s.agent.lastboot.enabled is False and s.agent.sysfs.root == tmp_path
+    assert "lastboot" not in [p.name for p in build_probes(s)]
+    monkeypatch.setenv("FLEETMEND_AGENT__LASTBOOT__ENABLED", "true")
+    with pytest.raises(ConfigError, match="agent.lastboot_enabled and agent.lastboot.enabled are the same setting"):
         load_settings(None)
 
 
