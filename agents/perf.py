@@ -1,4 +1,4 @@
-"""`PerfSampler`: one compact `PerfSample` per node every `agent.perf_interval_s`, for the fail-slow
+"""`PerfSampler`: one compact `PerfSample` per node every `agent.perf.interval_s`, for the fail-slow
 analyzer (`fleetmend.analyzer`). It judges nothing itself: no fault is raised here.
 
 What it reads (per sample; counters become deltas against the previous sample):

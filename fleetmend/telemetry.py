@@ -1,4 +1,4 @@
-"""Performance telemetry: the compact sample an agent publishes every `agent.perf_interval_s`.
+"""Performance telemetry: the compact sample an agent publishes every `agent.perf.interval_s`.
 
 Subject `fleet.<cluster>.perf.<node token>` (`subjects.perf_subject`), captured by the JetStream stream
 `FLEET_PERF` (`jetstream.ensure_perf_stream`): file storage, limits retention, short max age

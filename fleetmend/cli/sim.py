@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         slow_nodes: int = typer.Option(0, "--slow-nodes", min=0, help="With --perf: degrade this many nodes."),
         slowdown: float = typer.Option(0.05, "--slowdown", help="With --perf: the fraction they lose (0.05 = 5 %)."),
         perf_interval: float = typer.Option(60.0, "--perf-interval", help="With --perf: seconds between a node's "
-                                            "samples (the agent's perf_interval_s)."),
+                                            "samples (the agent's agent.perf.interval_s)."),
         as_json: bool = typer.Option(False, "--json", help="With --perf: one JSON object with `slow_nodes`."),
     ) -> None:
         """Simulate NODES nodes: heartbeats plus faults from the Llama 3 failure mix, through the agent's path.
