@@ -15,10 +15,11 @@ from dataclasses import replace
 from temporalio import activity
 
 from fleetmend import subjects
+from fleetmend.events import Severity
 from fleetmend.policy import Topology, load_topology
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
-    PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
+    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
 )
 
 
@@ -137,7 +138,9 @@ class FleetGuardActivities:
         sa = wf.typed_search_attributes
         node = sa.get(KEY_NODE) or wf.id.rsplit("/", 1)[-1]
         dom = self._topology.domain(node)
-        return RunningIncident(node=node, phase=sa.get(KEY_PHASE) or "", severity=sa.get(KEY_SEVERITY) or "",
+        phase, sev = sa.get(KEY_PHASE), sa.get(KEY_SEVERITY)
+        return RunningIncident(node=node, phase=Phase(phase) if phase in set(Phase) else None,
+                               severity=Severity(sev) if sev in set(Severity) else None,
                                fault_class=sa.get(KEY_FAULT_CLASS) or "", rack=dom.rack, domains=dom.keys())
 
     @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)

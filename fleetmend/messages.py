@@ -621,14 +621,15 @@ class PermitRequest:
     domains: list[str] = field(default_factory=list)
     """`rack:…`, `leaf:…`, `pdu:…` from the topology (attached by the activity)."""
     policy: GuardPolicy = field(default_factory=GuardPolicy)
-    requested_at: str | None = None
+    requested_at: datetime | None = None
+    """When the incident first asked (UTC); the queue keeps its oldest."""
 
 
 @dataclass
 class PermitRelease:
     cluster: str
     node: str
-    outcome: str
+    outcome: Outcome
     fault_class: str = ""
     returned: bool = False
     """True when the node went back to service after a repair (counts toward the lemon rule)."""
@@ -662,41 +663,67 @@ class RunningIncidents:
 @dataclass
 class RunningIncident:
     node: str
-    phase: str
-    severity: str = ""
+    phase: Phase | None = None
+    """The incident's `FleetPhase` (None: not published yet, or not a phase this version knows)."""
+    severity: Severity | None = None
     fault_class: str = ""
     rack: str | None = None
     domains: list[str] = field(default_factory=list)
 
 
 @dataclass
+class GuardPhase(StrEnum):
+    """FleetGuard's `FleetPhase` search attribute."""
+
+    GUARDING = "guarding"
+    BREAKER_TRIPPED = "breaker_tripped"
+    PAUSED = "paused"
+
+
+@dataclass
 class Held:
     node: str
-    severity: str
+    severity: Severity
     fault_class: str
     rack: str | None
-    granted_at: str
+    granted_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.held` shows: enums as values, times as `iso`."""
+        return {"node": self.node, "severity": self.severity.value, "fault_class": self.fault_class,
+                "rack": self.rack, "granted_at": iso(self.granted_at)}
 
 
 @dataclass
 class Queued:
     node: str
-    severity: str
+    severity: Severity
     fault_class: str
     rack: str | None
     domains: list[str]
-    requested_at: str
+    requested_at: datetime
     reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.queue` shows: enums as values, times as `iso`."""
+        return {"node": self.node, "severity": self.severity.value, "fault_class": self.fault_class,
+                "rack": self.rack, "domains": list(self.domains), "requested_at": iso(self.requested_at),
+                "reason": self.reason}
 
 
 @dataclass
 class InfraIncident:
     domain: str
-    opened_at: str
-    last_fault_at: str
+    opened_at: datetime
+    last_fault_at: datetime
     nodes: list[str]
     ticket: str | None = None
-    closed_at: str | None = None
+    closed_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.infra_incidents` shows: times as `iso`."""
+        return {"domain": self.domain, "opened_at": iso(self.opened_at), "last_fault_at": iso(self.last_fault_at),
+                "nodes": list(self.nodes), "ticket": self.ticket, "closed_at": iso(self.closed_at)}
 
 
 @dataclass
@@ -706,19 +733,19 @@ class GuardState:
     held: list[Held] = field(default_factory=list)
     queue: list[Queued] = field(default_factory=list)
     seen_nodes: list[str] = field(default_factory=list)
-    recent: list[list[str]] = field(default_factory=list)
-    """[node, iso time] of drain-worthy requests within the breaker/domain windows."""
+    recent: list[tuple[str, datetime]] = field(default_factory=list)
+    """(node, time) of drain-worthy requests within the breaker/domain windows."""
     breaker_tripped: bool = False
     breaker_reason: str | None = None
-    breaker_tripped_at: str | None = None
+    breaker_tripped_at: datetime | None = None
     breaker_trips: int = 0
     paused: bool = False
     paused_by: str | None = None
     infra: list[InfraIncident] = field(default_factory=list)
     node_domains: dict[str, list[str]] = field(default_factory=dict)
     """node → its failure domains, as the requests said (topology stays out of history)."""
-    returns: dict[str, list[list[str]]] = field(default_factory=dict)
-    """node → [[fault_class, iso time], …] of returns to service (lemon rule)."""
+    returns: dict[str, list[tuple[str, datetime]]] = field(default_factory=dict)
+    """node → [(fault_class, time), …] of returns to service (lemon rule)."""
     log: list[str] = field(default_factory=list)
     grants: int = 0
     run: int = 1

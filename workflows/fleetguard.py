@@ -65,9 +65,9 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend import subjects
     from fleetmend.events import Severity
     from fleetmend.messages import (
-        KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardState, GuardStatus, Held,
-        InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand, PermitRequest, Queued,
-        RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest,
+        KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardPhase, GuardState,
+        GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand, PermitRequest, Queued,
+        RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
     )
     from fleetmend.policy import drain_budget
 
@@ -98,13 +98,13 @@ class FleetGuard:
             self._s.run += 1
         else:
             self._s = GuardState(cluster=inp.cluster, policy=inp.policy)
-            self._s.log.append(f"{workflow.now().isoformat(timespec='seconds')} guard started")
+            self._s.log.append(f"{iso(workflow.now())} guard started")
         self._inbox: list[PermitRequest | PermitRelease] = []
         """Requests and releases in arrival order (a release must not overtake its own request)."""
         self._tickets: list[InfraIncident] = []
         self._answers: list[tuple[str, PermitDecision]] = []
         self._dirty = False
-        self._published_phase: str | None = None
+        self._published_phase: GuardPhase | None = None
         self._ready = inp.carried is not None
         """False until a new guard has rebuilt its permits from the running incidents (`run`): requests
         that start the guard (update-with-start) run before `run` and must wait for it."""
@@ -167,11 +167,11 @@ class FleetGuard:
         s = self._state
         return GuardStatus(
             cluster=s.cluster, budget=self._budget(), known_nodes=self._known(),
-            held=[h.__dict__ for h in s.held],
-            queue=[{**q.__dict__, "waiting": self._waiting(q)} for q in self._ordered_queue()],
+            held=[h.to_dict() for h in s.held],
+            queue=[{**q.to_dict(), "waiting": self._waiting(q)} for q in self._ordered_queue()],
             breaker_tripped=s.breaker_tripped, breaker_reason=s.breaker_reason,
-            breaker_tripped_at=s.breaker_tripped_at, paused=s.paused, paused_by=s.paused_by,
-            observe_only=s.policy.observe_only, infra_incidents=[i.__dict__ for i in s.infra],
+            breaker_tripped_at=iso(s.breaker_tripped_at), paused=s.paused, paused_by=s.paused_by,
+            observe_only=s.policy.observe_only, infra_incidents=[i.to_dict() for i in s.infra],
             recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:])
 
     @workflow.update(name=GuardApi.RESET_BREAKER)
@@ -265,10 +265,10 @@ class FleetGuard:
         s.queue = [q for q in s.queue if q.node != rel.node]
         if rel.returned and rel.fault_class:
             hist = s.returns.setdefault(rel.node, [])
-            hist.append([rel.fault_class, self._now()])
+            hist.append((rel.fault_class, self._now()))
             del hist[:-MAX_RETURNS_PER_NODE]
         if len(s.held) + len(s.queue) < before:
-            self._log(f"{rel.node}: permit returned ({rel.outcome})")
+            self._log(f"{rel.node}: permit returned ({rel.outcome.value})")
 
     def _request(self, req: PermitRequest, now: datetime) -> None:
         s = self._state
@@ -281,7 +281,7 @@ class FleetGuard:
             self._answers.append((req.node, PermitDecision(granted=True, reason="permit already held",
                                                            lemon=self._lemon(req, now))))
             return
-        s.recent.append([req.node, self._now()])
+        s.recent.append((req.node, self._now()))
         self._prune(now)
         # 1. observe-only
         if s.policy.observe_only:
@@ -294,7 +294,7 @@ class FleetGuard:
                                  f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
                        infra=inc.domain)
             return
-        entry = Queued(node=req.node, severity=Severity(req.severity).value, fault_class=req.fault_class,
+        entry = Queued(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class,
                        rack=req.rack, domains=list(req.domains), requested_at=req.requested_at or self._now(),
                        reason=req.reason)
         at = next((i for i, q in enumerate(s.queue) if q.node == req.node), None)
@@ -318,7 +318,7 @@ class FleetGuard:
         s = self._state
         window = timedelta(seconds=s.policy.domain_window_s)
         for inc in s.infra:
-            if inc.closed_at is None and now - datetime.fromisoformat(inc.last_fault_at) > window:
+            if inc.closed_at is None and now - inc.last_fault_at > window:
                 inc.closed_at = self._now()
                 self._log(f"infrastructure incident {inc.domain} closed: no fault for {window}")
         for dom in req.domains:
@@ -348,16 +348,16 @@ class FleetGuard:
         s = self._state
         keep_s = max(s.policy.breaker_window_s, s.policy.domain_window_s)
         start = now - timedelta(seconds=keep_s)
-        s.recent = [r for r in s.recent if datetime.fromisoformat(r[1]) >= start]
+        s.recent = [r for r in s.recent if r[1] >= start]
 
     def _lemon(self, req: PermitRequest, now: datetime) -> str | None:
         s = self._state
         start = now - timedelta(seconds=s.policy.lemon_window_s)
         same = [at for fc, at in s.returns.get(req.node, []) if fc == req.fault_class
-                and datetime.fromisoformat(at) >= start]
+                and at >= start]
         if len(same) >= s.policy.lemon_repairs:
             return (f"lemon node: {req.fault_class} returned after {len(same)} repairs within "
-                    f"{s.policy.lemon_window_s / 86400:.0f} days (last {same[-1]}); RMA instead of another loop")
+                    f"{s.policy.lemon_window_s / 86400:.0f} days (last {iso(same[-1])}); RMA instead of another loop")
         return None
 
     async def _reconcile_clock(self) -> None:
@@ -403,12 +403,11 @@ class FleetGuard:
             if any(h.node == r.node for h in s.held) or any(q.node == r.node for q in s.queue):
                 continue
             if r.phase in HOLDING_PHASES:
-                s.held.append(Held(node=r.node, severity=r.severity, fault_class=r.fault_class, rack=r.rack,
+                s.held.append(Held(node=r.node, severity=r.severity or Severity.FATAL, fault_class=r.fault_class, rack=r.rack,
                                    granted_at=self._now()))
                 held += 1
             elif r.phase == Phase.AWAITING_PERMIT:
-                sev = r.severity if r.severity in {v.value for v in Severity} else Severity.FATAL.value
-                s.queue.append(Queued(node=r.node, severity=sev,
+                s.queue.append(Queued(node=r.node, severity=r.severity or Severity.FATAL,
                                       fault_class=r.fault_class, rack=r.rack, domains=list(r.domains),
                                       requested_at=self._now(), reason="rebuilt from its running incident"))
                 queued += 1
@@ -434,9 +433,9 @@ class FleetGuard:
                 s.held.append(Held(node=q.node, severity=q.severity, fault_class=q.fault_class, rack=q.rack,
                                    granted_at=self._now()))
                 s.grants += 1
-                lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=Severity(q.severity),
+                lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=q.severity,
                                                   fault_class=q.fault_class), now)
-                self._log(f"{q.node}: permit granted ({q.severity} {q.fault_class}; {len(s.held)}/{budget} held)")
+                self._log(f"{q.node}: permit granted ({q.severity.value} {q.fault_class}; {len(s.held)}/{budget} held)")
                 self._answers.append((q.node, PermitDecision(
                     granted=True, reason=f"permit {len(s.held)}/{budget}", lemon=lemon)))
 
@@ -466,10 +465,10 @@ class FleetGuard:
         for inc in incs:
             ref: TicketRef = await workflow.execute_activity(
                 Activity.FILE_TICKET, TicketRequest(
-                    incident_id=f"{workflow.info().workflow_id}/{inc.domain}/{inc.opened_at}", cluster=s.cluster,
+                    incident_id=f"{workflow.info().workflow_id}/{inc.domain}/{iso(inc.opened_at)}", cluster=s.cluster,
                     node=inc.domain.replace(":", "-"), severity="fatal", fault_class="infrastructure",
                     title=f"[fleetmend] infrastructure incident {inc.domain} in {s.cluster}: {len(inc.nodes)} nodes",
-                    evidence={"domain": inc.domain, "nodes": inc.nodes, "opened_at": inc.opened_at,
+                    evidence={"domain": inc.domain, "nodes": inc.nodes, "opened_at": iso(inc.opened_at),
                               "note": "correlated faults under one failure domain; nothing was drained"}),
                 result_type=TicketRef, start_to_close_timeout=timedelta(minutes=1), retry_policy=TICKET_RETRY,
                 summary=f"page: infrastructure incident {inc.domain}")
@@ -487,7 +486,7 @@ class FleetGuard:
         """Why queued request `q` is not granted yet, for the incident, `fleetmend status` and the guard."""
         s = self._state
         if s.breaker_tripped:
-            return f"breaker tripped at {s.breaker_tripped_at}; `fleetmend breaker reset` resumes drains"
+            return f"breaker tripped at {iso(s.breaker_tripped_at)}; `fleetmend breaker reset` resumes drains"
         if s.paused:
             return f"paused by {s.paused_by}; `fleetmend resume` resumes drains"
         budget = self._budget()
@@ -500,7 +499,7 @@ class FleetGuard:
         return "next in the queue"
 
     def _ordered_queue(self) -> list[Queued]:
-        return sorted(self._state.queue, key=lambda q: (-Severity(q.severity).rank, q.requested_at))
+        return sorted(self._state.queue, key=lambda q: (-q.severity.rank, q.requested_at))
 
     def _known(self) -> int:
         s = self._state
@@ -512,14 +511,15 @@ class FleetGuard:
 
     def _publish(self) -> None:
         s = self._state
-        phase = "breaker_tripped" if s.breaker_tripped else "paused" if s.paused else "guarding"
+        phase = GuardPhase.BREAKER_TRIPPED if s.breaker_tripped else GuardPhase.PAUSED if s.paused \
+            else GuardPhase.GUARDING
         if phase != self._published_phase:  # one history event per change, not per loop
-            workflow.upsert_search_attributes([KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(phase)])
+            workflow.upsert_search_attributes([KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(phase.value)])
             self._published_phase = phase
-        lines = [f"**FleetGuard {s.cluster}** — `{phase}`", "",
+        lines = [f"**FleetGuard {s.cluster}** — `{phase.value}`", "",
                  f"permits held: {len(s.held)}/{self._budget()} (known nodes {self._known()}); queued: {len(s.queue)}"]
         if s.breaker_tripped:
-            lines.append(f"breaker tripped at {s.breaker_tripped_at}: {s.breaker_reason}")
+            lines.append(f"breaker tripped at {iso(s.breaker_tripped_at)}: {s.breaker_reason}")
             lines.append("reset: `fleetmend breaker reset`")
         if s.paused:
             lines.append(f"paused by {s.paused_by}")
@@ -530,12 +530,13 @@ class FleetGuard:
 
     def _log(self, text: str) -> None:
         s = self._state
-        s.log.append(f"{self._now()} {text}")
+        s.log.append(f"{iso(self._now())} {text}")
         del s.log[:-MAX_LOG]
         workflow.logger.info("fleetguard %s: %s", s.cluster, text)
 
-    def _now(self) -> str:
-        return workflow.now().isoformat(timespec="seconds")
+    def _now(self) -> datetime:
+        """Workflow time to the second (UTC): what the state keeps and the windows compare."""
+        return workflow.now().replace(microsecond=0)
 
     @property
     def _state(self) -> GuardState:

@@ -344,7 +344,7 @@ class NodeRemediation:
         if not s.permit_requested:
             s.permit_requested, s.permit_requested_at = True, self._now()
         req = PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
-                            reason="; ".join(s.decisions[-3:]), requested_at=iso(s.permit_requested_at))
+                            reason="; ".join(s.decisions[-3:]), requested_at=s.permit_requested_at)
         decide = workflow.patched(PATCH_PERMIT_DECIDE)
         if decide:
             await self._decide_permit(req)
@@ -682,7 +682,7 @@ class NodeRemediation:
         if s.permit_requested or s.permit_held:
             returned = outcome in (Outcome.RETURNED, Outcome.OPERATOR_OWNED)
             await workflow.execute_activity(
-                Activity.RELEASE_DRAIN_PERMIT, PermitRelease(cluster=s.cluster, node=s.node, outcome=outcome.value,
+                Activity.RELEASE_DRAIN_PERMIT, PermitRelease(cluster=s.cluster, node=s.node, outcome=outcome,
                                                       fault_class=s.fault_class or "", returned=returned),
                 start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
                 summary=f"release drain permit of {s.node}")
