@@ -214,3 +214,40 @@ async def _record_guard_pause(client) -> None:  # noqa: ANN001
         await assert_eventually(lambda: phase_is(p1, "closed"))
         await asyncio.sleep(1.0)
         _write("fleetguard_pause", await gh.fetch_history())
+
+
+def test_guard_state_of_string_era_decodes_typed() -> None:
+    """A guard state carried (continue-as-new) and requests sent before the state was typed held times as
+    ISO strings and severities/outcomes as strings: they decode into today's `datetime`s and enums, and
+    encode back to the same strings."""
+    from datetime import UTC, datetime
+
+    from fleetmend.events import Severity
+    from fleetmend.messages import GuardState, Outcome, PermitRelease, PermitRequest
+
+    old = {"cluster": "c", "held": [{"node": "n1", "severity": "fatal", "fault_class": "gpu_lost", "rack": "r1",
+                                      "granted_at": "2026-11-30T18:33:31+00:00"}],
+           "queue": [{"node": "n2", "severity": "degraded", "fault_class": "ecc", "rack": None, "domains": ["rack:r2"],
+                      "requested_at": "2026-11-30T18:33:32+00:00", "reason": ""}],
+           "recent": [["n1", "2026-11-30T18:33:31+00:00"]], "breaker_tripped_at": "2026-11-30T18:34:00+00:00",
+           "infra": [{"domain": "rack:r2", "opened_at": "2026-11-30T18:33:40+00:00",
+                      "last_fault_at": "2026-11-30T18:33:41+00:00", "nodes": ["n2"], "ticket": None, "closed_at": None}],
+           "returns": {"n1": [["gpu_lost", "2026-11-29T10:00:00+00:00"]]}}
+    conv = data_converter.payload_converter
+    [payload] = conv.to_payloads([old])
+    s = conv.from_payloads([payload], [GuardState])[0]
+    at = datetime(2026, 11, 30, 18, 33, 31, tzinfo=UTC)
+    assert s.held[0].severity is Severity.FATAL and s.held[0].granted_at == at
+    assert s.queue[0].severity is Severity.DEGRADED
+    assert s.recent == [("n1", at)] and s.returns["n1"][0][1] == datetime(2026, 11, 29, 10, tzinfo=UTC)
+    assert s.infra[0].opened_at < s.infra[0].last_fault_at and s.breaker_tripped_at > at
+    assert s.held[0].to_dict()["granted_at"] == "2026-11-30T18:33:31+00:00"
+    assert s.queue[0].to_dict()["severity"] == "degraded"
+    [payload] = conv.to_payloads([{"cluster": "c", "node": "n", "severity": "fatal", "fault_class": "x",
+                                   "requested_at": "2026-11-30T18:33:31+00:00"}])
+    req = conv.from_payloads([payload], [PermitRequest])[0]
+    assert req.severity is Severity.FATAL and req.requested_at == at
+    [payload] = conv.to_payloads([{"cluster": "c", "node": "n", "outcome": "returned_to_service"}])
+    assert conv.from_payloads([payload], [PermitRelease])[0].outcome is Outcome.RETURNED
+    again = conv.from_payloads(conv.to_payloads([s]), [GuardState])[0]
+    assert again == s
