@@ -66,8 +66,8 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.events import Severity
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardPhase, GuardState,
-        GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand, PermitRequest, Queued,
-        RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
+        GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand,
+        PermitRequest, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
     )
     from fleetmend.policy import drain_budget
 
@@ -403,8 +403,8 @@ class FleetGuard:
             if any(h.node == r.node for h in s.held) or any(q.node == r.node for q in s.queue):
                 continue
             if r.phase in HOLDING_PHASES:
-                s.held.append(Held(node=r.node, severity=r.severity or Severity.FATAL, fault_class=r.fault_class, rack=r.rack,
-                                   granted_at=self._now()))
+                s.held.append(Held(node=r.node, severity=r.severity or Severity.FATAL, fault_class=r.fault_class,
+                                   rack=r.rack, granted_at=self._now()))
                 held += 1
             elif r.phase == Phase.AWAITING_PERMIT:
                 s.queue.append(Queued(node=r.node, severity=r.severity or Severity.FATAL,
