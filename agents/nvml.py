@@ -128,6 +128,28 @@ def present_nvlinks(nv: Any, handle: Any, nvml_error: type[BaseException]) -> li
     return links
 
 
+def read_once(nvml_error: type[BaseException], g: Any, what: str, fn: Callable[..., Any] | None, *args: Any,
+              failed: Any = None, log: Any = None) -> Any:
+    """`fn(g.handle, *args)`: one NVML read on the GPU `g` (anything with `handle` and an `unsupported`
+    set of read names). `failed` when `fn` is None, when the GPU does not support the read (remembered
+    in `g.unsupported`, never retried) or when it fails (logged at debug on `log`).
+
+    Raises: `nvml_error` with `NVML_ERROR_GPU_IS_LOST` (the caller reports the lost GPU)."""
+    if fn is None or what in g.unsupported:
+        return failed
+    try:
+        return fn(g.handle, *args)
+    except nvml_error as err:
+        code = _code(err)
+        if code == E_GPU_IS_LOST:
+            raise
+        if code in UNSUPPORTED:
+            g.unsupported.add(what)
+        elif log is not None:
+            log.debug("nvml_read_failed", gpu=getattr(g, "index", None), read=what, error=str(err))
+        return failed
+
+
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
@@ -374,19 +396,7 @@ class NvmlProbe:
 
     def _read(self, g: _Gpu, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call one NVML read; UNKNOWN when the GPU does not support it (remembered) or it fails."""
-        if what in g.unsupported:
-            return UNKNOWN
-        try:
-            return fn(g.handle, *args)
-        except self.NVMLError as err:
-            code = _code(err)
-            if code == E_GPU_IS_LOST:
-                raise
-            if code in UNSUPPORTED:
-                g.unsupported.add(what)
-            else:
-                self._log.debug("nvml_read_failed", gpu=g.index, read=what, error=str(err))
-            return UNKNOWN
+        return read_once(self.NVMLError, g, what, fn, *args, failed=UNKNOWN, log=self._log)
 
     def _poll_gpu(self, g: _Gpu) -> list[FaultEvent]:
         out: list[FaultEvent] = []

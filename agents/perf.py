@@ -48,13 +48,13 @@ from agents.nvml import (
     ERR_CORRECTED,
     NVLINK_COUNTERS,
     TEMPERATURE_GPU,
-    UNSUPPORTED,
     VOLATILE,
     _code,
     _nvml_error_type,
     _real_pynvml,
     _text,
     present_nvlinks,
+    read_once,
 )
 from agents.sysfs import _int, _read, parse_rate
 from fleetmend import __version__
@@ -184,17 +184,7 @@ class PerfSampler:
 
     def _read(self, g: _Gpu, what: str, fn: Callable[..., Any] | None, *args: Any) -> Any:
         """One NVML read; None when unsupported (remembered) or failing. GPU_IS_LOST propagates."""
-        if fn is None or what in g.unsupported:
-            return None
-        try:
-            return fn(g.handle, *args)
-        except self.NVMLError as err:
-            code = _code(err)
-            if code == E_GPU_IS_LOST:
-                raise
-            if code in UNSUPPORTED:
-                g.unsupported.add(what)
-            return None
+        return read_once(self.NVMLError, g, what, fn, *args)
 
     def _gpu(self, g: _Gpu, interval: float) -> GpuPerf | None:
         try:
