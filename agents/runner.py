@@ -206,6 +206,7 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,
                              expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path)
+        from agents.bench import GpuTools
         from agents.recovery import RecoveryHandler  # recovery requests share the diag subject
 
         from agents.lastboot import record_reboot_ordered
@@ -215,6 +216,10 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
                                         on_reboot=(lambda req: record_reboot_ordered(state, req.incident_id))
                                         if lastboot else None)
         diag.bench_command = settings.agent.bench_command  # `fleetmend sweep` (agents/bench.py)
+        diag.gpu_tools = GpuTools(load_command=settings.agent.gpu_load_command,
+                                  load_seconds=settings.agent.gpu_load_seconds,
+                                  nvbandwidth_command=settings.agent.nvbandwidth_command,
+                                  dcgm_command=settings.agent.sweep_dcgm_command)
         await diag.start()
         conn["diag"] = diag
         connected.set()

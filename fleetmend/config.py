@@ -304,6 +304,20 @@ class AgentSettings(_Section):
     is better unless the name ends in `_s`, `_ms`, `_us` or contains `latency`/`time`). Empty: none."""
     bench_timeout_s: float = Field(default=120.0, gt=0)
     """Bound on one sweep benchmark run on this node (built-in checks and `bench_command` together)."""
+    gpu_load_command: list[str] | None = None
+    """Load generator for the sweep's GPU load step (argv; `{seconds}` is replaced by its run time), e.g.
+    ["gpu_burn", "{seconds}"] or a site's torch one-liner. None: `gpu_burn` or `dcgmproftester13/12/11`
+    when found on PATH; []: no load step. NVML is sampled while it runs (agents/bench.py)."""
+    gpu_load_seconds: float = Field(default=10.0, gt=0, le=300)
+    """Sampled window under load: 50 NVML samples at 5 a second; power brake and thermal slowdown
+    show within seconds of full load. The step also waits (≤ 30 s) for the GPUs to get busy."""
+    nvbandwidth_command: list[str] = Field(default_factory=lambda: ["nvbandwidth", "-t", "host_to_device_memcpy_ce",
+                                                                    "device_to_host_memcpy_ce",
+                                                                    "device_to_device_memcpy_read_ce"])
+    """NVIDIA nvbandwidth for the sweep, run when its program is on PATH; [] turns it off."""
+    sweep_dcgm_command: list[str] = Field(default_factory=lambda: ["dcgmi", "diag", "-r", "pcie", "-j", "-v"])
+    """DCGM diagnostic whose JSON info lines give the sweep numbers (run when dcgmi is on PATH and the
+    host engine answers); e.g. "-r", "pcie,memory_bandwidth" for more; [] turns it off."""
 
     @model_validator(mode="before")
     @classmethod

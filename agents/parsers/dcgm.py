@@ -313,3 +313,100 @@ def _dmon(text: str, ctx: Ctx) -> list[FaultEvent]:
         for kind, sev, msg in judge_memory(r, f"GPU {idx}") if r else []:
             out.append(ctx.event(kind, Component.GPU, sev, msg, SRC, device=dev, raw=line.strip(), attrs=r))
     return out
+
+
+# ---------------------------------------------------------------- dcgmi diag -j: performance numbers
+
+_INFO_GPU = re.compile(r"^\s*GPU\s+(\d+)\s+")
+_INFO_GFLOPS = re.compile(r"approximately\s+(-?\d+(?:\.\d+)?)\s+gigaflops", re.I)
+_INFO_VALUE = re.compile(r"([A-Za-z][A-Za-z0-9 /_-]*?)\s*(?::\s*|\t+)(-?\d+(?:\.\d+)?)\s*(GB/s|us|ms|W|C)?(?![\w.])")
+_UNIT_SUFFIX = {"GB/s": "gbps", "us": "us", "ms": "ms", "W": "w"}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def _info_values(msg: str) -> tuple[int | None, list[tuple[str, float]]]:
+    """One info line → (GPU id it names, [(name, value)]). Shapes (nvvs plugins): "GPU 0 GPU to Host
+    bandwidth:\\t\\t13.08 GB/s", "GPU 0 bidirectional latency:\\t\\t7.482 us", "GPU 1 relative stress
+    level:\\t577" (3.x; 4.x drops the colon), "GPU 0 max power: 700.0 W average power usage: 690.2 W",
+    "GPU 0 calculated at approximately 5123.45 gigaflops during this test". Temperatures ("temperature
+    average:\t31 C") are left out: not a performance number."""
+    m = _INFO_GPU.match(msg)
+    gpu = int(m.group(1)) if m else None
+    body = msg[m.end():] if m else msg
+    if g := _INFO_GFLOPS.search(body):
+        return gpu, [("gflops", float(g.group(1)))]
+    out = []
+    for label, num, unit in _INFO_VALUE.findall(body):
+        name = _slug(label)
+        if not name or unit == "C":  # temperatures: no performance number (the load step reads them)
+            continue
+        out.append((name + (f"_{_UNIT_SUFFIX[unit]}" if unit else ""), float(num)))
+    return gpu, out
+
+
+def _entity_gpu(res: dict[str, Any]) -> int | None:
+    if str(res.get("entity_group", "GPU")).upper() == "GPU" and isinstance(res.get("entity_id"), int):
+        return int(res["entity_id"])
+    ids = str(res.get("gpu_ids", res.get("gpu_id", ""))).split(",")
+    return int(ids[0]) if len(ids) == 1 and ids[0].strip().isdigit() else None
+
+
+def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """`dcgmi diag -r <tests> -j` (DCGM 3.x `"DCGM GPU Diagnostic"` with `gpu_ids`, 4.x `"DCGM
+    Diagnostic"` with `entity_group`/`entity_id`; NvvsJsonStrings.h) → (metrics, problems).
+
+    metrics: the numbers the tests print in their `info` lines, one per test and quantity, named
+    `dcgm_<test>_<quantity>[_gbps|_us|_ms|_w]` (e.g. `dcgm_pcie_host_to_gpu_bandwidth_gbps`,
+    `dcgm_pcie_bidirectional_latency_us`, `dcgm_diagnostic_gflops`,
+    `dcgm_targeted_power_average_power_usage_w`), reduced over the GPUs to the worst one: the
+    minimum, or the maximum for names `fleetmend.sweep.lower_is_better` reads as lower-is-better.
+    problems: `dcgm_<test>` → what DCGM said for a test that did not pass on some GPU (FAIL, SKIP,
+    WARN with its warning text), `dcgm` → a `runtime_error`.
+
+    Raises:
+        ValueError: no JSON object in `text`, or not a DCGM diagnostic report.
+    """
+    import json
+
+    from fleetmend.sweep import lower_is_better
+
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise ValueError(f"no JSON object in dcgmi output: {text[-300:]!r}")
+    try:
+        doc = json.loads(text[start:end + 1])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"dcgmi output is not valid JSON: {err}") from err
+    diag = doc.get("DCGM Diagnostic") or doc.get("DCGM GPU Diagnostic") if isinstance(doc, dict) else None
+    if not isinstance(diag, dict):
+        raise ValueError("JSON without a 'DCGM Diagnostic' object (not `dcgmi diag -j` output?)")
+    per: dict[str, list[float]] = {}
+    problems: dict[str, str] = {}
+    if diag.get("runtime_error"):
+        problems["dcgm"] = str(diag["runtime_error"])[:300]
+    for cat in diag.get("test_categories") or []:
+        for test in (cat or {}).get("tests") or []:
+            tname = _slug(str(test.get("name", "")))
+            if not tname:
+                continue
+            for res in test.get("results") or []:
+                if not isinstance(res, dict):
+                    continue
+                status = str(res.get("status", "")).upper()
+                gpu = _entity_gpu(res)
+                if status not in ("PASS", "NOT_RUN", ""):
+                    warn = "; ".join(str(w.get("warning", "")) for w in res.get("warnings") or []
+                                     if isinstance(w, dict))
+                    note = f"{status}" + (f" on GPU {gpu}" if gpu is not None else "") + (f": {warn}" if warn else "")
+                    key = f"dcgm_{tname}"
+                    problems[key] = (problems[key] + "; " + note)[:500] if key in problems else note[:500]
+                info = res.get("info") or []
+                for msg in [info] if isinstance(info, str) else info:
+                    _gpu, values = _info_values(str(msg))
+                    for name, v in values:
+                        per.setdefault(f"dcgm_{tname}_{name}", []).append(v)
+    metrics = {k: (max(v) if lower_is_better(k) else min(v)) for k, v in per.items()}
+    return metrics, problems
