@@ -12,33 +12,35 @@ from typing import Optional
 import typer
 
 
-def slurm_hostnames(expr: str, scontrol: str = "scontrol") -> list[str]:
+def slurm_hostnames(expr: str, scontrol: str = "scontrol", env: dict[str, str] | None = None) -> list[str]:
     """Expand a Slurm hostlist: `scontrol show hostnames` when Slurm is installed, else
-    `fleetmend.sweep.expand_hostlist`. Raises ValueError for an expression neither accepts."""
+    `fleetmend.sweep.expand_hostlist`. `env`: the subprocess environment (None: this process's).
+    Raises ValueError for an expression neither accepts."""
     from fleetmend.sweep import expand_hostlist
 
     if shutil.which(scontrol):
-        p = subprocess.run([scontrol, "show", "hostnames", expr], capture_output=True, text=True, timeout=30)
+        p = subprocess.run([scontrol, "show", "hostnames", expr], capture_output=True, text=True, timeout=30, env=env)
         if p.returncode == 0 and p.stdout.strip():
             return p.stdout.split()
     return expand_hostlist(expr)
 
 
-def job_nodes(job: str, scontrol: str = "scontrol") -> list[str]:
-    """The nodes of a running Slurm job (`scontrol show job JOBID`, field `NodeList=`).
+def job_nodes(job: str, scontrol: str = "scontrol", env: dict[str, str] | None = None) -> list[str]:
+    """The nodes of a running Slurm job (`scontrol show job JOBID`, field `NodeList=`, expanded by
+    `slurm_hostnames`). `env`: the subprocesses' environment (SLURM_CONF from `slurm.slurm_conf`).
 
     Raises:
         ValueError: scontrol missing, unknown job, or a job without nodes (pending).
     """
     if not shutil.which(scontrol):
         raise ValueError(f"--job needs Slurm's {scontrol} on PATH (slurm.scontrol)")
-    p = subprocess.run([scontrol, "show", "job", job], capture_output=True, text=True, timeout=30)
+    p = subprocess.run([scontrol, "show", "job", job], capture_output=True, text=True, timeout=30, env=env)
     if p.returncode != 0:
         raise ValueError(f"scontrol show job {job}: {(p.stderr or p.stdout).strip()}")
     m = re.search(r"(?:^|\s)NodeList=(\S+)", p.stdout)
     if not m or m.group(1) in ("(null)", ""):
         raise ValueError(f"job {job} has no nodes allocated (pending?)")
-    return slurm_hostnames(m.group(1), scontrol)
+    return slurm_hostnames(m.group(1), scontrol, env)
 
 
 def register(app: typer.Typer) -> None:
@@ -68,12 +70,15 @@ def register(app: typer.Typer) -> None:
         from fleetmend.cli.main import _run, _settings, err, out
 
         s = _settings(config, cluster=cluster)
+        import os
+
+        env = {**os.environ, "SLURM_CONF": s.slurm.slurm_conf} if s.slurm.slurm_conf else None
         try:
             names = list(nodes or [])
             if nodelist:
-                names += slurm_hostnames(nodelist, s.slurm.scontrol)
+                names += slurm_hostnames(nodelist, s.slurm.scontrol, env)
             if job:
-                names += job_nodes(job, s.slurm.scontrol)
+                names += job_nodes(job, s.slurm.scontrol, env)
         except (ValueError, subprocess.SubprocessError) as e:
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from e
