@@ -362,3 +362,96 @@ def test_tool_metrics_feed_the_comparison() -> None:
     assert rows["n1"].worst_ratio == pytest.approx(12.10 / 23.9, abs=1e-3)
     assert rows["n2"].worst_metric == "gpu_load_power_brake_free_min"
     assert "nvbandwidth_host_to_device_memcpy_ce_gbps" not in rows["n3"].metrics and not rows["n3"].outlier
+
+
+async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal_server, tmp_path: Path,  # noqa: ANN001
+                                                           unique: str) -> None:
+    """End to end: real agents (each with its NVML stand-in, stand-in load generator, nvbandwidth
+    and dcgmi), real NATS and Temporal, `fleetmend sweep --json`: the node with a slow link and the
+    node in power brake are flagged on those metrics; the node without nvbandwidth says so in
+    skipped and is not judged on it."""
+    import json
+    import subprocess
+
+    from agents.runner import run_agent
+    from fleetmend import subjects
+    from fleetmend.config import load_settings
+    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.worker import build_worker
+    from tests.conftest import assert_eventually
+
+    cluster = f"gt{unique}"
+    base = dict(cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
+                state_dir=tmp_path / "state", task_queue=f"tq-{unique}", log_format="json")
+    s = load_settings(None, node="cli", **base)
+    nc = await connect_nats(s, name="gpu-tools-e2e")
+    await ensure_fault_stream(nc.jetstream())
+    client = await connect_temporal(s)
+    worker = await build_worker(s, client, nc)
+    wtask = asyncio.create_task(worker.run())
+    good = fixture("nvbandwidth_v0.2_rtx4090x8.txt")
+    slow = good.replace("0     25.50     24.26     23.90",
+                        "0     25.50     24.26     12.10").replace("205.04", "193.24")  # GPU 2 at x8
+    dcgmi = printer(tmp_path / "dcgmi", fixture("dcgmi_diag_3x_per_gpu.json"), rc=226)
+    stop = asyncio.Event()
+    agents = []
+    markers = {}
+    for node in ("g1", "g2", "g3", "g4"):
+        d = tmp_path / node
+        d.mkdir()
+        markers[node] = d / "busy"
+        gen = script(d / "burn", LOAD_SCRIPT)
+        nvb = printer(d / "nvbandwidth", slow if node == "g2" else good) if node != "g4" else d / "nvbandwidth"
+        nv = load_standin([LoadedGpu(0, markers[node]),
+                           LoadedGpu(1, markers[node], brake_every=5 if node == "g3" else 0)])
+        a = load_settings(None, node=node, **base, agent={
+            "perf_enabled": False, "gpu_load_command": [str(gen), str(markers[node]), "{seconds}"],
+            "gpu_load_seconds": 2.0, "nvbandwidth_command": [str(nvb), "-t", "host_to_device_memcpy_ce"],
+            "sweep_dcgm_command": [str(dcgmi), "diag", "-r", "pcie", "-j"]})
+        agents.append(asyncio.create_task(run_agent(a, stop=stop, probes=[], hardware=False, nvml=nv)))
+    env = {**os.environ, "FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
+           "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
+           "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
+    try:
+        async def all_listening() -> bool:
+            for n in markers:
+                try:
+                    await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
+                except Exception:  # noqa: BLE001 - not up yet
+                    return False
+            return True
+
+        await assert_eventually(all_listening, timeout_s=30, what="agents answer on their diag subjects")
+        p = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "fleetmend.cli.main", "sweep", "g1", "g2", "g3", "g4", "--host-seconds", "0.1",
+            "--deadline", "60", "--id", f"gt{unique}", "--json"],
+            env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 1, p.stdout + p.stderr
+        d = json.loads(p.stdout)
+        assert d["not_answering"] == {}
+        rows = {r["node"]: r for r in d["rows"]}
+        link = "nvbandwidth_host_to_device_memcpy_ce_gbps"
+        assert d["medians"][link] == 23.9 and link not in d["not_judged"]
+        assert rows["g2"]["metrics"][link]["outlier"] is True
+        assert rows["g2"]["metrics"][link]["ratio"] == pytest.approx(12.10 / 23.9, abs=1e-3)
+        brake = rows["g3"]["metrics"]["gpu_load_power_brake_free_min"]
+        assert brake["outlier"] is True and brake["value"] == pytest.approx(0.8, abs=0.12)
+        assert {"g2", "g3"} <= set(d["outliers"])
+        gpu_tool = ("gpu_load_", "nvbandwidth_", "dcgm_")
+        for n in ("g1", "g4"):
+            flagged = [m for m, c in rows[n]["metrics"].items() if m.startswith(gpu_tool) and c["outlier"]]
+            assert flagged == [], (n, flagged)
+        assert link not in rows["g4"]["metrics"]
+        assert rows["g4"]["skipped"]["nvbandwidth"].endswith("not on PATH (agent.nvbandwidth_command)")
+        for n in rows:
+            assert rows[n]["metrics"]["dcgm_pcie_host_to_gpu_bandwidth_gbps"]["value"] == 12.13
+            assert rows[n]["metrics"]["gpu_load_sm_clock_ratio_min"]["value"] == 1.0
+            assert rows[n]["skipped"]["dcgm_sm_stress"].startswith("FAIL on GPU 0")
+            assert not markers[n].exists(), f"{n}: the load generator was stopped"
+    finally:
+        stop.set()
+        await asyncio.gather(*agents, return_exceptions=True)
+        await worker.shutdown()
+        wtask.cancel()
+        await nc.close()
