@@ -325,7 +325,10 @@ async def gpu_load_step(nvml: Any, argv: list[str], seconds: float,
         return {}, (f"deadline: {budget_s:.0f} s left, the load step needs about {need:.0f} s "
                     "(give the sweep a longer --deadline)")
     stats = LoadStats(nvml)
-    why = await asyncio.to_thread(stats.open)
+    try:
+        why = await asyncio.to_thread(stats.open)
+    except Exception as err:  # noqa: BLE001 - NVMLError enumerating GPUs: said, not raised
+        why = f"NVML failed while listing the GPUs: {err}"
     if why:
         await asyncio.to_thread(stats.close)
         return {}, why
@@ -492,7 +495,11 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
         if argv is None:
             skipped["gpu_load"] = source
         else:
-            lm, why = await gpu_load_step(nvml, argv, tools.load_seconds, deadline - time.monotonic())
+            try:
+                lm, why = await gpu_load_step(nvml, argv, tools.load_seconds, deadline - time.monotonic())
+            except Exception as err:  # noqa: BLE001 - a bug or odd NVML must not cost the whole report
+                log.exception("bench_gpu_load_failed")
+                lm, why = {}, f"failed: {err!r}"
             metrics.update(lm)
             if why:
                 skipped["gpu_load"] = f"{why} [load: {source}]"
@@ -500,7 +507,11 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
                 log.info("bench_gpu_load_done", load=source, metrics=len(lm))
         for step, fn, argv_ in (("nvbandwidth", nvbandwidth_step, tools.nvbandwidth_command),
                                 ("dcgm", dcgm_step, tools.dcgm_command)):
-            m, sk = await fn(argv_, deadline - time.monotonic())
+            try:
+                m, sk = await fn(argv_, deadline - time.monotonic())
+            except Exception as err:  # noqa: BLE001 - as above
+                log.exception("bench_step_failed", step=step)
+                m, sk = {}, {step: f"failed: {err!r}"}
             metrics.update(m)
             skipped.update(sk)
     return BenchReport(node=node, cluster=cluster, sweep_id=req.sweep_id, metrics=metrics, skipped=skipped,

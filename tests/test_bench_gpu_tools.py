@@ -455,3 +455,19 @@ async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal
         await worker.shutdown()
         wtask.cancel()
         await nc.close()
+
+
+def test_dcgm_json_odd_shapes_never_crash() -> None:
+    for doc in ('{"DCGM Diagnostic": {"test_categories": [1, null, {"tests": ["x", {"results": 3}]}]}}',
+                '{"DCGM Diagnostic": {"test_categories": {"a": 1}}}',
+                '{"DCGM Diagnostic": {"test_categories": [{"tests": [{"name": "pcie", "results": '
+                '[{"status": "PASS", "info": "GPU 0 Host to GPU bandwidth:\\t\\t12.50 GB/s"}, 7]}]}]}}'):
+        m, _ = diag_json_metrics(doc)
+    assert m == {"dcgm_pcie_host_to_gpu_bandwidth_gbps": 12.5}
+
+
+async def test_nvml_failing_at_listing_is_said_not_raised(tmp_path: Path) -> None:
+    nv = load_standin([LoadedGpu(0, tmp_path / "busy")])
+    nv.nvmlDeviceGetHandleByIndex.side_effect = pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+    m, why = await gpu_load_step(nv, ["true"], 1.0, 30.0)
+    assert m == {} and why.startswith("NVML failed while listing the GPUs")

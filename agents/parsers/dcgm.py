@@ -388,7 +388,9 @@ def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
     if diag.get("runtime_error"):
         problems["dcgm"] = str(diag["runtime_error"])[:300]
     for cat in diag.get("test_categories") or []:
-        for test in (cat or {}).get("tests") or []:
+        for test in (cat.get("tests") or [] if isinstance(cat, dict) else []):
+            if not isinstance(test, dict):
+                continue
             tname = _slug(str(test.get("name", "")))
             if not tname:
                 continue
