@@ -19,7 +19,7 @@ from fleetmend.events import Severity
 from fleetmend.policy import Topology, load_topology
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
-    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
+    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents, guard_task_queue,
 )
 
 
@@ -34,8 +34,11 @@ def guard_policy(settings, topology: Topology | None = None) -> GuardPolicy:  # 
 
 
 class FleetGuardActivities:
-    """Args: client (temporalio Client), task_queue the guard runs on, policy (`GuardPolicy`),
-    topology (`Topology`, node → rack/leaf/PDU)."""
+    """Args: client (temporalio Client), task_queue the guard runs on (`messages.guard_task_queue` of the
+    cluster's queue in a real worker), policy (`GuardPolicy`), topology (`Topology`, node → rack/leaf/PDU).
+
+    `decide_drain_permit` is run by NodeRemediation as a *local* activity: the decision reaches the
+    incident in the workflow task that asked for it (no activity task, no second workflow task)."""
 
     def __init__(self, client, task_queue: str, policy: GuardPolicy,  # noqa: ANN001 - temporal Client
                  topology: Topology | None = None) -> None:
@@ -47,8 +50,9 @@ class FleetGuardActivities:
 
     @classmethod
     def from_settings(cls, client, settings, task_queue: str | None = None) -> "FleetGuardActivities":  # noqa: ANN001
+        """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`."""
         topo = load_topology(settings.policy.topology_file)
-        return cls(client, task_queue or settings.task_queue, guard_policy(settings, topo), topo)
+        return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo)
 
     async def _signal_with_start(self, cluster: str, signal: str, arg) -> None:  # noqa: ANN001
         await self._client.start_workflow(

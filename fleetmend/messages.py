@@ -90,6 +90,15 @@ class GuardApi:
     RELEASE_PERMIT = "release_permit"
 
 
+def guard_task_queue(task_queue: str) -> str:
+    """The task queue FleetGuard runs on, beside the cluster's `task_queue` (`fleet` → `fleet-guard`).
+
+    The guard has workflow-task slots of its own (`fleetmend.worker`): an incident asks for its permit
+    from a local activity that holds the incident's workflow-task slot while the guard decides, so on a
+    shared queue a storm of waiting incidents could take every slot the guard needs to answer them."""
+    return f"{task_queue}-guard"
+
+
 KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
 KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
 KEY_PHASE = SearchAttributeKey.for_keyword("FleetPhase")

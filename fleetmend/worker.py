@@ -35,6 +35,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     from activities.scheduler import SchedulerActivities, build_scheduler
     from activities.tickets import TicketActivities, build_ticket_filer
     from activities.fleetguard import FleetGuardActivities
+    from fleetmend.messages import guard_task_queue
     from activities.recovery import RecoveryActivities
     from workflows.fleetguard import FleetGuard
     from workflows.remediation import NodeRemediation
@@ -47,14 +48,16 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events)
     diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
-    guard = FleetGuardActivities.from_settings(client, settings, task_queue=tq)
+    gtq = guard_task_queue(tq)
+    guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq)
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
     from activities.notify import NotifyActivities, Notifier, channels_from_settings
 
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
-    return Worker(
+    main = Worker(
+        # FleetGuard stays registered here for a guard started on the cluster's queue by an older version
         client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
@@ -66,6 +69,54 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
         max_cached_workflows=settings.worker.max_cached_workflows,
         max_concurrent_activities=settings.worker.max_concurrent_activities,
     )
+    guard_worker = Worker(  # FleetGuard and the activities it schedules, with workflow-task slots of its own
+        client, task_queue=gtq, workflows=[FleetGuard], workflow_runner=workflow_runner(),
+        activities=[guard.running_incidents, tickets.file_ticket],
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN, max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASKS,
+        max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
+    )
+    return Workers(main, guard_worker)
+
+
+GUARD_WORKFLOW_TASKS = 2
+"""Workflow-task slots of the guard queue: one guard per cluster has one task at a time; two leave room
+for a second cluster's guard or a sweep of one that just continued-as-new."""
+GUARD_CACHED_RUNS = 16
+GUARD_ACTIVITIES = 4
+"""The guard's reconciliation (`running_incidents`) and infrastructure-incident tickets."""
+
+
+class Workers:
+    """The worker process's two Temporal workers, run and shut down together: the cluster's queue
+    (incidents, sweeps, every side effect) and the guard's (`messages.guard_task_queue`). `run()` returns
+    or raises when either stops, like `temporalio.worker.Worker.run`."""
+
+    def __init__(self, main, guard) -> None:  # noqa: ANN001 - temporalio Worker
+        self.main, self.guard = main, guard
+        self._stopping = False
+
+    @property
+    def task_queue(self) -> str:
+        return self.main.task_queue
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(w.run(), name=f"temporal-worker {w.task_queue}") for w in (self.main, self.guard)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # a worker that failed raises here
+            if not self._stopping:
+                raise RuntimeError(f"{next(iter(done)).get_name()} stopped polling on its own")
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        await asyncio.gather(self.main.shutdown(), self.guard.shutdown())
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:

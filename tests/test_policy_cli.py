@@ -17,7 +17,7 @@ from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, s
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start
 from workflows.fleetguard import FleetGuard
-from fleetmend.messages import GuardPolicy
+from fleetmend.messages import GuardPolicy, guard_task_queue
 from workflows.remediation import NodeRemediation
 
 
@@ -69,10 +69,13 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):  # n
 async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):  # noqa: ANN001
     cluster, tq = cli_env["FLEETMEND_CLUSTER"], cli_env["FLEETMEND_TASK_QUEUE"]
     calls = Calls()
-    guard = FleetGuardActivities(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
+    # as in a real worker, the guard runs on its own queue (the CLI starts it there)
+    gtq = guard_task_queue(tq)
+    guard = FleetGuardActivities(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
-    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + guard_activities(guard)):
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
+                      activities=acts + guard_activities(guard)), \
+            Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard)):
         none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
         assert none.exit_code == 1 and "no FleetGuard" in none.output
 

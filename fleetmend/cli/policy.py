@@ -88,14 +88,14 @@ async def _guard_handle(settings: Settings, *, start: bool):  # noqa: ANN202
     from fleetmend import subjects
     from fleetmend.connect import connect_temporal
     from fleetmend.policy import load_topology
-    from fleetmend.messages import GuardApi, GuardInput, GuardPolicy
+    from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
 
     client = await connect_temporal(settings)
     wid = subjects.fleetguard_workflow_id(settings.cluster)
     if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
         policy = GuardPolicy.from_settings(settings.policy, len(load_topology(settings.policy.topology_file)))
         await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
-                                    task_queue=settings.task_queue, start_signal=GuardApi.ENSURE)
+                                    task_queue=guard_task_queue(settings.task_queue), start_signal=GuardApi.ENSURE)
     return client.get_workflow_handle(wid)
 
 
