@@ -35,6 +35,7 @@ BASELINE = {
     "remediation_future_app_xid_drained",  # before patch two-sided-windows
     "remediation_many_pending_faults",  # before patch bounded-pending
     "remediation_lemon_returned_before_notify",  # before patch notify
+    "remediation_fatal_returned_fold1", "remediation_lemon_returned_fold1",  # a run that records fold-1
 }
 
 
@@ -150,7 +151,9 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
         await h10.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci", ticket="RMA-9"))
         await assert_eventually(lambda: phase_is(h10, "closed"))
 
-        for name, h in (("remediation_lemon_returned_before_notify", h10), ("remediation_fatal_returned", h1), ("remediation_app_fault_recorded", h2),
+        for name, h in (("remediation_lemon_returned_before_notify", h10), ("remediation_fatal_returned", h1),
+                        ("remediation_lemon_returned_fold1", h10), ("remediation_fatal_returned_fold1", h1),
+                        ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
                         ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8),

@@ -46,6 +46,12 @@ bounded-pending             more than `MAX_PENDING_FAULTS` faults waiting: the s
 notify                      a `notify` activity (webhook, Slack, PagerDuty) on drain, ticket filed,
                             lemon node and return to service, awaited before the run ends.
                             History: remediation_lemon_returned_before_notify.json
+fold-1                      a run started with this code records this one marker in place of
+                            every patch above (each patch cost a marker and a search-attribute
+                            upsert per new incident: `_patched`), and upserts search attributes
+                            once per workflow task, when the run yields (before: at each change,
+                            four upserts in a new incident's first task).
+                            Histories: every one above (recorded before it)
 ==========================  =====================================================================
 """
 
@@ -79,6 +85,19 @@ PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 PATCH_PERMIT_DECIDE = "permit-decide"
 PATCH_BOUNDED_PENDING = "bounded-pending"
 PATCH_NOTIFY = "notify"
+PATCH_FOLD_1 = "fold-1"
+
+
+def _patched(patch_id: str) -> bool:
+    """`workflow.patched(patch_id)`, answered by the one marker `fold-1` in a run started with this code.
+
+    Every `workflow.patched()` call records a marker, and the SDK core upserts the `TemporalChangeVersion`
+    search attribute with it: a history event and a visibility write on the server per patch, five in
+    each new incident before this fold. A run that records `fold-1` takes every patch listed above it as
+    applied without recording their markers. Deterministic: the SDK remembers a patch's answer for the
+    rest of the run, so a run started before this code answers `fold-1` False (it is absent from its
+    history) and asks each patch as before."""
+    return workflow.patched(PATCH_FOLD_1) or workflow.patched(patch_id)
 
 NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
                            maximum_interval=timedelta(minutes=2), maximum_attempts=10)
@@ -119,6 +138,7 @@ class NodeRemediation:
         self._abort: AbortCommand | None = None
         self._policy = IncidentPolicy()
         self._sa_last: tuple[object, ...] | None = None
+        self._sa_flush_due = False  # an upsert is queued for the end of this workflow task (patch fold-1)
         self._last_queue_note: str | None = None
         self._notifications: list = []
 
@@ -126,7 +146,7 @@ class NodeRemediation:
     @workflow.signal(name=RemediationApi.FAULTS)
     def faults(self, batch: FaultBatch) -> None:
         self._pending.extend(batch.faults)
-        if len(self._pending) > MAX_PENDING_FAULTS and workflow.patched(PATCH_BOUNDED_PENDING):
+        if len(self._pending) > MAX_PENDING_FAULTS and _patched(PATCH_BOUNDED_PENDING):
             self._bound_pending()
 
     def _bound_pending(self) -> None:
@@ -254,6 +274,8 @@ class NodeRemediation:
             await self._do_abort()
         await workflow.wait_condition(workflow.all_handlers_finished)
         await self._notifications_done()
+        if self._sa_flush_due:  # a queued upsert goes before the run's last command
+            self._flush_search_attributes()
         if self._pending:
             # Faults that arrived as this incident closed open the node's next incident.
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
@@ -324,7 +346,7 @@ class NodeRemediation:
                  for f in s.faults if not f.healthy]
         rules = RuleSettings(app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
                              sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s,
-                             max_future_s=MAX_CLOCK_SKEW_S if workflow.patched(PATCH_TWO_SIDED_WINDOWS) else None)
+                             max_future_s=MAX_CLOCK_SKEW_S if _patched(PATCH_TWO_SIDED_WINDOWS) else None)
         return decide(views, workflow.now(), rules, debounce_s=p.debounce_s)
 
     def _note_decisions(self, d: Decision) -> None:
@@ -345,7 +367,7 @@ class NodeRemediation:
             s.permit_requested, s.permit_requested_at = True, self._now()
         req = PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
                             reason="; ".join(s.decisions[-3:]), requested_at=s.permit_requested_at)
-        decide = workflow.patched(PATCH_PERMIT_DECIDE)
+        decide = _patched(PATCH_PERMIT_DECIDE)
         if decide:
             await self._decide_permit(req)
         else:
@@ -654,7 +676,7 @@ class NodeRemediation:
     # ---------------------------------------------------------------- helpers
     def _notify(self, event: NotifyEvent, summary: str) -> None:
         """Start the `notify` activity (never awaited here: a slow channel does not hold the incident)."""
-        if not self._policy.notify or not workflow.patched(PATCH_NOTIFY):
+        if not self._policy.notify or not _patched(PATCH_NOTIFY):
             return
         s = self._state
         n = Notification(event=event, cluster=s.cluster, node=s.node, summary=summary,
@@ -794,6 +816,8 @@ class NodeRemediation:
         if info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested():
             s = self._state
             self._note(f"continuing as new (history {info.get_current_history_length()} events)")
+            if self._sa_flush_due:
+                self._flush_search_attributes()
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
                                                    carried=s, pending=self._pending))
 
@@ -847,18 +871,39 @@ class NodeRemediation:
         self._upsert()
 
     def _upsert(self) -> None:
-        s = self._state
+        """Keep the search attributes (what the Temporal UI and `fleetmend status` list by) in step with
+        the state; only a change is written."""
+        if self._sa_values() == self._sa_last:
+            return
+        if workflow.patched(PATCH_FOLD_1):
+            # One upsert for all the changes of this workflow task, sent when the run next yields: each
+            # upsert is a history event and a visibility write on the server, and a new incident used to
+            # make four in its first task (faults, awaiting_permit, draining, drained).
+            if not self._sa_flush_due:
+                self._sa_flush_due = True
+                asyncio.get_running_loop().call_soon(self._flush_search_attributes)
+            return
+        self._flush_search_attributes()
+
+    def _flush_search_attributes(self) -> None:
+        """Send the search attributes if they changed since the last upsert (also the queued upsert's
+        callback; called directly before the run's last command, which must stay last)."""
+        self._sa_flush_due = False
+        s, values = self._state, self._sa_values()
+        if values == self._sa_last:
+            return
+        self._sa_last = values
         updates = [KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase.value),
                    KEY_SEVERITY.value_set(s.severity.value), KEY_DRAINED.value_set(s.drained)]
         if s.fault_class:
             updates.append(KEY_FAULT_CLASS.value_set(s.fault_class))
         if s.ticket:
             updates.append(KEY_TICKET.value_set(s.ticket))
-        values = (s.node, s.cluster, s.phase, s.severity, s.drained, s.fault_class, s.ticket)
-        if values == self._sa_last:
-            return
-        self._sa_last = values
         workflow.upsert_search_attributes(updates)
+
+    def _sa_values(self) -> tuple[object, ...]:
+        s = self._state
+        return (s.node, s.cluster, s.phase, s.severity, s.drained, s.fault_class, s.ticket)
 
     @staticmethod
     def _require_by(cmd: RepairedCommand | RetestCommand | AbortCommand) -> None:
