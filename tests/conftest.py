@@ -14,12 +14,18 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from fleetmend import servers
 
 pytest_plugins = ["tests.fixtures_slurm"]
 
 IN_CI = os.environ.get("CI") == "true"
+
+# Property tests assert properties, not speed: on a loaded 2-core box one example can take longer
+# than hypothesis's 200 ms default deadline (a hostlist property test failed that way once).
+settings.register_profile("fleetmend", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("fleetmend")
 
 
 @pytest.fixture(scope="session")
