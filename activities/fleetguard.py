@@ -19,7 +19,8 @@ from fleetmend.events import Severity
 from fleetmend.policy import Topology, load_topology
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
-    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents, guard_task_queue,
+    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
+    guard_task_queue,
 )
 
 

@@ -52,6 +52,9 @@ class Activity:
     REQUEST_DRAIN_PERMIT = "request_drain_permit"
     DECIDE_DRAIN_PERMIT = "decide_drain_permit"
     """Update-with-start of the guard: the decision is the activity's result (queued: a later signal)."""
+    DRAIN_WITH_PERMIT = "drain_with_permit"
+    """`decide_drain_permit`, and on a grant `drain_node` at once, in one activity (`PermitDrainRequest`
+    → `PermitDrainResult`): a granted drain costs the incident one activity and no second workflow task."""
     RUNNING_INCIDENTS = "running_incidents"
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
@@ -468,6 +471,21 @@ class DrainRequest:
     observed_at: datetime | None = None
     """When the fault that caused the drain was observed (the event's `observed_at`); given, the
     activity observes `fleetmend_time_to_quarantine_seconds`."""
+
+
+@dataclass
+class PermitDrainRequest:
+    """`Activity.DRAIN_WITH_PERMIT`: ask `permit`'s guard; when it grants, issue `drain`."""
+
+    permit: "PermitRequest"
+    drain: DrainRequest
+
+
+@dataclass
+class PermitDrainResult:
+    decision: PermitDecision
+    drain: "DrainResult | None" = None
+    """The drain issued on the grant; None when the decision is not a grant (queued or denied)."""
 
 
 @dataclass

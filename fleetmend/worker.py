@@ -50,6 +50,9 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tq = task_queue or settings.task_queue
     gtq = guard_task_queue(tq)
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq)
+    from activities.quarantine import DrainWithPermitActivities
+
+    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node)
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
     from activities.notify import NotifyActivities, Notifier, channels_from_settings
@@ -62,7 +65,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
         activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
-                    guard.running_incidents, recovery.reset_gpu, recovery.reboot_node,
+                    guard.running_incidents, quarantine.drain_with_permit, recovery.reset_gpu, recovery.reboot_node,
                     sweep.bench_node, sweep.open_fail_slow, notify.notify],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,

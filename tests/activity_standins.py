@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from temporalio import activity
 
+from activities.quarantine import DrainWithPermitActivities
+
 from fleetmend.messages import DiagActivityRequest
 from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
@@ -42,7 +44,7 @@ class Calls:
     """`Notification`s the workflow asked to send, in order."""
 
 
-def stand_ins(calls: Calls) -> list:
+def _drain_stand_in(calls: Calls):  # noqa: ANN202
     @activity.defn(name="drain_node")
     async def drain_node(req: DrainRequest) -> DrainResult:
         calls.drains.append(req)
@@ -52,6 +54,12 @@ def stand_ins(calls: Calls) -> list:
                                detail="operator reason")
         return DrainResult(node=req.node, drained=True, owned=True, operator_drained=False, state="DRAINED",
                            detail="ok")
+
+    return drain_node
+
+
+def stand_ins(calls: Calls) -> list:
+    drain_node = _drain_stand_in(calls)
 
     @activity.defn(name="undrain_node")
     async def undrain_node(req: UndrainRequest) -> UndrainResult:
@@ -114,14 +122,21 @@ def stand_ins(calls: Calls) -> list:
         calls.notifications.append(n)
         return NotifyResult(sent=["stand-in"])
 
+    # the real composition (activities/quarantine.py) over the stand-in guard and drain
+    quarantine = DrainWithPermitActivities(decide_drain_permit, drain_node)
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify]
+            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify,
+            quarantine.drain_with_permit]
 
 
-GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drain_permit", "running_incidents")
+GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drain_permit", "running_incidents",
+                    "drain_with_permit")
 """The permit activities a test replaces with the real ones (`guard_activities`) to run the real FleetGuard."""
 
 
-def guard_activities(guard) -> list:  # noqa: ANN001 - activities.fleetguard.FleetGuardActivities
+def guard_activities(guard, calls: Calls | None = None) -> list:  # noqa: ANN001 - FleetGuardActivities
+    """The real guard's activities, and `drain_with_permit` over it and the stand-in drain (recording
+    into `calls`; a fresh `Calls` when none is given)."""
+    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, _drain_stand_in(calls or Calls()))
     return [guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
-            guard.running_incidents]
+            guard.running_incidents, quarantine.drain_with_permit]

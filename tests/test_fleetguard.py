@@ -80,7 +80,7 @@ class Guarded:
         acts = [a for a in stand_ins(self.calls)
                 if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(self.client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
-                             activities=acts + guard_activities(guard),
+                             activities=acts + guard_activities(guard, self.calls),
                              max_concurrent_workflow_tasks=50)
 
     async def __aenter__(self) -> "Guarded":

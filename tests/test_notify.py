@@ -200,7 +200,7 @@ async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, un
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     notifier = Notifier(channels(hooks))
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + guard_activities(guard)):
+                      activities=acts + guard_activities(guard, calls)):
         assert await notify_breaker(temporal_client, cluster, notifier) is None  # no FleetGuard yet
         h1 = await start(temporal_client, tq, cluster, "x1", [fault(cluster, "x1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"))

@@ -32,7 +32,7 @@ class Fleet:
         guard = FleetGuardActivities(client, self.tq, policy)
         acts = [a for a in stand_ins(self.calls) if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
-                             activities=acts + guard_activities(guard))
+                             activities=acts + guard_activities(guard, self.calls))
 
     async def __aenter__(self) -> "Fleet":
         await self.worker.__aenter__()

@@ -74,8 +74,8 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client): 
     guard = FleetGuardActivities(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
-                      activities=acts + guard_activities(guard)), \
-            Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard)):
+                      activities=acts + guard_activities(guard, calls)), \
+            Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard, calls)):
         none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
         assert none.exit_code == 1 and "no FleetGuard" in none.output
 

@@ -36,6 +36,7 @@ BASELINE = {
     "remediation_many_pending_faults",  # before patch bounded-pending
     "remediation_lemon_returned_before_notify",  # before patch notify
     "remediation_fatal_returned_fold1", "remediation_lemon_returned_fold1",  # a run that records fold-1
+    "remediation_fatal_returned_dwp", "remediation_lemon_returned_dwp",  # drained with the permit
 }
 
 
@@ -153,6 +154,7 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
 
         for name, h in (("remediation_lemon_returned_before_notify", h10), ("remediation_fatal_returned", h1),
                         ("remediation_lemon_returned_fold1", h10), ("remediation_fatal_returned_fold1", h1),
+                        ("remediation_lemon_returned_dwp", h10), ("remediation_fatal_returned_dwp", h1),
                         ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
@@ -178,7 +180,7 @@ async def _record_guard(client) -> None:  # noqa: ANN001
     guard = FleetGuardActivities(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2))
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + guard_activities(guard)):
+                      activities=acts + guard_activities(guard, calls)):
         g1 = await start(client, tq, cluster, "g1", [fault(cluster, "g1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(g1, "awaiting_repair"))
         g2 = await start(client, tq, cluster, "g2", [fault(cluster, "g2", 79, drain=True)])
@@ -206,7 +208,7 @@ async def _record_guard_pause(client) -> None:  # noqa: ANN001
     guard = FleetGuardActivities(client, tq, GuardPolicy(cluster_nodes=100))
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
-                      activities=acts + guard_activities(guard)):
+                      activities=acts + guard_activities(guard, calls)):
         p1 = await start(client, tq, cluster, "p1", [fault(cluster, "p1", 79, drain=True)])
         await assert_eventually(lambda: phase_is(p1, "awaiting_repair"))
         gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))

@@ -52,6 +52,12 @@ fold-1                      a run started with this code records this one marker
                             once per workflow task, when the run yields (before: at each change,
                             four upserts in a new incident's first task).
                             Histories: every one above (recorded before it)
+drain-with-permit           the guard is asked with `drain_with_permit`, which on a grant drains the
+                            node in the same activity; `drain_node` runs only after a grant that
+                            came later as a `permit` signal (before: `decide_drain_permit`, then a
+                            workflow task, then `drain_node`).
+                            Histories: remediation_fatal_returned_fold1.json,
+                            remediation_lemon_returned_fold1.json
 ==========================  =====================================================================
 """
 
@@ -73,7 +79,7 @@ with workflow.unsafe.imports_passed_through():
         KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
         IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Notification, NotifyEvent, NotifyResult,
-        Outcome, PermitDecision, PermitRelease,
+        Outcome, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRelease,
         PermitRequest, Phase, Recovery, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
         MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
         TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, Urgency, iso,
@@ -86,6 +92,7 @@ PATCH_PERMIT_DECIDE = "permit-decide"
 PATCH_BOUNDED_PENDING = "bounded-pending"
 PATCH_NOTIFY = "notify"
 PATCH_FOLD_1 = "fold-1"
+PATCH_DRAIN_WITH_PERMIT = "drain-with-permit"
 
 
 def _patched(patch_id: str) -> bool:
@@ -140,6 +147,7 @@ class NodeRemediation:
         self._sa_last: tuple[object, ...] | None = None
         self._sa_flush_due = False  # an upsert is queued for the end of this workflow task (patch fold-1)
         self._last_queue_note: str | None = None
+        self._early_drain: DrainResult | None = None  # drained with the grant (patch drain-with-permit)
         self._notifications: list = []
 
     # ---------------------------------------------------------------- messages
@@ -414,13 +422,25 @@ class NodeRemediation:
         return False
 
     async def _decide_permit(self, req: PermitRequest) -> None:
-        """One `decide_drain_permit` round: a decision is kept in `permit`; a queued answer is noted
-        (once per distinct reason) and the grant awaited as a signal."""
+        """One round with the guard: a decision is kept in `permit`; a queued answer is noted (once per
+        distinct reason) and the grant awaited as a signal. With patch drain-with-permit the round is
+        `drain_with_permit`, which on a grant has also drained the node (kept for `_drain`)."""
         s = self._state
-        d: PermitDecision = await workflow.execute_activity(
-            Activity.DECIDE_DRAIN_PERMIT, req, result_type=PermitDecision,
-            start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
-            summary=f"drain permit for {s.node}")
+        if workflow.patched(PATCH_DRAIN_WITH_PERMIT):
+            r: PermitDrainResult = await workflow.execute_activity(
+                Activity.DRAIN_WITH_PERMIT, PermitDrainRequest(permit=req, drain=self._drain_request()),
+                result_type=PermitDrainResult, start_to_close_timeout=DRAIN_TIMEOUT,
+                heartbeat_timeout=DRAIN_HEARTBEAT, retry_policy=ACTIVITY_RETRY,
+                summary=f"drain permit for {s.node}, and the drain when granted")
+            d = r.decision
+            if r.drain is not None:  # granted and drained: the state now, the timeline in _drain
+                self._early_drain = r.drain
+                self._drain_state(r.drain)
+        else:
+            d = await workflow.execute_activity(
+                Activity.DECIDE_DRAIN_PERMIT, req, result_type=PermitDecision,
+                start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
+                summary=f"drain permit for {s.node}")
         if not d.queued:
             if s.permit is None:  # a `permit` signal that came first wins (same guard, same answer)
                 s.permit = d
@@ -435,21 +455,14 @@ class NodeRemediation:
         if not await self._await_permit():
             return
         self._set_phase(Phase.DRAINING)
-        reason = f"{s.fault_class} incident {self._incident_id}"
-        if s.urgency is Urgency.WHEN_IDLE:
-            reason += " (drain when idle: running jobs finish)"
-        first = next((f for f in s.faults if f.drain and not f.healthy), None)
-        res: DrainResult = await workflow.execute_activity(
-            Activity.DRAIN_NODE, DrainRequest(cluster=s.cluster, node=s.node, reason=reason,
-                                              incident_id=self._incident_id,
-                                              observed_at=first.observed_at if first else None),
-            result_type=DrainResult, start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
-            retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
-        if res.drained:
-            s.drained_at = self._now()
-        s.drained = res.drained
-        s.drain_owned = res.owned
-        s.operator_drained = res.operator_drained
+        if self._early_drain is not None:  # drained by `drain_with_permit` with the grant
+            res, self._early_drain = self._early_drain, None
+        else:
+            res = await workflow.execute_activity(
+                Activity.DRAIN_NODE, self._drain_request(), result_type=DrainResult,
+                start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
+                retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
+            self._drain_state(res)
         if res.operator_drained:
             self._note(f"node already drained by an operator ({res.detail}); left as is, never undrained")
         else:
@@ -458,6 +471,23 @@ class NodeRemediation:
                 self._notify(NotifyEvent.DRAINED, f"{s.node} drained: {s.fault_class} ({s.severity.value})")
         self._upsert()
         self._set_phase(Phase.DIAGNOSING)
+
+    def _drain_request(self) -> DrainRequest:
+        s = self._state
+        reason = f"{s.fault_class} incident {self._incident_id}"
+        if s.urgency is Urgency.WHEN_IDLE:
+            reason += " (drain when idle: running jobs finish)"
+        first = next((f for f in s.faults if f.drain and not f.healthy), None)
+        return DrainRequest(cluster=s.cluster, node=s.node, reason=reason, incident_id=self._incident_id,
+                            observed_at=first.observed_at if first else None)
+
+    def _drain_state(self, res: DrainResult) -> None:
+        s = self._state
+        if res.drained:
+            s.drained_at = self._now()
+        s.drained = res.drained
+        s.drain_owned = res.owned
+        s.operator_drained = res.operator_drained
 
     async def _diagnose_and_ticket(self) -> None:
         s = self._state
