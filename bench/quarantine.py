@@ -212,6 +212,17 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
         wtask.cancel()
     lat = [seen[n] - started[n] for n in measured if n in seen]
     missing = [n for n in measured if n not in seen]
+    if a.profile and not burst:  # where a missing node's incident stands: its history and its own timeline
+        for n in missing[:3]:
+            wid = subjects.workflow_id(cluster, n)
+            try:
+                st_ = await client.get_workflow_handle(wid).query("status")
+                notes = " | ".join(f"{e.get('at')} {e.get('text')}" for e in (st_.get("timeline") or [])[-12:]) \
+                    if isinstance(st_, dict) else repr(st_)[:2000]
+                text = await _timeline(client, wid) + "\n\n" + notes
+            except Exception as err:  # noqa: BLE001 - no incident at all is the finding
+                text = f"{wid}: {err!r}"
+            (Path(a.profile) / f"missing-{mode}-{n}.txt").write_text(text + "\n")
     peak, peak_rack, worst_rack = replay_drains(sorted(records), rack_of)
     await nc.close()
     router.stop()

@@ -325,3 +325,35 @@ async def test_guard_continues_as_new_and_keeps_its_state(tenv):
         desc = await g.guard().describe()
         assert desc.run_id != desc.raw_description.workflow_execution_info.first_run_id, "continued as new"
         assert st.paused and sorted(q["node"] for q in st.queue) == [f"z{i:02d}" for i in range(1, 30, 2)]
+
+
+async def test_no_answer_is_lost_when_the_guard_continues_as_new(tenv):
+    """Requests that come by signal (the update path is full) are answered from inside another request's
+    update; a guard that continued-as-new right then used to drop those answers, and their incidents
+    waited for the next re-request (`permit_rerequest_s`, 120 s by default) before draining."""
+    from fleetmend.messages import GuardInput
+
+    policy = GuardPolicy(breaker_distinct_nodes=1000, domain_incident_nodes=1000, cluster_nodes=1000,
+                         max_drained_nodes=1000, max_drained_percent=100, max_drained_per_rack=1000)
+    async with Guarded(tenv, policy) as g:
+        await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy,
+                                                                 max_history_events=30),
+                                      id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq,
+                                      start_signal="ensure")
+        nodes = [f"s{i:02d}" for i in range(40)]
+        await asyncio.gather(*(start(g.client, g.tq, g.cluster, n, [fault(g.cluster, n, 79, drain=True)],
+                                     permit_rerequest_s=3600) for n in nodes))
+        # every incident is answered and drained without waiting for a re-request
+        try:
+            await assert_eventually(lambda: _all_drained(g, nodes), timeout_s=60, what="all 40 drained")
+        except AssertionError:
+            stuck = {n: p for n, p in (await g.phases(nodes)).items() if p in ("triage", "awaiting_permit", "draining")}
+            raise AssertionError(f"not drained: {stuck}; guard: {await g.guard_status()}") from None
+        desc = await g.guard().describe()
+        assert desc.run_id != desc.raw_description.workflow_execution_info.first_run_id, "continued as new"
+        assert sorted({n for op, n in g.calls.log if op == "drain"}) == nodes
+
+
+async def _all_drained(g: Guarded, nodes: list[str]):  # noqa: ANN202
+    phases = await g.phases(nodes)
+    return phases if all(p not in ("triage", "awaiting_permit", "draining") for p in phases.values()) else None

@@ -51,6 +51,10 @@ to the command order goes behind `workflow.patched(<id>)`, listed here:
 `reconcile`: the rebuild at start and the reconciliation timer.
 Both are guarded by the baseline histories fleetguard_breaker.json and fleetguard_pause.json (recorded
 before them; without the patch guards they fail to replay with TMPRL1100).
+`answers-before-can`: answers that update handlers left for other nodes while the guard waited to
+  continue-as-new are signalled first (before: the run continued-as-new and those incidents waited for
+  their next re-request, `permit_rerequest_s`). Reached only when such answers are pending, so the
+  baseline histories replay unchanged.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
 
 PATCH_ANSWERS_AT_ONCE = "answers-at-once"
 PATCH_RECONCILE = "reconcile"
+PATCH_ANSWERS_BEFORE_CAN = "answers-before-can"
 HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
                             Phase.VERIFYING, Phase.RETURNING})
 """Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
@@ -241,6 +246,10 @@ class FleetGuard:
             if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
                     and not self._inbox:
                 await workflow.wait_condition(workflow.all_handlers_finished)
+                if self._answers and workflow.patched(PATCH_ANSWERS_BEFORE_CAN):
+                    # the last update handlers granted other nodes too (requests that came by signal):
+                    # send those answers first, continue-as-new on a later pass
+                    continue
                 s = self._state
                 workflow.continue_as_new(GuardInput(
                     cluster=s.cluster, policy=s.policy, carried=s,
