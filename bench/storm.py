@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CpuMeter, machine, stack, table, wait_drained  # noqa: E402
 
 
-async def main(nodes: int, events: int, seed: int) -> None:
+async def main(nodes: int, events: int, seed: int, hold_s: float = 0.0) -> None:
     import nats
     from temporalio.client import Client
 
@@ -89,7 +89,8 @@ async def main(nodes: int, events: int, seed: int) -> None:
         for k in peak:
             peak[k] = max(peak[k], cpu[k][1])
         client = await Client.connect(st.temporal_address, data_converter=data_converter)
-        wf = await client.count_workflows(f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}'")
+        wf = await client.count_workflows(  # open incidents: a run continued-as-new is closed, its successor runs
+            f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}' AND ExecutionStatus='Running'")
         checked = ok = 0
         for node in list(per_node)[:10]:
             h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node))
@@ -107,10 +108,17 @@ async def main(nodes: int, events: int, seed: int) -> None:
             checked += 1
             ok += int(got == per_node[node])
         t2 = time.monotonic()
+        sample = client.get_workflow_handle(subjects.workflow_id(cluster, next(iter(per_node))))
+        ex = (await sample.describe()).raw_description.workflow_execution_info
+        hist = f"{ex.history_length:,} events, {ex.history_size_bytes / 1024:,.0f} KiB"
+        runs = sum([1 async for _ in client.list_workflows(f"WorkflowId='{sample.id}'")])
         sampler.cancel()
         cpu = meter.read()
         info = await js.stream_info(subjects.DEADLETTER_STREAM) if await _has(js) else None
         await nc.close()
+        if hold_s:
+            print(f"holding the stack {hold_s:.0f} s: worker pid {worker.pid}", flush=True)
+            await asyncio.sleep(hold_s)
     rows = [
         ("machine", machine()),
         ("nodes / events published (unique + re-sent)", f"{nodes:,} / {events:,} ({sent_unique:,} + {events - sent_unique:,})"),
@@ -119,11 +127,12 @@ async def main(nodes: int, events: int, seed: int) -> None:
         ("absorbed (published → consumer drained), s", f"{t1 - t0:.1f}"),
         ("absorb rate, unique events/s", f"{sent_unique / (t1 - t0):,.0f}"),
         ("worker caught up (10 sampled nodes complete), s after publish start", f"{t2 - t0:.1f}"),
-        ("workflows (must equal nodes)", f"{wf.count:,}"),
+        ("open incidents (running workflows; must equal nodes)", f"{wf.count:,}"),
         ("peak RSS MiB router / worker (sampled every second)", f"{peak['router']:.0f} / {peak['worker']:.0f}"),
         ("CPU % router / worker / temporal / nats (whole run)", " / ".join(f"{cpu[k][0]:.0f}" for k in
                                                                ("router", "worker", "temporal", "nats"))),
         ("dead letters", f"{info.state.messages if info else 0}"),
+        ("one sampled node: runs (continued-as-new) / history events in its open run", f"{runs} / {hist}"),
         ("check: 10 sampled nodes hold every unique event (counted)", f"{ok}/{checked}"),
     ]
     table(f"Storm ({time.strftime('%Y-%m-%d %H:%M')})", rows)
@@ -144,5 +153,7 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=2000)
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hold", type=float, default=0.0, metavar="S",
+                    help="keep the stack up S seconds after the figures (to inspect the worker process)")
     a = ap.parse_args()
-    asyncio.run(main(a.nodes, a.events, a.seed))
+    asyncio.run(main(a.nodes, a.events, a.seed, a.hold))

@@ -1,6 +1,6 @@
 """Where the worker's memory goes: RSS of a real worker process as incidents open and absorb signals.
 
-    python bench/worker_memory.py [--incidents 200] [--signals 80] [--cache 1000]
+    python bench/worker_memory.py [--incidents 200] [--signals 80] [--cache 1000] [--env MALLOC_ARENA_MAX=2]
 
 Starts NATS + the Temporal dev server (bench/common.py `stack`) and `fleetmend worker` as its own
 process with `worker.max_cached_workflows = --cache`, opens `--incidents` NodeRemediation incidents
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, stack, table  # noqa: E402
 
 
-async def main(incidents: int, signals: int, cache: int) -> None:
+async def main(incidents: int, signals: int, cache: int, env: list[str]) -> None:
     import psutil
     from temporalio.client import Client
 
@@ -42,9 +42,12 @@ async def main(incidents: int, signals: int, cache: int) -> None:
 
     rows: list[tuple[str, str]] = [("machine", machine()), ("incidents / signal rounds / cache",
                                                             f"{incidents} / {signals} / {cache}")]
+    if env:
+        rows.append(("worker environment", " ".join(env)))
     async with stack() as st:
         s = st.settings(cluster="wm", scheduler="none", task_queue="wm")
-        w = st.spawn("worker", s, extra_env={"FLEETMEND_WORKER__MAX_CACHED_WORKFLOWS": str(cache)})
+        w = st.spawn("worker", s, extra_env={"FLEETMEND_WORKER__MAX_CACHED_WORKFLOWS": str(cache),
+                                                   **dict(e.split("=", 1) for e in env)})
         await asyncio.sleep(4)
         proc = psutil.Process(w.pid)
 
@@ -81,6 +84,12 @@ async def main(incidents: int, signals: int, cache: int) -> None:
             if cpu_s() - before < 0.05:
                 break
         spent = cpu_s() - cpu0
+        rows.append(("worker RSS MiB, absorbed", rss()))
+        desc = await handles[0].describe()  # this run's history: what the SDK core holds per cached run
+        runs = sum([1 async for _ in client.list_workflows(f"WorkflowId='{handles[0].id}'")])
+        ex = desc.raw_description.workflow_execution_info
+        rows.append(("one incident: runs so far / history of its open run",
+                     f"{runs} / {ex.history_length} events, {ex.history_size_bytes / 1024:.0f} KiB"))
         rows.append(("worker CPU s absorbing the signals (replays of evicted runs included)",
                      f"{spent:.1f} ({1000 * spent / max(1, incidents * signals):.1f} ms per signal)"))
     table("Worker memory", rows)
@@ -91,5 +100,7 @@ if __name__ == "__main__":
     ap.add_argument("--incidents", type=int, default=200)
     ap.add_argument("--signals", type=int, default=80)
     ap.add_argument("--cache", type=int, default=1000)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for the worker process (e.g. MALLOC_ARENA_MAX=2)")
     a = ap.parse_args()
-    asyncio.run(main(a.incidents, a.signals, a.cache))
+    asyncio.run(main(a.incidents, a.signals, a.cache, a.env))

@@ -433,9 +433,13 @@ class WorkerSettings(_Section):
     longer; past 2 s the SDK's deadlock detector fails an activation (TMPRL1101), and under the
     storm bench with the SDK's default of 100 the worker failed hundreds of tasks and stalled.
     8 keeps the worker's throughput (it is CPU-bound either way) and each activation short."""
-    max_cached_workflows: int = Field(default=1000, ge=0)
+    max_cached_workflows: int = Field(default=300, ge=0)
     """Workflow runs kept in memory between tasks (sticky cache; an evicted run replays its history
-    on its next task). bench/storm.py prints the worker's peak RSS with 2,000 open incidents."""
+    on its next task). The worker holds ~0.1–0.45 MiB per cached run, growing with what the run has
+    absorbed, so this bounds the worker's memory when many incidents are open (a fault storm); a run
+    continues-as-new by history bytes, which bounds the replay of an evicted one. bench/storm.py
+    prints the worker's peak RSS with 2,000 open incidents (bench/RESULTS.md, "Worker memory in the
+    1M-event storm")."""
     max_concurrent_activities: int = Field(default=100, ge=1)
 
 

@@ -37,6 +37,7 @@ BASELINE = {
     "remediation_lemon_returned_before_notify",  # before patch notify
     "remediation_fatal_returned_fold1", "remediation_lemon_returned_fold1",  # a run that records fold-1
     "remediation_fatal_returned_dwp", "remediation_lemon_returned_dwp",  # drained with the permit
+    "remediation_storm_bytes",  # before patch run-bytes
 }
 
 
@@ -164,6 +165,19 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
             _write(name, await h.fetch_history())
     await _record_guard(client)
     await _record_guard_pause(client)
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_storm_bytes(temporal_client) -> None:  # noqa: ANN001
+    """A record-only incident absorbing ~2.7 × `MAX_RUN_BYTES` of faults in one run (recorded before
+    patch run-bytes: the run did not continue as new by bytes)."""
+    from tests.test_workflow_run_bytes import send_storm
+
+    calls, tq = Calls(), f"recs-{uuid.uuid4().hex[:8]}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h, _ = await send_storm(temporal_client, tq, "rec", f"sb-{uuid.uuid4().hex[:6]}")
+        await h.result()
+        _write("remediation_storm_bytes", await h.fetch_history())
 
 
 async def _phase_in(h, phases: tuple[str, ...]):  # noqa: ANN001, ANN202

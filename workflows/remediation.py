@@ -58,6 +58,11 @@ drain-with-permit           the guard is asked with `drain_with_permit`, which o
                             workflow task, then `drain_node`).
                             Histories: remediation_fatal_returned_fold1.json,
                             remediation_lemon_returned_fold1.json
+run-bytes                   a run also continues-as-new once its history grew by `MAX_RUN_BYTES`
+                            since the run started (signal payloads absorbed), not only past
+                            `MAX_HISTORY_EVENTS` events (before: a storm's run absorbed ~0.5 MiB
+                            of faults in ~100 events and the worker held all of it per cached run).
+                            History: remediation_storm_bytes.json
 ==========================  =====================================================================
 """
 
@@ -93,6 +98,7 @@ PATCH_BOUNDED_PENDING = "bounded-pending"
 PATCH_NOTIFY = "notify"
 PATCH_FOLD_1 = "fold-1"
 PATCH_DRAIN_WITH_PERMIT = "drain-with-permit"
+PATCH_RUN_BYTES = "run-bytes"
 
 
 def _patched(patch_id: str) -> bool:
@@ -113,6 +119,12 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
 
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
+MAX_RUN_BYTES = 64 * 1024
+"""Continue-as-new once the run's history grew by this many bytes since it started (the start event, with
+the carried state, is not counted). A run evicted from the worker's cache (`worker.max_cached_workflows`)
+replays its whole history on its next task, and a storm's faults arrive as a few large signals: by the
+event count alone one run took in ~190 KiB of faults in a few hundred events (bench/RESULTS.md, "Worker
+memory in the 1M-event storm"). This bounds what an evicted run replays."""
 MAX_FAULTS_KEPT = 100
 """Fault records kept in state; older ones are summarised in `faults_dropped` (bounded history)."""
 MAX_SEEN_IDS = 2_000
@@ -149,6 +161,7 @@ class NodeRemediation:
         self._last_queue_note: str | None = None
         self._early_drain: DrainResult | None = None  # drained with the grant (patch drain-with-permit)
         self._notifications: list = []
+        self._run_bytes0 = 0  # history size in bytes when this run started (start event + carried state)
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=RemediationApi.FAULTS)
@@ -249,6 +262,7 @@ class NodeRemediation:
     @workflow.run
     async def run(self, inp: IncidentInput) -> IncidentStatus:
         self._policy = inp.policy
+        self._run_bytes0 = workflow.info().get_current_history_size()
         # An update handled in the first activation runs before this method and notes on a placeholder
         # state (see `_state`): keep those notes, they are the audit trail of who did what.
         early = self._s.timeline if self._s is not None else []
@@ -843,9 +857,12 @@ class NodeRemediation:
 
     def _maybe_continue_as_new(self) -> None:
         info = workflow.info()
-        if info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested():
+        if (info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()
+                or (info.get_current_history_size() - self._run_bytes0 > MAX_RUN_BYTES
+                    and workflow.patched(PATCH_RUN_BYTES))):
             s = self._state
-            self._note(f"continuing as new (history {info.get_current_history_length()} events)")
+            self._note(f"continuing as new (history {info.get_current_history_length()} events, "
+                       f"{info.get_current_history_size() // 1024} KiB)")
             if self._sa_flush_due:
                 self._flush_search_attributes()
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
