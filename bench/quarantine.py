@@ -316,11 +316,53 @@ async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) 
             await asyncio.sleep(0.05)
 
 
+async def raw_drain_rate(st, n: int) -> tuple[float, float]:  # noqa: ANN001 - bench stack
+    """The raw limit of the drain path on this server, in the same run: `n` signal-with-starts (64 in
+    flight) of a workflow whose one activity is the "drain", timed to the last activity; no NATS,
+    router, FleetGuard or policy. Returns (drains/s, Temporal CPU % of one core)."""
+    import uuid
+
+    from temporalio import activity
+    from temporalio.client import Client
+    from temporalio.worker import Worker
+
+    from bench.sws_workflow import DrainOnce
+
+    done: list[float] = []
+
+    @activity.defn(name="bench_drain")
+    async def bench_drain(_wid: str) -> None:
+        done.append(time.monotonic())
+
+    client = await Client.connect(st.temporal_address)
+    tq = f"raw-{uuid.uuid4().hex[:6]}"
+    sem = asyncio.Semaphore(64)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await client.start_workflow(DrainOnce.run, id=f"raw-drain-{tq}-{i}", task_queue=tq,
+                                        start_signal="ev", start_signal_args=[i])
+
+    meter = CpuMeter({"temporal": st.procs[1].pid})
+    async with Worker(client, task_queue=tq, workflows=[DrainOnce], activities=[bench_drain],
+                      max_concurrent_workflow_tasks=8):
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        while len(done) < n and time.monotonic() < t0 + 300:
+            await asyncio.sleep(0.05)
+    return (len(done) / (max(done) - t0) if done else 0.0), meter.read()["temporal"][0]
+
+
 async def main(a: argparse.Namespace) -> int:
     async with stack() as st:
+        raw = await raw_drain_rate(st, a.raw_drains) if a.raw_drains else None
         results = [await measure(st, m, a) for m in a.modes.split(",")]
     rows = [("machine", machine()), ("simulated nodes (heartbeat 10 s each)", f"{a.nodes:,}"),
             ("background fault lines/s", f"{a.background}")]
+    if raw is not None:
+        rows.append(("raw limit: signal-with-start + one activity (the least a drain takes), /s",
+                     f"{raw[0]:.1f} ({a.raw_drains} at 64 in flight, before the modes; Temporal {raw[1]:.0f} % "
+                     "of a core)"))
     bad = False
     for r in results:
         lat, m = r["lat"], r["mode"]
@@ -372,6 +414,8 @@ if __name__ == "__main__":
     ap.add_argument("--deadline", type=float, default=60.0, help="seconds to wait for each measured node")
     ap.add_argument("--background", type=float, default=1.0, help="background fault lines per second")
     ap.add_argument("--modes", default="observe-only,real-drain", help="observe-only, real-drain, burst")
+    ap.add_argument("--raw-drains", type=int, default=0, metavar="N",
+                    help="first measure the raw limit: N signal-with-starts of a one-activity workflow")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the worker into DIR; report the FleetGuard's task rate")
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a)))
