@@ -116,3 +116,19 @@ async def assert_eventually(check: Callable[[], Awaitable[Any] | Any], timeout_s
             last = err
         await asyncio.sleep(interval_s)
     raise AssertionError(f"{what} not reached within {timeout_s}s" + (f": {last}" if last else ""))
+
+
+async def wait_agents_answer(nc: Any, cluster: str, nodes: Any, timeout_s: float = 30.0,
+                             what: str = "agents answer on their diag subjects") -> None:
+    """Until every node's agent answers a request on its diag subject (`subjects.diag_subject`)."""
+    from fleetmend import subjects
+
+    async def all_listening() -> bool:
+        for n in nodes:
+            try:
+                await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+        return True
+
+    await assert_eventually(all_listening, timeout_s=timeout_s, what=what)

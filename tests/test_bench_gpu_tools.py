@@ -379,7 +379,7 @@ async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal
     from fleetmend.connect import connect_nats, connect_temporal
     from fleetmend.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
-    from tests.conftest import assert_eventually
+    from tests.conftest import assert_eventually, wait_agents_answer
 
     cluster = f"gt{unique}"
     base = dict(cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
@@ -414,15 +414,7 @@ async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal
            "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
            "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
     try:
-        async def all_listening() -> bool:
-            for n in markers:
-                try:
-                    await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
-                except Exception:  # noqa: BLE001 - not up yet
-                    return False
-            return True
-
-        await assert_eventually(all_listening, timeout_s=30, what="agents answer on their diag subjects")
+        await wait_agents_answer(nc, cluster, markers, what="agents answer on their diag subjects")
         p = await asyncio.to_thread(subprocess.run, [
             sys.executable, "-m", "fleetmend.cli.main", "sweep", "g1", "g2", "g3", "g4", "--host-seconds", "0.1",
             "--deadline", "60", "--id", f"gt{unique}", "--json"],

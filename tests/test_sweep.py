@@ -103,17 +103,9 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
            "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
            "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
     try:
-        from tests.conftest import assert_eventually
+        from tests.conftest import assert_eventually, wait_agents_answer
 
-        async def all_listening() -> bool:
-            for n in values:
-                try:
-                    await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
-                except Exception:  # noqa: BLE001 - not up yet
-                    return False
-            return True
-
-        await assert_eventually(all_listening, timeout_s=30, what="agents answer on their diag subjects")
+        await wait_agents_answer(nc, cluster, values, what="agents answer on their diag subjects")
         p = await asyncio.to_thread(subprocess.run, [
             sys.executable, "-m", "fleetmend.cli.main", "sweep", "--nodelist", "g[1-6]", "--site-only",
             "--deadline", "10", "--id", f"t{unique}", "--json", "--act"], env=env, capture_output=True, text=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_eventually
+from tests.conftest import assert_eventually, wait_agents_answer
 
 JOB_NODES = ["node1", "node2", "node4"]
 
@@ -63,15 +63,7 @@ async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_ser
             a = load_settings(None, node=node, agent={"bench_command": cmd, "perf_enabled": False}, **base)
             agents.append(asyncio.create_task(run_agent(a, stop=stop, probes=[], hardware=False)))
 
-        async def all_listening() -> bool:
-            for n in slurm.nodes:
-                try:
-                    await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
-                except Exception:  # noqa: BLE001 - not up yet
-                    return False
-            return True
-
-        await assert_eventually(all_listening, timeout_s=30, what="every node's agent answers")
+        await wait_agents_answer(nc, cluster, slurm.nodes, what="every node's agent answers")
         # Slurm's config from fleetmend's own setting (slurm.slurm_conf), not from the environment
         env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
         env.update({"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
