@@ -262,10 +262,14 @@ def status(
         out.print(escape(_run(deadletter_line(s))))
         return
     t = Table(title=f"incidents in {where}")
+    # node and cluster are what an operator acts on (`--cluster`): never cut. A permit-wait reason in the
+    # phase column is cut at 60 columns instead (`status NODE` shows it whole): unbounded, it squeezed
+    # the cluster column to "a5…"
     widths = {"node": max(len(r["node"] or "?") for r in rows), "phase": len("awaiting_repair"),
+              "cluster": max(len(r["cluster"] or "?") for r in rows),
               "ticket": max([len(r["ticket"] or "") for r in rows] + [6])}
     for col in ("cluster", "node", "phase", "drained", "fault", "severity", "ticket", "opened"):
-        t.add_column(col, no_wrap=True, min_width=widths.get(col))
+        t.add_column(col, no_wrap=True, min_width=widths.get(col), max_width=60 if col == "phase" else None)
     for r in rows:
         phase = r["phase"] or "?"
         if r["status"] not in ("running", "completed", "continued_as_new", None):
