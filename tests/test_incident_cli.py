@@ -23,10 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    # an operator's terminal width: at rich's default of 80 columns for a pipe, a listing that holds other
-    # tests' queued incidents (long permit-wait reasons in the phase column) cut the cluster column short
     return subprocess.run([sys.executable, "-m", "fleetmend.cli.main", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=90, env={**os.environ, "COLUMNS": "200", **env})
+                          cwd=REPO, timeout=90, env={**os.environ, **env})
 
 
 async def cli_json(env: dict[str, str], *args: str, rc: int = 0):  # noqa: ANN201

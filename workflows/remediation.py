@@ -440,7 +440,6 @@ class NodeRemediation:
         distinct reason) and the grant awaited as a signal. With patch drain-with-permit the round is
         `drain_with_permit`, which on a grant has also drained the node (kept for `_drain`)."""
         s = self._state
-        drained_now = False
         if workflow.patched(PATCH_DRAIN_WITH_PERMIT):
             r: PermitDrainResult = await workflow.execute_activity(
                 Activity.DRAIN_WITH_PERMIT, PermitDrainRequest(permit=req, drain=self._drain_request()),
@@ -449,7 +448,7 @@ class NodeRemediation:
                 summary=f"drain permit for {s.node}, and the drain when granted")
             d = r.decision
             if r.drain is not None:  # granted and drained: the state now, the timeline in _drain
-                self._early_drain, drained_now = r.drain, True
+                self._early_drain = r.drain
                 self._drain_state(r.drain)
         else:
             d = await workflow.execute_activity(
@@ -459,7 +458,7 @@ class NodeRemediation:
         if not d.queued:
             # a `permit` signal that came first wins (same guard, same answer), unless this grant has
             # already drained the node: then the grant stands, so the drain is owned and given back
-            if s.permit is None or drained_now:
+            if s.permit is None or self._early_drain is not None:
                 s.permit = d
             return
         note = f"drain permit queued by FleetGuard ({s.severity} {s.fault_class}): {d.reason}"
