@@ -19,8 +19,8 @@ from fleetmend.events import Severity
 from fleetmend.policy import Topology, load_topology
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
-    Phase, PermitDecision, PermitRelease, PermitRequest, RemediationApi, RunningIncident, RunningIncidents,
-    guard_task_queue,
+    Phase, PermitDecision, PermitRelease, PermitRequest, PoolSync, PoolSynced, RemediationApi, RunningIncident,
+    RunningIncidents, guard_task_queue,
 )
 
 
@@ -42,18 +42,26 @@ class FleetGuardActivities:
     incident in the workflow task that asked for it (no activity task, no second workflow task)."""
 
     def __init__(self, client, task_queue: str, policy: GuardPolicy,  # noqa: ANN001 - temporal Client
-                 topology: Topology | None = None) -> None:
+                 topology: Topology | None = None, gate=None) -> None:  # noqa: ANN001 - quarantine.PoolGate
         self._client = client
         self._task_queue = task_queue
         self._policy = policy
         self._topology = topology or Topology()
         self._in_flight = asyncio.Semaphore(UPDATES_IN_FLIGHT)
+        self.gate = gate
+        """`activities.quarantine.PoolGate` (`policy.fast_drain`); None: no permit pool."""
 
     @classmethod
-    def from_settings(cls, client, settings, task_queue: str | None = None) -> "FleetGuardActivities":  # noqa: ANN001
-        """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`."""
+    def from_settings(cls, client, settings, task_queue: str | None = None,  # noqa: ANN001
+                      js=None) -> "FleetGuardActivities":  # noqa: ANN001 - JetStream context
+        """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`. `js`:
+        JetStream, for the permit pool (`policy.fast_drain`); without it there is no pool."""
+        from activities.quarantine import PoolGate
+
         topo = load_topology(settings.policy.topology_file)
-        return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo)
+        gate = PoolGate(js, topo, settings.policy.fast_drain) if js is not None else None
+        return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo,
+                   gate=gate)
 
     async def _signal_with_start(self, cluster: str, signal: str, arg) -> None:  # noqa: ANN001
         await self._client.start_workflow(
@@ -150,5 +158,30 @@ class FleetGuardActivities:
 
     @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)
     async def release_drain_permit(self, rel: PermitRelease) -> None:
-        """Give a permit back (or withdraw a queued request). Idempotent."""
+        """Give a permit back (or withdraw a queued request), and its permit pool slot. Idempotent."""
+        if self.gate is not None:
+            await self.gate.release(rel.cluster, rel.node)
         await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)
+
+    @activity.defn(name=Activity.SYNC_PERMIT_POOL)
+    async def sync_permit_pool(self, sync: PoolSync) -> PoolSynced:
+        """FleetGuard's write to its cluster's permit pool (`fleetmend.permits.PermitPool.publish`):
+        budget, rack cap, open/why, closed domains; `held` added when the pool is new; `drop` freed.
+
+        Returns:
+            `PoolSynced`: slots held, and the router's holders the guard does not hold.
+        Raises:
+            PoolBusyError: the key kept changing (retried)."""
+        from temporalio.exceptions import ApplicationError
+
+        from fleetmend.permits import BY_ROUTER
+
+        if self.gate is None:
+            raise ApplicationError("this worker was built without JetStream, so it cannot reach the permit pool "
+                                   "(FleetGuardActivities.from_settings(js=...))", type="NoPermitPool")
+        pool = await self.gate.pool()
+        state = await pool.publish(sync.cluster, budget=sync.budget, rack_cap=sync.rack_cap, open=sync.open,
+                                   why=sync.why, closed_domains=sync.closed_domains, held=sync.held, drop=sync.drop)
+        return PoolSynced(holders=len(state.holders),
+                          router_only=sorted(n for n, h in state.holders.items()
+                                             if h.by == BY_ROUTER and n not in sync.held))

@@ -56,6 +56,7 @@ class Activity:
     """`decide_drain_permit`, and on a grant `drain_node` at once, in one activity (`PermitDrainRequest`
     → `PermitDrainResult`): a granted drain costs the incident one activity and no second workflow task."""
     RUNNING_INCIDENTS = "running_incidents"
+    SYNC_PERMIT_POOL = "sync_permit_pool"
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
     RELEASE_DRAIN_PERMIT = "release_drain_permit"
@@ -626,6 +627,7 @@ class GuardPolicy:
     lemon_window_s: float = policy_default("lemon_window_s")
     observe_only: bool = policy_default("observe_only")
     permit_reconcile_s: float = policy_default("permit_reconcile_s")
+    fast_drain: bool = policy_default("fast_drain")
     topology_nodes: int = 0
     """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
 
@@ -650,6 +652,9 @@ class PermitRequest:
     policy: GuardPolicy = field(default_factory=GuardPolicy)
     requested_at: datetime | None = None
     """When the incident first asked (UTC); the queue keeps its oldest."""
+    preclaimed: bool = False
+    """The router already drained the node under a slot of the permit pool (`policy.fast_drain`): the
+    guard adopts it as held (it is drained; the pool kept the budget) instead of deciding."""
 
 
 @dataclass
@@ -776,6 +781,34 @@ class GuardState:
     log: list[str] = field(default_factory=list)
     grants: int = 0
     run: int = 1
+    pool_published: str | None = None
+    """What FleetGuard last wrote to the permit pool (budget, rack cap, open, why, closed domains), so it
+    writes again only on a change (`policy.fast_drain`)."""
+    pool_drop: list[str] = field(default_factory=list)
+    """Nodes whose pool slot the guard still has to free (reconciliation, `breaker release`)."""
+
+
+@dataclass
+class PoolSync:
+    """`Activity.SYNC_PERMIT_POOL`: FleetGuard's write to its cluster's permit pool (`fleetmend.permits`)."""
+
+    cluster: str
+    budget: int
+    rack_cap: int
+    open: bool
+    why: str = ""
+    closed_domains: list[str] = field(default_factory=list)
+    held: dict[str, str | None] = field(default_factory=dict)
+    """The guard's permit holders (node → rack), added to the pool when missing."""
+    drop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PoolSynced:
+    holders: int
+    router_only: list[str] = field(default_factory=list)
+    """Nodes the router drained under a pool slot that the guard does not hold yet (their incidents
+    have not asked; shown in the guard's status)."""
 
 
 GUARD_MAX_HISTORY_EVENTS = 2_000
@@ -809,6 +842,9 @@ class GuardStatus:
     infra_incidents: list[dict]
     recent_nodes: int
     log: list[str]
+    router_only: list[str] = field(default_factory=list)
+    """`policy.fast_drain`: nodes the router drained under a permit pool slot whose incident has not asked
+    the guard yet (as of the guard's last pool write)."""
 
 
 # ------------------------------------------------------------------ activities: notifications

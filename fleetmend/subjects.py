@@ -23,6 +23,8 @@ DRAIN_KV_BUCKET = "fleetmend_drains"
 TICKET_KV_BUCKET = "fleetmend_tickets"
 LEASE_KV_BUCKET = "fleetmend_leases"
 """Leases electing the one replica that publishes a cluster's fleet-level gauges (`fleetmend.lease`)."""
+PERMIT_KV_BUCKET = "fleetmend_permits"
+"""The drain-permit pool (`fleetmend.permits`): one key per cluster, the budget's holders."""
 NOTIFY_KV_BUCKET = "fleetmend_notified"
 """Notifications already delivered, by deduplication key and channel (a retried activity skips them)."""
 PERF_STREAM = "FLEET_PERF"
@@ -171,6 +173,12 @@ def inbox_prefix(cluster: str, node: str) -> str:
     """`_INBOX.<cluster>.<node token>`: the reply-inbox prefix of a node's agent (its credentials
     allow subscribing only below it)."""
     return f"_INBOX.{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def permit_kv_key(cluster: str) -> str:
+    """`<cluster>`: a cluster's key in the permit pool bucket (`PERMIT_KV_BUCKET`). Raises ValueError
+    for an invalid cluster name."""
+    return _check("cluster", cluster)
 
 
 def drain_kv_key(cluster: str, node: str) -> str:

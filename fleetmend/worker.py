@@ -49,10 +49,13 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
     gtq = guard_task_queue(tq)
-    guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq)
-    from activities.quarantine import DrainWithPermitActivities
+    guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq, js=nc.jetstream())
+    from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
 
-    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node)
+    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node, gate=guard.gate)
+    # policy.fast_drain: every drain under a permit takes its slot in the cluster's permit pool first
+    drain_node = PooledDrainActivities(sched.drain_node, guard.gate).drain_node if settings.policy.fast_drain \
+        else sched.drain_node
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
     from activities.notify import NotifyActivities, Notifier, channels_from_settings
@@ -62,7 +65,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     main = Worker(
         # FleetGuard stays registered here for a guard started on the cluster's queue by an older version
         client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
-        activities=[sched.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
+        activities=[drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics,
                     guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
                     guard.running_incidents, quarantine.drain_with_permit, recovery.reset_gpu, recovery.reboot_node,
@@ -74,7 +77,7 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     )
     guard_worker = Worker(  # FleetGuard and the activities it schedules, with workflow-task slots of its own
         client, task_queue=gtq, workflows=[FleetGuard], workflow_runner=workflow_runner(),
-        activities=[guard.running_incidents, tickets.file_ticket],
+        activities=[guard.running_incidents, guard.sync_permit_pool, tickets.file_ticket],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN, max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASKS,
         max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
     )

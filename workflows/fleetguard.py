@@ -55,6 +55,17 @@ before them; without the patch guards they fail to replay with TMPRL1100).
   continue-as-new are signalled first (before: the run continued-as-new and those incidents waited for
   their next re-request, `permit_rerequest_s`). Reached only when such answers are pending, so the
   baseline histories replay unchanged.
+`permit-pool`: with `policy.fast_drain`, the guard writes its budget, rack cap, open/closed and the
+  domains of open infrastructure incidents to the cluster's permit pool (`sync_permit_pool` activity,
+  `fleetmend.permits`) once per run and on every change, and frees the pool slots of permits it
+  releases (reconciliation, `breaker release`). Reached only with `fast_drain`, so the recorded
+  histories (all without it) replay unchanged.
+
+Permit pool (`policy.fast_drain`): the router drains a node whose fault must drain now as soon as it
+holds a slot in the pool; its incident then asks with `preclaimed` and the guard *adopts* it as held,
+whatever the breaker, pause or budget say (the node is drained already, and the pool held the budget
+and the rack cap when it was taken). Adopted requests still count toward the breaker and the failure
+domains, which close the pool for the next ones.
 """
 
 from __future__ import annotations
@@ -71,13 +82,14 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardPhase, GuardState,
         GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand,
-        PermitRequest, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
+        PermitRequest, PoolSync, PoolSynced, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
     )
     from fleetmend.policy import drain_budget
 
 PATCH_ANSWERS_AT_ONCE = "answers-at-once"
 PATCH_RECONCILE = "reconcile"
 PATCH_ANSWERS_BEFORE_CAN = "answers-before-can"
+PATCH_PERMIT_POOL = "permit-pool"
 HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
                             Phase.VERIFYING, Phase.RETURNING})
 """Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
@@ -114,6 +126,9 @@ class FleetGuard:
         """False until a new guard has rebuilt its permits from the running incidents (`run`): requests
         that start the guard (update-with-start) run before `run` and must wait for it."""
         self._reconcile_due = False
+        self._pool_synced = False
+        """This run has written the permit pool once (`permit-pool`)."""
+        self._router_only: list[str] = []
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=GuardApi.REQUEST_PERMIT)
@@ -144,7 +159,13 @@ class FleetGuard:
         s = self._state
         held = any(h.node == cmd.node for h in s.held)
         queued = any(q.node == cmd.node for q in s.queue)
+        if s.policy.fast_drain:  # its pool slot too, known to the guard or not (a router drain never adopted)
+            s.pool_drop.append(cmd.node)
+            self._dirty = True
         if not (held or queued):
+            if s.policy.fast_drain:
+                self._log(f"{cmd.node}: permit pool slot freed by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
+                return f"{cmd.node} holds no permit here and is not queued; its permit pool slot (if any) is freed"
             return f"{cmd.node} holds no permit and is not queued in {s.cluster}: nothing released"
         s.held = [h for h in s.held if h.node != cmd.node]
         s.queue = [q for q in s.queue if q.node != cmd.node]
@@ -177,7 +198,8 @@ class FleetGuard:
             breaker_tripped=s.breaker_tripped, breaker_reason=s.breaker_reason,
             breaker_tripped_at=iso(s.breaker_tripped_at), paused=s.paused, paused_by=s.paused_by,
             observe_only=s.policy.observe_only, infra_incidents=[i.to_dict() for i in s.infra],
-            recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:])
+            recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:],
+            router_only=list(self._router_only) if s.policy.fast_drain else [])
 
     @workflow.update(name=GuardApi.RESET_BREAKER)
     async def reset_breaker(self, cmd: GuardCommand) -> str:
@@ -242,6 +264,8 @@ class FleetGuard:
             await self._grant()
             await self._file_tickets()
             self._publish()
+            if self._state.policy.fast_drain and workflow.patched(PATCH_PERMIT_POOL):
+                await self._sync_pool()
             info = workflow.info()
             if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
                     and not self._inbox:
@@ -292,6 +316,21 @@ class FleetGuard:
             return
         s.recent.append((req.node, self._now()))
         self._prune(now)
+        # 0. drained by the router under a pool slot: adopted (the pool kept the budget and rack cap)
+        if req.preclaimed:
+            s.queue = [q for q in s.queue if q.node != req.node]
+            s.held.append(Held(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class,
+                               rack=req.rack, granted_at=self._now()))
+            s.grants += 1
+            self._router_only = [n for n in self._router_only if n != req.node]
+            self._log(f"{req.node}: drained by the router under a permit pool slot; adopted "
+                      f"({req.severity} {req.fault_class}; {len(s.held)}/{self._budget()} held)")
+            self._answers.append((req.node, PermitDecision(
+                granted=True, reason=f"adopted: drained by the router under a permit pool slot "
+                                     f"({len(s.held)}/{self._budget()} held)", lemon=self._lemon(req, now))))
+            self._domain_incident(req, now)  # counts toward its domains (an incident opened closes them in the pool)
+            self._check_breaker()
+            return
         # 1. observe-only
         if s.policy.observe_only:
             self._deny(req.node, f"observe-only: {req.fault_class} would be drained; nothing touched")
@@ -313,6 +352,10 @@ class FleetGuard:
             entry.requested_at = min(entry.requested_at, s.queue[at].requested_at)
             s.queue[at] = entry
         # 3. breaker
+        self._check_breaker()
+
+    def _check_breaker(self) -> None:
+        s = self._state
         distinct = sorted({n for n, _ in s.recent})
         if not s.breaker_tripped and len(distinct) > s.policy.breaker_distinct_nodes:
             s.breaker_tripped, s.breaker_tripped_at = True, self._now()
@@ -398,6 +441,8 @@ class FleetGuard:
                 continue
             s.held = [h for h in s.held if h.node != node]
             s.queue = [q for q in s.queue if q.node != node]
+            if s.policy.fast_drain:
+                s.pool_drop.append(node)
             self._log(f"{node}: {'permit released' if held else 'queued request withdrawn'} by reconciliation: "
                       "its incident is not running (terminated, reset or lost)")
             self._dirty = True
@@ -459,6 +504,8 @@ class FleetGuard:
                 await handle.signal(RemediationApi.PERMIT, decision)
             except Exception as err:  # noqa: BLE001 - the incident closed meanwhile: take the permit back
                 s.held = [h for h in s.held if h.node != node]
+                if s.policy.fast_drain and decision.granted:
+                    s.pool_drop.append(node)
                 self._log(f"{node}: could not deliver permit decision ({err}); permit withdrawn")
                 self._dirty = True
 
@@ -467,6 +514,43 @@ class FleetGuard:
             return
         for node, decision in answers:
             await deliver(node, decision)
+
+    def _pool_view(self) -> PoolSync:
+        """What the permit pool must say now: budget, rack cap, open (or why not), closed domains."""
+        s = self._state
+        why = ""
+        if s.policy.observe_only:
+            why = "observe-only: nothing is drained"
+        elif s.breaker_tripped:
+            why = f"breaker tripped at {iso(s.breaker_tripped_at)}"
+        elif s.paused:
+            why = f"paused by {s.paused_by}"
+        closed = sorted({i.domain for i in s.infra if i.closed_at is None})
+        return PoolSync(cluster=s.cluster, budget=self._budget(), rack_cap=s.policy.max_drained_per_rack,
+                        open=not why, why=why, closed_domains=closed)
+
+    async def _sync_pool(self) -> None:
+        """Write the pool when what it must say changed, once per run, or slots are to be freed
+        (`permit-pool`). The guard's own holders go with it: the pool adds them only when it is new."""
+        s = self._state
+        view = self._pool_view()
+        sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
+        if sig == s.pool_published and not s.pool_drop and self._pool_synced:
+            return
+        view.held = {h.node: h.rack for h in s.held}
+        view.drop, s.pool_drop = sorted(set(s.pool_drop)), []
+        r: PoolSynced = await workflow.execute_activity(
+            Activity.SYNC_PERMIT_POOL, view, result_type=PoolSynced, start_to_close_timeout=RECONCILE_TIMEOUT,
+            retry_policy=RECONCILE_RETRY, summary=f"permit pool: {view.budget} slots, "
+                                                  f"{'open' if view.open else 'closed: ' + view.why}")
+        if sig != s.pool_published:
+            self._log(f"permit pool: budget {view.budget}, {view.rack_cap} per rack, "
+                      f"{'open' if view.open else 'closed (' + view.why + ')'}"
+                      + (f", closed domains {', '.join(view.closed_domains)}" if view.closed_domains else "")
+                      + f"; {r.holders} slot(s) held")
+        s.pool_published, self._pool_synced = sig, True
+        held = {h.node for h in s.held}
+        self._router_only = [n for n in r.router_only if n not in held]
 
     async def _file_tickets(self) -> None:
         incs, self._tickets = self._tickets, []

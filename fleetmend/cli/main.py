@@ -119,12 +119,15 @@ def agent(ctx: typer.Context) -> None:
 @app.command()
 def router(config: Optional[Path] = ConfigOpt, metrics_port: Optional[int] = MetricsPortOpt) -> None:
     """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start."""
+    from functools import partial
+
+    from activities.scheduler import build_scheduler
     from fleetmend.router import run_router
 
     s = _settings(config)
     if metrics_port is not None:
         s.metrics.router_port = metrics_port
-    _run(_serve(run_router, s))
+    _run(_serve(partial(run_router, build_scheduler=build_scheduler), s))
 
 
 @app.command()

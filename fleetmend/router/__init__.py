@@ -11,8 +11,11 @@ from fleetmend.config import Settings
 log = structlog.get_logger("fleetmend.router")
 
 
-async def run_router(settings: Settings, stop: asyncio.Event) -> None:
-    """Run one router replica until `stop` is set; then drain the NATS connection."""
+async def run_router(settings: Settings, stop: asyncio.Event, build_scheduler=None) -> None:  # noqa: ANN001
+    """Run one router replica until `stop` is set; then drain the NATS connection.
+
+    `build_scheduler(settings, js=...)` (`activities.scheduler.build_scheduler`, passed by the CLI) gives
+    the router its scheduler adapter for the fast path (`policy.fast_drain`)."""
     from fleetmend.catalog import load_catalog
     from fleetmend.connect import close_nats, connect_nats, connect_temporal
     from fleetmend.router.core import Router
@@ -20,7 +23,9 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     catalog = load_catalog(settings.catalog_overrides)
     nc = await connect_nats(settings, name="fleetmend-router")
     client = await connect_temporal(settings)
-    router = Router(settings, nc, nc.jetstream(), client, catalog)
+    scheduler = build_scheduler(settings, js=nc.jetstream()) \
+        if build_scheduler is not None and settings.policy.fast_drain else None
+    router = Router(settings, nc, nc.jetstream(), client, catalog, scheduler=scheduler)
     # -- metrics (fleetmend/metrics.py): /metrics port and the consumer-lag gauge
     from fleetmend import metrics
 

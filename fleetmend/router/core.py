@@ -26,6 +26,13 @@ Guarantees:
   replica hears the advisory, and the dead-letter record's `Nats-Msg-Id` (`dl-<stream>-<seq>`)
   keeps one copy.
 - Any number of router replicas share the durable consumer.
+- Fast path (`policy.fast_drain`, `fleetmend.permits`): before its signal-with-start, a node whose
+  fault the catalog says drains *now* (drain, urgency now, no history rule, no debounce; the catalog's
+  own verdict and the event's both) is drained here at once when it gets a slot in the cluster's
+  permit pool (compare-and-set; the budget, rack cap, breaker, pause, observe-only and open
+  infrastructure incidents are the pool's). No slot: nothing is drained here and the incident asks
+  FleetGuard as before. The fast path never holds a message back: whatever it meets (pool or scheduler
+  trouble) is logged and the event is routed as without it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from pydantic import ValidationError
 from fleetmend import metrics, subjects
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
+from fleetmend.catalog import Urgency
 from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
 from fleetmend.messages import (
     KEY_CLUSTER, KEY_NODE, KEY_PHASE, MAX_SIGNAL_BYTES, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase,
@@ -66,6 +74,8 @@ class RouterStats:
     signals: int = 0
     deadlettered: int = 0
     naks: int = 0
+    fast_drains: int = 0
+    fast_refused: int = 0
     deadletter_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -121,11 +131,13 @@ class Router:
         catalog: `fleetmend.catalog.Catalog` used to classify each event.
         filter_subject: which fault subjects to consume (default every cluster).
         durable: durable consumer name (replicas share it).
+        scheduler: the `SchedulerAdapter` of `settings.cluster` (`activities.scheduler.build_scheduler`),
+            for the fast path (`policy.fast_drain`); without one the fast path stays off (logged).
     """
 
     def __init__(self, settings: Settings, nc, js, client, catalog, *,  # noqa: ANN001
                  filter_subject: str | None = None, durable: str = subjects.ROUTER_DURABLE,
-                 stream: str = subjects.FAULT_STREAM) -> None:
+                 stream: str = subjects.FAULT_STREAM, scheduler=None) -> None:  # noqa: ANN001
         self.s = settings
         self.nc, self.js, self.client, self.catalog = nc, js, client, catalog
         self.filter_subject = filter_subject or subjects.all_faults_subject()
@@ -138,6 +150,23 @@ class Router:
         self._held = 0
         self._max_unacked = max(self.s.router.max_unacked, self.s.router.fetch_batch)
         self._room = asyncio.Event()
+        self._fast = settings.policy.fast_drain and not settings.policy.observe_only
+        if self._fast and scheduler is None:
+            log.warning("fast_drain_off", why="policy.fast_drain is set but this router was given no scheduler "
+                                              "adapter; every drain goes through FleetGuard")
+            self._fast = False
+        self._scheduler = scheduler
+        self._pool = self._topology = None
+
+    async def _setup_fast_path(self) -> None:
+        """Permit pool and topology for the fast path (`policy.fast_drain`)."""
+        from fleetmend.permits import PermitPool
+        from fleetmend.policy import load_topology
+
+        if self._pool is None:
+            self._pool = await PermitPool.open(self.js)
+        if self._topology is None:
+            self._topology = load_topology(self.s.policy.topology_file)
 
     async def setup(self):  # noqa: ANN201
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -146,6 +175,8 @@ class Router:
 
         await ensure_fault_stream(self.js, self.s)
         await ensure_deadletter_stream(self.js, self.s)
+        if self._fast:
+            await self._setup_fast_path()
         cfg = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
                              deliver_policy=DeliverPolicy.ALL, ack_wait=self.s.router.ack_wait_s,
                              max_deliver=self.s.router.max_deliver, filter_subject=self.filter_subject,
@@ -318,6 +349,8 @@ class Router:
         wid = subjects.workflow_id(cluster, node)
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         parts = split_batch(faults)
+        if self._fast:
+            await self._fast_drain(cluster, node, wid, items)
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
@@ -335,6 +368,62 @@ class Router:
         self.stats.routed += len(items)
         self.stats.signals += len(parts)
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
+
+    def _drain_now(self, items: list[tuple[Any, FaultEvent, float]]) -> FaultEvent | None:
+        """The first unhealthy event that must drain now by the catalog's own verdict and by the one the
+        incident will read (the producer's, or the catalog's when it gave none); None when there is none."""
+        debounce = self.s.policy.debounce_s > 0
+        for _m, ev, _t in items:
+            if ev.healthy:
+                continue
+            ok = True
+            for v in (self.catalog.verdict(ev), ev.verdict):
+                if v is None:
+                    continue
+                if not v.drain or v.urgency is not Urgency.NOW or v.history is not None or (v.clearable and debounce):
+                    ok = False
+                    break
+            if ok:
+                return ev
+        return None
+
+    async def _fast_drain(self, cluster: str, node: str, wid: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
+        """The fast path: a pool slot, then the drain, for a node that must drain now. Never raises."""
+        from fleetmend.permits import BY_ROUTER
+
+        if cluster != self.s.cluster:
+            return  # the scheduler adapter here drains this router's own cluster only
+        ev = self._drain_now(items)
+        if ev is None:
+            return
+        bound = log.bind(node=node, cluster=cluster, workflow_id=wid)
+        try:
+            if self._pool is None:
+                await self._setup_fast_path()
+            dom = self._topology.domain(node)
+            claim = await self._pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys())
+        except Exception as err:  # noqa: BLE001 - the incident asks FleetGuard as without the fast path
+            bound.warning("fast_drain_pool_failed", error=repr(err))
+            return
+        if not claim.ok:
+            self.stats.fast_refused += 1
+            bound.info("fast_drain_refused", reason=claim.reason)
+            return
+        if not claim.new and claim.by != BY_ROUTER:
+            return  # its incident holds the permit: drained (or being drained) under it
+        fault_class = ev.verdict.fault_class if ev.verdict else self.catalog.verdict(ev).fault_class
+        try:
+            res = await self._scheduler.drain(node, f"{fault_class}: router fast path, {claim.reason}",
+                                              f"fast-{ev.event_id}")
+        except Exception as err:  # noqa: BLE001 - not drained: free the slot, the incident asks FleetGuard
+            bound.error("fast_drain_failed", error=repr(err))
+            with contextlib.suppress(Exception):
+                await self._pool.release(cluster, node)
+            return
+        self.stats.fast_drains += 1
+        metrics.drain_result(cluster, self._scheduler.name, res, ev.observed_at)
+        bound.info("fast_drained", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
+                   operator_drained=res.operator_drained, detail=res.detail)
 
     async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
         """Tell JetStream that messages held past half their ack wait are still being worked on

@@ -1,0 +1,257 @@
+"""The drain-permit pool: the blast-radius budget as a compare-and-set semaphore in JetStream KV.
+
+Why it exists (bench/RESULTS.md, "Storm path, third pass"): a drain that has to go through Temporal
+first (signal-with-start of the incident, then the guard's decision, then the drain activity) cannot
+run faster than the dev server starts one-activity workflows (39.5/s measured), so 50 failing nodes a
+second queue for seconds before a single cordon. With `policy.fast_drain`, the router cordons a node
+whose fault the catalog says must drain *now* as soon as it holds a slot here, and signals Temporal
+afterwards; the incident then adopts the drain (FleetGuard `preclaimed`).
+
+One key per cluster in bucket `subjects.PERMIT_KV_BUCKET`, a JSON document (`PoolState`):
+
+    {"budget": 20, "rack_cap": 2, "open": true, "why": "",
+     "closed_domains": ["rack:r07"],
+     "holders": {"gpu-001": {"rack": "r01", "by": "router", "at": 1764547200.0}}}
+
+- `holders` is every node drained under a permit in that cluster, whichever path took it: the router
+  (`by="router"`) or an incident granted by FleetGuard (`by="guard"`, claimed by the drain activity
+  right before its cordon). Every claim is a compare-and-set on the key's revision, so the budget and
+  the rack cap hold across any number of router replicas and workers: at no instant are there more
+  holders than `budget`, or more in one rack than `rack_cap`.
+- FleetGuard owns everything else and writes it (`publish`, from its `sync_permit_pool` activity):
+  the budget and rack cap it computes, `open` (false while the breaker is tripped, the guard paused or
+  the policy observe-only, with `why`), the failure domains with an open infrastructure incident, and
+  the holders it granted before the pool existed. The router claims only from an open pool and never
+  for a node in a closed domain; a claim for a guard grant ignores `open` (the guard already decided)
+  but never the budget.
+- A holder leaves when its incident gives the permit back (`release`: return to service, close,
+  abort), or when FleetGuard drops it (reconciliation found no running incident, or an operator's
+  `fleetmend breaker release NODE`).
+
+No key (the guard has not published yet): the router claims nothing, so the guard alone decides, as
+without the pool; a guard-path claim then passes without a record, and the guard's first `publish`
+writes its holders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import structlog
+
+from fleetmend import subjects
+
+log = structlog.get_logger("fleetmend.permits")
+
+BY_ROUTER = "router"
+BY_GUARD = "guard"
+CAS_ATTEMPTS = 64
+"""Compare-and-set rounds before a claim gives up (`PoolBusyError`); each round is one KV read and one
+conditional write, and only a writer that lost to another's write tries again."""
+
+
+class PoolBusyError(RuntimeError):
+    """The key kept changing under us for `CAS_ATTEMPTS` rounds (transient: retry later)."""
+
+
+@dataclass
+class Holder:
+    rack: str | None = None
+    by: str = BY_ROUTER
+    at: float = 0.0
+    """Unix time of the claim (seconds)."""
+
+
+@dataclass
+class PoolState:
+    budget: int = 0
+    rack_cap: int = 0
+    open: bool = False
+    why: str = ""
+    closed_domains: list[str] = field(default_factory=list)
+    holders: dict[str, Holder] = field(default_factory=dict)
+
+    def in_rack(self, rack: str | None) -> int:
+        return sum(1 for h in self.holders.values() if rack and h.rack == rack)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "PoolState":
+        d = json.loads(data)
+        return cls(budget=int(d.get("budget", 0)), rack_cap=int(d.get("rack_cap", 0)), open=bool(d.get("open")),
+                   why=str(d.get("why", "")), closed_domains=list(d.get("closed_domains") or []),
+                   holders={n: Holder(**h) for n, h in (d.get("holders") or {}).items()})
+
+
+@dataclass
+class Claim:
+    ok: bool
+    reason: str
+    new: bool = False
+    """True when this call added the holder (False: it held already, or nothing was recorded)."""
+    holders: int = 0
+    budget: int = 0
+    by: str = ""
+    """Who holds the slot (`BY_ROUTER`, `BY_GUARD`) when ok."""
+
+
+async def permit_bucket(js: Any, bucket: str = subjects.PERMIT_KV_BUCKET, timeout_s: float = 10.0) -> Any:
+    """The pool's bucket, created on first use (file storage, history 1).
+
+    Raises:
+        TimeoutError: JetStream did not answer within `timeout_s`.
+        nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
+    """
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    async with asyncio.timeout(timeout_s):
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            try:
+                return await js.create_key_value(KeyValueConfig(
+                    bucket=bucket, history=1, storage=StorageType.FILE,
+                    description="fleetmend drain permits: the blast-radius budget per cluster (FleetGuard + router)"))
+            except Exception:  # noqa: BLE001 - another process created it first
+                return await js.key_value(bucket)
+
+
+class PermitPool:
+    """Claims and releases against one bucket (`permit_bucket`). Safe to share in one process and to run
+    in any number of processes at once."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+
+    @classmethod
+    async def open(cls, js: Any, bucket: str = subjects.PERMIT_KV_BUCKET) -> "PermitPool":
+        return cls(await permit_bucket(js, bucket))
+
+    async def _get(self, cluster: str) -> tuple[PoolState | None, int]:
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await self.kv.get(subjects.permit_kv_key(cluster))
+        except KeyNotFoundError:
+            return None, 0
+        if not entry.value:  # deleted (a tombstone)
+            return None, entry.revision or 0
+        return PoolState.from_json(entry.value), entry.revision
+
+    async def _put(self, cluster: str, state: PoolState, revision: int) -> bool:
+        """Write `state` if the key is still at `revision` (0: it must not exist). False: lost the race."""
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        key = subjects.permit_kv_key(cluster)
+        try:
+            if revision:
+                await self.kv.update(key, state.to_json(), last=revision)
+            else:
+                await self.kv.create(key, state.to_json())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def _backoff(self, attempt: int) -> None:
+        await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
+
+    async def read(self, cluster: str) -> PoolState | None:
+        """The cluster's pool, or None before FleetGuard first published it."""
+        return (await self._get(cluster))[0]
+
+    async def claim(self, cluster: str, node: str, rack: str | None, *, by: str = BY_ROUTER,
+                    domains: list[str] | None = None) -> Claim:
+        """Take a drain slot for `node` (idempotent: a holder is granted again).
+
+        `by=BY_ROUTER` (the fast path) needs an open pool and none of `domains` closed; `by=BY_GUARD`
+        (a FleetGuard grant) only needs room. Both need fewer than `budget` holders and fewer than
+        `rack_cap` in the node's rack.
+
+        Returns:
+            `Claim`: ok, or not with the reason (no pool yet, closed, budget, rack cap).
+        Raises:
+            PoolBusyError: lost the compare-and-set `CAS_ATTEMPTS` times in a row.
+        """
+        for attempt in range(CAS_ATTEMPTS):
+            state, rev = await self._get(cluster)
+            if state is None:
+                if by == BY_GUARD:
+                    return Claim(True, "no permit pool yet: FleetGuard's grant stands alone")
+                return Claim(False, "no permit pool yet (FleetGuard has not published one)")
+            held = len(state.holders)
+            if node in state.holders:
+                return Claim(True, "already holds a permit", holders=held, budget=state.budget,
+                             by=state.holders[node].by)
+            if by == BY_ROUTER:
+                if not state.open:
+                    return Claim(False, f"pool closed: {state.why}", holders=held, budget=state.budget)
+                closed = sorted(set(domains or []) & set(state.closed_domains))
+                if closed:
+                    return Claim(False, f"infrastructure incident open in {', '.join(closed)}", holders=held,
+                                 budget=state.budget)
+            if held >= state.budget:
+                return Claim(False, f"budget: {held}/{state.budget} permits held", holders=held, budget=state.budget)
+            if rack and state.in_rack(rack) >= state.rack_cap:
+                return Claim(False, f"rack {rack}: {state.in_rack(rack)}/{state.rack_cap} drained", holders=held,
+                             budget=state.budget)
+            state.holders[node] = Holder(rack=rack, by=by, at=time.time())
+            if await self._put(cluster, state, rev):
+                return Claim(True, f"permit {held + 1}/{state.budget} ({by})", new=True, holders=held + 1,
+                             budget=state.budget, by=by)
+            await self._backoff(attempt)
+        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+
+    async def release(self, cluster: str, node: str) -> bool:
+        """Give `node`'s slot back. Returns whether it held one. Idempotent.
+
+        Raises:
+            PoolBusyError: as `claim`."""
+        for attempt in range(CAS_ATTEMPTS):
+            state, rev = await self._get(cluster)
+            if state is None or node not in state.holders:
+                return False
+            del state.holders[node]
+            if await self._put(cluster, state, rev):
+                return True
+            await self._backoff(attempt)
+        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+
+    async def publish(self, cluster: str, *, budget: int, rack_cap: int, open: bool, why: str = "",  # noqa: A002
+                      closed_domains: list[str] | None = None,
+                      held: dict[str, str | None] | None = None, drop: list[str] | None = None) -> PoolState:
+        """FleetGuard's write: budget, rack cap, open/why and closed domains replace what was there;
+        `held` (node → rack: the guard's own permit holders) become holders when the pool is new (the
+        drains in force when it was turned on; later grants take their slot in the drain activity, and a
+        slot given back must not come back from a stale list); `drop` are removed. Router claims
+        already in the pool stay (they are drained nodes).
+
+        Returns:
+            the pool as written.
+        Raises:
+            PoolBusyError: as `claim`."""
+        for attempt in range(CAS_ATTEMPTS):
+            state, rev = await self._get(cluster)
+            fresh = state is None
+            state = state or PoolState()
+            state.budget, state.rack_cap, state.open, state.why = budget, rack_cap, open, why
+            state.closed_domains = sorted(closed_domains or [])
+            now = time.time()
+            for node, rack in (held or {}).items() if fresh else ():
+                state.holders.setdefault(node, Holder(rack=rack, by=BY_GUARD, at=now))
+            for node in drop or []:
+                state.holders.pop(node, None)
+            if await self._put(cluster, state, rev):
+                return state
+            await self._backoff(attempt)
+        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+
+
+__all__ = ["BY_GUARD", "BY_ROUTER", "Claim", "Holder", "PermitPool", "PoolBusyError", "PoolState", "permit_bucket"]

@@ -1,0 +1,220 @@
+"""The drain-permit pool (`fleetmend.permits`, `policy.fast_drain`) on a real NATS server, and the router's
+fast path through real NATS, Temporal and the standalone scheduler.
+
+- Racing claims from several connections (router replicas, workers) never put more holders in the pool
+  than its budget, or more in one rack than its cap; a holder is granted again, a released slot frees.
+- A closed pool (breaker, pause, observe-only) refuses the router, not a FleetGuard grant; a domain
+  with an open infrastructure incident refuses the router; no pool yet refuses the router only.
+- End to end: the first fault goes through FleetGuard (no pool yet), which publishes the pool; then a
+  fault that must drain now is drained by the router, its incident adopts it (the guard's log says
+  so); a burst on more nodes than the budget never has more nodes drained at once than the budget
+  (replayed from the drain records), the rest wait visibly in the guard's queue; a paused guard
+  closes the pool and the router drains nothing more; a repaired node's slot goes back to the pool
+  and the next queued node gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import nats
+import pytest
+
+from activities.scheduler import build_scheduler
+from fleetmend import subjects
+from fleetmend.catalog import load_catalog
+from fleetmend.config import load_settings
+from fleetmend.connect import connect_nats, connect_temporal
+from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
+from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.router.core import Router
+from fleetmend.worker import build_worker
+from tests.conftest import assert_eventually
+from tests.test_e2e import cli
+from tests.test_node_names_e2e import env_of
+from tests.test_router import xid_event
+
+
+async def test_racing_claims_keep_the_budget_and_the_rack_cap(nats_server, unique: str) -> None:
+    cluster = f"pp{unique}"
+    conns = [await nats.connect(nats_server.url) for _ in range(3)]
+    try:
+        pools = [await PermitPool.open(c.jetstream()) for c in conns]
+        await pools[0].publish(cluster, budget=5, rack_cap=2, open=True)
+        nodes = [(f"n{i:02d}", f"r{i % 4}") for i in range(40)]
+        random.Random(3).shuffle(nodes)
+        claims = await asyncio.gather(*(pools[i % 3].claim(cluster, n, r, by=BY_ROUTER if i % 2 else BY_GUARD)
+                                        for i, (n, r) in enumerate(nodes)))
+        won = [n for (n, _r), c in zip(nodes, claims) if c.ok]
+        state = await pools[1].read(cluster)
+        assert sorted(won) == sorted(state.holders) and len(won) == 5
+        racks = [h.rack for h in state.holders.values()]
+        assert max(racks.count(r) for r in set(racks)) <= 2
+        refused = {c.reason.split(":")[0].split(" ")[0] for c in claims if not c.ok}
+        assert refused <= {"budget", "rack"} and "budget" in refused
+
+        again = await pools[2].claim(cluster, won[0], state.holders[won[0]].rack)
+        assert again.ok and not again.new and again.by == state.holders[won[0]].by
+        assert await pools[0].release(cluster, won[0]) and not await pools[0].release(cluster, won[0])
+        loser = next(n for n, r in nodes if n not in won and r == state.holders[won[0]].rack)
+        got = await pools[1].claim(cluster, loser, state.holders[won[0]].rack)
+        assert got.ok and got.new and got.holders == 5
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_a_closed_pool_refuses_the_router_not_the_guard(nats_server, unique: str) -> None:
+    cluster = f"pc{unique}"
+    nc = await nats.connect(nats_server.url)
+    try:
+        pool = await PermitPool.open(nc.jetstream())
+        none_yet = await pool.claim(cluster, "a", None, by=BY_ROUTER)
+        assert not none_yet.ok and "no permit pool yet" in none_yet.reason
+        assert (await pool.claim(cluster, "a", None, by=BY_GUARD)).ok  # the guard alone decides
+        assert await pool.read(cluster) is None  # …and nothing was recorded
+
+        # the pool's first write carries the guard's holders; later writes never bring a given-back slot back
+        await pool.publish(cluster, budget=3, rack_cap=3, open=False, why="breaker tripped at 12:00",
+                           held={"a": None})
+        shut = await pool.claim(cluster, "b", None, by=BY_ROUTER)
+        assert not shut.ok and shut.reason == "pool closed: breaker tripped at 12:00"
+        assert (await pool.claim(cluster, "b", None, by=BY_GUARD)).new
+        assert await pool.release(cluster, "a")
+        await pool.publish(cluster, budget=3, rack_cap=3, open=True, held={"a": None, "b": None},
+                           closed_domains=["rack:r7"])
+        assert sorted((await pool.read(cluster)).holders) == ["b"]
+
+        infra = await pool.claim(cluster, "c", "r7", by=BY_ROUTER, domains=["rack:r7"])
+        assert not infra.ok and "rack:r7" in infra.reason
+        assert (await pool.claim(cluster, "c", "r8", by=BY_ROUTER, domains=["rack:r8"])).ok
+        state = await pool.publish(cluster, budget=3, rack_cap=3, open=True, drop=["b"])
+        assert sorted(state.holders) == ["c"] and state.holders["c"].by == BY_ROUTER
+    finally:
+        await nc.close()
+
+
+def _replay(records: list[tuple[str, bool]]) -> int:
+    drained: set[str] = set()
+    peak = 0
+    for key, on in records:
+        (drained.add if on else drained.discard)(key)
+        peak = max(peak, len(drained))
+    return peak
+
+
+async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_path: Path, unique: str) -> None:
+    cluster = f"fp{unique}"
+    s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
+                      state_dir=tmp_path / "state", scheduler="standalone", task_queue=f"tq-{unique}",
+                      log_format="json",
+                      policy={"fast_drain": True, "max_drained_nodes": 3, "max_drained_percent": 100,
+                              "cluster_nodes": 100, "breaker_distinct_nodes": 1000, "domain_incident_nodes": 1000,
+                              "debounce_s": 0})
+    nc = await connect_nats(s, name="fast-path")
+    js = nc.jetstream()
+    client = await connect_temporal(s)
+    await ensure_fault_stream(js)
+    kv = await js.create_key_value(bucket=subjects.DRAIN_KV_BUCKET, history=5)
+    records: list[tuple[str, bool]] = []
+    watcher = await kv.watch(f"{cluster}.>")
+
+    async def watch() -> None:
+        async for entry in watcher:
+            if entry is not None:
+                records.append((entry.key, bool(entry.value) and entry.operation not in ("DEL", "PURGE")))
+
+    stop = asyncio.Event()
+    router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+                    durable=f"router-{unique}", scheduler=build_scheduler(s, js=js))
+    worker = await build_worker(s, client, nc)
+    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.run()), asyncio.create_task(watch())]
+    pool = await PermitPool.open(js)
+    guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+
+    async def fail(node: str, xid: int = 79) -> None:
+        await js.publish(subjects.fault_subject(cluster, node), xid_event(cluster, node, xid).to_json_bytes())
+
+    async def guard_status() -> GuardStatus:
+        return await guard.query(GuardApi.STATUS, result_type=GuardStatus)
+
+    async def drained(node: str) -> bool:
+        try:
+            return bool((await kv.get(subjects.drain_kv_key(cluster, node))).value)
+        except Exception:  # noqa: BLE001 - no record
+            return False
+
+    try:
+        # 1. no pool yet: FleetGuard decides, then publishes the pool
+        await fail("n0")
+        await assert_eventually(lambda: drained("n0"), timeout_s=60, what="n0 drained through FleetGuard")
+        assert router.stats.fast_drains == 0
+        state = await assert_eventually(lambda: pool.read(cluster), timeout_s=30, what="the guard's pool")
+        assert state.budget == 3 and state.open and state.holders["n0"].by == BY_GUARD
+
+        # 2. the router drains n1 at once; its incident adopts it
+        await fail("n1")
+        await assert_eventually(lambda: drained("n1"), timeout_s=30, what="n1 drained")
+        assert router.stats.fast_drains == 1
+        st = await assert_eventually(
+            lambda: _when(guard_status(), lambda g: any(h["node"] == "n1" for h in g.held)), timeout_s=60,
+            what="n1 adopted")
+        assert any("n1: drained by the router under a permit pool slot; adopted" in line for line in st.log)
+
+        # 3. an XID 13 (history rule) is not the router's to drain
+        await fail("n9", xid=13)
+        await asyncio.sleep(2)
+        assert not await drained("n9") and router.stats.fast_drains == 1
+
+        # 4. a burst on five more nodes: the router takes the last slot for one of them; the others go to
+        # the guard (queued, or granted and waiting for a slot); never more than 3 drained at once
+        burst = [f"b{i}" for i in range(5)]
+        await asyncio.gather(*(fail(b) for b in burst))
+        await assert_eventually(
+            lambda: _when(guard_status(), lambda g: {h["node"] for h in g.held} | {q["node"] for q in g.queue}
+                          >= set(burst)), timeout_s=90, what="the whole burst known to the guard")
+        assert sum([await drained(b) for b in burst]) == 1
+        assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
+        assert router.stats.fast_drains == 2 and router.stats.fast_refused >= 4
+
+        # 5. pause: the pool closes and the router drains nothing more, even with a slot free
+        await guard.execute_update(GuardApi.PAUSE, GuardCommand(by="test", note="maintenance"), result_type=str)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open), timeout_s=30,
+                                what="pool closed")
+        refused = router.stats.fast_refused
+        await cli(env_of(s), "abort", "n0", "--undrain", "--note", "test frees a slot")
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: "n0" not in p.holders), timeout_s=90,
+                                what="n0's slot given back")
+        await fail("c0")
+        await assert_eventually(lambda: _true(router.stats.fast_refused > refused), timeout_s=30,
+                                what="router refused by the closed pool")
+        assert not await drained("c0")
+        await guard.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: p.open and len(p.holders) == 3),
+                                timeout_s=90, what="a burst node took the freed slot")
+        await assert_eventually(lambda: _true(sum([b in {k.split(".")[-1] for k, on in records if on}
+                                                   for b in burst]) == 2), timeout_s=60, what="a second burst node drained")
+        assert _replay(records) <= 3 and not await drained("c0")
+    finally:
+        stop.set()
+        await worker.shutdown()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await nc.close()
+
+
+async def _when(coro, pred):  # noqa: ANN001, ANN202
+    try:
+        v = await coro
+    except Exception:  # noqa: BLE001 - not there yet
+        return None
+    return v if v is not None and pred(v) else None
+
+
+async def _true(v: bool):  # noqa: ANN202
+    return v or None
