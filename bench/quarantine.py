@@ -104,12 +104,13 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
         topo = st.root / f"topology-{cluster}.toml"
         topo.write_text("".join(f'[node.{n}]\nrack = "{r}"\n' for n, r in rack_of.items()))
     known = a.nodes + count
-    policy = {"observe_only": observe, "cluster_nodes": known}
+    policy = {"observe_only": observe, "cluster_nodes": known, "fast_drain": a.fast_drain}
     if topo is not None:
         policy["topology_file"] = str(topo)
     s = st.settings(cluster=cluster, scheduler="standalone", task_queue=f"tq-{cluster}", policy=policy)
     env = {"FLEETMEND_POLICY__CLUSTER_NODES": str(known),
-           "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": OPEN, "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": OPEN}
+           "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": OPEN, "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": OPEN,
+           "FLEETMEND_POLICY__FAST_DRAIN": "true" if a.fast_drain else "false"}
     if topo is not None:
         env["FLEETMEND_POLICY__TOPOLOGY_FILE"] = str(topo)
     if burst:
@@ -358,6 +359,8 @@ async def main(a: argparse.Namespace) -> int:
         raw = await raw_drain_rate(st, a.raw_drains) if a.raw_drains else None
         results = [await measure(st, m, a) for m in a.modes.split(",")]
     rows = [("machine", machine()), ("simulated nodes (heartbeat 10 s each)", f"{a.nodes:,}"),
+            ("permit path", "router fast path under the permit pool (policy.fast_drain)" if a.fast_drain
+             else "incident → FleetGuard → drain activity"),
             ("background fault lines/s", f"{a.background}")]
     if raw is not None:
         rows.append(("raw limit: signal-with-start + one activity (the least a drain takes), /s",
@@ -416,6 +419,8 @@ if __name__ == "__main__":
     ap.add_argument("--modes", default="observe-only,real-drain", help="observe-only, real-drain, burst")
     ap.add_argument("--raw-drains", type=int, default=0, metavar="N",
                     help="first measure the raw limit: N signal-with-starts of a one-activity workflow")
+    ap.add_argument("--fast-drain", action="store_true",
+                    help="policy.fast_drain: the router drains under a permit pool slot (fleetmend.permits)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the worker into DIR; report the FleetGuard's task rate")
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a)))

@@ -5,9 +5,9 @@ fast path through real NATS, Temporal and the standalone scheduler.
   than its budget, or more in one rack than its cap; a holder is granted again, a released slot frees.
 - A closed pool (breaker, pause, observe-only) refuses the router, not a FleetGuard grant; a domain
   with an open infrastructure incident refuses the router; no pool yet refuses the router only.
-- End to end: the first fault goes through FleetGuard (no pool yet), which publishes the pool; then a
-  fault that must drain now is drained by the router, its incident adopts it (the guard's log says
-  so); a burst on more nodes than the budget never has more nodes drained at once than the budget
+- End to end: the router starts its cluster's FleetGuard, which publishes the pool before the first
+  fault; a fault that must drain now is drained by the router and its incident adopts it (the guard's
+  log says so); an XID 13 (a history rule) is left to its incident; a burst on more nodes than the budget never has more nodes drained at once than the budget
   (replayed from the drain records), the rest wait visibly in the guard's queue; a paused guard
   closes the pool and the router drains nothing more; a repaired node's slot goes back to the pool
   and the next queued node gets it.
@@ -149,17 +149,16 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
             return False
 
     try:
-        # 1. no pool yet: FleetGuard decides, then publishes the pool
+        # 1. the router starts its cluster's FleetGuard, which publishes the pool before any fault
+        state = await assert_eventually(lambda: pool.read(cluster), timeout_s=60, what="the guard's pool")
+        assert state.budget == 3 and state.rack_cap == 2 and state.open and not state.holders
         await fail("n0")
-        await assert_eventually(lambda: drained("n0"), timeout_s=60, what="n0 drained through FleetGuard")
-        assert router.stats.fast_drains == 0
-        state = await assert_eventually(lambda: pool.read(cluster), timeout_s=30, what="the guard's pool")
-        assert state.budget == 3 and state.open and state.holders["n0"].by == BY_GUARD
+        await assert_eventually(lambda: drained("n0"), timeout_s=60, what="n0 drained")
 
         # 2. the router drains n1 at once; its incident adopts it
         await fail("n1")
         await assert_eventually(lambda: drained("n1"), timeout_s=30, what="n1 drained")
-        assert router.stats.fast_drains == 1
+        assert router.stats.fast_drains == 2 and router.stats.fast_refused == 0
         st = await assert_eventually(
             lambda: _when(guard_status(), lambda g: any(h["node"] == "n1" for h in g.held)), timeout_s=60,
             what="n1 adopted")
@@ -168,7 +167,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         # 3. an XID 13 (history rule) is not the router's to drain
         await fail("n9", xid=13)
         await asyncio.sleep(2)
-        assert not await drained("n9") and router.stats.fast_drains == 1
+        assert not await drained("n9") and router.stats.fast_drains == 2
 
         # 4. a burst on five more nodes: the router takes the last slot for one of them; the others go to
         # the guard (queued, or granted and waiting for a slot); never more than 3 drained at once
@@ -179,7 +178,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
                           >= set(burst)), timeout_s=90, what="the whole burst known to the guard")
         assert sum([await drained(b) for b in burst]) == 1
         assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
-        assert router.stats.fast_drains == 2 and router.stats.fast_refused >= 4
+        assert router.stats.fast_drains == 3 and router.stats.fast_refused >= 4
 
         # 5. pause: the pool closes and the router drains nothing more, even with a slot free
         await guard.execute_update(GuardApi.PAUSE, GuardCommand(by="test", note="maintenance"), result_type=str)
@@ -218,3 +217,63 @@ async def _when(coro, pred):  # noqa: ANN001, ANN202
 
 async def _true(v: bool):  # noqa: ANN202
     return v or None
+
+
+async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, temporal_server, unique: str) -> None:
+    """FleetGuard with `fast_drain` on the dev server: a preclaimed request is adopted whatever the pause,
+    breaker or budget say, carries its lemon verdict, and counts toward the breaker, whose trip closes
+    the pool; a request that is not preclaimed still queues."""
+    from temporalio.worker import Worker
+
+    from activities.fleetguard import FleetGuardActivities
+    from activities.quarantine import PoolGate
+    from fleetmend.events import Severity
+    from fleetmend.messages import GuardInput, GuardPolicy, Outcome, PermitDecision, PermitRelease, PermitRequest
+    from workflows.fleetguard import FleetGuard
+    from fleetmend.worker import workflow_runner
+
+    cluster = f"ga{unique}"
+    s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address)
+    nc = await connect_nats(s, name="guard-adopts")
+    client = await connect_temporal(s)
+    policy = GuardPolicy(fast_drain=True, max_drained_nodes=2, max_drained_percent=100, cluster_nodes=100,
+                         breaker_distinct_nodes=2, lemon_repairs=1)
+    tq = f"ga-{unique}"
+    acts = FleetGuardActivities(client, tq, policy, gate=PoolGate(nc.jetstream(), None, True))
+    pool = await PermitPool.open(nc.jetstream())
+    handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+
+    def req(node: str, preclaimed: bool = True) -> PermitRequest:
+        return PermitRequest(cluster=cluster, node=node, severity=Severity.FATAL, fault_class="xid79",
+                             policy=policy, preclaimed=preclaimed)
+
+    async with Worker(client, task_queue=tq, workflows=[FleetGuard], workflow_runner=workflow_runner(),
+                      activities=[acts.running_incidents, acts.sync_permit_pool]):
+        await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=policy),
+                                    id=subjects.fleetguard_workflow_id(cluster), task_queue=tq,
+                                    start_signal=GuardApi.ENSURE)
+        state = await assert_eventually(lambda: pool.read(cluster), timeout_s=30, what="pool published")
+        assert (state.budget, state.rack_cap, state.open) == (2, 2, True)
+        # `lem` went back to service once after an xid79 repair: the next xid79 makes it a lemon
+        await handle.signal(GuardApi.RELEASE, PermitRelease(cluster=cluster, node="lem", outcome=Outcome.RETURNED,
+                                                            fault_class="xid79", returned=True))
+        await handle.execute_update(GuardApi.PAUSE, GuardCommand(by="test"), result_type=str)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "paused" in p.why),
+                                timeout_s=30, what="pause closes the pool")
+
+        lem = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("lem"), result_type=PermitDecision)
+        assert lem.granted and lem.reason.startswith("adopted") and lem.lemon and "RMA" in lem.lemon
+        a = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("a"), result_type=PermitDecision)
+        assert a.granted and a.lemon is None
+        b = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("b"), result_type=PermitDecision)
+        assert b.granted  # over the budget of 2: the pool, not the guard, held the budget when b was drained
+        c = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("c", preclaimed=False), result_type=PermitDecision)
+        assert c.queued and not c.granted
+        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
+        assert st.breaker_tripped and sorted(h["node"] for h in st.held) == ["a", "b", "lem"]
+        assert [q["node"] for q in st.queue] == ["c"]
+        await handle.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "breaker" in p.why),
+                                timeout_s=30, what="the breaker keeps the pool closed after resume")
+        await handle.terminate("test done")
+    await nc.close()

@@ -63,6 +63,8 @@ log = structlog.get_logger("fleetmend.router")
 
 __all__ = ["MAX_EVENT_BYTES", "Router", "decode_event", "collapse"]
 
+ENSURE_GUARD_EVERY_S = 10.0
+"""Fast path: how often the router may signal-with-start its cluster's FleetGuard while it finds no pool."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
 
@@ -157,6 +159,7 @@ class Router:
             self._fast = False
         self._scheduler = scheduler
         self._pool = self._topology = None
+        self._guard_ensured_at = -1e9
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the fast path (`policy.fast_drain`)."""
@@ -167,6 +170,27 @@ class Router:
             self._pool = await PermitPool.open(self.js)
         if self._topology is None:
             self._topology = load_topology(self.s.policy.topology_file)
+        await self._ensure_guard()
+
+    async def _ensure_guard(self) -> None:
+        """Start the cluster's FleetGuard if it is not running (signal-with-start of its no-op `ensure`),
+        so it publishes the permit pool before the first fault, not after the first incident asked.
+        At most once per `ENSURE_GUARD_EVERY_S`; failures are logged (the first incident starts it too)."""
+        from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
+
+        now = time.monotonic()
+        if now - self._guard_ensured_at < ENSURE_GUARD_EVERY_S:
+            return
+        self._guard_ensured_at = now
+        try:
+            async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
+                await self.client.start_workflow(
+                    GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=GuardPolicy.from_settings(
+                        self.s.policy, len(self._topology))),
+                    id=subjects.fleetguard_workflow_id(self.s.cluster), task_queue=guard_task_queue(self.s.task_queue),
+                    start_signal=GuardApi.ENSURE, static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
+        except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
+            log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
     async def setup(self):  # noqa: ANN201
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -407,6 +431,8 @@ class Router:
             return
         if not claim.ok:
             self.stats.fast_refused += 1
+            if claim.reason.startswith("no permit pool yet"):
+                await self._ensure_guard()
             bound.info("fast_drain_refused", reason=claim.reason)
             return
         if not claim.new and claim.by != BY_ROUTER:
