@@ -133,7 +133,7 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     wtask = None
     if not observe:
         kv = await js.create_key_value(bucket=subjects.DRAIN_KV_BUCKET, history=5)
-        watcher = await kv.watchall()
+        watcher = await kv.watch(f"{cluster}.>")  # this mode's cluster only (modes share the bucket)
 
         async def watch() -> None:
             async for entry in watcher:

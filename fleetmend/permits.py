@@ -130,6 +130,8 @@ class PermitPool:
 
     def __init__(self, kv: Any) -> None:
         self.kv = kv
+        self._waiting: dict[str, list[tuple[str, str | None, str, list[str], asyncio.Future]]] = {}
+        self._committers: dict[str, asyncio.Task[None]] = {}
 
     @classmethod
     async def open(cls, js: Any, bucket: str = subjects.PERMIT_KV_BUCKET) -> "PermitPool":
@@ -175,39 +177,75 @@ class PermitPool:
         (a FleetGuard grant) only needs room. Both need fewer than `budget` holders and fewer than
         `rack_cap` in the node's rack.
 
+        Claims made in this process while one is being written are decided together, in arrival order,
+        and written with one compare-and-set (group commit): a storm's claims do not race each other
+        for the key, and one round trip serves many of them.
+
         Returns:
             `Claim`: ok, or not with the reason (no pool yet, closed, budget, rack cap).
         Raises:
             PoolBusyError: lost the compare-and-set `CAS_ATTEMPTS` times in a row.
         """
+        fut: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(cluster, []).append((node, rack, by, list(domains or []), fut))
+        if cluster not in self._committers:
+            self._committers[cluster] = asyncio.create_task(self._commit(cluster))
+        return await asyncio.shield(fut)
+
+    async def _commit(self, cluster: str) -> None:
+        """Write the waiting claims of `cluster`, a batch at a time, until none wait."""
+        try:
+            while self._waiting.get(cluster):
+                batch = self._waiting.pop(cluster)
+                try:
+                    results = await self._claim_batch(cluster, [(n, r, b, d) for n, r, b, d, _f in batch])
+                except Exception as err:  # noqa: BLE001 - every claim of the batch gets it
+                    for *_x, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(err)
+                    continue
+                for (*_x, fut), res in zip(batch, results):
+                    if not fut.done():
+                        fut.set_result(res)
+        finally:
+            self._committers.pop(cluster, None)
+
+    async def _claim_batch(self, cluster: str, reqs: list[tuple[str, str | None, str, list[str]]]) -> list[Claim]:
         for attempt in range(CAS_ATTEMPTS):
             state, rev = await self._get(cluster)
             if state is None:
-                if by == BY_GUARD:
-                    return Claim(True, "no permit pool yet: FleetGuard's grant stands alone")
-                return Claim(False, "no permit pool yet (FleetGuard has not published one)")
-            held = len(state.holders)
-            if node in state.holders:
-                return Claim(True, "already holds a permit", holders=held, budget=state.budget,
-                             by=state.holders[node].by)
-            if by == BY_ROUTER:
-                if not state.open:
-                    return Claim(False, f"pool closed: {state.why}", holders=held, budget=state.budget)
-                closed = sorted(set(domains or []) & set(state.closed_domains))
-                if closed:
-                    return Claim(False, f"infrastructure incident open in {', '.join(closed)}", holders=held,
-                                 budget=state.budget)
-            if held >= state.budget:
-                return Claim(False, f"budget: {held}/{state.budget} permits held", holders=held, budget=state.budget)
-            if rack and state.in_rack(rack) >= state.rack_cap:
-                return Claim(False, f"rack {rack}: {state.in_rack(rack)}/{state.rack_cap} drained", holders=held,
-                             budget=state.budget)
-            state.holders[node] = Holder(rack=rack, by=by, at=time.time())
+                return [Claim(True, "no permit pool yet: FleetGuard's grant stands alone") if by == BY_GUARD
+                        else Claim(False, "no permit pool yet (FleetGuard has not published one)")
+                        for _n, _r, by, _d in reqs]
+            out = [self._decide(state, *req) for req in reqs]
+            if not any(c.new for c in out):
+                return out
             if await self._put(cluster, state, rev):
-                return Claim(True, f"permit {held + 1}/{state.budget} ({by})", new=True, holders=held + 1,
-                             budget=state.budget, by=by)
+                return out
             await self._backoff(attempt)
         raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+
+    @staticmethod
+    def _decide(state: PoolState, node: str, rack: str | None, by: str, domains: list[str]) -> Claim:
+        """One claim against `state` (added to it when granted and new)."""
+        held = len(state.holders)
+        if node in state.holders:
+            return Claim(True, "already holds a permit", holders=held, budget=state.budget, by=state.holders[node].by)
+        if by == BY_ROUTER:
+            if not state.open:
+                return Claim(False, f"pool closed: {state.why}", holders=held, budget=state.budget)
+            closed = sorted(set(domains) & set(state.closed_domains))
+            if closed:
+                return Claim(False, f"infrastructure incident open in {', '.join(closed)}", holders=held,
+                             budget=state.budget)
+        if held >= state.budget:
+            return Claim(False, f"budget: {held}/{state.budget} permits held", holders=held, budget=state.budget)
+        if rack and state.in_rack(rack) >= state.rack_cap:
+            return Claim(False, f"rack {rack}: {state.in_rack(rack)}/{state.rack_cap} drained", holders=held,
+                         budget=state.budget)
+        state.holders[node] = Holder(rack=rack, by=by, at=time.time())
+        return Claim(True, f"permit {held + 1}/{state.budget} ({by})", new=True, holders=held + 1,
+                     budget=state.budget, by=by)
 
     async def release(self, cluster: str, node: str) -> bool:
         """Give `node`'s slot back. Returns whether it held one. Idempotent.

@@ -17,14 +17,15 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                          ($JS.ACK.<fault stream>.<durable>.>), fleet.deadletter, fleet.*.fault.*
                          (`agent_silent` events for nodes whose heartbeats stopped), the lease
                          bucket (`$KV.<lease bucket>.>` and its API calls: the elected publisher of
-                         the consumer-lag gauge)
+                         the consumer-lag gauge), the permit pool bucket and the drain bucket (the fast
+                         path of `policy.fast_drain`: a slot, then the standalone scheduler's drain)
                subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
                          _INBOX_router.> (its own inbox prefix)
     worker     publish   fleet.*.diag.* (diagnostics, recovery and sweep benchmark requests), fleet.*.fault.*
                          (fail_slow of `fleetmend sweep --act`), $KV.<drain bucket>.>
                          and the JetStream API calls of that bucket (stream info/create, direct and
                          message get, consumer create/info/delete for key listings, flow control);
-                         the same for the ticket ledger, lease and notifications-sent buckets
+                         the same for the ticket ledger, lease, notifications-sent and permit pool buckets
                subscribe _INBOX_worker.> (its own inbox prefix)
     analyzer   publish   the JetStream API calls of its ordered consumers on the perf and job streams
                          (consumer create/delete, flow control) and of its KV bucket (lease, state),
@@ -105,12 +106,13 @@ def role_permissions(role: str) -> dict | None:
                    f"CONSUMER.INFO.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}", f"CONSUMER.CREATE.{fs}.{dur}.>",
                    f"CONSUMER.DURABLE.CREATE.{fs}.{dur}", f"CONSUMER.MSG.NEXT.{fs}.{dur}", f"STREAM.MSG.GET.{fs}")
         return {"publish": {"allow": [*api, f"$JS.ACK.{fs}.{dur}.>", subjects.DEADLETTER_SUBJECT,
-                                      subjects.all_faults_subject(), *_kv_bucket(subjects.LEASE_KV_BUCKET)]},
+                                      subjects.all_faults_subject(), *_kv_bucket(subjects.LEASE_KV_BUCKET),
+                                      *_kv_bucket(subjects.PERMIT_KV_BUCKET), *_kv_bucket(subjects.DRAIN_KV_BUCKET)]},
                 "subscribe": {"allow": [subjects.all_heartbeats_subject(), subjects.max_deliveries_advisory(fs, dur),
                                         role_inbox_prefix("router") + ".>"]}}
     if role == "worker":
         buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
-                   subjects.NOTIFY_KV_BUCKET)
+                   subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET)
         return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + [
                     "fleet.*.diag.*", subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}

@@ -212,6 +212,18 @@ def test_rbac_grants_exactly_what_the_kubernetes_adapter_calls(default_docs: lis
     assert not by_kind(render({"scheduler": "slurm"}), "ClusterRole")
 
 
+def test_fast_drain_gives_the_router_the_drainer_role(default_docs: list[dict]) -> None:
+    router = by_kind(default_docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in router and router["automountServiceAccountToken"] is False
+    docs = render({"policy": {"fast_drain": True}})
+    router = by_kind(docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+    (binding,) = by_kind(docs, "ClusterRoleBinding").values()
+    assert router["serviceAccountName"] == "fleetmend-router" in by_kind(docs, "ServiceAccount")
+    assert [sub["name"] for sub in binding["subjects"]] == ["fleetmend-worker", "fleetmend-router"]
+    slurm = render({"policy": {"fast_drain": True}, "scheduler": "slurm"})
+    assert "serviceAccountName" not in by_kind(slurm, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+
+
 def _known_metric_names() -> set[str]:
     from fleetmend import fleetgauges
 

@@ -179,13 +179,16 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         assert sum([await drained(b) for b in burst]) == 1
         assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
         assert router.stats.fast_drains == 3 and router.stats.fast_refused >= 4
+        env = {**env_of(s), "FLEETMEND_POLICY__FAST_DRAIN": "true"}
+        out = (await cli(env, "breaker", "status")).stdout
+        assert "permit pool: 3/3 slots held, 2 per rack, open" in " ".join(out.split())
 
         # 5. pause: the pool closes and the router drains nothing more, even with a slot free
         await guard.execute_update(GuardApi.PAUSE, GuardCommand(by="test", note="maintenance"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open), timeout_s=30,
                                 what="pool closed")
         refused = router.stats.fast_refused
-        await cli(env_of(s), "abort", "n0", "--undrain", "--note", "test frees a slot")
+        await cli(env, "abort", "n0", "--undrain", "--note", "test frees a slot")
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: "n0" not in p.holders), timeout_s=90,
                                 what="n0's slot given back")
         await fail("c0")
@@ -275,5 +278,9 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
         await handle.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "breaker" in p.why),
                                 timeout_s=30, what="the breaker keeps the pool closed after resume")
+        from tests.test_policy_replay import RECORD, _write
+
+        if RECORD:  # the replay baseline of patch permit-pool (tests/test_policy_replay.py)
+            _write("fleetguard_pool", await handle.fetch_history())
         await handle.terminate("test done")
     await nc.close()

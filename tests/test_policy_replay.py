@@ -38,6 +38,7 @@ BASELINE = {
     "remediation_fatal_returned_fold1", "remediation_lemon_returned_fold1",  # a run that records fold-1
     "remediation_fatal_returned_dwp", "remediation_lemon_returned_dwp",  # drained with the permit
     "remediation_storm_bytes",  # before patch run-bytes
+    "fleetguard_pool",  # with patch permit-pool: adoptions, pause, breaker (tests/test_permit_pool.py records it)
 }
 
 

@@ -244,6 +244,15 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
         assert ref.created
         for role, c in (("router-lag", router), ("incident-poller", worker)):
             assert await KvLease(await lease_bucket(c.jetstream()), lease_key(role, unique), role).tick()
+
+        # policy.fast_drain: the guard's worker writes the permit pool; the router claims a slot and drains
+        from fleetmend.permits import PermitPool
+
+        await (await PermitPool.open(worker.jetstream())).publish(f"pp{unique}", budget=2, rack_cap=2, open=True)
+        claim = await (await PermitPool.open(router.jetstream())).claim(f"pp{unique}", "n2", None)
+        assert claim.ok and claim.new
+        fast = StandaloneScheduler(router.jetstream(), bucket=subjects.DRAIN_KV_BUCKET)
+        assert (await fast.drain(f"fast-{unique}", "test", "fast-1")).owned
     finally:
         for c in (router, worker, n2):
             await c.close()

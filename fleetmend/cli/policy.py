@@ -190,6 +190,8 @@ def register(app: typer.Typer) -> None:
         """Permits held, the queue, the breaker and infrastructure incidents of the cluster."""
         s = m._settings(config, cluster=cluster)
         d = m._run(_guard_status(s))
+        if s.policy.fast_drain:
+            d["pool"] = m._run(_pool_status(s))
         if as_json:
             sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
             return
@@ -211,9 +213,32 @@ def register(app: typer.Typer) -> None:
             t.add_row(q["node"], "queued", q["severity"], q["fault_class"], q.get("rack") or "", q["requested_at"])
         if d["held"] or d["queue"]:
             m.out.print(t)
+        pool = d.get("pool")
+        if pool is not None:
+            held = {h["node"] for h in d["held"]}
+            router_only = sorted(n for n, h in pool["holders"].items() if h["by"] == "router" and n not in held)
+            m.out.print(f"permit pool: {len(pool['holders'])}/{pool['budget']} slots held, {pool['rack_cap']} per rack, "
+                        + ("open" if pool["open"] else f"closed ({escape(pool['why'])})")
+                        + (f"; router drains not adopted yet: {', '.join(router_only)}" if router_only else ""))
+        elif s.policy.fast_drain:
+            m.out.print("permit pool: not published yet (FleetGuard writes it when it starts)")
         for inc in d["infra_incidents"]:
             m.out.print(f"infrastructure incident {inc['domain']} ({'closed' if inc.get('closed_at') else 'open'}): "
                         f"{len(inc['nodes'])} nodes, ticket {inc.get('ticket') or '-'}")
+
+    async def _pool_status(s) -> dict | None:  # noqa: ANN001 - Settings
+        """The cluster's permit pool as stored (`fleetmend.permits`), or None before FleetGuard wrote it."""
+        from dataclasses import asdict
+
+        from fleetmend.connect import close_nats, connect_nats
+        from fleetmend.permits import PermitPool
+
+        nc = await connect_nats(s, name="fleetmend-cli")
+        try:
+            st = await (await PermitPool.open(nc.jetstream())).read(s.cluster)
+        finally:
+            await close_nats(nc)
+        return asdict(st) if st is not None else None
 
     @breaker_app.command("reset")
     def breaker_reset(

@@ -435,8 +435,12 @@ class Router:
                 await self._ensure_guard()
             bound.info("fast_drain_refused", reason=claim.reason)
             return
-        if not claim.new and claim.by != BY_ROUTER:
-            return  # its incident holds the permit: drained (or being drained) under it
+        if not claim.new:
+            # held already: by its incident (drained under that permit), or by an earlier fast drain whose
+            # incident adopts it or will (a router that stopped between slot and drain: the incident's
+            # drain under the adopted permit cordons it). Draining again here would re-own the drain
+            # under a new id, which the incident's undrain must not meet.
+            return
         fault_class = ev.verdict.fault_class if ev.verdict else self.catalog.verdict(ev).fault_class
         try:
             res = await self._scheduler.drain(node, f"{fault_class}: router fast path, {claim.reason}",
