@@ -11,7 +11,9 @@ signal; the incident then runs `drain_node`).
 
 With `policy.fast_drain` (`fleetmend.permits`) the budget itself lives in the cluster's permit pool,
 shared with the router's fast path, and `PoolGate` enforces it at the last moment before a cordon:
-- a node the router already drained under a pool slot asks the guard with `preclaimed` (adopted);
+- a node the router already drained under a pool slot asks the guard with `preclaimed` (adopted), and
+  every request carries the router's holders as the pool has them (`pool_router`), so the guard counts
+  the router's drains it has not adopted yet;
 - a grant takes the node's pool slot right before the drain. When the pool has no room (router drains
   the guard had not counted yet), the activity fails retryably (`DrainSlotWait`, with the reason) and
   Temporal retries it until a slot frees: the node is not cordoned meanwhile, so the budget holds.
@@ -34,6 +36,9 @@ from fleetmend.messages import (
 )
 from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
 from fleetmend.policy import Topology
+
+MAX_ROUTER_VIEW = 1_000
+"""Router holders sent with one permit request (a budget of thousands would otherwise bloat it)."""
 
 Decide = Callable[[PermitRequest], Awaitable[PermitDecision]]
 Drain = Callable[[DrainRequest], Awaitable[DrainResult]]
@@ -59,13 +64,17 @@ class PoolGate:
             self._pool = await PermitPool.open(self._js)
         return self._pool
 
-    async def held_by_router(self, cluster: str, node: str) -> bool:
-        """Whether the router drained `node` under a pool slot (its incident then asks `preclaimed`)."""
+    async def router_view(self, cluster: str, node: str) -> tuple[bool, dict[str, str | None] | None]:
+        """(whether the router drained `node` under a pool slot: its incident then asks `preclaimed`;
+        the router's holders, node → rack, at most `MAX_ROUTER_VIEW`), or (False, None) without a pool."""
         if not self.enabled:
-            return False
+            return False, None
         state = await (await self.pool()).read(cluster)
-        holder = state.holders.get(node) if state else None
-        return holder is not None and holder.by == BY_ROUTER
+        if state is None:
+            return False, None
+        holder = state.holders.get(node)
+        router = {n: h.rack for n, h in state.holders.items() if h.by == BY_ROUTER and n != node}
+        return holder is not None and holder.by == BY_ROUTER, dict(list(router.items())[:MAX_ROUTER_VIEW])
 
     async def claim(self, cluster: str, node: str) -> None:
         """Take `node`'s pool slot for a FleetGuard grant, right before its drain.
@@ -107,8 +116,9 @@ class DrainWithPermitActivities:
         error, retried), what `decide_drain_permit` raises, and "DrainSlotWait" (`PoolGate.claim`)."""
         permit = req.permit
         gate = self._gate
-        if gate is not None and await gate.held_by_router(permit.cluster, permit.node):
-            permit = replace(permit, preclaimed=True)
+        if gate is not None:
+            preclaimed, router = await gate.router_view(permit.cluster, permit.node)
+            permit = replace(permit, preclaimed=preclaimed, pool_router=router)
         decision = await self._decide(permit)
         if not decision.granted:
             return PermitDrainResult(decision=decision)

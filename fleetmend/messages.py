@@ -655,6 +655,10 @@ class PermitRequest:
     preclaimed: bool = False
     """The router already drained the node under a slot of the permit pool (`policy.fast_drain`): the
     guard adopts it as held (it is drained; the pool kept the budget) instead of deciding."""
+    pool_router: dict[str, str | None] | None = None
+    """`policy.fast_drain`: the router's holders in the permit pool (node → rack) when the request was
+    sent; the guard counts those it has not adopted yet against the budget and the rack caps, so it does
+    not grant a slot the router already took. None: no view (no pool, or an older worker)."""
 
 
 @dataclass
@@ -786,6 +790,8 @@ class GuardState:
     writes again only on a change (`policy.fast_drain`)."""
     pool_drop: list[str] = field(default_factory=list)
     """Nodes whose pool slot the guard still has to free (reconciliation, `breaker release`)."""
+    pool_router: dict[str, str | None] = field(default_factory=dict)
+    """The router's pool holders (node → rack) as the newest request saw them (`PermitRequest.pool_router`)."""
 
 
 @dataclass

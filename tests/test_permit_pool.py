@@ -7,10 +7,13 @@ fast path through real NATS, Temporal and the standalone scheduler.
   with an open infrastructure incident refuses the router; no pool yet refuses the router only.
 - End to end: the router starts its cluster's FleetGuard, which publishes the pool before the first
   fault; a fault that must drain now is drained by the router and its incident adopts it (the guard's
-  log says so); an XID 13 (a history rule) is left to its incident; a burst on more nodes than the budget never has more nodes drained at once than the budget
-  (replayed from the drain records), the rest wait visibly in the guard's queue; a paused guard
-  closes the pool and the router drains nothing more; a repaired node's slot goes back to the pool
-  and the next queued node gets it.
+  log says so); an XID 13 (a history rule) is left to its incident; a burst on more nodes than the
+  budget never has more nodes drained at once than the budget (replayed from the drain records), and
+  the rest wait at the guard; `fleetmend breaker status` shows the pool; a paused guard closes the
+  pool and the router drains nothing more; an aborted node's slot goes back to the pool and, after
+  the resume, the guard's queue takes it.
+- FleetGuard adopts a preclaimed request through pause and breaker, with its lemon verdict, and the
+  adoptions trip the breaker, which keeps the pool closed.
 """
 
 from __future__ import annotations
@@ -198,8 +201,9 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         await guard.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: p.open and len(p.holders) == 3),
                                 timeout_s=90, what="a burst node took the freed slot")
-        await assert_eventually(lambda: _true(sum([b in {k.split(".")[-1] for k, on in records if on}
-                                                   for b in burst]) == 2), timeout_s=60, what="a second burst node drained")
+        drained_now = lambda: {k.split(".")[-1] for k, on in records if on}  # noqa: E731
+        await assert_eventually(lambda: _true(len(drained_now() & set(burst)) == 2), timeout_s=60,
+                                what="a second burst node drained")
         assert _replay(records) <= 3 and not await drained("c0")
     finally:
         stop.set()

@@ -82,7 +82,8 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardPhase, GuardState,
         GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand,
-        PermitRequest, PoolSync, PoolSynced, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef, TicketRequest, iso,
+        PermitRequest, PoolSync, PoolSynced, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef,
+        TicketRequest, iso,
     )
     from fleetmend.policy import drain_budget
 
@@ -293,6 +294,7 @@ class FleetGuard:
 
     def _release(self, rel: PermitRelease) -> None:
         s = self._state
+        s.pool_router.pop(rel.node, None)
         before = len(s.held) + len(s.queue)
         s.held = [h for h in s.held if h.node != rel.node]
         s.queue = [q for q in s.queue if q.node != rel.node]
@@ -306,6 +308,8 @@ class FleetGuard:
     def _request(self, req: PermitRequest, now: datetime) -> None:
         s = self._state
         s.policy = req.policy
+        if req.pool_router is not None:  # the newest view of the router's pool slots
+            s.pool_router = dict(req.pool_router)
         if req.node not in s.seen_nodes:
             s.seen_nodes.append(req.node)
         if req.domains:
@@ -322,6 +326,7 @@ class FleetGuard:
             s.held.append(Held(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class,
                                rack=req.rack, granted_at=self._now()))
             s.grants += 1
+            s.pool_router.pop(req.node, None)
             self._router_only = [n for n in self._router_only if n != req.node]
             self._log(f"{req.node}: drained by the router under a permit pool slot; adopted "
                       f"({req.severity} {req.fault_class}; {len(s.held)}/{self._budget()} held)")
@@ -478,10 +483,11 @@ class FleetGuard:
         now = workflow.now()
         if not (s.breaker_tripped or s.paused):
             budget = self._budget()
+            router = self._unadopted()
             for q in self._ordered_queue():
-                if len(s.held) >= budget:
+                if len(s.held) + len(router) >= budget:
                     break
-                if q.rack and sum(1 for h in s.held if h.rack == q.rack) >= s.policy.max_drained_per_rack:
+                if q.rack and self._in_rack(q.rack, router) >= s.policy.max_drained_per_rack:
                     continue
                 s.queue.remove(q)
                 s.held.append(Held(node=q.node, severity=q.severity, fault_class=q.fault_class, rack=q.rack,
@@ -583,13 +589,26 @@ class FleetGuard:
         if s.paused:
             return f"paused by {s.paused_by}; `fleetmend resume` resumes drains"
         budget = self._budget()
-        if len(s.held) >= budget:
-            return f"budget: {len(s.held)}/{budget} permits held (blast radius), {len(s.queue)} queued"
+        router = self._unadopted()
+        if len(s.held) + len(router) >= budget:
+            extra = f" + {len(router)} drained by the router, not adopted yet" if router else ""
+            return (f"budget: {len(s.held)}{extra}/{budget} permits held (blast radius), "
+                    f"{len(s.queue)} queued")
         if q.rack:
-            in_rack = sum(1 for h in s.held if h.rack == q.rack)
+            in_rack = self._in_rack(q.rack, router)
             if in_rack >= s.policy.max_drained_per_rack:
                 return f"rack {q.rack}: {in_rack}/{s.policy.max_drained_per_rack} drained"
         return "next in the queue"
+
+    def _unadopted(self) -> dict[str, str | None]:
+        """The router's pool holders (newest view) that the guard does not hold yet: drained nodes that
+        count against the budget and rack caps until their incidents ask to be adopted."""
+        s = self._state
+        held = {h.node for h in s.held}
+        return {n: r for n, r in s.pool_router.items() if n not in held}
+
+    def _in_rack(self, rack: str, router: dict[str, str | None]) -> int:
+        return sum(1 for h in self._state.held if h.rack == rack) + sum(1 for r in router.values() if r == rack)
 
     def _ordered_queue(self) -> list[Queued]:
         return sorted(self._state.queue, key=lambda q: (-q.severity.rank, q.requested_at))

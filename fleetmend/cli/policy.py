@@ -217,7 +217,8 @@ def register(app: typer.Typer) -> None:
         if pool is not None:
             held = {h["node"] for h in d["held"]}
             router_only = sorted(n for n, h in pool["holders"].items() if h["by"] == "router" and n not in held)
-            m.out.print(f"permit pool: {len(pool['holders'])}/{pool['budget']} slots held, {pool['rack_cap']} per rack, "
+            m.out.print(f"permit pool: {len(pool['holders'])}/{pool['budget']} slots held, "
+                        f"{pool['rack_cap']} per rack, "
                         + ("open" if pool["open"] else f"closed ({escape(pool['why'])})")
                         + (f"; router drains not adopted yet: {', '.join(router_only)}" if router_only else ""))
         elif s.policy.fast_drain:

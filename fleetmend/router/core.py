@@ -188,7 +188,8 @@ class Router:
                     GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=GuardPolicy.from_settings(
                         self.s.policy, len(self._topology))),
                     id=subjects.fleetguard_workflow_id(self.s.cluster), task_queue=guard_task_queue(self.s.task_queue),
-                    start_signal=GuardApi.ENSURE, static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
+                    start_signal=GuardApi.ENSURE,
+                    static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
         except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
