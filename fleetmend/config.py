@@ -515,7 +515,9 @@ class PolicySettings(_Section):
     compare-and-set semaphore in JetStream KV that FleetGuard sizes, opens and closes (breaker, pause,
     observe-only, infrastructure incidents); the incident adopts the drain. Every drain under a permit
     then takes its slot there, so the budget and the rack cap hold across both paths. Needs the router
-    to reach the scheduler (its `scheduler` settings and credentials). Off: every drain goes through
+    to reach the scheduler (its `scheduler` settings and credentials; on Kubernetes the router's drain
+    includes the pod evictions, up to `kubernetes.evict_timeout_s`, which delays that node's incident
+    start, not other nodes'). Every process must read the same value. Off: every drain goes through
     the incident and FleetGuard first (about 40 drains/s at most on the 2-core dev server)."""
     reboot_command: list[str] = Field(default_factory=list)
     """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
