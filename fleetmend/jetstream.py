@@ -203,3 +203,27 @@ async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "", timeout_s
         info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{pre}{prefix}>" if prefix else f"{pre}>")
     subjects_ = info.state.subjects or {}
     return sorted(s[len(pre):] for s in subjects_ if s.startswith(pre))
+
+
+async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, timeout_s: float = 10.0) -> Any:
+    """A KV bucket of fleetmend's, created on first use (file storage, history 1); a bucket another
+    process created meanwhile is opened.
+
+    Returns:
+        `nats.js.kv.KeyValue`.
+    Raises:
+        TimeoutError: JetStream did not answer within `timeout_s`.
+        nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
+    """
+    from nats.js.api import KeyValueConfig, StorageType
+    from nats.js.errors import BucketNotFoundError
+
+    async with asyncio.timeout(timeout_s):
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            try:
+                return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
+                                                                description=description))
+            except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
+                return await js.key_value(bucket)

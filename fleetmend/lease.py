@@ -15,7 +15,6 @@ cleanly deletes its key (`release`), and the next contender takes it at its next
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import os
@@ -45,16 +44,10 @@ async def lease_bucket(js: Any, bucket: str = subjects.LEASE_KV_BUCKET, ttl_s: f
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError
+    from fleetmend.jetstream import open_kv_bucket
 
-    async with asyncio.timeout(timeout_s):
-        try:
-            return await js.key_value(bucket)
-        except BucketNotFoundError:
-            return await js.create_key_value(KeyValueConfig(
-                bucket=bucket, history=1, storage=StorageType.FILE,
-                description="fleetmend leases: which replica publishes the fleet-level gauges"))
+    return await open_kv_bucket(js, bucket, "fleetmend leases: which replica publishes the fleet-level gauges",
+                                timeout_s)
 
 
 def lease_key(role: str, cluster: str) -> str:

@@ -109,19 +109,10 @@ async def permit_bucket(js: Any, bucket: str = subjects.PERMIT_KV_BUCKET, timeou
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError
+    from fleetmend.jetstream import open_kv_bucket
 
-    async with asyncio.timeout(timeout_s):
-        try:
-            return await js.key_value(bucket)
-        except BucketNotFoundError:
-            try:
-                return await js.create_key_value(KeyValueConfig(
-                    bucket=bucket, history=1, storage=StorageType.FILE,
-                    description="fleetmend drain permits: the blast-radius budget per cluster (FleetGuard + router)"))
-            except Exception:  # noqa: BLE001 - another process created it first
-                return await js.key_value(bucket)
+    return await open_kv_bucket(js, bucket, "fleetmend drain permits: the blast-radius budget per cluster "
+                                            "(FleetGuard + router)", timeout_s)
 
 
 class PermitPool:
