@@ -805,7 +805,7 @@ class PoolSync:
     why: str = ""
     closed_domains: list[str] = field(default_factory=list)
     held: dict[str, str | None] = field(default_factory=dict)
-    """The guard's permit holders (node → rack), added to the pool when missing."""
+    """The guard's permit holders (node → rack), written as holders only when the pool is new."""
     drop: list[str] = field(default_factory=list)
 
 
