@@ -27,6 +27,7 @@ import nats
 import pytest
 
 from activities.scheduler import build_scheduler
+from activities.standalone import StandaloneScheduler
 from fleetmend import subjects
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
@@ -122,7 +123,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
     js = nc.jetstream()
     client = await connect_temporal(s)
     await ensure_fault_stream(js)
-    kv = await js.create_key_value(bucket=subjects.DRAIN_KV_BUCKET, history=5)
+    kv = await StandaloneScheduler(js, cluster=cluster).kv()  # the scheduler's own bucket (other tests share it)
     records: list[tuple[str, bool]] = []
     watcher = await kv.watch(f"{cluster}.>")
 
