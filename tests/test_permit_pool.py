@@ -181,6 +181,8 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
             lambda: _when(guard_status(), lambda g: {h["node"] for h in g.held} | {q["node"] for q in g.queue}
                           >= set(burst)), timeout_s=90, what="the whole burst known to the guard")
         assert sum([await drained(b) for b in burst]) == 1
+        queued = (await guard_status()).queue
+        assert queued and all(q["waiting"].startswith("budget: ") and "/3 permits held" in q["waiting"] for q in queued)
         assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
         assert router.stats.fast_drains == 3 and router.stats.fast_refused >= 4
         env = {**env_of(s), "FLEETMEND_POLICY__FAST_DRAIN": "true"}

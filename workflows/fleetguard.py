@@ -591,8 +591,8 @@ class FleetGuard:
         budget = self._budget()
         router = self._unadopted()
         if len(s.held) + len(router) >= budget:
-            extra = f" + {len(router)} drained by the router, not adopted yet" if router else ""
-            return (f"budget: {len(s.held)}{extra}/{budget} permits held (blast radius), "
+            extra = f"; {len(router)} of them drained by the router, not adopted yet" if router else ""
+            return (f"budget: {len(s.held) + len(router)}/{budget} permits held (blast radius{extra}), "
                     f"{len(s.queue)} queued")
         if q.rack:
             in_rack = self._in_rack(q.rack, router)
