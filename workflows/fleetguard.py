@@ -128,6 +128,8 @@ class FleetGuard:
         that start the guard (update-with-start) run before `run` and must wait for it."""
         self._reconcile_due = False
         self._pool_synced = False
+        self._pool_task: asyncio.Task[None] | None = None
+        """The pool write in flight (`_start_pool_sync`): the main loop never waits for it."""
         """This run has written the permit pool once (`permit-pool`)."""
         self._router_only: list[str] = []
 
@@ -266,11 +268,13 @@ class FleetGuard:
             await self._file_tickets()
             self._publish()
             if self._state.policy.fast_drain and workflow.patched(PATCH_PERMIT_POOL):
-                await self._sync_pool()
+                self._start_pool_sync()
             info = workflow.info()
             if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
                     and not self._inbox:
                 await workflow.wait_condition(workflow.all_handlers_finished)
+                if self._pool_task is not None and not self._pool_task.done():
+                    await self._pool_task  # its slots to free must not be lost with this run
                 if self._answers and workflow.patched(PATCH_ANSWERS_BEFORE_CAN):
                     # the last update handlers granted other nodes too (requests that came by signal):
                     # send those answers first, continue-as-new on a later pass
@@ -535,14 +539,31 @@ class FleetGuard:
         return PoolSync(cluster=s.cluster, budget=self._budget(), rack_cap=s.policy.max_drained_per_rack,
                         open=not why, why=why, closed_domains=closed)
 
-    async def _sync_pool(self) -> None:
-        """Write the pool when what it must say changed, once per run, or slots are to be freed
-        (`permit-pool`). The guard's own holders go with it: the pool adds them only when it is new."""
+    def _start_pool_sync(self) -> None:
+        """Write the pool in the background when it must change (`_sync_pool`). The main loop goes on
+        answering requests meanwhile: under a storm an activity round trip takes seconds, and a loop
+        that waited for it left signalled requests unqueued (a 1,000-node burst was accounted 3–4 s
+        later with the pool than without it)."""
+        if (self._pool_task is None or self._pool_task.done()) and self._pool_sig() is not None:
+            self._pool_task = asyncio.create_task(self._pool_syncer())
+
+    async def _pool_syncer(self) -> None:
+        while self._pool_sig() is not None:  # what changed while a write was in flight goes next
+            await self._sync_pool()
+
+    def _pool_sig(self) -> str | None:
+        """What the pool must say now, as a string; None when the last write already said it."""
         s = self._state
         view = self._pool_view()
         sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
-        if sig == s.pool_published and not s.pool_drop and self._pool_synced:
-            return
+        return None if sig == s.pool_published and not s.pool_drop and self._pool_synced else sig
+
+    async def _sync_pool(self) -> None:
+        """Write the pool: budget, rack cap, open/why, closed domains, slots to free (`permit-pool`). The
+        guard's own holders go with it: the pool adds them only when it is new."""
+        s = self._state
+        view = self._pool_view()
+        sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
         view.held = {h.node: h.rack for h in s.held}
         view.drop, s.pool_drop = sorted(set(s.pool_drop)), []
         r: PoolSynced = await workflow.execute_activity(
