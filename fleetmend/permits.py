@@ -40,7 +40,7 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import structlog
 
@@ -53,6 +53,9 @@ BY_GUARD = "guard"
 CAS_ATTEMPTS = 64
 """Compare-and-set rounds before a claim gives up (`PoolBusyError`); each round is one KV read and one
 conditional write, and only a writer that lost to another's write tries again."""
+
+
+T = TypeVar("T")
 
 
 class PoolBusyError(RuntimeError):
@@ -153,8 +156,19 @@ class PermitPool:
             return False
         return True
 
-    async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
+    async def _cas(self, cluster: str, change: Callable[[PoolState | None], tuple[PoolState | None, T]]) -> T:
+        """Read the key, `change(state)` → (the state to write, or None to write nothing; the result), and
+        write it only if the key is still at the revision read; on a lost race, read again.
+
+        Raises:
+            PoolBusyError: lost `CAS_ATTEMPTS` times in a row."""
+        for attempt in range(CAS_ATTEMPTS):
+            state, rev = await self._get(cluster)
+            new, result = change(state)
+            if new is None or await self._put(cluster, new, rev):
+                return result
+            await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
+        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
 
     async def read(self, cluster: str) -> PoolState | None:
         """The cluster's pool, or None before FleetGuard first published it."""
@@ -202,19 +216,15 @@ class PermitPool:
             self._committers.pop(cluster, None)
 
     async def _claim_batch(self, cluster: str, reqs: list[tuple[str, str | None, str, list[str]]]) -> list[Claim]:
-        for attempt in range(CAS_ATTEMPTS):
-            state, rev = await self._get(cluster)
+        def change(state: PoolState | None) -> tuple[PoolState | None, list[Claim]]:
             if state is None:
-                return [Claim(True, "no permit pool yet: FleetGuard's grant stands alone") if by == BY_GUARD
-                        else Claim(False, "no permit pool yet (FleetGuard has not published one)")
-                        for _n, _r, by, _d in reqs]
+                return None, [Claim(True, "no permit pool yet: FleetGuard's grant stands alone") if by == BY_GUARD
+                              else Claim(False, "no permit pool yet (FleetGuard has not published one)")
+                              for _n, _r, by, _d in reqs]
             out = [self._decide(state, *req) for req in reqs]
-            if not any(c.new for c in out):
-                return out
-            if await self._put(cluster, state, rev):
-                return out
-            await self._backoff(attempt)
-        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+            return (state if any(c.new for c in out) else None), out
+
+        return await self._cas(cluster, change)
 
     @staticmethod
     def _decide(state: PoolState, node: str, rack: str | None, by: str, domains: list[str]) -> Claim:
@@ -243,15 +253,13 @@ class PermitPool:
 
         Raises:
             PoolBusyError: as `claim`."""
-        for attempt in range(CAS_ATTEMPTS):
-            state, rev = await self._get(cluster)
+        def change(state: PoolState | None) -> tuple[PoolState | None, bool]:
             if state is None or node not in state.holders:
-                return False
+                return None, False
             del state.holders[node]
-            if await self._put(cluster, state, rev):
-                return True
-            await self._backoff(attempt)
-        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+            return state, True
+
+        return await self._cas(cluster, change)
 
     async def publish(self, cluster: str, *, budget: int, rack_cap: int, open: bool, why: str = "",  # noqa: A002
                       closed_domains: list[str] | None = None,
@@ -266,8 +274,7 @@ class PermitPool:
             the pool as written.
         Raises:
             PoolBusyError: as `claim`."""
-        for attempt in range(CAS_ATTEMPTS):
-            state, rev = await self._get(cluster)
+        def change(state: PoolState | None) -> tuple[PoolState, PoolState]:
             fresh = state is None
             state = state or PoolState()
             state.budget, state.rack_cap, state.open, state.why = budget, rack_cap, open, why
@@ -277,10 +284,9 @@ class PermitPool:
                 state.holders.setdefault(node, Holder(rack=rack, by=BY_GUARD, at=now))
             for node in drop or []:
                 state.holders.pop(node, None)
-            if await self._put(cluster, state, rev):
-                return state
-            await self._backoff(attempt)
-        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+            return state, state
+
+        return await self._cas(cluster, change)
 
 
 __all__ = ["BY_GUARD", "BY_ROUTER", "Claim", "Holder", "PermitPool", "PoolBusyError", "PoolState", "permit_bucket"]

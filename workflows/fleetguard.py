@@ -542,28 +542,26 @@ class FleetGuard:
     def _start_pool_sync(self) -> None:
         """Write the pool in the background when it must change (`_sync_pool`). The main loop goes on
         answering requests meanwhile: under a storm an activity round trip takes seconds, and a loop
-        that waited for it left signalled requests unqueued (a 1,000-node burst was accounted 3–4 s
-        later with the pool than without it)."""
-        if (self._pool_task is None or self._pool_task.done()) and self._pool_sig() is not None:
+        waiting for it would leave signalled requests unqueued that long."""
+        if (self._pool_task is None or self._pool_task.done()) and self._pool_due() is not None:
             self._pool_task = asyncio.create_task(self._pool_syncer())
 
     async def _pool_syncer(self) -> None:
-        while self._pool_sig() is not None:  # what changed while a write was in flight goes next
-            await self._sync_pool()
+        while (due := self._pool_due()) is not None:  # what changed while a write was in flight goes next
+            await self._sync_pool(*due)
 
-    def _pool_sig(self) -> str | None:
-        """What the pool must say now, as a string; None when the last write already said it."""
+    def _pool_due(self) -> tuple[PoolSync, str] | None:
+        """(what the pool must say now, its signature), or None when the last write already said it
+        and no slot is to be freed."""
         s = self._state
         view = self._pool_view()
         sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
-        return None if sig == s.pool_published and not s.pool_drop and self._pool_synced else sig
+        return None if sig == s.pool_published and not s.pool_drop and self._pool_synced else (view, sig)
 
-    async def _sync_pool(self) -> None:
-        """Write the pool: budget, rack cap, open/why, closed domains, slots to free (`permit-pool`). The
-        guard's own holders go with it: the pool adds them only when it is new."""
+    async def _sync_pool(self, view: PoolSync, sig: str) -> None:
+        """Write `view` to the pool with the slots to free (`permit-pool`). The guard's own holders go
+        with it: the pool adds them only when it is new."""
         s = self._state
-        view = self._pool_view()
-        sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
         view.held = {h.node: h.rack for h in s.held}
         view.drop, s.pool_drop = sorted(set(s.pool_drop)), []
         r: PoolSynced = await workflow.execute_activity(

@@ -394,22 +394,21 @@ class Router:
         self.stats.signals += len(parts)
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
 
-    def _drain_now(self, items: list[tuple[Any, FaultEvent, float]]) -> FaultEvent | None:
-        """The first unhealthy event that must drain now by the catalog's own verdict and by the one the
-        incident will read (the producer's, or the catalog's when it gave none); None when there is none."""
+    def _drain_now(self, items: list[tuple[Any, FaultEvent, float]]) -> tuple[FaultEvent, str] | None:
+        """(the first unhealthy event that must drain now by the catalog's own verdict and by the one the
+        incident will read, the producer's or else the catalog's; the fault class the incident reads),
+        or None when there is none. The catalog classifies only events whose own verdict allows it."""
         debounce = self.s.policy.debounce_s > 0
+
+        def now(v) -> bool:  # noqa: ANN001 - Verdict
+            return v.drain and v.urgency is Urgency.NOW and v.history is None and not (v.clearable and debounce)
+
         for _m, ev, _t in items:
-            if ev.healthy:
+            if ev.healthy or (ev.verdict is not None and not now(ev.verdict)):
                 continue
-            ok = True
-            for v in (self.catalog.verdict(ev), ev.verdict):
-                if v is None:
-                    continue
-                if not v.drain or v.urgency is not Urgency.NOW or v.history is not None or (v.clearable and debounce):
-                    ok = False
-                    break
-            if ok:
-                return ev
+            mine = self.catalog.verdict(ev)
+            if now(mine):
+                return ev, (ev.verdict or mine).fault_class
         return None
 
     async def _fast_drain(self, cluster: str, node: str, wid: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
@@ -418,9 +417,10 @@ class Router:
 
         if cluster != self.s.cluster:
             return  # the scheduler adapter here drains this router's own cluster only
-        ev = self._drain_now(items)
-        if ev is None:
+        found = self._drain_now(items)
+        if found is None:
             return
+        ev, fault_class = found
         bound = log.bind(node=node, cluster=cluster, workflow_id=wid)
         try:
             if self._pool is None:
@@ -442,7 +442,6 @@ class Router:
             # drain under the adopted permit cordons it). Draining again here would re-own the drain
             # under a new id, which the incident's undrain must not meet.
             return
-        fault_class = ev.verdict.fault_class if ev.verdict else self.catalog.verdict(ev).fault_class
         try:
             res = await self._scheduler.drain(node, f"{fault_class}: router fast path, {claim.reason}",
                                               f"fast-{ev.event_id}")
