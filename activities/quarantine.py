@@ -34,11 +34,9 @@ from temporalio.exceptions import ApplicationError
 from fleetmend.messages import (
     Activity, DrainRequest, DrainResult, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRequest,
 )
-from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.permits import BY_GUARD, BY_ROUTER, MAX_ROUTER_VIEW, PermitPool
 from fleetmend.policy import Topology
 
-MAX_ROUTER_VIEW = 1_000
-"""Router holders sent with one permit request (a budget of thousands would otherwise bloat it)."""
 
 Decide = Callable[[PermitRequest], Awaitable[PermitDecision]]
 Drain = Callable[[DrainRequest], Awaitable[DrainResult]]

@@ -84,6 +84,9 @@ class GuardApi:
 
     WORKFLOW = "FleetGuard"
     REQUEST_PERMIT = "request_permit"
+    REQUEST_PERMITS = "request_permits"
+    """Requests the router forwards for incidents that have not asked yet (`policy.fast_drain`), a list
+    per signal."""
     RELEASE = "release"
     ENSURE = "ensure"
     STATUS = "status"
@@ -659,6 +662,12 @@ class PermitRequest:
     """`policy.fast_drain`: the router's holders in the permit pool (node → rack) when the request was
     sent; the guard counts those it has not adopted yet against the budget and the rack caps, so it does
     not grant a slot the router already took. None: no view (no pool, or an older worker)."""
+    forwarded: bool = False
+    """Sent by the router (`GuardApi.REQUEST_PERMITS`) for a node that must drain now and got no slot in
+    the permit pool, before its incident asks: the guard queues it at once (a burst is visible in
+    `fleetmend status` within seconds, not after every incident's first workflow task) and keeps its
+    own policy (the router's settings do not replace the worker's). The incident's own request, which
+    follows, keeps the queue place."""
 
 
 @dataclass
@@ -770,7 +779,8 @@ class GuardState:
     queue: list[Queued] = field(default_factory=list)
     seen_nodes: list[str] = field(default_factory=list)
     recent: list[tuple[str, datetime]] = field(default_factory=list)
-    """(node, time) of drain-worthy requests within the breaker/domain windows."""
+    """(node, time) of drain-worthy requests within the breaker/domain windows, oldest first (appended at
+    workflow time, expired from the front: `FleetGuard._prune`)."""
     breaker_tripped: bool = False
     breaker_reason: str | None = None
     breaker_tripped_at: datetime | None = None

@@ -50,6 +50,9 @@ log = structlog.get_logger("fleetmend.permits")
 
 BY_ROUTER = "router"
 BY_GUARD = "guard"
+MAX_ROUTER_VIEW = 1_000
+"""Router holders sent with one permit request (`PermitRequest.pool_router`; a budget of thousands
+would otherwise bloat it)."""
 CAS_ATTEMPTS = 64
 """Compare-and-set rounds before a claim gives up (`PoolBusyError`); each round is one KV read and one
 conditional write, and only a writer that lost to another's write tries again."""

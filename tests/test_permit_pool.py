@@ -279,9 +279,19 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
         assert b.granted  # over the budget of 2: the pool, not the guard, held the budget when b was drained
         c = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("c", preclaimed=False), result_type=PermitDecision)
         assert c.queued and not c.granted
-        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
+        # a request the router forwarded (`request_permits`) queues like an incident's own, and its
+        # policy (the router's settings) does not replace the guard's
+        from dataclasses import replace
+
+        fwd = replace(req("d", preclaimed=False), forwarded=True, reason="router: xid79 must drain now",
+                      policy=replace(policy, max_drained_nodes=99))
+        await handle.signal(GuardApi.REQUEST_PERMITS, [fwd])
+        st = await assert_eventually(
+            lambda: _when(handle.query(GuardApi.STATUS, result_type=GuardStatus), lambda g: len(g.queue) == 2),
+            timeout_s=30, what="the forwarded request queued")
         assert st.breaker_tripped and sorted(h["node"] for h in st.held) == ["a", "b", "lem"]
-        assert [q["node"] for q in st.queue] == ["c"]
+        assert [q["node"] for q in st.queue] == ["c", "d"] and st.budget == 2
+        assert st.queue[1]["reason"] == "router: xid79 must drain now"
         await handle.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "breaker" in p.why),
                                 timeout_s=30, what="the breaker keeps the pool closed after resume")
@@ -289,5 +299,102 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
 
         if RECORD:  # the replay baseline of patch permit-pool (tests/test_policy_replay.py)
             _write("fleetguard_pool", await handle.fetch_history())
+            _write("fleetguard_pool_forwarded", await handle.fetch_history())  # with `request_permits`
         await handle.terminate("test done")
     await nc.close()
+
+
+async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_server, tmp_path: Path,
+                                                           unique: str) -> None:
+    """A burst larger than the budget, with no worker on the incidents' queue (no incident runs a
+    workflow task): the router drains what the pool allows, starts the other incidents in phase
+    `awaiting_permit` and forwards their requests, so the guard queues them with the reason, as
+    `fleetmend status` shows. Once the worker runs, each incident's own request keeps the place the
+    router took, and nothing is queued twice."""
+    cluster = f"fw{unique}"
+    s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
+                      state_dir=tmp_path / "state", scheduler="standalone", task_queue=f"tq-{unique}",
+                      log_format="json",
+                      policy={"fast_drain": True, "max_drained_nodes": 1, "max_drained_percent": 100,
+                              "cluster_nodes": 100, "breaker_distinct_nodes": 1000, "domain_incident_nodes": 1000,
+                              "debounce_s": 0})
+    nc = await connect_nats(s, name="forward")
+    js = nc.jetstream()
+    client = await connect_temporal(s)
+    await ensure_fault_stream(js)
+    kv = await StandaloneScheduler(js, cluster=cluster).kv()
+    stop = asyncio.Event()
+    router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+                    durable=f"router-{unique}", scheduler=build_scheduler(s, js=js))
+    worker = await build_worker(s, client, nc)
+    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.guard.run())]
+    pool = await PermitPool.open(js)
+    guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+    env = {**env_of(s), "FLEETMEND_POLICY__FAST_DRAIN": "true"}
+    nodes = [f"n{i}" for i in range(4)]
+    main_runs = False
+
+    async def queue() -> list[dict]:
+        return (await guard.query(GuardApi.STATUS, result_type=GuardStatus)).queue
+
+    async def drained() -> list[str]:
+        out = []
+        for n in nodes:
+            try:
+                out += [n] if (await kv.get(subjects.drain_kv_key(cluster, n))).value else []
+            except Exception:  # noqa: BLE001 - no record
+                pass
+        return out
+
+    try:
+        await assert_eventually(lambda: pool.read(cluster), timeout_s=60, what="the guard's pool")
+        for n in nodes:
+            await js.publish(subjects.fault_subject(cluster, n), xid_event(cluster, n, 79).to_json_bytes())
+        q = await assert_eventually(lambda: _when(queue(), lambda q: len(q) == 3), timeout_s=60,
+                                    what="three refused nodes queued at the guard")
+        first = await drained()
+        assert len(first) == 1 and {e["node"] for e in q} == set(nodes) - set(first)
+        assert all(e["waiting"] == "budget: 1/1 permits held" or e["waiting"].startswith("budget: 1/1")
+                   for e in q), q
+        assert all(e["reason"].startswith("router: xid79 must drain now; no permit pool slot (budget")
+                   for e in q), q
+        assert router.stats.forwarded == 3 and router.stats.fast_drains == 1
+        from temporalio.api.sdk.v1 import WorkflowMetadata
+
+        md = await guard.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)  # the Temporal UI's
+        assert "queued: 3" in md.current_details and "permit pool (policy.fast_drain)" in md.current_details
+        # what the operator sees, before any incident ran a workflow task (no worker on their queue)
+        rows = await assert_eventually(
+            lambda: _when(cli(env, "status", "--json", "--cluster", cluster),
+                          lambda r: sum('"awaiting_permit"' in line for line in r.stdout.splitlines()) >= 3),
+            timeout_s=30, what="incidents listed in phase awaiting_permit")
+        listed = {r["node"]: r for r in json.loads(rows.stdout)}
+        for n in set(nodes) - set(first):
+            assert listed[n]["phase"] == "awaiting_permit" and listed[n]["waiting"].startswith("budget: 1/1"), listed
+        places = {e["node"]: e["requested_at"] for e in q}
+
+        # the incidents run: each asks for itself; the router's place in the queue stands, no duplicate
+        tasks.append(asyncio.create_task(worker.main.run()))
+        main_runs = True
+        from workflows.remediation import NodeRemediation
+
+        for n in places:
+            h = client.get_workflow_handle(subjects.workflow_id(cluster, n))
+            await assert_eventually(
+                lambda h=h: _when(h.query(NodeRemediation.status),
+                                  lambda i: any("drain permit queued by FleetGuard" in t["text"] for t in i.timeline)),
+                timeout_s=90, what=f"{n}'s incident asked for itself")
+        st = await assert_eventually(
+            lambda: _when(guard.query(GuardApi.STATUS, result_type=GuardStatus),
+                          lambda g: any("adopted" in line for line in g.log)), timeout_s=60, what="adopted")
+        assert [h["node"] for h in st.held] == first
+        assert sorted(e["node"] for e in st.queue) == sorted(places)
+        assert {e["node"]: e["requested_at"] for e in st.queue} == places
+        assert await drained() == first
+    finally:
+        stop.set()
+        await (worker.shutdown() if main_runs else worker.guard.shutdown())  # a worker never run never stops
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await nc.close()

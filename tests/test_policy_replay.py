@@ -39,6 +39,7 @@ BASELINE = {
     "remediation_fatal_returned_dwp", "remediation_lemon_returned_dwp",  # drained with the permit
     "remediation_storm_bytes",  # before patch run-bytes
     "fleetguard_pool",  # with patch permit-pool: adoptions, pause, breaker (tests/test_permit_pool.py records it)
+    "fleetguard_pool_forwarded",  # the same with a `request_permits` signal (router forwarding)
 }
 
 

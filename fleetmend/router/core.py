@@ -33,6 +33,11 @@ Guarantees:
   infrastructure incidents are the pool's). No slot: nothing is drained here and the incident asks
   FleetGuard as before. The fast path never holds a message back: whatever it meets (pool or scheduler
   trouble) is logged and the event is routed as without it.
+- Forwarding (fast path): a node refused a slot has its incident started in phase `awaiting_permit`,
+  and once the signal-with-start is accepted its permit request goes to the cluster's FleetGuard
+  (`request_permits`; a burst's nodes in a few signals, `MAX_FORWARD_BATCH` each), so the guard
+  queues it with the reason it waits before the incident's first workflow task runs. A forward that
+  fails is logged: the incident asks for itself as without it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import base64
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -65,6 +70,11 @@ __all__ = ["MAX_EVENT_BYTES", "Router", "decode_event", "collapse"]
 
 ENSURE_GUARD_EVERY_S = 10.0
 """Fast path: how often the router may signal-with-start its cluster's FleetGuard while it finds no pool."""
+FORWARD_LINGER_S = 0.05
+"""Forwarding: how long the first refused node waits for others of its burst to share its signal."""
+MAX_FORWARD_BATCH = 200
+"""Forwarding: permit requests per `request_permits` signal (~0.5 KiB each; Temporal's payload limit
+is 2 MiB)."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
 
@@ -78,6 +88,8 @@ class RouterStats:
     naks: int = 0
     fast_drains: int = 0
     fast_refused: int = 0
+    forwarded: int = 0
+    """Permit requests forwarded to FleetGuard (accepted by Temporal)."""
     deadletter_reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -160,6 +172,8 @@ class Router:
         self._scheduler = scheduler
         self._pool = self._topology = None
         self._guard_ensured_at = -1e9
+        self._forwards: list[Any] = []  # PermitRequest, waiting for `_forward_loop`
+        self._forwarder: asyncio.Task[None] | None = None
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the fast path (`policy.fast_drain`)."""
@@ -176,22 +190,63 @@ class Router:
         """Start the cluster's FleetGuard if it is not running (signal-with-start of its no-op `ensure`),
         so it publishes the permit pool before the first fault, not after the first incident asked.
         At most once per `ENSURE_GUARD_EVERY_S`; failures are logged (the first incident starts it too)."""
-        from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
+        from fleetmend.messages import GuardApi
 
         now = time.monotonic()
         if now - self._guard_ensured_at < ENSURE_GUARD_EVERY_S:
             return
         self._guard_ensured_at = now
         try:
-            async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
-                await self.client.start_workflow(
-                    GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=GuardPolicy.from_settings(
-                        self.s.policy, len(self._topology))),
-                    id=subjects.fleetguard_workflow_id(self.s.cluster), task_queue=guard_task_queue(self.s.task_queue),
-                    start_signal=GuardApi.ENSURE,
-                    static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
+            await self._signal_guard(GuardApi.ENSURE, [])
         except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
+
+    def _guard_policy(self):  # noqa: ANN202 - GuardPolicy
+        from fleetmend.messages import GuardPolicy
+
+        return GuardPolicy.from_settings(self.s.policy, len(self._topology))
+
+    async def _signal_guard(self, signal: str, args: list[Any]) -> None:
+        """Signal-with-start this router's cluster's FleetGuard (started with this router's policy when
+        absent). Raises what `Client.start_workflow` raises, or TimeoutError."""
+        from fleetmend.messages import GuardApi, GuardInput, guard_task_queue
+
+        async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
+            await self.client.start_workflow(
+                GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=self._guard_policy()),
+                id=subjects.fleetguard_workflow_id(self.s.cluster), task_queue=guard_task_queue(self.s.task_queue),
+                start_signal=signal, start_signal_args=args,
+                static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
+
+    def _forward(self, req) -> None:  # noqa: ANN001 - PermitRequest
+        """Queue `req` for FleetGuard (`_forward_loop`, started when none runs)."""
+        self._forwards.append(req)
+        if self._forwarder is None or self._forwarder.done():
+            self._forwarder = asyncio.create_task(self._forward_loop())
+
+    async def _forward_loop(self) -> None:
+        """Send the forwarded permit requests, `MAX_FORWARD_BATCH` per `request_permits` signal, until
+        none wait. A failed signal is logged and its requests are let go: each incident asks for itself
+        (and again every `policy.permit_rerequest_s`), so nothing is lost, only seen later."""
+        from fleetmend.messages import GuardApi
+
+        while self._forwards:
+            await asyncio.sleep(FORWARD_LINGER_S)
+            batch, self._forwards = self._forwards[:MAX_FORWARD_BATCH], self._forwards[MAX_FORWARD_BATCH:]
+            try:
+                # the pool's router holders as of now, with the batch's last request (the guard keeps the
+                # newest view): the guard counts the drains it has not adopted yet before it grants. Without
+                # it a grant may find the slot taken, and its drain waits for one (`PoolGate.claim`).
+                batch[-1] = replace(batch[-1], pool_router=await self._router_holders())
+            except Exception as err:  # noqa: BLE001 - forwarded without the view
+                log.warning("permit_pool_read_failed", cluster=self.s.cluster, error=repr(err))
+            try:
+                await self._signal_guard(GuardApi.REQUEST_PERMITS, [batch])
+            except Exception as err:  # noqa: BLE001 - the incidents ask for themselves
+                log.warning("permit_forward_failed", cluster=self.s.cluster, nodes=len(batch), error=repr(err))
+                continue
+            self.stats.forwarded += len(batch)
+            log.info("permits_forwarded", cluster=self.s.cluster, nodes=len(batch))
 
     async def setup(self):  # noqa: ANN201
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -229,6 +284,8 @@ class Router:
         if self._senders:
             log.info("router_finishing", nodes_in_flight=len(self._senders))
             await asyncio.gather(*self._senders.values(), return_exceptions=True)
+        if self._forwarder is not None:
+            await asyncio.gather(self._forwarder, return_exceptions=True)
         log.info("router_stopped", **self.stats.__dict__)
 
     async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
@@ -374,14 +431,14 @@ class Router:
         wid = subjects.workflow_id(cluster, node)
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         parts = split_batch(faults)
-        if self._fast:
-            await self._fast_drain(cluster, node, wid, items)
+        forward = await self._fast_drain(cluster, node, wid, items) if self._fast else None
+        phase = Phase.AWAITING_PERMIT if forward is not None else Phase.TRIAGE
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
                 for part in parts:  # in order; a failure retries them all (the workflow dedupes ids)
                     await self._signal_with_start(wid, inp, FaultBatch(faults=part, routed_at=batch.routed_at),
-                                                  cluster, node)
+                                                  cluster, node, phase)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Temporal away or overloaded: retry later, never drop
@@ -392,6 +449,8 @@ class Router:
             metrics.router_accepted(_ev)
         self.stats.routed += len(items)
         self.stats.signals += len(parts)
+        if forward is not None:  # the incident exists now: the guard's answer has somewhere to go
+            self._forward(forward)
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
 
     def _drain_now(self, items: list[tuple[Any, FaultEvent, float]]) -> tuple[FaultEvent, str] | None:
@@ -411,15 +470,21 @@ class Router:
                 return ev, (ev.verdict or mine).fault_class
         return None
 
-    async def _fast_drain(self, cluster: str, node: str, wid: str, items: list[tuple[Any, FaultEvent, float]]) -> None:
-        """The fast path: a pool slot, then the drain, for a node that must drain now. Never raises."""
+    async def _fast_drain(self, cluster: str, node: str, wid: str,
+                          items: list[tuple[Any, FaultEvent, float]]):  # noqa: ANN202 - PermitRequest | None
+        """The fast path: a pool slot, then the drain, for a node that must drain now. Never raises.
+
+        Returns:
+            the `PermitRequest` to forward to FleetGuard when the pool refused the node a slot (its
+            incident waits for a permit), else None."""
+        from fleetmend.messages import PermitRequest
         from fleetmend.permits import BY_ROUTER
 
         if cluster != self.s.cluster:
-            return  # the scheduler adapter here drains this router's own cluster only
+            return None  # the scheduler adapter here drains this router's own cluster only
         found = self._drain_now(items)
         if found is None:
-            return
+            return None
         ev, fault_class = found
         bound = log.bind(node=node, cluster=cluster, workflow_id=wid)
         try:
@@ -429,19 +494,23 @@ class Router:
             claim = await self._pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys())
         except Exception as err:  # noqa: BLE001 - the incident asks FleetGuard as without the fast path
             bound.warning("fast_drain_pool_failed", error=repr(err))
-            return
+            return None
         if not claim.ok:
             self.stats.fast_refused += 1
             if claim.reason.startswith("no permit pool yet"):
                 await self._ensure_guard()
             bound.info("fast_drain_refused", reason=claim.reason)
-            return
+            return PermitRequest(
+                cluster=cluster, node=node, severity=ev.severity, fault_class=fault_class,
+                reason=f"router: {fault_class} must drain now; no permit pool slot ({claim.reason})",
+                rack=dom.rack, domains=dom.keys(), policy=self._guard_policy(),
+                requested_at=datetime.now(timezone.utc), forwarded=True)
         if not claim.new:
             # held already: by its incident (drained under that permit), or by an earlier fast drain whose
             # incident adopts it or will (a router that stopped between slot and drain: the incident's
             # drain under the adopted permit cordons it). Draining again here would re-own the drain
             # under a new id, which the incident's undrain must not meet.
-            return
+            return None
         try:
             res = await self._scheduler.drain(node, f"{fault_class}: router fast path, {claim.reason}",
                                               f"fast-{ev.event_id}")
@@ -449,11 +518,21 @@ class Router:
             bound.error("fast_drain_failed", error=repr(err))
             with contextlib.suppress(Exception):
                 await self._pool.release(cluster, node)
-            return
+            return None
         self.stats.fast_drains += 1
         metrics.drain_result(cluster, self._scheduler.name, res, ev.observed_at)
         bound.info("fast_drained", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
                    operator_drained=res.operator_drained, detail=res.detail)
+        return None
+
+    async def _router_holders(self) -> dict[str, str | None]:
+        """The router's holders in this cluster's permit pool, node → rack (at most `MAX_ROUTER_VIEW`,
+        as the worker's `PoolGate.router_view` sends). Raises what `PermitPool.read` raises."""
+        from fleetmend.permits import BY_ROUTER, MAX_ROUTER_VIEW
+
+        state = await self._pool.read(self.s.cluster)
+        held = {n: h.rack for n, h in (state.holders if state else {}).items() if h.by == BY_ROUTER}
+        return dict(list(held.items())[:MAX_ROUTER_VIEW])
 
     async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
         """Tell JetStream that messages held past half their ack wait are still being worked on
@@ -467,7 +546,10 @@ class Router:
                     log.warning("in_progress_failed", error=repr(err))
                 items[i] = (msg, ev, time.monotonic())
 
-    async def _signal_with_start(self, wid: str, inp, batch, cluster: str, node: str) -> None:  # noqa: ANN001
+    async def _signal_with_start(self, wid: str, inp, batch, cluster: str, node: str,  # noqa: ANN001
+                                 phase: Phase = Phase.TRIAGE) -> None:
+        """`phase`: the incident's `FleetPhase` if this call starts it (`awaiting_permit` when its permit
+        request is forwarded); an incident already running keeps its own."""
         from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
@@ -476,7 +558,7 @@ class Router:
                 start_signal=RemediationApi.FAULTS, start_signal_args=[batch],
                 search_attributes=TypedSearchAttributes([
                     SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
-                    SearchAttributePair(KEY_PHASE, Phase.TRIAGE.value)]),
+                    SearchAttributePair(KEY_PHASE, phase.value)]),
                 static_summary=f"{node} ({cluster}): remediation incident")
 
     async def _retry_later(self, items: list[tuple[Any, FaultEvent, float]], error: str,
