@@ -267,6 +267,8 @@ async def _guard_tasks(client, wid: str) -> str:  # noqa: ANN001
     tasks = events = runs = 0
     first = last = None
     wait, work = [], []
+    slowest: tuple[float, object, Counter] | None = None  # (running s, completed at, messages it took)
+    pending: Counter = Counter()
     async for wf in client.list_workflows(f"WorkflowId = '{wid}'"):
         runs += 1
         hist = await client.get_workflow_handle(wid, run_id=wf.run_id).fetch_history()
@@ -285,10 +287,19 @@ async def _guard_tasks(client, wid: str) -> str:  # noqa: ANN001
                 tasks += 1
                 if started is not None:
                     work.append((t - started).total_seconds())
+                    if slowest is None or work[-1] > slowest[0]:
+                        slowest = (work[-1], t, pending)
+                pending = Counter()
+            elif ev.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED,
+                                   EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED):
+                pending[EventType.Name(ev.event_type).removeprefix("EVENT_TYPE_WORKFLOW_EXECUTION_").lower()] += 1
     span = (last - first).total_seconds() if first and last else 0.0
+    slow = (f"; slowest {slowest[0] * 1000:.0f} ms at +{(slowest[1] - first).total_seconds():.1f} s, after "
+            f"{dict(slowest[2]) or 'no message'}") if slowest and first else ""
     return (f"{tasks} workflow tasks, {events} events, {runs} run(s) over {span:.0f} s "
             f"({tasks / span if span else 0:.1f} tasks/s); per task: waiting p50 {pct(wait, 50) * 1000:.0f} / "
-            f"p99 {pct(wait, 99) * 1000:.0f} ms, running p50 {pct(work, 50) * 1000:.0f} / p99 {pct(work, 99) * 1000:.0f} ms")
+            f"p99 {pct(wait, 99) * 1000:.0f} ms, running p50 {pct(work, 50) * 1000:.0f} / p99 {pct(work, 99) * 1000:.0f} ms"
+            + slow)
 
 
 async def _timeline(client, wid: str) -> str:  # noqa: ANN001
