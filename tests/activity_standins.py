@@ -3,6 +3,8 @@ workflow tests assert outcomes (drains issued, tickets filed) rather than implem
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass, field
 
 from temporalio import activity
@@ -42,6 +44,8 @@ class Calls:
     """The stand-in guard's `PermitDecision.lemon` (a lemon node goes straight to RMA)."""
     notifications: list = field(default_factory=list)
     """`Notification`s the workflow asked to send, in order."""
+    diag_gate: asyncio.Event | None = None
+    """When set, `run_diagnostics` waits for it (an incident held in a phase while the test acts)."""
 
 
 def _drain_stand_in(calls: Calls):  # noqa: ANN202
@@ -79,6 +83,8 @@ def stand_ins(calls: Calls) -> list:
     @activity.defn(name="run_diagnostics")
     async def run_diagnostics(req: DiagActivityRequest) -> DiagReport:
         calls.diags.append(req)
+        if calls.diag_gate is not None:
+            await calls.diag_gate.wait()
         result = calls.diag_results.pop(0) if calls.diag_results else DiagResult.NOT_APPLICABLE
         return DiagReport(node=req.node, cluster=req.cluster, level=DiagLevel.QUICK,
                           checks=[CheckResult(name="nvml_reachable", result=result)])

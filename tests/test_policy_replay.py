@@ -40,6 +40,7 @@ BASELINE = {
     "remediation_storm_bytes",  # before patch run-bytes
     "fleetguard_pool",  # with patch permit-pool: adoptions, pause, breaker (tests/test_permit_pool.py records it)
     "fleetguard_pool_forwarded",  # the same with a `request_permits` signal (router forwarding)
+    "remediation_abort_while_diagnosing",  # before patch abort-stops-recovery
 }
 
 
@@ -167,6 +168,17 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
             _write(name, await h.fetch_history())
     await _record_guard(client)
     await _record_guard_pause(client)
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_abort_while_diagnosing(temporal_client) -> None:  # noqa: ANN001
+    """An abort that arrives while the initial diagnostics run (recorded before patch
+    abort-stops-recovery: the incident still rebooted the node before it closed)."""
+    from tests.test_workflow import abort_while_diagnosing
+
+    h, _st = await abort_while_diagnosing(temporal_client, Calls())
+    _write("remediation_abort_while_diagnosing", await h.fetch_history())
+
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")

@@ -5,6 +5,7 @@ The stand-ins record every call, so the tests assert outcomes: phase, drains iss
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
@@ -197,3 +198,33 @@ async def test_a_flood_of_distinct_faults_stays_within_the_byte_budget(env):
     st = await assert_eventually(lambda: phase_is(h, "awaiting_repair"), timeout_s=60)
     assert st.drained and len(st.faults) + st.faults_dropped == 1100
     assert any(f["code"] == 79 and f["raw"] for f in st.faults), "the drain-worthy fault kept its text"
+
+
+async def abort_while_diagnosing(client, calls: Calls):  # noqa: ANN001, ANN201 - (handle, IncidentStatus)
+    """XID 79 (recovery: reboot) drained; abort with undrain while its diagnostics run; the incident's
+    handle and its closed status. `test_abort_while_diagnosing_stops_recovery` asserts what it did;
+    tests/test_policy_replay.py records it."""
+    calls.diag_gate = asyncio.Event()
+    tq, cluster = f"recd-{uuid.uuid4().hex[:8]}", "rec"
+    node = f"abd-{uuid.uuid4().hex[:6]}"
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(client, tq, cluster, node, [fault(cluster, node, 79, drain=True)])
+        await assert_eventually(lambda: phase_is(h, "diagnosing"))
+        await assert_eventually(lambda: bool(calls.diags), what="diagnostics running")
+        await h.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="hands on the node",
+                                                                   undrain=True))
+        calls.diag_gate.set()
+        st = await assert_eventually(lambda: phase_is(h, "closed"))
+        await h.result()
+    return h, st
+
+
+async def test_abort_while_diagnosing_stops_recovery(temporal_client) -> None:  # noqa: ANN001
+    """An abort that arrives while the initial diagnostics run: no reboot starts after it (the
+    operator's hands are on the node), the node is undrained and the permit given back."""
+    calls = Calls()
+    _h, st = await abort_while_diagnosing(temporal_client, calls)
+    assert st.outcome == "aborted" and not st.drained
+    assert calls.recoveries == [], calls.recoveries
+    assert [n for op, n in calls.log] and calls.log[-1][0] == "undrain" and calls.releases
+    assert any("reboot not started: the incident was aborted" in t["text"] for t in st.timeline)

@@ -63,6 +63,11 @@ run-bytes                   a run also continues-as-new once its history grew by
                             `MAX_HISTORY_EVENTS` events (before: a storm's run absorbed ~0.5 MiB
                             of faults in ~100 events and the worker held all of it per cached run).
                             History: remediation_storm_bytes.json
+abort-stops-recovery        an abort stops the recovery plan: no GPU reset or reboot starts once an
+                            abort arrived, and none is verified after one (before: an abort during
+                            the initial diagnostics was acted on only after the plan had run, so the
+                            node was rebooted after the operator said stop).
+                            History: remediation_abort_while_diagnosing.json
 ==========================  =====================================================================
 """
 
@@ -99,6 +104,7 @@ PATCH_NOTIFY = "notify"
 PATCH_FOLD_1 = "fold-1"
 PATCH_DRAIN_WITH_PERMIT = "drain-with-permit"
 PATCH_RUN_BYTES = "run-bytes"
+PATCH_ABORT_STOPS_RECOVERY = "abort-stops-recovery"
 
 
 def _patched(patch_id: str) -> bool:
@@ -552,12 +558,16 @@ class NodeRemediation:
         for op in plan:
             if op in s.recovery_tried:
                 continue
+            if self._aborted_recovery(op):
+                return False
             s.recovery_tried.append(op)
             if op is RecoveryOp.RESET_GPU and not (s.device and ":" in s.device):
                 self._recovery_note(f"reset_gpu skipped: no PCI bus id known for the faulty GPU ({s.device})")
                 continue
             report = await self._recovery_activity(op)
             self._recovery_note(f"{op.value}: {report.result.value} ({report.detail[:300]})")
+            if self._aborted_recovery(None):
+                return False
             if report.result is not RecoveryResult.APPLIED:
                 continue
             if p.recovery_settle_s > 0:
@@ -586,6 +596,16 @@ class NodeRemediation:
         if plan:
             self._recovery_note("recovery did not hold; escalating to a ticket")
         return False
+
+    def _aborted_recovery(self, op: RecoveryOp | None) -> bool:
+        """True when an abort arrived: the recovery plan stops before `op` (None: before verifying the
+        step just run). Patch abort-stops-recovery; asked only once an abort is there, so a run without
+        one records no marker."""
+        if self._abort is None or not workflow.patched(PATCH_ABORT_STOPS_RECOVERY):
+            return False
+        self._recovery_note(f"{op.value} not started: the incident was aborted" if op is not None
+                            else "not verified: the incident was aborted")
+        return True
 
     async def _recovery_activity(self, op: RecoveryOp) -> RecoveryReport:
         s = self._state
