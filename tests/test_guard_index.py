@@ -65,6 +65,7 @@ def test_a_burst_in_one_task_is_linear(monkeypatch) -> None:  # noqa: ANN001
     t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
     monkeypatch.setattr(fg.workflow, "now", lambda: t0)
     monkeypatch.setattr(fg.workflow, "logger", logging.getLogger("test_guard_index"))
+    monkeypatch.setattr(fg.workflow, "patched", lambda _id: True)  # a run started with this code
     pol = GuardPolicy(max_drained_nodes=20, max_drained_percent=100.0, breaker_distinct_nodes=2_999,
                       domain_incident_nodes=10_000)
     g = fg.FleetGuard(GuardInput(cluster="c", policy=pol))
@@ -74,6 +75,6 @@ def test_a_burst_in_one_task_is_linear(monkeypatch) -> None:  # noqa: ANN001
     g._inbox.extend(reqs + reqs[:10])  # ten asked twice: same place, no duplicate
     g._process()
     s = g._state
-    assert len(s.queue) == 3_000 and len({q.node for q in s.queue}) == 3_000
+    assert len(s.queue) == 3_000 and len({q.node for q in s.queue}) == 3_000 and len(s.recent) == 3_000
     assert s.breaker_tripped and "3000 distinct nodes" in s.breaker_reason  # more than 2,999
     assert len(g._recent().domains["leaf:l000"]) == 64 and not s.infra

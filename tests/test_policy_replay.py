@@ -41,6 +41,7 @@ BASELINE = {
     "fleetguard_pool",  # with patch permit-pool: adoptions, pause, breaker (tests/test_permit_pool.py records it)
     "fleetguard_pool_forwarded",  # the same with a `request_permits` signal (router forwarding)
     "remediation_abort_while_diagnosing",  # before patch abort-stops-recovery
+    "fleetguard_reask_after_reset",  # before patch reask-not-a-fault
 }
 
 
@@ -168,6 +169,16 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
             _write(name, await h.fetch_history())
     await _record_guard(client)
     await _record_guard_pause(client)
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_reask_after_reset(temporal_client) -> None:  # noqa: ANN001
+    """Queued nodes asking again after a breaker reset (recorded before patch reask-not-a-fault: the
+    re-asks counted as new faults and tripped the breaker again)."""
+    from tests.test_breaker_reask import reask_after_reset
+
+    history, _reset, _st = await reask_after_reset(temporal_client)
+    _write("fleetguard_reask_after_reset", history)
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")

@@ -60,6 +60,11 @@ before them; without the patch guards they fail to replay with TMPRL1100).
   `fleetmend.permits`) once per run and on every change, and frees the pool slots of permits it
   releases (reconciliation, `breaker release`). Reached only with `fast_drain`, so the recorded
   histories (all without it) replay unchanged.
+`reask-not-a-fault`: a queued node asking again (its incident's re-request every
+  `permit_rerequest_s`, or its own request after the router forwarded it) keeps its place and is not
+  counted again toward the breaker or the failure domains (before: each re-ask was a fresh fault, so
+  with more queued nodes than `breaker_distinct_nodes` a `breaker reset` tripped again within one
+  re-request period, with no new fault). History: fleetguard_reask_after_reset.json.
 
 Permit pool (`policy.fast_drain`): the router drains a node whose fault must drain now as soon as it
 holds a slot in the pool; its incident then asks with `preclaimed` and the guard *adopts* it as held,
@@ -97,6 +102,7 @@ PATCH_ANSWERS_AT_ONCE = "answers-at-once"
 PATCH_RECONCILE = "reconcile"
 PATCH_ANSWERS_BEFORE_CAN = "answers-before-can"
 PATCH_PERMIT_POOL = "permit-pool"
+PATCH_REASK_NOT_A_FAULT = "reask-not-a-fault"
 HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
                             Phase.VERIFYING, Phase.RETURNING})
 """Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
@@ -393,6 +399,11 @@ class FleetGuard:
             self._answers.append((req.node, PermitDecision(granted=True, reason="permit already held",
                                                            lemon=self._lemon(req, now))))
             return
+        at = self._queued_at(req.node, queued)
+        if at is not None and not req.preclaimed and not s.policy.observe_only \
+                and workflow.patched(PATCH_REASK_NOT_A_FAULT):
+            self._requeue(at, req)  # asked again: the same place, not a new fault
+            return
         s.recent.append((req.node, self._now()))
         self._prune(now)
         # 0. drained by the router under a pool slot: adopted (the pool kept the budget and rack cap)
@@ -422,21 +433,32 @@ class FleetGuard:
                                  f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
                        infra=inc.domain)
             return
-        entry = Queued(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class,
-                       rack=req.rack, domains=list(req.domains), requested_at=req.requested_at or self._now(),
-                       reason=req.reason)
-        at = None
-        if queued is None or req.node in queued:
-            at = next((i for i, q in enumerate(s.queue) if q.node == req.node), None)
+        at = self._queued_at(req.node, queued)
         if at is None:
-            s.queue.append(entry)
+            s.queue.append(self._entry(req))
             if queued is not None:
                 queued.add(req.node)
-        else:  # asked again while queued (an incident re-requests): same place in the queue
-            entry.requested_at = min(entry.requested_at, s.queue[at].requested_at)
-            s.queue[at] = entry
+        else:  # asked again while queued (a run before patch reask-not-a-fault)
+            self._requeue(at, req)
         # 3. breaker
         self._check_breaker()
+
+    def _entry(self, req: PermitRequest) -> Queued:
+        return Queued(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class, rack=req.rack,
+                      domains=list(req.domains), requested_at=req.requested_at or self._now(), reason=req.reason)
+
+    def _queued_at(self, node: str, queued: set[str] | None) -> int | None:
+        """`node`'s index in the queue, or None. `queued`: a superset of the queued nodes (`_process`)."""
+        if queued is not None and node not in queued:
+            return None
+        return next((i for i, q in enumerate(self._state.queue) if q.node == node), None)
+
+    def _requeue(self, at: int, req: PermitRequest) -> None:
+        """The queue entry at `at` takes `req`'s details and keeps the oldest request time (its place)."""
+        s = self._state
+        entry = self._entry(req)
+        entry.requested_at = min(entry.requested_at, s.queue[at].requested_at)
+        s.queue[at] = entry
 
     def _recent(self) -> RecentIndex:
         s = self._state
