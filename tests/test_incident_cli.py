@@ -101,6 +101,9 @@ async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_
     assert {r["cluster"] for r in await cli_json(env, "status", "--cluster", cb, "--json")} == {cb}
     table = await asyncio.to_thread(cli, env, "status")
     assert "cluster" in table.stdout and ca in table.stdout and cb in table.stdout
+    # a listing cut at --limit says how many it leaves out, and how many are drained now
+    cut = " ".join((await asyncio.to_thread(cli, env, "status", "--limit", "1")).stdout.split())
+    assert "showing the 1 newest of " in cut and " drained now, " in cut and "`--limit N` lists more" in cut, cut
 
     # state-changing commands print their result as JSON; a refused one exits 1 with stdout empty
     from fleetmend.diagnostics import DiagResult

@@ -200,6 +200,8 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         await guard.execute_update(GuardApi.PAUSE, GuardCommand(by="test", note="maintenance"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open), timeout_s=30,
                                 what="pool closed")
+        out = " ".join((await cli(env, "breaker", "status")).stdout.split())
+        assert "breaker closed; PAUSED by test: no drains" in out and "drains allowed" not in out, out
         refused = router.stats.fast_refused
         await cli(env, "abort", "n0", "--undrain", "--note", "test frees a slot")
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: "n0" not in p.holders), timeout_s=90,

@@ -162,6 +162,9 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
         # a's incident still runs with its drain in force: freeing its permit would let b drain too
         r = await asyncio.to_thread(cli, "breaker", "release", "a", "--note", "too early")
         assert r.exit_code == 1 and "still runs" in r.output, r.output
+        # b only waits: refused as well, and said as it is (it holds no permit)
+        r = await asyncio.to_thread(cli, "breaker", "release", "b")
+        assert r.exit_code == 1 and "b holds no permit: it is queued for one" in " ".join(r.output.split()), r.output
         assert [h["node"] for h in (await f.status()).held] == ["a"] and not f.drained("b")
         a = f.client.get_workflow_handle(subjects.workflow_id(f.cluster, "a"))
         await a.terminate(reason="terminated by hand; its permit leaks (reconciliation is an hour away here)")

@@ -203,6 +203,23 @@ async def _list_incidents(s: Settings, limit: int, cluster: str | None = "") -> 
     return rows
 
 
+async def _count_beyond(s: Settings, cluster: str | None) -> str:
+    """"N incidents (D drained now, Q awaiting a permit)" of `cluster` (None: every cluster), or "" when
+    the server cannot count (visibility without counts)."""
+    from fleetmend.connect import connect_temporal
+
+    client = await connect_temporal(s)
+    base = "WorkflowType='NodeRemediation'" + (f" AND FleetCluster='{cluster}'" if cluster else "")
+    running = f"{base} AND ExecutionStatus='Running'"
+    try:
+        total = (await client.count_workflows(base)).count
+        drained = (await client.count_workflows(f"{running} AND FleetDrained=true")).count
+        waiting = (await client.count_workflows(f"{running} AND FleetPhase='awaiting_permit'")).count
+    except Exception:  # noqa: BLE001 - the listing stands without the counts
+        return ""
+    return f"{total} incidents ({drained} drained now, {waiting} awaiting a drain permit)"
+
+
 @app.command()
 def status(
     node: Optional[str] = typer.Argument(None, help="A node: its incident in detail, found in any cluster."),
@@ -282,6 +299,10 @@ def status(
         t.add_row(escape(r["cluster"] or "?"), escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no",
                   r["fault_class"] or "", r["severity"] or "", r["ticket"] or "", _short_time(r["started"])[:11])
     out.print(t)
+    if len(rows) >= limit:  # a storm: say what the newest `limit` leave out (drained nodes scroll off first)
+        more = _run(_count_beyond(s, cluster))
+        if more:
+            out.print(escape(f"showing the {limit} newest of {more}; `--limit N` lists more"))
     out.print(escape(_run(deadletter_line(s))))
 
 

@@ -26,6 +26,17 @@ async def _running_incident(client: Any, cluster: str, node: str) -> str | None:
     return wid if desc.status == WorkflowExecutionStatus.RUNNING else None
 
 
+async def _only_queued(client: Any, cluster: str, node: str) -> bool:
+    """Whether `node` waits in `cluster`'s FleetGuard queue (a queued node holds no permit). False when the
+    guard cannot be read: the caller's refusal then stands as it is."""
+    from fleetmend.cli.permit_waits import permit_waits
+
+    try:
+        return node in await permit_waits(client, cluster)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be only queued
+        return False
+
+
 async def _release(settings: Any, node: str, by: str, note: str, force: bool = False) -> str:
     """Free `node`'s permit. Refused while `node`'s incident still runs (its drain is in force: freeing its
     permit lets one more node drain than the budget allows) unless `force`.
@@ -43,6 +54,11 @@ async def _release(settings: Any, node: str, by: str, note: str, force: bool = F
 
     client = await connect_temporal(settings)
     running = None if force else await _running_incident(client, settings.cluster, node)
+    if running and await _only_queued(client, settings.cluster, node):
+        raise FleetmendError(
+            f"{node} holds no permit: it is queued for one, and its incident {running} still runs. Withdrawing "
+            f"the request only sends {node} to the back of the queue when the incident asks again (every "
+            f"policy.permit_rerequest_s). Stop it with `fleetmend abort {node}`, or add --force")
     if running:
         raise FleetmendError(
             f"{node}'s incident {running} still runs and its permit counts its drain; releasing it would let "

@@ -195,9 +195,10 @@ def register(app: typer.Typer) -> None:
         if as_json:
             sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
             return
-        state = "TRIPPED" if d["breaker_tripped"] else "closed (drains allowed)"
+        state = "TRIPPED" if d["breaker_tripped"] else "closed" + ("" if d["paused"] or d["observe_only"]
+                                                                   else " (drains allowed)")
         m.out.print(f"FleetGuard {d['cluster']}: breaker {state}"
-                    + (f"; PAUSED by {d['paused_by']}" if d["paused"] else "")
+                    + (f"; PAUSED by {d['paused_by']}: no drains" if d["paused"] else "")
                     + ("; observe-only" if d["observe_only"] else ""))
         if d["breaker_tripped"]:
             m.out.print(f"  tripped at {d['breaker_tripped_at']}: {escape(d['breaker_reason'] or '')}")
