@@ -748,6 +748,10 @@ class Queued:
     domains: list[str]
     requested_at: datetime
     reason: str = ""
+    counted: bool = True
+    """False for an entry rebuilt from a running incident (`FleetGuard._rebuild`): its fault was not
+    counted toward the breaker and the failure domains yet, so its incident's next request counts it.
+    A counted entry's later requests are re-asks (patch reask-not-a-fault)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The shape `GuardStatus.queue` shows: enums as values, times as `iso`."""

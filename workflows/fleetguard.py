@@ -62,7 +62,8 @@ before them; without the patch guards they fail to replay with TMPRL1100).
   histories (all without it) replay unchanged.
 `reask-not-a-fault`: a queued node asking again (its incident's re-request every
   `permit_rerequest_s`, or its own request after the router forwarded it) keeps its place and is not
-  counted again toward the breaker or the failure domains (before: each re-ask was a fresh fault, so
+  counted again toward the breaker or the failure domains (an entry rebuilt from a running incident
+  is counted at its incident's first request: `Queued.counted`) (before: each re-ask was a fresh fault, so
   with more queued nodes than `breaker_distinct_nodes` a `breaker reset` tripped again within one
   re-request period, with no new fault). History: fleetguard_reask_after_reset.json.
 
@@ -400,7 +401,7 @@ class FleetGuard:
                                                            lemon=self._lemon(req, now))))
             return
         at = self._queued_at(req.node, queued)
-        if at is not None and not req.preclaimed and not s.policy.observe_only \
+        if at is not None and s.queue[at].counted and not req.preclaimed and not s.policy.observe_only \
                 and workflow.patched(PATCH_REASK_NOT_A_FAULT):
             self._requeue(at, req)  # asked again: the same place, not a new fault
             return
@@ -580,7 +581,8 @@ class FleetGuard:
             elif r.phase == Phase.AWAITING_PERMIT:
                 s.queue.append(Queued(node=r.node, severity=r.severity or Severity.FATAL,
                                       fault_class=r.fault_class, rack=r.rack, domains=list(r.domains),
-                                      requested_at=self._now(), reason="rebuilt from its running incident"))
+                                      requested_at=self._now(), reason="rebuilt from its running incident",
+                                      counted=False))
                 queued += 1
         if held or queued:
             self._log(f"rebuilt from the running incidents: {held} holding a drain, {queued} awaiting a permit")
