@@ -34,7 +34,7 @@ from temporalio.exceptions import ApplicationError
 from fleetmend.messages import (
     Activity, DrainRequest, DrainResult, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRequest,
 )
-from fleetmend.permits import BY_GUARD, BY_ROUTER, MAX_ROUTER_VIEW, PermitPool
+from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
 from fleetmend.policy import Topology
 
 
@@ -71,8 +71,7 @@ class PoolGate:
         if state is None:
             return False, None
         holder = state.holders.get(node)
-        router = {n: h.rack for n, h in state.holders.items() if h.by == BY_ROUTER and n != node}
-        return holder is not None and holder.by == BY_ROUTER, dict(list(router.items())[:MAX_ROUTER_VIEW])
+        return holder is not None and holder.by == BY_ROUTER, state.router_holders(but=node)
 
     async def claim(self, cluster: str, node: str) -> None:
         """Take `node`'s pool slot for a FleetGuard grant, right before its drain.

@@ -85,6 +85,12 @@ class PoolState:
     def in_rack(self, rack: str | None) -> int:
         return sum(1 for h in self.holders.values() if rack and h.rack == rack)
 
+    def router_holders(self, but: str | None = None) -> dict[str, str | None]:
+        """The router's holders but `but`, node → rack, at most `MAX_ROUTER_VIEW`: what a permit request
+        carries as `pool_router` (the worker's `PoolGate.router_view`, the router's forwards)."""
+        held = {n: h.rack for n, h in self.holders.items() if h.by == BY_ROUTER and n != but}
+        return dict(list(held.items())[:MAX_ROUTER_VIEW])
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 

@@ -111,26 +111,26 @@ def _replay(records: list[tuple[str, bool]]) -> int:
     return peak
 
 
-def _fast_settings(cluster: str, budget: int, nats_server, temporal_server, tmp_path: Path,  # noqa: ANN001
-                   unique: str):  # noqa: ANN202 - Settings
-    """`fast_drain` on a 100-node cluster with `budget` drain slots, the standalone scheduler, no
-    breaker or failure domain in the way, no debounce."""
-    return load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
-                         state_dir=tmp_path / "state", scheduler="standalone", task_queue=f"tq-{unique}",
-                         log_format="json",
-                         policy={"fast_drain": True, "max_drained_nodes": budget, "max_drained_percent": 100,
-                                 "cluster_nodes": 100, "breaker_distinct_nodes": 1000,
-                                 "domain_incident_nodes": 1000, "debounce_s": 0})
+async def _fast_stack(cluster: str, budget: int, nats_server, temporal_server, tmp_path: Path,  # noqa: ANN001
+                      unique: str):  # noqa: ANN202
+    """(settings, NATS, JetStream, Temporal client, the standalone scheduler's drain bucket) for
+    `fast_drain` on a 100-node cluster with `budget` drain slots, no breaker or failure domain in the
+    way, no debounce. The bucket is the scheduler's own (other tests share it)."""
+    s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
+                      state_dir=tmp_path / "state", scheduler="standalone", task_queue=f"tq-{unique}",
+                      log_format="json",
+                      policy={"fast_drain": True, "max_drained_nodes": budget, "max_drained_percent": 100,
+                              "cluster_nodes": 100, "breaker_distinct_nodes": 1000,
+                              "domain_incident_nodes": 1000, "debounce_s": 0})
+    nc = await connect_nats(s, name=f"test-{cluster}")
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    return s, nc, js, await connect_temporal(s), await StandaloneScheduler(js, cluster=cluster).kv()
 
 
 async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_path: Path, unique: str) -> None:
     cluster = f"fp{unique}"
-    s = _fast_settings(cluster, 3, nats_server, temporal_server, tmp_path, unique)
-    nc = await connect_nats(s, name="fast-path")
-    js = nc.jetstream()
-    client = await connect_temporal(s)
-    await ensure_fault_stream(js)
-    kv = await StandaloneScheduler(js, cluster=cluster).kv()  # the scheduler's own bucket (other tests share it)
+    s, nc, js, client, kv = await _fast_stack(cluster, 3, nats_server, temporal_server, tmp_path, unique)
     records: list[tuple[str, bool]] = []
     watcher = await kv.watch(f"{cluster}.>")
 
@@ -321,12 +321,7 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
     `fleetmend status` shows. Once the worker runs, each incident's own request keeps the place the
     router took, and nothing is queued twice."""
     cluster = f"fw{unique}"
-    s = _fast_settings(cluster, 1, nats_server, temporal_server, tmp_path, unique)
-    nc = await connect_nats(s, name="forward")
-    js = nc.jetstream()
-    client = await connect_temporal(s)
-    await ensure_fault_stream(js)
-    kv = await StandaloneScheduler(js, cluster=cluster).kv()
+    s, nc, js, client, kv = await _fast_stack(cluster, 1, nats_server, temporal_server, tmp_path, unique)
     stop = asyncio.Event()
     router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
                     durable=f"router-{unique}", scheduler=build_scheduler(s, js=js))

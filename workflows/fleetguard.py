@@ -434,7 +434,8 @@ class FleetGuard:
                                  f"{', '.join(inc.nodes[:10])}); not drained, a human is paged",
                        infra=inc.domain)
             return
-        at = self._queued_at(req.node, queued)
+        # `at` still holds: since it was found, only a domain incident that opened could have changed the
+        # queue, and that denied this request above
         if at is None:
             s.queue.append(self._entry(req))
             if queued is not None:
@@ -467,9 +468,10 @@ class FleetGuard:
 
     def _check_breaker(self) -> None:
         s = self._state
-        if s.breaker_tripped or len(self._recent().nodes) <= s.policy.breaker_distinct_nodes:
+        nodes = self._recent().nodes
+        if s.breaker_tripped or len(nodes) <= s.policy.breaker_distinct_nodes:
             return
-        distinct = sorted(self._recent().nodes)
+        distinct = sorted(nodes)
         s.breaker_tripped, s.breaker_tripped_at = True, self._now()
         s.breaker_trips += 1
         s.breaker_reason = (f"drain-worthy faults from {len(distinct)} distinct nodes within "

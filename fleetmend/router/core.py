@@ -237,7 +237,8 @@ class Router:
                 # the pool's router holders as of now, with the batch's last request (the guard keeps the
                 # newest view): the guard counts the drains it has not adopted yet before it grants. Without
                 # it a grant may find the slot taken, and its drain waits for one (`PoolGate.claim`).
-                batch[-1] = replace(batch[-1], pool_router=await self._router_holders())
+                state = await self._pool.read(self.s.cluster)
+                batch[-1] = replace(batch[-1], pool_router=state.router_holders() if state else {})
             except Exception as err:  # noqa: BLE001 - forwarded without the view
                 log.warning("permit_pool_read_failed", cluster=self.s.cluster, error=repr(err))
             try:
@@ -524,15 +525,6 @@ class Router:
         bound.info("fast_drained", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
                    operator_drained=res.operator_drained, detail=res.detail)
         return None
-
-    async def _router_holders(self) -> dict[str, str | None]:
-        """The router's holders in this cluster's permit pool, node → rack (at most `MAX_ROUTER_VIEW`,
-        as the worker's `PoolGate.router_view` sends). Raises what `PermitPool.read` raises."""
-        from fleetmend.permits import BY_ROUTER, MAX_ROUTER_VIEW
-
-        state = await self._pool.read(self.s.cluster)
-        held = {n: h.rack for n, h in (state.holders if state else {}).items() if h.by == BY_ROUTER}
-        return dict(list(held.items())[:MAX_ROUTER_VIEW])
 
     async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
         """Tell JetStream that messages held past half their ack wait are still being worked on
