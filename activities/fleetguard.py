@@ -165,7 +165,7 @@ class FleetGuardActivities:
 
     @activity.defn(name=Activity.SYNC_PERMIT_POOL)
     async def sync_permit_pool(self, sync: PoolSync) -> PoolSynced:
-        """FleetGuard's write to its cluster's permit pool (`fleetmend.permits.PermitPool.publish`):
+        """FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool.PermitPool.publish`):
         budget, rack cap, open/why, closed domains; `held` added when the pool is new; `drop` freed.
 
         Returns:
@@ -174,7 +174,7 @@ class FleetGuardActivities:
             PoolBusyError: the key kept changing (retried)."""
         from temporalio.exceptions import ApplicationError
 
-        from fleetmend.permits import BY_ROUTER
+        from fleetmend.infra.permit_pool import BY_ROUTER
 
         if self.gate is None:
             raise ApplicationError("this worker was built without JetStream, so it cannot reach the permit pool "

@@ -9,7 +9,7 @@ decides (budget, rack cap, breaker, pause, observe-only, lemons, queue order). A
 request drains nothing and comes back as before (the grant of a queued one follows as a `permit`
 signal; the incident then runs `drain_node`).
 
-With `policy.fast_drain` (`fleetmend.permits`) the budget itself lives in the cluster's permit pool,
+With `policy.fast_drain` (`fleetmend.infra.permit_pool`) the budget itself lives in the cluster's permit pool,
 shared with the router's fast path, and `PoolGate` enforces it at the last moment before a cordon:
 - a node the router already drained under a pool slot asks the guard with `preclaimed` (adopted), and
   every request carries the router's holders as the pool has them (`pool_router`), so the guard counts
@@ -34,7 +34,7 @@ from temporalio.exceptions import ApplicationError
 from fleetmend.messages import (
     Activity, DrainRequest, DrainResult, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRequest,
 )
-from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
 from fleetmend.policy import Topology
 
 

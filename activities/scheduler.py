@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from fleetmend import metrics
+from fleetmend.infra import metrics
 from fleetmend.config import SchedulerKind, Settings
 from fleetmend.errors import ConfigError, NodeNotFoundError
 from fleetmend.messages import Activity, DrainRequest, DrainResult, NodeInfo, UndrainRequest, UndrainResult

@@ -206,7 +206,7 @@ class StandaloneScheduler:
 
     async def list_nodes(self) -> list[NodeInfo]:
         """This cluster's drained nodes, by their real names (in-service nodes are not recorded)."""
-        from fleetmend.jetstream import kv_keys
+        from fleetmend.infra.jetstream import kv_keys
 
         await self.kv()  # creates the bucket on first use
         rows = []

@@ -11,7 +11,7 @@ from fleetmend import __version__, subjects
 from fleetmend.diagnostics import BenchReport, BenchRequest
 from fleetmend.events import Component, FaultEvent, Severity, Source, new_event_id
 from fleetmend.messages import Activity
-from fleetmend.sweep import BenchActivityRequest, FailSlowRequest
+from fleetmend.messages.sweep import BenchActivityRequest, FailSlowRequest
 
 
 class SweepActivities:

@@ -185,7 +185,7 @@ class KvTicketStore:
 
     async def list_all(self) -> list[dict]:
         """Every ticket, oldest filed first (for `fleetmend tickets`)."""
-        from fleetmend.jetstream import kv_keys
+        from fleetmend.infra.jetstream import kv_keys
 
         await self.kv()  # creates the bucket on first use
         docs = []

@@ -20,7 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.ticket_store import LocalTicketStore
-from fleetmend import metrics
+from fleetmend.infra import metrics
 from fleetmend.config import Settings, TicketKind
 from fleetmend.errors import ConfigError, TicketNotFoundError, TicketRejectedError
 from fleetmend.messages import Activity, TicketRef, TicketRequest, TicketStatus, TicketUpdate
@@ -101,7 +101,7 @@ class TicketActivities:
         """
         activity.heartbeat({"phase": "filing", "incident_id": req.incident_id})
         if req.fault_class and "runbook" not in req.evidence:  # the ticket text points at what to do
-            from fleetmend.runbooks import runbook_ref
+            from fleetmend.catalog.runbooks import runbook_ref
 
             req.evidence["runbook"] = runbook_ref(req.fault_class)
         try:

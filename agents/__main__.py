@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
     if lean:
         lean_imports(settings.nats_url)
     from agents.runner import run_agent
-    from fleetmend.logs import configure_logging
+    from fleetmend.infra.logs import configure_logging
 
     configure_logging(settings.log_format)
     try:

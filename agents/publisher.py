@@ -239,7 +239,7 @@ class Publisher:
                                           headers={MSG_ID_HEADER: msg_id(event_id)})
 
     def record_lost(self, event_id: str, reason: str, detail: str, **kw: Any) -> None:
-        from fleetmend import metrics
+        from fleetmend.infra import metrics
 
         self.lost_count += 1
         metrics.AGENT_FAULTS_LOST.labels(cluster=self.cluster, reason=reason).inc()

@@ -154,8 +154,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
         probes = build_probes(settings, kmsg_file=kmsg_file, state_dir=state / "kmsg",
                               inject_file=inject_file, kmsg=kmsg, hardware=hardware, agent_state_dir=state)
     lastboot = any(p.name == "lastboot" for p in probes)  # live: boots and clean stops are recorded
-    # -- metrics (fleetmend/metrics.py): /metrics port, spool depth at scrape time
-    from fleetmend import metrics
+    # -- metrics (fleetmend/infra/metrics.py): /metrics port, spool depth at scrape time
+    from fleetmend.infra import metrics
 
     metrics.start_http_server(settings.metrics.agent_port, settings.metrics.host)
     metrics.watch_spool(settings.cluster, spool)
@@ -166,8 +166,8 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
              state_dir=str(state), spool_depth=spool.depth, nats_url=settings.nats_url)
 
     async def online_services() -> None:
-        from fleetmend.connect import connect_nats
-        from fleetmend.jetstream import ensure_fault_stream
+        from fleetmend.infra.connect import connect_nats
+        from fleetmend.infra.jetstream import ensure_fault_stream
 
         last_err = {"at": 0.0}
 
@@ -342,7 +342,7 @@ async def _gather(tasks: list[asyncio.Task[None]]) -> None:
 
 async def _close(conn: dict[str, Any], timeout_s: float, log: Any) -> None:
     """Stop the diag responder, then drain and close NATS (`close_nats`), within `timeout_s` in all."""
-    from fleetmend.connect import close_nats
+    from fleetmend.infra.connect import close_nats
 
     diag: DiagResponder | None = conn.get("diag")
     nc = conn.get("nc")

@@ -3,7 +3,7 @@
     python bench/chaos.py --nodes 20 --faults 100 --duration 40 --seed 7
 
 Starts, each as its own OS process: `nats-server -js` and `temporal server start-dev` (the
-`fleetmend.servers` code `dev up` uses), `fleetmend router`, `fleetmend worker --scheduler standalone`
+`fleetmend.dev.servers` code `dev up` uses), `fleetmend router`, `fleetmend worker --scheduler standalone`
 (drained set in a JetStream KV bucket, local ticket store) and one agent process running a
 `run_agent` per node (the real `Publisher` → JetStream/spool path; a `FollowProbe` tails each node's
 JSON-lines fault file, re-reading it from the start after every restart, so re-sends are the rule).
@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fleetmend import servers, subjects  # noqa: E402
+from fleetmend import subjects  # noqa: E402
+from fleetmend.dev import servers
 
 DRAIN_XIDS = (79, 48, 95)
 """Catalog drain=True (fell off the bus, DBE, uncontained ECC)."""
@@ -121,7 +122,7 @@ async def agents_main(args: argparse.Namespace) -> int:
 
     from agents.runner import run_agent
     from fleetmend.config import load_settings
-    from fleetmend.logs import configure_logging
+    from fleetmend.infra.logs import configure_logging
 
     configure_logging("json")
     stop = asyncio.Event()
@@ -562,7 +563,7 @@ class Chaos:
 
         import nats
 
-        from fleetmend.converter import data_converter
+        from fleetmend.infra.converter import data_converter
 
         self.t0 = time.monotonic()
         try:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 
-from fleetmend import servers
+from fleetmend.dev import servers
 from fleetmend.config import Settings, load_settings
-from fleetmend.logs import configure_logging
+from fleetmend.infra.logs import configure_logging
 
 configure_logging("console", level="warning")  # benchmarks print tables, not per-event logs
 
@@ -51,7 +51,7 @@ class Stack:
                              state_dir=self.root / "state", **kw)
 
     def env(self, settings: Settings) -> dict[str, str]:
-        from fleetmend.devup import child_env
+        from fleetmend.dev.devup import child_env
 
         e = {**os.environ, **child_env(settings), "FLEETMEND_LOG_FORMAT": "json"}
         e["FLEETMEND_POLICY__OBSERVE_ONLY"] = str(settings.policy.observe_only).lower()

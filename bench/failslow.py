@@ -3,7 +3,7 @@
     .venv/bin/python bench/failslow.py [--nodes 10000] [--slow 5] [--slowdown 0.05] [--hours 24]
                                        [--process-seconds 240] [--process-interval 15]
 
-Part 1, simulated day (no servers): `fleetmend.perfsim.PerfFleet` draws `--nodes` noisy healthy
+Part 1, simulated day (no servers): `fleetmend.dev.perfsim.PerfFleet` draws `--nodes` noisy healthy
 nodes and `--slow` degraded ones (patterns in turn: clocks, power brake, PCIe x8, IB symbol errors,
 thermal; each `--slowdown` slower), one sample per node a minute for `--hours`, degradation from the
 second hour on. The analyzer's comparator (`fleetmend.analyzer.core.Comparator`, default settings:
@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import machine  # noqa: E402
 from fleetmend.analyzer.core import Comparator  # noqa: E402
 from fleetmend.config import AnalyzerSettings  # noqa: E402
-from fleetmend.perfsim import HW, PerfFleet  # noqa: E402
+from fleetmend.dev.perfsim import HW, PerfFleet  # noqa: E402
 
 T0 = 1_800_000_000.0
 
@@ -115,13 +115,14 @@ def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: in
 async def real_process(nodes: int, slow: int, slowdown: float, seconds: float, interval: float, seed: int) -> list[str]:
     import psutil
 
-    from fleetmend import servers, subjects
+    from fleetmend import subjects
+    from fleetmend.dev import servers
     from fleetmend.config import load_settings
-    from fleetmend.connect import close_nats, connect_nats
-    from fleetmend.devup import child_env
+    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.dev.devup import child_env
     from fleetmend.events import FaultEvent
-    from fleetmend.jetstream import ensure_fault_stream, ensure_perf_stream
-    from fleetmend.perfsim import run_perf_sim
+    from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
+    from fleetmend.dev.perfsim import run_perf_sim
 
     root = Path(tempfile.mkdtemp(prefix="fleetmend-bench-failslow-"))
     (root / "logs").mkdir()

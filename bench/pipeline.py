@@ -89,7 +89,7 @@ async def main(nodes: int, events: int, raw_n: int, sws_calls: int, seed: int) -
     from temporalio.worker import Worker
 
     from bench.sws_workflow import Sink
-    from fleetmend.converter import data_converter
+    from fleetmend.infra.converter import data_converter
 
     rng = random.Random(seed)
     async with stack() as st:
@@ -105,7 +105,7 @@ async def main(nodes: int, events: int, raw_n: int, sws_calls: int, seed: int) -
         cluster = "bench"
         evs = [xid13(cluster, f"n{rng.randrange(nodes):05d}") for _ in range(events)]
         js = nc.jetstream()
-        from fleetmend.jetstream import ensure_fault_stream
+        from fleetmend.infra.jetstream import ensure_fault_stream
 
         await ensure_fault_stream(js)
         await publish_all(js, evs)  # backlog first: the router then drains it as fast as it can

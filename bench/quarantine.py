@@ -88,10 +88,10 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     from agents.spool import Spool
     from fleetmend import subjects
     from fleetmend.catalog import default_catalog
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.policy import drain_budget
-    from fleetmend.cli.simulate import SimConfig, run_sim
-    from fleetmend.converter import data_converter
+    from fleetmend.dev.simulate import SimConfig, run_sim
+    from fleetmend.infra.converter import data_converter
 
     cluster = f"q{mode.replace('-', '')}"
     observe = mode == "observe-only"
@@ -370,7 +370,7 @@ async def raw_pool_rate(st, n: int) -> float:  # noqa: ANN001 - bench stack
     senders make them) against one cluster's pool with room for all, timed to the last; claims/s."""
     import nats
 
-    from fleetmend.permits import PermitPool
+    from fleetmend.infra.permit_pool import PermitPool
 
     nc = await nats.connect(st.nats_url)
     try:
@@ -461,7 +461,7 @@ if __name__ == "__main__":
     ap.add_argument("--raw-drains", type=int, default=0, metavar="N",
                     help="first measure the raw limit: N signal-with-starts of a one-activity workflow")
     ap.add_argument("--fast-drain", action="store_true",
-                    help="policy.fast_drain: the router drains under a permit pool slot (fleetmend.permits)")
+                    help="policy.fast_drain: the router drains under a permit pool slot (fleetmend.infra.permit_pool)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the worker into DIR; report the FleetGuard's task rate")
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a)))

@@ -27,8 +27,8 @@ async def main(nodes: int, events: int, seed: int, hold_s: float = 0.0) -> None:
 
     from fleetmend import subjects
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-    from fleetmend.jetstream import ensure_fault_stream
-    from fleetmend.converter import data_converter
+    from fleetmend.infra.jetstream import ensure_fault_stream
+    from fleetmend.infra.converter import data_converter
     from workflows.remediation import NodeRemediation
 
     cluster = "storm"

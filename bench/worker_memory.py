@@ -28,7 +28,7 @@ async def main(incidents: int, signals: int, cache: int, env: list[str]) -> None
 
     from fleetmend import subjects
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-    from fleetmend.converter import data_converter
+    from fleetmend.infra.converter import data_converter
     from fleetmend.messages import FaultBatch, IncidentInput, IncidentPolicy, RoutedFault
     from workflows.remediation import NodeRemediation
     from fleetmend.events import Verdict

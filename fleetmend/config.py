@@ -361,7 +361,7 @@ class RouterSettings(_Section):
 
 
 class StreamSettings(_Section):
-    """JetStream streams fleetmend creates when they are missing (`fleetmend/jetstream.py`). An
+    """JetStream streams fleetmend creates when they are missing (`fleetmend/infra/jetstream.py`). An
     existing stream is the operator's: never updated, a difference is one warning at start."""
 
     replicas: int = Field(default=1, ge=1, le=5)
@@ -510,7 +510,7 @@ class PolicySettings(_Section):
     """FleetGuard checks this often that every node holding or queued for a permit still has a
     running incident, and releases (with an audit note) those that do not."""
     fast_drain: bool = False
-    """Storm path (`fleetmend.permits`): the router cordons a node at once when the catalog says its fault
+    """Storm path (`fleetmend.infra.permit_pool`): the router cordons a node at once when the catalog says its fault
     drains *now* (no history rule, no debounce) and a slot is free in the cluster's permit pool, a
     compare-and-set semaphore in JetStream KV that FleetGuard sizes, opens and closes (breaker, pause,
     observe-only, infrastructure incidents); the incident adopts the drain. Every drain under a permit

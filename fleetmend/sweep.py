@@ -1,6 +1,7 @@
 """`fleetmend sweep`: the same short benchmark on many nodes at once, compared across them.
 
-Pure functions (the `Sweep` workflow calls `compare` deterministically) and the sweep's messages:
+Pure functions (the `Sweep` workflow calls `compare` deterministically); the sweep's messages are in
+`fleetmend.messages.sweep`:
 
 - `expand_hostlist("gpu[01-03,07],cpu1")` → `["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]`: Slurm
   hostlist syntax (comma-separated at the top level, bracket ranges with zero padding kept, several
@@ -14,12 +15,11 @@ Pure functions (the `Sweep` workflow calls `compare` deterministically) and the 
 A metric reported by fewer than 3 nodes is listed but not judged (a median of two says nothing).
 """
 
-from dataclasses import dataclass, field
 from statistics import median
 import re
 
-WORKFLOW = "Sweep"
-"""Workflow type name (the CLI starts it by name; it imports no workflow module)."""
+from fleetmend.messages.sweep import MetricCell, NodeRow, SweepFinding, SweepResult
+
 MIN_NODES_TO_JUDGE = 3
 _LOWER = re.compile(r"(_s|_ms|_us|_ns)$|latency|time", re.I)
 _RATE = re.compile(r"(per_s|per_sec|_ps|_hz)$|per_second|bandwidth|throughput|gbps|mbps", re.I)
@@ -92,58 +92,6 @@ def expand_hostlist(text: str) -> list[str]:
     return list(seen)
 
 
-@dataclass
-class SweepInput:
-    """Start argument of the `Sweep` workflow (id `sweep/<cluster>/<sweep_id>`)."""
-
-    cluster: str
-    sweep_id: str
-    nodes: list[str]
-    deadline_s: float = 60.0
-    """Each agent answers within this; nodes that do not are listed as not answering."""
-    outlier_pct: float = 5.0
-    act: bool = False
-    """Open a fail_slow incident for each outlier."""
-    host_seconds: float = 1.0
-    builtin: bool = True
-    """False: only the site's `agent.bench_command`."""
-
-
-@dataclass
-class MetricCell:
-    value: float
-    median: float
-    ratio: float | None
-    """value / median oriented so that < 1 is worse (median / value for lower-is-better metrics)."""
-    outlier: bool
-
-
-@dataclass
-class NodeRow:
-    node: str
-    metrics: dict[str, MetricCell] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    outlier: bool = False
-    worst_metric: str | None = None
-    worst_ratio: float | None = None
-
-
-@dataclass
-class SweepResult:
-    cluster: str
-    sweep_id: str
-    outlier_pct: float
-    rows: list[NodeRow] = field(default_factory=list)
-    medians: dict[str, float] = field(default_factory=dict)
-    not_answering: dict[str, str] = field(default_factory=dict)
-    """node → why (no agent listens, deadline passed)."""
-    not_judged: list[str] = field(default_factory=list)
-    """Metrics reported by fewer than `MIN_NODES_TO_JUDGE` nodes."""
-    incidents_opened: list[str] = field(default_factory=list)
-
-    @property
-    def outliers(self) -> list[str]:
-        return [r.node for r in self.rows if r.outlier]
 
 
 def compare(cluster: str, sweep_id: str, reports: dict[str, dict[str, float]], outlier_pct: float,
@@ -177,36 +125,6 @@ def compare(cluster: str, sweep_id: str, reports: dict[str, dict[str, float]], o
     return res
 
 
-@dataclass
-class BenchActivityRequest:
-    """`Sweep` → activity `bench_node`: ask one node's agent for a `BenchReport`."""
-
-    cluster: str
-    node: str
-    sweep_id: str
-    deadline_s: float
-    host_seconds: float = 1.0
-    builtin: bool = True
-
-
-@dataclass
-class SweepFinding:
-    node: str
-    metric: str
-    value: float
-    median: float
-    ratio: float
-    nodes: int
-
-
-@dataclass
-class FailSlowRequest:
-    """`Sweep` → activity `open_fail_slow`: one fail_slow FaultEvent per finding, on the node's fault subject."""
-
-    cluster: str
-    sweep_id: str
-    outlier_pct: float
-    findings: list[SweepFinding] = field(default_factory=list)
 
 
 def findings(res: SweepResult) -> list[SweepFinding]:

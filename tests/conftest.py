@@ -1,7 +1,7 @@
 """Session fixtures: real nats-server and real Temporal dev server on free ports.
 
 Never mocks: every test that touches NATS or Temporal talks to the real processes started here
-(the same `fleetmend.servers` code that `fleetmend dev up` uses).
+(the same `fleetmend.dev.servers` code that `fleetmend dev up` uses).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 from hypothesis import HealthCheck, settings
 
-from fleetmend import servers
+from fleetmend.dev import servers
 
 pytest_plugins = ["tests.fixtures_slurm"]
 
@@ -89,7 +89,7 @@ async def nc(nats_server):
 async def temporal_client(temporal_server):
     from temporalio.client import Client
 
-    from fleetmend.converter import data_converter
+    from fleetmend.infra.converter import data_converter
 
     return await Client.connect(temporal_server.address, data_converter=data_converter)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetmend import servers
+from fleetmend.dev import servers
 
 NODES = ["node1", "node2", "node3", "node4"]
 _BINARIES = ["slurmctld", "slurmd", "scontrol", "sinfo", "sbatch", "munged", "munge", "unmunge"]

@@ -14,7 +14,7 @@ from agents.runner import run_agent
 from fleetmend.config import AgentSettings, Settings, load_settings
 from fleetmend.errors import ConfigError
 from fleetmend.events import FaultEvent
-from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.subjects import fault_subject, heartbeat_subject
 from tests.conftest import assert_eventually
 

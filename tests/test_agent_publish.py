@@ -21,7 +21,7 @@ from agents.runner import run_agent
 from agents.spool import Spool
 from fleetmend.config import AgentSettings, Settings
 from fleetmend.events import Component, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.subjects import fault_subject, heartbeat_subject
 from tests.conftest import assert_eventually
 

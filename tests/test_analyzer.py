@@ -16,7 +16,7 @@ from fleetmend.analyzer.core import Comparator, finding_event
 from fleetmend.analyzer.metrics import derive
 from fleetmend.config import AnalyzerSettings, load_settings
 from fleetmend.events import FaultEvent, Severity, Source
-from fleetmend.perfsim import HW, PATTERNS, PerfFleet
+from fleetmend.dev.perfsim import HW, PATTERNS, PerfFleet
 from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample
 
 T0 = 1_800_000_000.0  # a window boundary (divisible by 300)
@@ -169,7 +169,7 @@ class Clock:
 async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, unique) -> None:
     from fleetmend import subjects
     from fleetmend.analyzer.service import Analyzer, analyzer_kv, lease_key
-    from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
+    from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
 
     cluster = f"fs{unique}"
     js = nc.jetstream()
@@ -256,10 +256,12 @@ async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, u
     fail_slow on the node's fault subject."""
     import nats
 
-    from fleetmend import security, servers, subjects
+    from fleetmend import subjects
+    from fleetmend.infra import security
+    from fleetmend.dev import servers
     from fleetmend.analyzer.service import Analyzer, analyzer_kv
-    from fleetmend.connect import connect_nats
-    from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
+    from fleetmend.infra.connect import connect_nats
+    from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
     from tests.conftest import assert_eventually
 
     d = tmp_path_factory.mktemp("secanalyzer")

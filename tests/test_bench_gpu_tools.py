@@ -376,8 +376,8 @@ async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal
     from agents.runner import run_agent
     from fleetmend import subjects
     from fleetmend.config import load_settings
-    from fleetmend.connect import connect_nats, connect_temporal
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.connect import connect_nats, connect_temporal
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
     from tests.conftest import assert_eventually, wait_agents_answer
 

@@ -14,7 +14,7 @@ from fleetmend import subjects
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import Router
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
@@ -45,7 +45,7 @@ def make_settings(nats_server, temporal_server, tmp_path, unique, **router):  # 
 
 
 async def test_router_survives_nats_restart(nats_server, temporal_server, temporal_client, tmp_path, unique):
-    from fleetmend.connect import connect_nats
+    from fleetmend.infra.connect import connect_nats
 
     s = make_settings(nats_server, temporal_server, tmp_path, unique)
     cluster = s.cluster

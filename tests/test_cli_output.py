@@ -46,7 +46,7 @@ def test_a_log_line_never_lands_on_stdout_before_the_json(tmp_path: Path) -> Non
 
 
 def test_json_logs_go_to_stderr_in_every_process_format() -> None:
-    code = ("from fleetmend.logs import configure_logging\nimport logging, structlog\n"
+    code = ("from fleetmend.infra.logs import configure_logging\nimport logging, structlog\n"
             "configure_logging('json')\nstructlog.get_logger('t').warning('probe_logged', n=1)\n"
             "logging.getLogger('nats').error('stdlib_logged')\nprint('RESULT')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=30)

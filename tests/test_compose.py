@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetmend import fleetgauges, metrics
-from fleetmend.servers import find_binary
+from fleetmend.infra import fleetgauges
+from fleetmend.infra import metrics
+from fleetmend.dev.servers import find_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

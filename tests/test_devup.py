@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleetmend.servers import free_port
+from fleetmend.dev.servers import free_port
 from tests.corpus_paths import corpus_case
 
 FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from fleetmend import security
-from fleetmend.servers import free_port
+from fleetmend.infra import security
+from fleetmend.dev.servers import free_port
 from tests.corpus_paths import corpus_case
 from tests.test_devup import _alive
 

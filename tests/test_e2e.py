@@ -21,7 +21,7 @@ import pytest
 from activities.ticket_kv import KvTicketStore
 from fleetmend import subjects
 from fleetmend.config import SlurmSettings, load_settings
-from fleetmend.connect import connect_nats, connect_temporal
+from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.catalog import load_catalog
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker

@@ -13,9 +13,9 @@ from fleetmend import subjects
 from fleetmend.analyzer.service import Analyzer, analyzer_kv
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
-from fleetmend.connect import connect_nats, connect_temporal
-from fleetmend.jetstream import ensure_fault_stream, ensure_perf_stream
-from fleetmend.perfsim import PerfFleet
+from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
+from fleetmend.dev.perfsim import PerfFleet
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually

@@ -14,8 +14,8 @@ from pathlib import Path
 import nats
 import structlog
 
-from fleetmend import servers
-from fleetmend.fleetgauges import run_elected
+from fleetmend.dev import servers
+from fleetmend.infra.fleetgauges import run_elected
 from tests.conftest import assert_eventually
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,12 +18,13 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.fleetguard import FleetGuardActivities
-from fleetmend import servers, subjects
+from fleetmend import subjects
+from fleetmend.dev import servers
 from fleetmend.policy import FailureDomain, Topology
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, start
-from fleetmend.converter import data_converter
+from fleetmend.infra.converter import data_converter
 from workflows.fleetguard import FleetGuard
 from fleetmend.messages import GuardCommand, GuardPolicy
 from fleetmend.messages import AbortCommand, RepairedCommand

@@ -7,7 +7,8 @@ import time
 
 import httpx
 
-from fleetmend import metrics, servers
+from fleetmend.infra import metrics
+from fleetmend.dev import servers
 
 
 async def _get(url: str) -> httpx.Response:

@@ -8,7 +8,7 @@ import asyncio
 import orjson
 
 from fleetmend.events import Component, FaultEvent, Severity, Source, utcnow
-from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.router.heartbeats import HeartbeatMonitor, deterministic_event_id
 from fleetmend.subjects import fault_subject, heartbeat_subject
 from tests.conftest import assert_eventually
@@ -101,7 +101,7 @@ def test_event_id_is_deterministic_and_time_ordered() -> None:
 
 
 async def test_a_dotted_node_goes_silent_under_its_real_name_and_is_counted(nc, unique: str) -> None:
-    from fleetmend import metrics
+    from fleetmend.infra import metrics
 
     cluster, node = f"d{unique}", "ip-10-0-1-23.ec2.internal"
     js = nc.jetstream()
@@ -128,7 +128,7 @@ async def test_a_dotted_node_goes_silent_under_its_real_name_and_is_counted(nc, 
 async def test_only_the_elected_replica_sets_the_silent_gauge(nc, unique: str) -> None:
     """Two monitors (two router replicas) see the same silence; only the one elected to publish the
     fleet-level gauges sets `fleetmend_agents_silent`, so a sum over replicas counts the node once."""
-    from fleetmend import metrics
+    from fleetmend.infra import metrics
 
     cluster, node = f"e{unique}", "n1"
     js = nc.jetstream()

@@ -5,7 +5,7 @@ strict: unknown fields are errors) of the oldest and newest Kubernetes the chart
 
 No cluster runs here: nothing is applied. The prometheus-operator objects (ServiceMonitor,
 PrometheusRule) have no schema in `kubernetes-validate`; their shape and the metric names their
-queries use are checked against `fleetmend.metrics` instead."""
+queries use are checked against `fleetmend.infra.metrics` instead."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fleetmend import metrics
+from fleetmend.infra import metrics
 from fleetmend.config import load_settings
 
 import helm_python as helm  # dev dependency helm-python-sdk
@@ -154,7 +154,7 @@ def test_router_worker_analyzer_have_probes_on_their_metrics_ports_and_budgets(f
         assert env["FLEETMEND_CLUSTER"] == "eks-a" and env["FLEETMEND_CONFIG"] == "/etc/fleetmend/fleetmend.toml"
         assert pdbs[name]["spec"]["selector"] == d["spec"]["selector"]
         assert c["securityContext"]["runAsNonRoot"] is True
-    from fleetmend import security
+    from fleetmend.infra import security
 
     for role in ("router", "worker"):
         (c,) = deps[f"fleetmend-{role}"]["spec"]["template"]["spec"]["containers"]
@@ -225,7 +225,7 @@ def test_fast_drain_gives_the_router_the_drainer_role(default_docs: list[dict]) 
 
 
 def _known_metric_names() -> set[str]:
-    from fleetmend import fleetgauges
+    from fleetmend.infra import fleetgauges
 
     known = set()
     for obj in [*vars(metrics).values(), *vars(fleetgauges).values()]:

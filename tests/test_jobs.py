@@ -11,7 +11,8 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from fleetmend import servers, subjects
+from fleetmend import subjects
+from fleetmend.dev import servers
 from fleetmend.jobs import JobReporter, token
 
 
@@ -39,7 +40,7 @@ async def test_batches_arrive_and_a_slow_rank_becomes_fail_slow(nats_server, nc,
     from fleetmend.analyzer.service import Analyzer, analyzer_kv
     from fleetmend.config import load_settings
     from fleetmend.events import FaultEvent
-    from fleetmend.jetstream import ensure_fault_stream, ensure_perf_stream
+    from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
     from tests.conftest import assert_eventually
 
     cluster = f"jb{unique}"

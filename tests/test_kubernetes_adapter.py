@@ -241,7 +241,7 @@ async def test_unknown_node_and_unreachable_api(cluster: Cluster) -> None:
         await ActivityEnvironment().run(acts.drain_node, DrainRequest("c1", "ghost", "x", "i"))
     assert ei.value.type == "NodeNotFound" and ei.value.non_retryable
 
-    from fleetmend import servers
+    from fleetmend.dev import servers
 
     dead = KubernetesScheduler(KubernetesSettings(api_url=f"http://127.0.0.1:{servers.free_port()}",
                                                   request_timeout_s=2))

@@ -328,7 +328,7 @@ def test_state_keeps_what_was_published_across_restarts(tmp_path: Path) -> None:
 async def test_live_agent_publishes_a_surviving_panic_once(nats_server, nc, unique: str, tmp_path: Path) -> None:
     from agents.runner import run_agent
     from fleetmend.config import AgentSettings, Settings
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.subjects import fault_subject
 
     cluster, node = f"c{unique}", "n1"

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fleetmend.lease import KvLease, lease_bucket, lease_key
+from fleetmend.infra.lease import KvLease, lease_bucket, lease_key
 
 
 class Clock:

@@ -17,10 +17,12 @@ from temporalio.worker import Worker
 
 from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from activities.scheduler import SchedulerActivities
-from fleetmend import metrics, servers, subjects
+from fleetmend import subjects
+from fleetmend.infra import metrics
+from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import Router
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
@@ -176,7 +178,7 @@ async def test_time_between_a_nodes_incidents_is_observed(temporal_client, uniqu
 
     from temporalio.worker import Worker
 
-    from fleetmend import metrics
+    from fleetmend.infra import metrics
     from tests.activity_standins import Calls, stand_ins
     from tests.test_workflow import fault, start
     from workflows.remediation import NodeRemediation

@@ -21,12 +21,14 @@ import nats
 import pytest
 from typer.testing import CliRunner
 
-from fleetmend import security, servers, subjects
+from fleetmend import subjects
+from fleetmend.infra import security
+from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import SlurmSettings, load_settings
-from fleetmend.connect import connect_nats, connect_temporal
+from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually

@@ -124,7 +124,7 @@ async def test_a_failed_channel_is_retried_alone(hooks, nats_server, unique) -> 
 
 
 async def test_unreachable_channel_is_an_error_not_a_hang(hooks) -> None:  # noqa: ANN001
-    from fleetmend import servers
+    from fleetmend.dev import servers
 
     dead = f"http://127.0.0.1:{servers.free_port()}/x"
     with pytest.raises(NotifyError, match="webhook"):

@@ -186,7 +186,7 @@ def test_real_host_sample_does_not_crash() -> None:
 async def test_live_agent_publishes_samples_to_the_perf_stream(nats_server, nc, tmp_path: Path, unique) -> None:
     from agents.runner import run_agent
     from fleetmend.config import load_settings
-    from fleetmend.jetstream import ensure_perf_stream
+    from fleetmend.infra.jetstream import ensure_perf_stream
     from fleetmend.subjects import PERF_STREAM, perf_subject
 
     js = nc.jetstream()

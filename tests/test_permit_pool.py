@@ -1,4 +1,4 @@
-"""The drain-permit pool (`fleetmend.permits`, `policy.fast_drain`) on a real NATS server, and the router's
+"""The drain-permit pool (`fleetmend.infra.permit_pool`, `policy.fast_drain`) on a real NATS server, and the router's
 fast path through real NATS, Temporal and the standalone scheduler.
 
 - Racing claims from several connections (router replicas, workers) never put more holders in the pool
@@ -31,10 +31,10 @@ from activities.standalone import StandaloneScheduler
 from fleetmend import subjects
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
-from fleetmend.connect import connect_nats, connect_temporal
-from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
-from fleetmend.permits import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually

@@ -19,7 +19,7 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer, Worker
 
-from fleetmend.converter import data_converter
+from fleetmend.infra.converter import data_converter
 from fleetmend.messages import AbortCommand, FaultBatch, GuardCommand, GuardPolicy, RepairedCommand
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually

@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from fleetmend import servers
+from fleetmend.dev import servers
 
 REPO = Path(__file__).resolve().parents[1]
 
 HANGS = """
 import asyncio
-from fleetmend.process import stop_on_signals
+from fleetmend.infra.process import stop_on_signals
 
 async def main():
     stop = stop_on_signals(deadline_s=1.0)

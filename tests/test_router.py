@@ -14,15 +14,16 @@ import pytest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from fleetmend import servers, subjects
+from fleetmend import subjects
+from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import MAX_EVENT_BYTES, Router, decode_event
 from tests.conftest import assert_eventually
 from tests.activity_standins import Calls, stand_ins
-from fleetmend.converter import data_converter
+from fleetmend.infra.converter import data_converter
 from workflows.remediation import NodeRemediation
 
 

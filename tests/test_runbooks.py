@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from fleetmend.catalog import default_catalog
-from fleetmend.runbooks import fault_classes, index, render, runbook_ref
+from fleetmend.catalog.runbooks import fault_classes, index, render, runbook_ref
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "runbooks"
@@ -21,7 +21,7 @@ def test_docs_runbooks_are_up_to_date_with_the_catalog() -> None:
     expected = {f"{fc}.md": render(fc) for fc in classes} | {"README.md": index()}
     present = {p.name for p in DOCS.glob("*.md")}
     stale = sorted(n for n, text in expected.items() if n in present and (DOCS / n).read_text() != text)
-    regen = "regenerate with `python -m fleetmend.runbooks docs/runbooks`"
+    regen = "regenerate with `python -m fleetmend.catalog.runbooks docs/runbooks`"
     assert not (set(expected) - present), f"missing: {sorted(set(expected) - present)[:10]}; {regen}"
     assert not (present - set(expected)), f"no longer in the catalog: {sorted(present - set(expected))}; {regen}"
     assert not stale, f"out of date: {stale[:10]}; {regen}"

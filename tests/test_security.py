@@ -14,12 +14,14 @@ import nats
 import pytest
 from typer.testing import CliRunner
 
-from fleetmend import security, servers, subjects
+from fleetmend import subjects
+from fleetmend.infra import security
+from fleetmend.dev import servers
 from fleetmend.config import load_settings
-from fleetmend.connect import connect_nats
+from fleetmend.infra.connect import connect_nats
 from fleetmend.errors import ConfigError, ServiceUnavailableError
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from tests.conftest import assert_eventually
 
 CLUSTER = "sec"
@@ -235,7 +237,7 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
 
         # the worker keeps the shared ticket ledger; worker and router contend for gauge-publisher leases
         from activities.ticket_kv import KvTicketStore
-        from fleetmend.lease import KvLease, lease_bucket, lease_key
+        from fleetmend.infra.lease import KvLease, lease_bucket, lease_key
         from fleetmend.messages import TicketRequest
 
         ref = await KvTicketStore(worker.jetstream()).file(TicketRequest(
@@ -246,7 +248,7 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
             assert await KvLease(await lease_bucket(c.jetstream()), lease_key(role, unique), role).tick()
 
         # policy.fast_drain: the guard's worker writes the permit pool; the router claims a slot and drains
-        from fleetmend.permits import PermitPool
+        from fleetmend.infra.permit_pool import PermitPool
 
         await (await PermitPool.open(worker.jetstream())).publish(f"pp{unique}", budget=2, rack_cap=2, open=True)
         claim = await (await PermitPool.open(router.jetstream())).claim(f"pp{unique}", "n2", None)

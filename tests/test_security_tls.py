@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from fleetmend import servers, subjects
+from fleetmend import subjects
+from fleetmend.dev import servers
 from fleetmend.config import load_settings
-from fleetmend.connect import connect_nats, connect_temporal
+from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.errors import ConfigError, ServiceUnavailableError
-from fleetmend.jetstream import ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_fault_stream
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

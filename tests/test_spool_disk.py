@@ -21,7 +21,8 @@ import pytest
 
 from agents.runner import run_agent
 from agents.spool import Spool
-from fleetmend import metrics, servers
+from fleetmend.infra import metrics
+from fleetmend.dev import servers
 from fleetmend.config import AgentSettings, Settings
 from fleetmend.errors import SpoolWriteError  # noqa
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source

@@ -14,10 +14,11 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from agents.runner import run_agent
-from fleetmend import jetstream, servers
+from fleetmend.infra import jetstream
+from fleetmend.dev import servers
 from fleetmend.config import AgentSettings, Settings, StreamSettings
 from fleetmend.events import Component, FaultEvent, Severity, Source
-from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream, fault_stream_config
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, fault_stream_config
 from fleetmend.subjects import DEADLETTER_STREAM, FAULT_STREAM, fault_subject
 from tests.conftest import assert_eventually
 
@@ -190,7 +191,7 @@ def test_a_stream_raised_to_three_replicas_is_reported_never_lowered():
     never sends an update (it has no update call at all)."""
     import inspect
 
-    from fleetmend.jetstream import differences, ensure_stream
+    from fleetmend.infra.jetstream import differences, ensure_stream
 
     want = fault_stream_config(StreamSettings(replicas=1))
     have = fault_stream_config(StreamSettings(replicas=1))
@@ -206,7 +207,7 @@ async def test_kv_keys_lists_every_key_right_after_it_was_written(nc, unique):
     `fleetmend tickets` print no ticket right after one was filed."""
     from nats.js.api import KeyValueConfig
 
-    from fleetmend.jetstream import kv_keys
+    from fleetmend.infra.jetstream import kv_keys
 
     js = nc.jetstream()
     bucket = f"keys_{unique}"

@@ -76,9 +76,9 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
     from agents.runner import run_agent
     from fleetmend import subjects
     from fleetmend.config import load_settings
-    from fleetmend.connect import connect_nats, connect_temporal
+    from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.events import FaultEvent
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
 
     cluster = f"sw{unique}"

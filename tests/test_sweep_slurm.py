@@ -30,8 +30,8 @@ async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_ser
     from agents.runner import run_agent
     from fleetmend import subjects
     from fleetmend.config import load_settings
-    from fleetmend.connect import connect_nats, connect_temporal
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.connect import connect_nats, connect_temporal
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
 
     job = slurm.run("sbatch", "--parsable", "-N", "3", "-w", ",".join(JOB_NODES), "-J", f"fm{unique}",

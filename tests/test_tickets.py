@@ -226,7 +226,7 @@ async def test_webhook_400_is_rejected_without_retry(hook: Hook, tmp_path: Path)
 
 
 async def test_webhook_connection_refused_is_ticket_error(tmp_path: Path) -> None:
-    from fleetmend.servers import free_port
+    from fleetmend.dev.servers import free_port
 
     filer = WebhookTicketFiler(f"http://127.0.0.1:{free_port()}/t", {}, 2.0, LocalTicketStore(tmp_path),
                                max_attempts=2, backoff_s=0.01)

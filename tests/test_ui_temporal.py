@@ -21,7 +21,7 @@ import pytest
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 
-from fleetmend import servers
+from fleetmend.dev import servers
 from tests.conftest import IN_CI
 
 CLI = [sys.executable, "-m", "fleetmend.cli.main"]

@@ -57,7 +57,7 @@ before them; without the patch guards they fail to replay with TMPRL1100).
   baseline histories replay unchanged.
 `permit-pool`: with `policy.fast_drain`, the guard writes its budget, rack cap, open/closed and the
   domains of open infrastructure incidents to the cluster's permit pool (`sync_permit_pool` activity,
-  `fleetmend.permits`) once per run and on every change, and frees the pool slots of permits it
+  `fleetmend.infra.permit_pool`) once per run and on every change, and frees the pool slots of permits it
   releases (reconciliation, `breaker release`). Reached only with `fast_drain`, so the recorded
   histories (all without it) replay unchanged.
 `reask-not-a-fault`: a queued node asking again (its incident's re-request every

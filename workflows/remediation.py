@@ -84,18 +84,18 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend.diagnostics import (
         DiagLevel, DiagReport, DiagResult, RecoveryOp, RecoveryReport, RecoveryResult, recovery_steps,
     )
-    from fleetmend.events import MAX_CLOCK_SKEW_S, Severity, Verdict, condition_key
+    from fleetmend.events import MAX_CLOCK_SKEW_S, Recovery, Severity, Urgency, Verdict, condition_key
     from fleetmend.messages import (
         KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
         Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
         IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Notification, NotifyEvent, NotifyResult,
         Outcome, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRelease,
-        PermitRequest, Phase, Recovery, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
+        PermitRequest, Phase, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
         MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
-        TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, Urgency, iso,
+        TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide
-    from fleetmend.runbooks import runbook_ref
+    from fleetmend.catalog.runbooks import runbook_ref
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 PATCH_PERMIT_DECIDE = "permit-decide"

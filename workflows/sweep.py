@@ -17,15 +17,15 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from fleetmend.diagnostics import BenchReport
-    from fleetmend.messages import Activity
-    from fleetmend.sweep import (WORKFLOW, BenchActivityRequest, FailSlowRequest, SweepInput, SweepResult,
-                                 compare, findings)
+    from fleetmend.messages import (Activity, BenchActivityRequest, FailSlowRequest, SweepApi, SweepInput,
+                                    SweepResult)
+    from fleetmend.sweep import compare, findings
 
 ONE_TRY = RetryPolicy(maximum_attempts=1)
 PUBLISH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
 
 
-@workflow.defn(name=WORKFLOW)
+@workflow.defn(name=SweepApi.WORKFLOW)
 class Sweep:
     @workflow.run
     async def run(self, inp: SweepInput) -> SweepResult:

@@ -3,7 +3,7 @@
 - Reads `fleet.<cluster>.perf.*` from the perf stream with an ordered push consumer, starting
   `window_s + grace_s` before now so the open window is rebuilt after a restart; judges each window
   `grace_s` after it ends (wall clock).
-- One active replica per cluster: a `fleetmend.lease.KvLease` on key `lease.<cluster>` of the KV
+- One active replica per cluster: a `fleetmend.infra.lease.KvLease` on key `lease.<cluster>` of the KV
   bucket `fleetmend_analyzer` (compare-and-set on revisions, no clock sync; renewed every tick, at
   most `lease_ttl_s / 3` apart; a standby takes over when the key has not changed for `lease_ttl_s`). Both replicas keep the windows; only the
   active one publishes findings and writes the state, and a replica that becomes active first loads
@@ -99,7 +99,7 @@ class Analyzer:
         self.nc, self.js, self.kv = nc, js, kv
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.clock = clock
-        from fleetmend.lease import KvLease
+        from fleetmend.infra.lease import KvLease
 
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
         self.comparator = Comparator(self.cfg)
@@ -196,7 +196,7 @@ class Analyzer:
     # ------------------------------------------------------------------ lease and state
 
     async def lease(self) -> bool:
-        """Acquire, renew or watch the cluster's lease (`fleetmend.lease.KvLease`, key
+        """Acquire, renew or watch the cluster's lease (`fleetmend.infra.lease.KvLease`, key
         `lease.<cluster>` of the analyzer bucket). Returns whether this replica is active now; a
         replica that becomes active loads the state its predecessor wrote."""
         was = self.active
@@ -210,7 +210,7 @@ class Analyzer:
             self._log.info("analyzer_active")
         elif was and not self.active:
             self._log.info("analyzer_standby")
-        from fleetmend import metrics
+        from fleetmend.infra import metrics
 
         metrics.ANALYZER_ACTIVE.labels(self.cluster).set(1 if self.active else 0)
         return self.active
@@ -240,7 +240,7 @@ class Analyzer:
 
     async def tick(self) -> list[WindowResult]:
         """Renew the lease, judge every due window, publish findings and save state (active only)."""
-        from fleetmend import metrics
+        from fleetmend.infra import metrics
 
         active = await self.lease()
         results = []
@@ -326,9 +326,9 @@ class Analyzer:
 
 async def run_analyzer(settings: Settings, stop: asyncio.Event) -> None:
     """Run one analyzer replica until `stop` is set (perf stream and KV bucket ensured at start)."""
-    from fleetmend import metrics
-    from fleetmend.connect import close_nats, connect_nats
-    from fleetmend.jetstream import ensure_perf_stream
+    from fleetmend.infra import metrics
+    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.infra.jetstream import ensure_perf_stream
 
     nc = await connect_nats(settings, name=f"fleetmend-analyzer-{settings.cluster}")
     js = nc.jetstream(timeout=10.0)

@@ -1,5 +1,5 @@
 """`fleetmend history NODE`: every incident of a node, open and closed, in every cluster
-(lookups in `fleetmend.lookup`)."""
+(lookups in `fleetmend.cli.lookup`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fleetmend.lookup import node_history
+from fleetmend.cli.lookup import node_history
 
 
 def _duration(seconds: float | None) -> str:

@@ -67,7 +67,7 @@ def _cli(version: bool = typer.Option(False, "--version", is_eager=True, callbac
                                       help="Print the version and exit.")) -> None:
     # One-shot commands log warnings and errors only, to stderr (stdout is the result); the long-running
     # processes (worker, router, dev up) configure their own level and format at start.
-    from fleetmend.logs import configure_logging
+    from fleetmend.infra.logs import configure_logging
 
     configure_logging(os.environ.get("FLEETMEND_LOG_FORMAT", "auto"), level="warning")
 
@@ -98,9 +98,9 @@ def _who() -> str:
 
 async def _serve(main, settings: Settings) -> None:  # noqa: ANN001
     """Run `main(settings, stop)`; SIGTERM/SIGINT set `stop`, a second SIGINT forces exit."""
-    from fleetmend.logs import configure_logging
+    from fleetmend.infra.logs import configure_logging
 
-    from fleetmend.process import stop_on_signals
+    from fleetmend.infra.process import stop_on_signals
 
     configure_logging(settings.log_format)
     await main(settings, stop_on_signals())
@@ -119,15 +119,13 @@ def agent(ctx: typer.Context) -> None:
 @app.command()
 def router(config: Optional[Path] = ConfigOpt, metrics_port: Optional[int] = MetricsPortOpt) -> None:
     """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start."""
-    from functools import partial
 
-    from activities.scheduler import build_scheduler
     from fleetmend.router import run_router
 
     s = _settings(config)
     if metrics_port is not None:
         s.metrics.router_port = metrics_port
-    _run(_serve(partial(run_router, build_scheduler=build_scheduler), s))
+    _run(_serve(run_router, s))
 
 
 @app.command()
@@ -157,7 +155,7 @@ def dev_up(
     config: Optional[Path] = ConfigOpt,
 ) -> None:
     """Start NATS (JetStream), Temporal (SQLite, Web UI), worker, router and a local agent; Ctrl-C stops all."""
-    from fleetmend.devup import dev_up as run_dev_up
+    from fleetmend.dev.devup import dev_up as run_dev_up
 
     s = _settings(config, state_dir=state_dir, nats_url=nats_url, temporal_address=temporal_address,
                   temporal_ui_port=ui_port, scheduler=scheduler)
@@ -166,21 +164,21 @@ def dev_up(
 
 # ------------------------------------------------------------------ incidents
 def _status_dict(st: Any) -> dict[str, Any]:
-    from fleetmend.lookup import status_dict
+    from fleetmend.cli.lookup import status_dict
 
     return status_dict(st)
 
 
 async def _incident(s: Settings, node: str) -> dict[str, Any]:
     """`node`'s incident in `s.cluster` (callers that know the cluster, e.g. `nodes`)."""
-    from fleetmend.lookup import find_incidents
+    from fleetmend.cli.lookup import find_incidents
 
     return (await find_incidents(s, node, s.cluster))[0]
 
 
 async def _list_incidents(s: Settings, limit: int, cluster: str | None = "") -> list[dict[str, Any]]:
     """Recent incidents of `cluster` (default `s.cluster`; None: every cluster), newest first."""
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     rows = []
@@ -206,7 +204,7 @@ async def _list_incidents(s: Settings, limit: int, cluster: str | None = "") -> 
 async def _count_beyond(s: Settings, cluster: str | None) -> str:
     """"N incidents (D drained now, Q awaiting a permit)" of `cluster` (None: every cluster), or "" when
     the server cannot count (visibility without counts)."""
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     base = "WorkflowType='NodeRemediation'" + (f" AND FleetCluster='{cluster}'" if cluster else "")
@@ -232,7 +230,7 @@ def status(
     """Open and recent incidents of every cluster (a table), or one node's incident wherever it is."""
     s = _settings(config, cluster=cluster)
     if node:
-        from fleetmend.lookup import find_incidents
+        from fleetmend.cli.lookup import find_incidents
 
         found = _run(find_incidents(s, node, cluster))
         if len(found) > 1:
@@ -322,8 +320,8 @@ async def _command(s: Settings, node: str, update: str, cmd: Any, cluster: str |
     from temporalio.service import RPCError
 
     from fleetmend import subjects
-    from fleetmend.lookup import open_cluster
-    from fleetmend.connect import connect_temporal
+    from fleetmend.cli.lookup import open_cluster
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     cl = cluster or await open_cluster(client, node, s.cluster)
@@ -422,7 +420,7 @@ async def _read_tickets(s: Settings) -> tuple[list[dict[str, Any]], str]:
         store = LocalTicketStore(s.state_dir / "tickets")
         return await store.list_all(), str(store.directory)
     from activities.ticket_kv import KvTicketStore
-    from fleetmend.connect import connect_nats
+    from fleetmend.infra.connect import connect_nats
 
     nc = await connect_nats(s, name="fleetmend-cli")
     try:
@@ -460,7 +458,7 @@ async def _read_deadletters(s: Settings, limit: int) -> list[dict[str, Any]]:
     from nats.js.errors import NotFoundError
 
     from fleetmend import subjects
-    from fleetmend.connect import connect_nats
+    from fleetmend.infra.connect import connect_nats
 
     nc = await connect_nats(s, name="fleetmend-cli")
     try:

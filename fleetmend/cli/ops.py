@@ -17,11 +17,11 @@ from rich.table import Table
 
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
-from fleetmend.servers import SEARCH_ATTRIBUTES
+from fleetmend.dev.servers import SEARCH_ATTRIBUTES
 
 
 async def setup_search_attributes(client: Any, namespace: str) -> dict[str, str]:
-    """Register `fleetmend.servers.SEARCH_ATTRIBUTES` on the namespace (operator service); idempotent.
+    """Register `fleetmend.dev.servers.SEARCH_ATTRIBUTES` on the namespace (operator service); idempotent.
 
     Args:
         client: a connected `temporalio.client.Client`.
@@ -54,9 +54,9 @@ async def setup_search_attributes(client: Any, namespace: str) -> dict[str, str]
 
 
 async def _temporal_setup(s: Settings) -> dict[str, Any]:
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
-    from fleetmend.servers import ensure_retention
+    from fleetmend.dev.servers import ensure_retention
 
     client = await connect_temporal(s)
     attrs = await setup_search_attributes(client, s.temporal_namespace)
@@ -74,7 +74,7 @@ async def _nodes(s: Settings, with_incidents: bool) -> tuple[list[dict[str, Any]
     try:
         js = None
         if s.scheduler.value == "standalone":
-            from fleetmend.connect import connect_nats
+            from fleetmend.infra.connect import connect_nats
 
             nc = await connect_nats(s, name="fleetmend-cli")
             js = nc.jetstream()

@@ -48,7 +48,7 @@ async def _release(settings: Any, node: str, by: str, note: str, force: bool = F
     from temporalio.service import RPCError
 
     from fleetmend import subjects
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
     from fleetmend.errors import FleetmendError
     from fleetmend.messages import GuardApi, PermitReleaseCommand
 

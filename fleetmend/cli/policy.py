@@ -68,8 +68,8 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
 
 async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
     from fleetmend import subjects
-    from fleetmend.connect import connect_nats
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.connect import connect_nats
+    from fleetmend.infra.jetstream import ensure_fault_stream
 
     nc = await connect_nats(settings, name="fleetmend-inject")
     try:
@@ -86,7 +86,7 @@ async def _inject(settings: Settings, event) -> dict[str, Any]:  # noqa: ANN001
 
 async def _guard_handle(settings: Settings, *, start: bool):  # noqa: ANN202
     from fleetmend import subjects
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
     from fleetmend.policy import load_topology
     from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
 
@@ -229,11 +229,11 @@ def register(app: typer.Typer) -> None:
                         f"{len(inc['nodes'])} nodes, ticket {inc.get('ticket') or '-'}")
 
     async def _pool_status(s) -> dict | None:  # noqa: ANN001 - Settings
-        """The cluster's permit pool as stored (`fleetmend.permits`), or None before FleetGuard wrote it."""
+        """The cluster's permit pool as stored (`fleetmend.infra.permit_pool`), or None before FleetGuard wrote it."""
         from dataclasses import asdict
 
-        from fleetmend.connect import close_nats, connect_nats
-        from fleetmend.permits import PermitPool
+        from fleetmend.infra.connect import close_nats, connect_nats
+        from fleetmend.infra.permit_pool import PermitPool
 
         nc = await connect_nats(s, name="fleetmend-cli")
         try:

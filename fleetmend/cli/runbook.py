@@ -1,5 +1,5 @@
 """`fleetmend runbook CLASS`: the runbook of a fault class (generated from the catalog,
-`fleetmend.runbooks`; the same text as docs/runbooks/CLASS.md)."""
+`fleetmend.catalog.runbooks`; the same text as docs/runbooks/CLASS.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """What a fault class means, what fleetmend does about it and what a human checks."""
         from fleetmend.catalog import load_catalog
-        from fleetmend.runbooks import fault_classes, render
+        from fleetmend.catalog.runbooks import fault_classes, render
 
         s = _settings(config)
         catalog = load_catalog(s.catalog_overrides)

@@ -1,4 +1,4 @@
-"""`fleetmend creds generate`: per-node NATS nkeys and the server's accounts block (fleetmend.security)."""
+"""`fleetmend creds generate`: per-node NATS nkeys and the server's accounts block (fleetmend.infra.security)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def generate(
     diagnostics) plus router, worker and admin seeds, and `accounts.conf` for nats-server. Existing
     seeds are kept, so adding nodes never rotates the others."""
     from fleetmend.errors import ConfigError
-    from fleetmend.security import generate as gen
+    from fleetmend.infra.security import generate as gen
 
     names = [n.strip() for n in (nodes or "").split(",") if n.strip()]
     if nodes_file:
@@ -80,8 +80,8 @@ async def deadletter_line(settings, timeout_s: float = 3.0) -> str:  # noqa: ANN
     from collections import Counter
 
     from fleetmend import subjects
-    from fleetmend.connect import connect_nats
-    from fleetmend.metrics import deadletter_reason
+    from fleetmend.infra.connect import connect_nats
+    from fleetmend.infra.metrics import deadletter_reason
 
     try:
         async with asyncio.timeout(timeout_s * 2):

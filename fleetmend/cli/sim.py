@@ -38,8 +38,8 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from fleetmend.cli.main import _run, _settings
-        from fleetmend.logs import configure_logging
-        from fleetmend.cli.simulate import SimConfig, fleet_rate_per_s, run_sim
+        from fleetmend.infra.logs import configure_logging
+        from fleetmend.dev.simulate import SimConfig, fleet_rate_per_s, run_sim
 
         s = _settings(config)
         configure_logging(s.log_format, level="warning")
@@ -67,8 +67,8 @@ def _perf(nodes: int, cluster: str, duration: float, seed: int, slow_nodes: int,
     import sys
 
     from fleetmend.cli.main import _run, _settings, err
-    from fleetmend.logs import configure_logging
-    from fleetmend.perfsim import PerfFleet, run_perf_sim
+    from fleetmend.infra.logs import configure_logging
+    from fleetmend.dev.perfsim import PerfFleet, run_perf_sim
 
     s = _settings(config)
     configure_logging(s.log_format, level="warning")

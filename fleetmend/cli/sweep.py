@@ -104,9 +104,9 @@ def register(app: typer.Typer) -> None:
 async def _sweep(s, nodes: list[str], sid: str, outlier_pct: float, deadline_s: float, host_seconds: float,  # noqa: ANN001
                  act: bool, builtin: bool = True):  # noqa: ANN202
     from fleetmend import subjects
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
     from fleetmend.errors import FleetmendError
-    from fleetmend.sweep import WORKFLOW, SweepInput, SweepResult
+    from fleetmend.messages import SweepApi, SweepInput, SweepResult
 
     try:
         wid = subjects.sweep_workflow_id(s.cluster, sid)
@@ -114,7 +114,7 @@ async def _sweep(s, nodes: list[str], sid: str, outlier_pct: float, deadline_s: 
         raise FleetmendError(str(e)) from e
     client = await connect_temporal(s)
     handle = await client.start_workflow(
-        WORKFLOW, SweepInput(cluster=s.cluster, sweep_id=sid, nodes=nodes, deadline_s=deadline_s,
+        SweepApi.WORKFLOW, SweepInput(cluster=s.cluster, sweep_id=sid, nodes=nodes, deadline_s=deadline_s,
                               outlier_pct=outlier_pct, act=act, host_seconds=host_seconds, builtin=builtin),
         id=wid, task_queue=s.task_queue, result_type=SweepResult)
     return await handle.result()

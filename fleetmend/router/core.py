@@ -26,7 +26,7 @@ Guarantees:
   replica hears the advisory, and the dead-letter record's `Nats-Msg-Id` (`dl-<stream>-<seq>`)
   keeps one copy.
 - Any number of router replicas share the durable consumer.
-- Fast path (`policy.fast_drain`, `fleetmend.permits`): before its signal-with-start, a node whose
+- Fast path (`policy.fast_drain`, `fleetmend.infra.permit_pool`): before its signal-with-start, a node whose
   fault the catalog says drains *now* (drain, urgency now, no history rule, no debounce; the catalog's
   own verdict and the event's both) is drained here at once when it gets a slot in the cluster's
   permit pool (compare-and-set; the budget, rack cap, breaker, pause, observe-only and open
@@ -54,7 +54,8 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from fleetmend import metrics, subjects
+from fleetmend import subjects
+from fleetmend.infra import metrics
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
 from fleetmend.catalog import Urgency
@@ -177,7 +178,7 @@ class Router:
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the fast path (`policy.fast_drain`)."""
-        from fleetmend.permits import PermitPool
+        from fleetmend.infra.permit_pool import PermitPool
         from fleetmend.policy import load_topology
 
         if self._pool is None:
@@ -252,7 +253,7 @@ class Router:
     async def setup(self):  # noqa: ANN201
         from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-        from fleetmend.jetstream import ensure_deadletter_stream, ensure_fault_stream
+        from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 
         await ensure_fault_stream(self.js, self.s)
         await ensure_deadletter_stream(self.js, self.s)
@@ -479,7 +480,7 @@ class Router:
             the `PermitRequest` to forward to FleetGuard when the pool refused the node a slot (its
             incident waits for a permit), else None."""
         from fleetmend.messages import PermitRequest
-        from fleetmend.permits import BY_ROUTER
+        from fleetmend.infra.permit_pool import BY_ROUTER
 
         if cluster != self.s.cluster:
             return None  # the scheduler adapter here drains this router's own cluster only

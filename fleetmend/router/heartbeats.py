@@ -35,7 +35,7 @@ import structlog
 
 from fleetmend import __version__
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend import metrics
+from fleetmend.infra import metrics
 from fleetmend.subjects import all_heartbeats_subject, fault_subject, msg_id, parse_heartbeat_subject
 
 KIND = "agent_silent"
@@ -78,7 +78,7 @@ class HeartbeatMonitor:
         self.nc, self.js = nc, js
         self.publish_gauge = publish_gauge
         """None (every replica sets the gauge), or a callable: set `fleetmend_agents_silent` only while it
-        says True (the router replica elected to publish fleet-level gauges, `fleetmend.fleetgauges`)."""
+        says True (the router replica elected to publish fleet-level gauges, `fleetmend.infra.fleetgauges`)."""
         self.silence_s = silence_s
         self.check_interval_s = check_interval_s or max(silence_s / 6, 0.05)
         self.publish_timeout_s = publish_timeout_s

@@ -36,7 +36,7 @@ visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` /
 | fleetmend_analyzer_active | gauge | cluster | analyzer (1 while this replica holds the lease) |
 | fleetmend_analyzer_small_groups | gauge | cluster | analyzer: (group, metric) pairs too small to judge, last window |
 | fleetmend_analyzer_fail_slow_total | counter | cluster, metric | analyzer: fail_slow events published |
-| fleetmend_fleet_gauges_publisher | gauge | role, scope | every worker/router replica: 1 on the one elected to publish the fleet-level gauges (`fleetmend/fleetgauges.py`) |
+| fleetmend_fleet_gauges_publisher | gauge | role, scope | every worker/router replica: 1 on the one elected to publish the fleet-level gauges (`fleetmend/infra/fleetgauges.py`) |
 
 The fleet-level gauges (incidents, drains in force, breaker, drain queue and permits, time between
 incidents; the router's lag) are published by one elected replica per cluster (per consumer for

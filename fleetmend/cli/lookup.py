@@ -56,7 +56,7 @@ def status_dict(st: Any) -> dict[str, Any]:
                                           "count", "fault_class", "immediate_action", "drain", "healthy",
                                           "observed_at")}
                    for f in d.get("faults", [])]
-    from fleetmend.runbooks import runbook_ref
+    from fleetmend.catalog.runbooks import runbook_ref
 
     classes = [d.get("fault_class")] + [f["fault_class"] for f in d["faults"] if f.get("drain")]
     d["runbooks"] = {fc: runbook_ref(fc) for fc in dict.fromkeys(c for c in classes if c)}
@@ -113,7 +113,7 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
     from temporalio.service import RPCError
 
     from fleetmend import subjects
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     latest: dict[str, Any] = {}
@@ -178,7 +178,7 @@ async def node_history(s: Settings, node: str, cluster: str | None, limit: int) 
     """
     from temporalio.service import RPCError
 
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     runs = []

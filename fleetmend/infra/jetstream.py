@@ -29,7 +29,7 @@ from fleetmend.subjects import (
     all_perf_subject,
 )
 
-log = structlog.get_logger("fleetmend.jetstream")
+log = structlog.get_logger("fleetmend.infra.jetstream")
 
 DEFAULT_DUPLICATE_WINDOW_S = 120.0
 """Nats-Msg-Id dedupe window. 120 s covers an agent replaying its spool right after a reconnect

@@ -132,7 +132,7 @@ async def connect_temporal(settings: Settings):  # noqa: ANN201
     """
     from temporalio.client import Client
 
-    from fleetmend.converter import data_converter
+    from fleetmend.infra.converter import data_converter
 
     tls = temporal_tls_config(settings.temporal_tls)  # ConfigError for unreadable files, before connecting
     try:

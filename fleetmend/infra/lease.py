@@ -44,7 +44,7 @@ async def lease_bucket(js: Any, bucket: str = subjects.LEASE_KV_BUCKET, ttl_s: f
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from fleetmend.jetstream import open_kv_bucket
+    from fleetmend.infra.jetstream import open_kv_bucket
 
     return await open_kv_bucket(js, bucket, "fleetmend leases: which replica publishes the fleet-level gauges",
                                 timeout_s)

@@ -4,7 +4,7 @@ Incidents by phase, drains in force, breaker and drain queue (and the time-betwe
 histogram) describe the whole cluster; the consumer lag describes the one durable consumer every
 router replica shares. If every replica exported them, a dashboard summing over instances would
 count the fleet once per replica. So one replica per (role, scope) holds a lease in a JetStream KV
-bucket (`fleetmend.lease`) and publishes; the others keep the lease warm and publish nothing. A
+bucket (`fleetmend.infra.lease`) and publishes; the others keep the lease warm and publish nothing. A
 replica that loses the lease removes the series it exported, so no stale copy lingers.
 
 `fleetmend_fleet_gauges_publisher{role, scope}` is 1 on the publisher and 0 elsewhere: summed over
@@ -19,8 +19,8 @@ from typing import Any, Awaitable, Callable
 
 from prometheus_client import Gauge
 
-from fleetmend import metrics
-from fleetmend.lease import DEFAULT_TTL_S, KvLease, default_holder, lease_bucket, lease_key
+from fleetmend.infra import metrics
+from fleetmend.infra.lease import DEFAULT_TTL_S, KvLease, default_holder, lease_bucket, lease_key
 
 PUBLISHER = Gauge("fleetmend_fleet_gauges_publisher",
                   "1 on the replica elected to publish the fleet-level gauges of (role, scope), else 0.",

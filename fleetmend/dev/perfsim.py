@@ -262,8 +262,8 @@ async def run_perf_sim(settings: Any, fleet: PerfFleet, duration_s: float, inter
     stream, as the agent does), every node once per `interval_s`, spread over the interval, for
     `duration_s` seconds (or until `stop`). Returns {"samples": n, "intervals": n}."""
     from fleetmend import subjects
-    from fleetmend.connect import close_nats, connect_nats
-    from fleetmend.jetstream import ensure_perf_stream
+    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.infra.jetstream import ensure_perf_stream
 
     stop = stop or asyncio.Event()
     nc = await connect_nats(settings, name=f"fleetmend-perfsim-{fleet.cluster}")

@@ -260,7 +260,7 @@ def server_conf(accounts_file: Path, store_dir: Path | None = None, *, tls_cert:
                 tls_ca: Path | None = None) -> str:
     """A minimal nats-server config (JetStream + the accounts block, optional TLS) for tests and dev.
 
-    Listen address and port come from the command line (`fleetmend.servers.start_nats`), and so do
+    Listen address and port come from the command line (`fleetmend.dev.servers.start_nats`), and so do
     `-js -sd` unless `store_dir` is given here (the server refuses both).
     """
     # Inlined, not `include`d: nats-server resolves include paths against the including file's directory.

@@ -30,12 +30,12 @@ from urllib.parse import urlparse
 
 import structlog
 
-from fleetmend import servers
+from fleetmend.dev import servers
 from fleetmend.config import Settings
 from fleetmend.errors import ConfigError
-from fleetmend.process import stop_on_signals
+from fleetmend.infra.process import stop_on_signals
 
-log = structlog.get_logger("fleetmend.devup")
+log = structlog.get_logger("fleetmend.dev.devup")
 
 WATCHDOG_GRACE_S = 10.0
 """After `dev up` died: how long its children get to stop on SIGTERM before SIGKILL."""
@@ -58,7 +58,7 @@ def _write_pids(path: Path, procs: list[servers.ManagedProcess]) -> None:
 def start_watchdog(pid_file: Path) -> subprocess.Popen:
     """Start the watchdog of this process (see module docstring); it exits when it is terminated
     (a clean stop) or after cleaning up once this process is gone."""
-    code = "import sys; from fleetmend.devup import watchdog_main; watchdog_main(sys.argv[1:])"
+    code = "import sys; from fleetmend.dev.devup import watchdog_main; watchdog_main(sys.argv[1:])"
     return subprocess.Popen([sys.executable, "-c", code, str(os.getpid()), str(pid_file)],
                             start_new_session=True, stdin=subprocess.DEVNULL)
 
@@ -133,13 +133,13 @@ def child_env(s: Settings) -> dict[str, str]:
 
 
 def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
-    """`dev up --secure`: credentials under `STATE/creds` (`fleetmend.security.generate`) for this
+    """`dev up --secure`: credentials under `STATE/creds` (`fleetmend.infra.security.generate`) for this
     host's node, every node already there (add one with `fleetmend creds generate --out STATE/creds
     --cluster C --nodes N` before starting), router, worker and admin.
 
     Returns (nats-server config file, environment of each child: worker, router, analyzer, agent).
     """
-    from fleetmend import security
+    from fleetmend.infra import security
 
     cdir = s.state_dir / "creds"
     nodes = sorted({s.node} | {p.stem for p in (cdir / "nodes").glob("*.nk")})
@@ -157,7 +157,7 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
 
 async def _retention(s: Settings) -> None:
     """Closed incidents are kept `temporal_retention_days` (the dev server's own default is 1 day)."""
-    from fleetmend.connect import connect_temporal
+    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     _, days = await servers.ensure_retention(client, s.temporal_namespace, s.temporal_retention_days)

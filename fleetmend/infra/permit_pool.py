@@ -46,7 +46,7 @@ import structlog
 
 from fleetmend import subjects
 
-log = structlog.get_logger("fleetmend.permits")
+log = structlog.get_logger("fleetmend.infra.permit_pool")
 
 BY_ROUTER = "router"
 BY_GUARD = "guard"
@@ -121,7 +121,7 @@ async def permit_bucket(js: Any, bucket: str = subjects.PERMIT_KV_BUCKET, timeou
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from fleetmend.jetstream import open_kv_bucket
+    from fleetmend.infra.jetstream import open_kv_bucket
 
     return await open_kv_bucket(js, bucket, "fleetmend drain permits: the blast-radius budget per cluster "
                                             "(FleetGuard + router)", timeout_s)

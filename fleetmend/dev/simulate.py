@@ -128,8 +128,8 @@ async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None
     from fleetmend import __version__, subjects
     from fleetmend.events import utcnow
     from fleetmend.catalog import default_catalog
-    from fleetmend.connect import close_nats, connect_nats
-    from fleetmend.jetstream import ensure_fault_stream
+    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.infra.jetstream import ensure_fault_stream
 
     stop = stop or asyncio.Event()
     rng = random.Random(cfg.seed)

@@ -1,13 +1,28 @@
-"""The Temporal worker process: wires workflows and activities (with their adapters) together."""
+"""The worker's wiring: the cluster's Temporal worker and the guard's (`Workers`), each workflow and
+activity registered with its adapters (`build_worker`), and the workflow sandbox (`workflow_runner`)."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import structlog
+from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
+from activities.diagnostics import DiagnosticsActivities
+from activities.fleetguard import FleetGuardActivities
+from activities.notify import NotifyActivities, Notifier, channels_from_settings
+from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
+from activities.recovery import RecoveryActivities
+from activities.scheduler import SchedulerActivities, build_scheduler
+from activities.sweep import SweepActivities
+from activities.tickets import TicketActivities, build_ticket_filer
 from fleetmend.config import Settings
+from fleetmend.messages import guard_task_queue
+from workflows.fleetguard import FleetGuard
+from workflows.remediation import NodeRemediation
+from workflows.sweep import Sweep
 
 log = structlog.get_logger("fleetmend.worker")
 
@@ -22,26 +37,11 @@ def workflow_runner():  # noqa: ANN201 - temporalio WorkflowRunner
     every run, so the converter's TypeAdapter cache hits. The sandbox's runtime checks (wall clock,
     random, I/O called from workflow code) still apply; module-level state in those packages is shared,
     so they keep none that a workflow mutates."""
-    from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
-
     return SandboxedWorkflowRunner(
         restrictions=SandboxRestrictions.default.with_passthrough_modules("fleetmend", "workflows"))
 
 
 async def build_worker(settings: Settings, client, nc, *, task_queue: str | None = None):  # noqa: ANN001, ANN201
-    from temporalio.worker import Worker
-
-    from activities.diagnostics import DiagnosticsActivities
-    from activities.scheduler import SchedulerActivities, build_scheduler
-    from activities.tickets import TicketActivities, build_ticket_filer
-    from activities.fleetguard import FleetGuardActivities
-    from fleetmend.messages import guard_task_queue
-    from activities.recovery import RecoveryActivities
-    from workflows.fleetguard import FleetGuard
-    from workflows.remediation import NodeRemediation
-    from activities.sweep import SweepActivities
-    from workflows.sweep import Sweep
-
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
     node_events = getattr(adapter, "record_event", None)  # Kubernetes: Events on the Node
@@ -50,16 +50,12 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     tq = task_queue or settings.task_queue
     gtq = guard_task_queue(tq)
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq, js=nc.jetstream())
-    from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
-
     quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node, gate=guard.gate)
     # policy.fast_drain: every drain under a permit takes its slot in the cluster's permit pool first
     drain_node = PooledDrainActivities(sched.drain_node, guard.gate).drain_node if settings.policy.fast_drain \
         else sched.drain_node
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
-    from activities.notify import NotifyActivities, Notifier, channels_from_settings
-
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
     main = Worker(
@@ -123,62 +119,3 @@ class Workers:
     async def shutdown(self) -> None:
         self._stopping = True
         await asyncio.gather(self.main.shutdown(), self.guard.shutdown())
-
-
-async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
-    """Run until `stop` is set (graceful shutdown, exit 0), or until the Temporal worker fails
-    (logged, then `SystemExit(1)`): a worker process that no longer polls must not stay alive
-    looking healthy, so its supervisor (systemd, Kubernetes, dev up) restarts it."""
-    from fleetmend.connect import close_nats, connect_nats, connect_temporal
-
-    nc = await connect_nats(settings, name="fleetmend-worker")
-    client = await connect_temporal(settings)
-    worker = await build_worker(settings, client, nc)
-    log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
-    # -- metrics (fleetmend/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
-    from fleetmend import metrics
-
-    metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
-    watcher = metrics.IncidentWatcher(client, settings.cluster)
-    # One replica per cluster publishes the fleet-level gauges (fleetmend/fleetgauges.py): elected by a KV lease.
-    from fleetmend import fleetgauges
-
-    def elected() -> None:  # observe only incidents opened from now on: the previous publisher saw the rest
-        watcher.since = datetime.now(timezone.utc)
-
-    from activities.notify import Notifier, channels_from_settings, notify_breaker
-
-    notifier = Notifier(channels_from_settings(settings.notify), nc.jetstream(), settings.notify.timeout_s)
-
-    async def refresh() -> None:
-        await watcher.refresh()
-        if settings.notify.any:  # breaker open: one notification per trip, from the elected replica
-            await notify_breaker(client, settings.cluster, notifier)
-
-    poll = asyncio.create_task(fleetgauges.run_elected(
-        nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, refresh,
-        lambda: fleetgauges.forget_cluster_gauges(settings.cluster), settings.metrics.poll_interval_s, stop, log,
-        on_elected=elected)) if settings.metrics.worker_port or settings.notify.any else None
-    running = asyncio.create_task(worker.run(), name="temporal-worker")
-    beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
-    metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected, polling
-    stopping = asyncio.create_task(stop.wait(), name="stop")
-    failed: BaseException | None = None
-    try:
-        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if running.done():
-            failed = running.exception() or RuntimeError("the Temporal worker stopped polling on its own")
-            log.error("worker_failed", error=repr(failed))
-        else:
-            await worker.shutdown()
-            await asyncio.gather(running, return_exceptions=True)
-    finally:
-        metrics.HEALTH.set_ready(False, "stopping")
-        beat.cancel()
-        stopping.cancel()
-        if poll is not None:
-            poll.cancel()
-        await close_nats(nc)
-    if failed is not None:
-        raise SystemExit(1)
-    log.info("worker_stopped")

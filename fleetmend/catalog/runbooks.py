@@ -5,7 +5,7 @@ hardware-versus-application reading, possible causes), what fleetmend does about
 drain, debounce, escalation, the recovery the immediate action selects, the verification before
 return) and what a human checks (the investigatory action, the commands). The same text is
 `fleetmend runbook CLASS`, `docs/runbooks/<class>.md` (regenerated with
-`python -m fleetmend.runbooks docs/runbooks`, checked up to date by the tests) and is referenced from
+`python -m fleetmend.catalog.runbooks docs/runbooks`, checked up to date by the tests) and is referenced from
 tickets, notifications and `fleetmend show`.
 
 Fault classes: `xid<N>` for every XID the catalog describes (reserved "Unused" ones left out) and
@@ -153,7 +153,7 @@ def write_all(directory: Path, catalog: Catalog | None = None) -> list[Path]:
 
 
 def index(catalog: Catalog | None = None) -> str:
-    rows = ["# Runbooks", "", "One per fault class, generated from the catalog (`python -m fleetmend.runbooks "
+    rows = ["# Runbooks", "", "One per fault class, generated from the catalog (`python -m fleetmend.catalog.runbooks "
             f"{RUNBOOK_DIR}`; a test checks they are up to date). `fleetmend runbook CLASS` prints one.", "",
             "| fault class | severity | drains | immediate action |", "|---|---|---|---|"]
     for fc, e in fault_classes(catalog).items():

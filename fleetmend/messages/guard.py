@@ -1,0 +1,281 @@
+"""`FleetGuard` ↔ everyone: permit requests, decisions and releases, the guard's policy, its
+carried state (`GuardState`, `Held`, `Queued`) and what its `status` query answers.
+
+No `from __future__ import annotations` here: the workflow sandbox resolves dataclass annotations
+that are strings in its own module table, where they may be missing.
+"""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from fleetmend.config import PolicySettings, policy_default
+from fleetmend.events import Severity
+from fleetmend.messages.names import Outcome, Phase, iso
+
+
+@dataclass
+class PermitDecision:
+    granted: bool
+    reason: str
+    lemon: str | None = None
+    """Set when the node is a lemon (the reason): the incident goes to RMA instead of recovery."""
+    infra_incident: str | None = None
+    queued: bool = False
+    """Neither granted nor denied yet (`reason` says why it waits): the decision follows as a `permit`
+    signal."""
+
+
+@dataclass
+class GuardPolicy:
+    """Blast-radius policy (`from_settings`), carried by every request: the newest wins. Defaults are
+    `PolicySettings`' own."""
+
+    max_drained_nodes: int = policy_default("max_drained_nodes")
+    max_drained_percent: float = policy_default("max_drained_percent")
+    max_drained_per_rack: int = policy_default("max_drained_per_rack")
+    cluster_nodes: int | None = policy_default("cluster_nodes")
+    breaker_distinct_nodes: int = policy_default("breaker_distinct_nodes")
+    breaker_window_s: float = policy_default("breaker_window_s")
+    domain_incident_nodes: int = policy_default("domain_incident_nodes")
+    domain_window_s: float = policy_default("domain_window_s")
+    lemon_repairs: int = policy_default("lemon_repairs")
+    lemon_window_s: float = policy_default("lemon_window_s")
+    observe_only: bool = policy_default("observe_only")
+    permit_reconcile_s: float = policy_default("permit_reconcile_s")
+    fast_drain: bool = policy_default("fast_drain")
+    topology_nodes: int = 0
+    """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
+
+    @classmethod
+    def from_settings(cls, p: PolicySettings, topology_nodes: int = 0) -> "GuardPolicy":
+        from dataclasses import fields
+
+        return cls(**{f.name: getattr(p, f.name) for f in fields(cls) if f.name != "topology_nodes"},
+                   topology_nodes=topology_nodes)
+
+
+@dataclass
+class PermitRequest:
+    cluster: str
+    node: str
+    severity: Severity
+    fault_class: str
+    reason: str = ""
+    rack: str | None = None
+    domains: list[str] = field(default_factory=list)
+    """`rack:…`, `leaf:…`, `pdu:…` from the topology (attached by the activity)."""
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    requested_at: datetime | None = None
+    """When the incident first asked (UTC); the queue keeps its oldest."""
+    preclaimed: bool = False
+    """The router already drained the node under a slot of the permit pool (`policy.fast_drain`): the
+    guard adopts it as held (it is drained; the pool kept the budget) instead of deciding."""
+    pool_router: dict[str, str | None] | None = None
+    """`policy.fast_drain`: the router's holders in the permit pool (node → rack) when the request was
+    sent; the guard counts those it has not adopted yet against the budget and the rack caps, so it does
+    not grant a slot the router already took. None: no view (no pool, or an older worker)."""
+    forwarded: bool = False
+    """Sent by the router (`GuardApi.REQUEST_PERMITS`) for a node that must drain now and got no slot in
+    the permit pool, before its incident asks: the guard queues it at once (a burst is visible in
+    `fleetmend status` within seconds, not after every incident's first workflow task) and keeps its
+    own policy (the router's settings do not replace the worker's). The incident's own request, which
+    follows, keeps the queue place."""
+
+
+@dataclass
+class PermitRelease:
+    cluster: str
+    node: str
+    outcome: Outcome
+    fault_class: str = ""
+    returned: bool = False
+    """True when the node went back to service after a repair (counts toward the lemon rule)."""
+
+
+@dataclass
+class GuardCommand:
+    """`reset_breaker`, `pause`, `resume`: who (`by`, for the audit trail) and why."""
+
+    by: str
+    note: str = ""
+
+
+@dataclass
+class PermitReleaseCommand:
+    """`release_permit` (`fleetmend breaker release NODE`): free NODE's permit or queued request by hand."""
+
+    by: str
+    node: str
+    note: str = ""
+
+
+@dataclass
+class RunningIncidents:
+    """`running_incidents` activity: `nodes` to check (None: every running incident of the cluster)."""
+
+    cluster: str
+    nodes: list[str] | None = None
+
+
+@dataclass
+class RunningIncident:
+    node: str
+    phase: Phase | None = None
+    """The incident's `FleetPhase` (None: not published yet, or not a phase this version knows)."""
+    severity: Severity | None = None
+    fault_class: str = ""
+    rack: str | None = None
+    domains: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GuardPhase(StrEnum):
+    """FleetGuard's `FleetPhase` search attribute."""
+
+    GUARDING = "guarding"
+    BREAKER_TRIPPED = "breaker_tripped"
+    PAUSED = "paused"
+
+
+@dataclass
+class Held:
+    node: str
+    severity: Severity
+    fault_class: str
+    rack: str | None
+    granted_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.held` shows: enums as values, times as `iso`."""
+        return {"node": self.node, "severity": self.severity.value, "fault_class": self.fault_class,
+                "rack": self.rack, "granted_at": iso(self.granted_at)}
+
+
+@dataclass
+class Queued:
+    node: str
+    severity: Severity
+    fault_class: str
+    rack: str | None
+    domains: list[str]
+    requested_at: datetime
+    reason: str = ""
+    counted: bool = True
+    """False for an entry rebuilt from a running incident (`FleetGuard._rebuild`): its fault was not
+    counted toward the breaker and the failure domains yet, so its incident's next request counts it.
+    A counted entry's later requests are re-asks (patch reask-not-a-fault)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.queue` shows: enums as values, times as `iso`."""
+        return {"node": self.node, "severity": self.severity.value, "fault_class": self.fault_class,
+                "rack": self.rack, "domains": list(self.domains), "requested_at": iso(self.requested_at),
+                "reason": self.reason}
+
+
+@dataclass
+class InfraIncident:
+    domain: str
+    opened_at: datetime
+    last_fault_at: datetime
+    nodes: list[str]
+    ticket: str | None = None
+    closed_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape `GuardStatus.infra_incidents` shows: times as `iso`."""
+        return {"domain": self.domain, "opened_at": iso(self.opened_at), "last_fault_at": iso(self.last_fault_at),
+                "nodes": list(self.nodes), "ticket": self.ticket, "closed_at": iso(self.closed_at)}
+
+
+@dataclass
+class GuardState:
+    cluster: str
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    held: list[Held] = field(default_factory=list)
+    queue: list[Queued] = field(default_factory=list)
+    seen_nodes: list[str] = field(default_factory=list)
+    recent: list[tuple[str, datetime]] = field(default_factory=list)
+    """(node, time) of drain-worthy requests within the breaker/domain windows, oldest first (appended at
+    workflow time, expired from the front: `FleetGuard._prune`)."""
+    breaker_tripped: bool = False
+    breaker_reason: str | None = None
+    breaker_tripped_at: datetime | None = None
+    breaker_trips: int = 0
+    paused: bool = False
+    paused_by: str | None = None
+    infra: list[InfraIncident] = field(default_factory=list)
+    node_domains: dict[str, list[str]] = field(default_factory=dict)
+    """node → its failure domains, as the requests said (topology stays out of history)."""
+    returns: dict[str, list[tuple[str, datetime]]] = field(default_factory=dict)
+    """node → [(fault_class, time), …] of returns to service (lemon rule)."""
+    log: list[str] = field(default_factory=list)
+    grants: int = 0
+    run: int = 1
+    pool_published: str | None = None
+    """What FleetGuard last wrote to the permit pool (budget, rack cap, open, why, closed domains), so it
+    writes again only on a change (`policy.fast_drain`)."""
+    pool_drop: list[str] = field(default_factory=list)
+    """Nodes whose pool slot the guard still has to free (reconciliation, `breaker release`)."""
+    pool_router: dict[str, str | None] = field(default_factory=dict)
+    """The router's pool holders (node → rack) as the newest request saw them (`PermitRequest.pool_router`)."""
+
+
+@dataclass
+class PoolSync:
+    """`Activity.SYNC_PERMIT_POOL`: FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool`)."""
+
+    cluster: str
+    budget: int
+    rack_cap: int
+    open: bool
+    why: str = ""
+    closed_domains: list[str] = field(default_factory=list)
+    held: dict[str, str | None] = field(default_factory=dict)
+    """The guard's permit holders (node → rack), written as holders only when the pool is new."""
+    drop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PoolSynced:
+    holders: int
+    router_only: list[str] = field(default_factory=list)
+    """Nodes the router drained under a pool slot that the guard does not hold yet (their incidents
+    have not asked; shown in the guard's status)."""
+
+
+GUARD_MAX_HISTORY_EVENTS = 2_000
+"""FleetGuard continues-as-new past this many events: a storm of 1k nodes is ~6 events per node."""
+
+
+@dataclass
+class GuardInput:
+    cluster: str
+    policy: GuardPolicy = field(default_factory=GuardPolicy)
+    carried: GuardState | None = None
+    pending_requests: list[PermitRequest] = field(default_factory=list)
+    pending_releases: list[PermitRelease] = field(default_factory=list)
+    max_history_events: int = GUARD_MAX_HISTORY_EVENTS
+    """Continue-as-new threshold (tests lower it)."""
+
+
+@dataclass
+class GuardStatus:
+    cluster: str
+    budget: int
+    known_nodes: int
+    held: list[dict]
+    queue: list[dict]
+    breaker_tripped: bool
+    breaker_reason: str | None
+    breaker_tripped_at: str | None
+    paused: bool
+    paused_by: str | None
+    observe_only: bool
+    infra_incidents: list[dict]
+    recent_nodes: int
+    log: list[str]
+    router_only: list[str] = field(default_factory=list)
+    """`policy.fast_drain`: nodes the router drained under a permit pool slot whose incident has not asked
+    the guard yet (as of the guard's last pool write)."""

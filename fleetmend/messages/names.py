@@ -1,0 +1,125 @@
+"""Names shared by every process: activity, workflow, signal, query and update names, task queues,
+and the search-attribute keys, so the router and the CLI address workflows without importing them.
+
+No `from __future__ import annotations` here: the workflow sandbox resolves dataclass annotations
+that are strings in its own module table, where they may be missing.
+"""
+
+from datetime import datetime
+from enum import StrEnum
+
+from temporalio.common import SearchAttributeKey
+
+
+class Activity:
+    """Activity names: the worker registers them (`@activity.defn(name=...)`), workflows call them."""
+
+    DRAIN_NODE = "drain_node"
+    UNDRAIN_NODE = "undrain_node"
+    FILE_TICKET = "file_ticket"
+    UPDATE_TICKET = "update_ticket"
+    POLL_TICKET = "poll_ticket"
+    RUN_DIAGNOSTICS = "run_diagnostics"
+    RESET_GPU = "reset_gpu"
+    REBOOT_NODE = "reboot_node"
+    REQUEST_DRAIN_PERMIT = "request_drain_permit"
+    DECIDE_DRAIN_PERMIT = "decide_drain_permit"
+    """Update-with-start of the guard: the decision is the activity's result (queued: a later signal)."""
+    DRAIN_WITH_PERMIT = "drain_with_permit"
+    """`decide_drain_permit`, and on a grant `drain_node` at once, in one activity (`PermitDrainRequest`
+    → `PermitDrainResult`): a granted drain costs the incident one activity and no second workflow task."""
+    RUNNING_INCIDENTS = "running_incidents"
+    SYNC_PERMIT_POOL = "sync_permit_pool"
+    """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
+    a running incident."""
+    RELEASE_DRAIN_PERMIT = "release_drain_permit"
+    BENCH_NODE = "bench_node"
+    """`Sweep`: one node's benchmark numbers (`fleetmend.messages.sweep.BenchActivityRequest` → `BenchReport`)."""
+    OPEN_FAIL_SLOW = "open_fail_slow"
+    """`Sweep --act`: publish fail_slow for the outliers (`fleetmend.messages.sweep.FailSlowRequest` → node names)."""
+    NOTIFY = "notify"
+
+
+class RemediationApi:
+    """The `NodeRemediation` workflow's type, signal, query and update names."""
+
+    WORKFLOW = "NodeRemediation"
+    FAULTS = "faults"
+    PERMIT = "permit"
+    STATUS = "status"
+    MARK_REPAIRED = "mark_repaired"
+    FORCE_RETEST = "force_retest"
+    ABORT = "abort"
+
+
+class GuardApi:
+    """The `FleetGuard` workflow's type, signal, query and update names."""
+
+    WORKFLOW = "FleetGuard"
+    REQUEST_PERMIT = "request_permit"
+    REQUEST_PERMITS = "request_permits"
+    """Requests the router forwards for incidents that have not asked yet (`policy.fast_drain`), a list
+    per signal."""
+    RELEASE = "release"
+    ENSURE = "ensure"
+    STATUS = "status"
+    RESET_BREAKER = "reset_breaker"
+    PAUSE = "pause"
+    RESUME = "resume"
+    DECIDE_PERMIT = "decide_permit"
+    RELEASE_PERMIT = "release_permit"
+
+
+class SweepApi:
+    """The `Sweep` workflow's type name (the CLI starts it by name; it imports no workflow module)."""
+
+    WORKFLOW = "Sweep"
+
+
+def guard_task_queue(task_queue: str) -> str:
+    """The task queue FleetGuard runs on, beside the cluster's `task_queue` (`fleet` → `fleet-guard`).
+
+    The guard has workflow-task slots of its own (`fleetmend.worker`): an incident asks for its permit
+    from a local activity that holds the incident's workflow-task slot while the guard decides, so on a
+    shared queue a storm of waiting incidents could take every slot the guard needs to answer them."""
+    return f"{task_queue}-guard"
+
+
+KEY_NODE = SearchAttributeKey.for_keyword("FleetNode")
+KEY_CLUSTER = SearchAttributeKey.for_keyword("FleetCluster")
+KEY_PHASE = SearchAttributeKey.for_keyword("FleetPhase")
+KEY_FAULT_CLASS = SearchAttributeKey.for_keyword("FleetFaultClass")
+KEY_TICKET = SearchAttributeKey.for_keyword("FleetTicket")
+KEY_SEVERITY = SearchAttributeKey.for_keyword("FleetSeverity")
+KEY_DRAINED = SearchAttributeKey.for_bool("FleetDrained")
+
+
+def iso(at: datetime | None) -> str | None:
+    """`2026-11-29T17:20:24+00:00`: how times are shown (status, timeline, evidence)."""
+    return at.isoformat(timespec="seconds") if at is not None else None
+
+
+class Phase(StrEnum):
+    TRIAGE = "triage"
+    AWAITING_PERMIT = "awaiting_permit"
+    DRAINING = "draining"
+    DIAGNOSING = "diagnosing"
+    RECOVERING = "recovering"
+    AWAITING_REPAIR = "awaiting_repair"
+    VERIFYING = "verifying"
+    RETURNING = "returning"
+    CLOSED = "closed"
+
+
+class Outcome(StrEnum):
+    RETURNED = "returned_to_service"
+    RECORDED = "recorded"
+    """Only faults that need no drain (application-side); nothing was touched."""
+    OBSERVED = "observed"
+    """Observe-only mode: a drain would have happened; nothing was touched."""
+    ABORTED = "aborted"
+    OPERATOR_OWNED = "operator_owned"
+    """The node was already drained by an operator; fleetmend recorded and left it."""
+    INFRASTRUCTURE = "infrastructure_incident"
+    """Part of a correlated failure-domain incident (FleetGuard): not drained, a human was paged."""
+    DENIED = "permit_denied"

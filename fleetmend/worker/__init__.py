@@ -1,0 +1,11 @@
+"""The worker process: every workflow (`NodeRemediation`, `FleetGuard`, `Sweep`) and every activity
+with its adapters, on the cluster's task queue and the guard's.
+
+- `fleetmend.worker.build`: `build_worker` (the two Temporal workers, `Workers`), `workflow_runner`;
+- `fleetmend.worker.service`: `run_worker`, the process (metrics, health, the elected replica's gauges).
+"""
+
+from fleetmend.worker.build import GRACEFUL_SHUTDOWN, Workers, build_worker, workflow_runner
+from fleetmend.worker.service import run_worker
+
+__all__ = ["GRACEFUL_SHUTDOWN", "Workers", "build_worker", "run_worker", "workflow_runner"]
