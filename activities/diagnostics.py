@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import TypeVar
 
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -12,7 +15,7 @@ from fleetmend import subjects
 from fleetmend.diagnostics import DiagReport, DiagRequest, DiagResult
 from fleetmend.messages import Activity, DiagActivityRequest
 
-T = TypeVar("T")
+T = TypeVar("T", bound=BaseModel)
 
 
 async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, reply: type[T],  # noqa: ANN001
@@ -26,8 +29,6 @@ async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, 
             (retryable: the agent may be restarting).
         ApplicationError(type="InvalidReport", non_retryable): the answer is not a `reply`.
     """
-    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
-
     subject = subjects.diag_subject(cluster, node)
     activity.heartbeat(f"{what} via {subject}")
     try:

@@ -3,26 +3,49 @@
 A workflow cannot signal- or update-with-start another workflow, so these activities do it with the
 worker's client: `decide_drain_permit` (update-with-start; the guard's decision is the result),
 `request_drain_permit` (signal-with-start; incidents started before the update path),
-`release_drain_permit`, and the guard's own `running_incidents` (reconciliation). The worker loads the topology file once and attaches each node's failure domains to its
-request; the file itself never enters workflow history (bounded payloads for big clusters).
+`release_drain_permit`, and the guard's own `running_incidents` (reconciliation). The worker loads
+the topology file once and attaches each node's failure domains to its request;
+the file itself never enters workflow history (bounded payloads for big clusters).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 from temporalio import activity
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities.quarantine import PoolGate
 from fleetmend import subjects
 from fleetmend.events import Severity
-from fleetmend.policy import Topology, load_topology
+from fleetmend.infra.permit_pool import BY_ROUTER
 from fleetmend.messages import (
-    KEY_CLUSTER, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, Activity, GuardApi, GuardInput, GuardPolicy,
-    Phase, PermitDecision, PermitRelease, PermitRequest, PoolSync, PoolSynced, RemediationApi, RunningIncident,
-    RunningIncidents, guard_task_queue,
+    KEY_CLUSTER,
+    KEY_FAULT_CLASS,
+    KEY_NODE,
+    KEY_PHASE,
+    KEY_SEVERITY,
+    Activity,
+    GuardApi,
+    GuardInput,
+    GuardPolicy,
+    PermitDecision,
+    PermitRelease,
+    PermitRequest,
+    Phase,
+    PoolSync,
+    PoolSynced,
+    RemediationApi,
+    RunningIncident,
+    RunningIncidents,
+    guard_task_queue,
 )
-
+from fleetmend.policy import Topology, load_topology
 
 UPDATES_IN_FLIGHT = 4
 """`decide_permit` updates one worker has in flight at once (Temporal refuses more than 10 per workflow
@@ -56,8 +79,6 @@ class FleetGuardActivities:
                       js=None) -> "FleetGuardActivities":  # noqa: ANN001 - JetStream context
         """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`. `js`:
         JetStream, for the permit pool (`policy.fast_drain`); without it there is no pool."""
-        from activities.quarantine import PoolGate
-
         topo = load_topology(settings.policy.topology_file)
         gate = PoolGate(js, topo, settings.policy.fast_drain) if js is not None else None
         return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo,
@@ -87,15 +108,11 @@ class FleetGuardActivities:
         this worker at once; past that (a storm), or when the server refuses one, the request goes by
         signal-with-start instead and returns `queued`: the guard takes all such signals in one workflow
         task and signals every answer together."""
-        from temporalio.client import WithStartWorkflowOperation
-        from temporalio.common import WorkflowIDConflictPolicy
-        from temporalio.service import RPCError, RPCStatusCode
-
         dom = self._topology.domain(req.node)
         full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
         if not self._in_flight.locked():
             async with self._in_flight:
-                start = WithStartWorkflowOperation(
+                start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
                     GuardApi.WORKFLOW, GuardInput(cluster=req.cluster, policy=self._policy),
                     id=subjects.fleetguard_workflow_id(req.cluster), task_queue=self._task_queue,
                     id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
@@ -115,9 +132,6 @@ class FleetGuardActivities:
         """The nodes of `q.nodes` whose incident is running (each described: authoritative), or for
         `nodes=None` every running incident of the cluster (visibility, with its phase, severity,
         fault class and failure domains). A node whose workflow is unknown counts as not running."""
-        from temporalio.client import WorkflowExecutionStatus
-        from temporalio.service import RPCError, RPCStatusCode
-
         out: list[RunningIncident] = []
         if q.nodes is None:
             query = (f"WorkflowType='{RemediationApi.WORKFLOW}' AND {KEY_CLUSTER.name}='{q.cluster}' "
@@ -172,10 +186,6 @@ class FleetGuardActivities:
             `PoolSynced`: slots held, and the router's holders the guard does not hold.
         Raises:
             PoolBusyError: the key kept changing (retried)."""
-        from temporalio.exceptions import ApplicationError
-
-        from fleetmend.infra.permit_pool import BY_ROUTER
-
         if self.gate is None:
             raise ApplicationError("this worker was built without JetStream, so it cannot reach the permit pool "
                                    "(FleetGuardActivities.from_settings(js=...))", type="NoPermitPool")

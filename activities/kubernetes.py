@@ -57,15 +57,23 @@ create).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
+import structlog
+from kubernetes import client as k8s
+from kubernetes import config as kconfig
+from temporalio import activity
+
 from fleetmend.config import KubernetesSettings
 from fleetmend.errors import ConfigError, NodeNotFoundError, SchedulerError
+from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
 MERGE_PATCH = "application/merge-patch+json"
 CONFLICT_TRIES = 5
@@ -109,8 +117,6 @@ def condition_reason(fault_class: str) -> str:
 
 def _event_name(node: str, key: str) -> str:
     """`<node>.<16 hex>`: a valid Event name (DNS subdomain ≤ 253) unique per (node, key)."""
-    import hashlib
-
     return f"{node[:200]}.{hashlib.sha256(f'{node}|{key}'.encode()).hexdigest()[:16]}"
 
 
@@ -146,8 +152,6 @@ def evictable(pod: Any) -> tuple[bool, str]:
 
 def _heartbeat(details: dict[str, Any]) -> None:
     """Heartbeat when running inside a Temporal activity; a no-op elsewhere (CLI, tests)."""
-    from temporalio import activity
-
     if activity.in_activity():
         activity.heartbeat(details)
 
@@ -161,16 +165,12 @@ class KubernetesScheduler:
         api_client: a ready `kubernetes.client.ApiClient` (tests, embedding); None builds one from
             `settings`.
     Raises:
-        ConfigError: no kubeconfig and not in a cluster, or the `kubernetes` package is missing.
+        ConfigError: no kubeconfig and not in a cluster.
     """
 
     name = "kubernetes"
 
     def __init__(self, settings: KubernetesSettings, api_client: Any = None) -> None:
-        try:
-            from kubernetes import client as k8s
-        except ImportError as err:  # pragma: no cover - it is a dependency
-            raise ConfigError("scheduler kubernetes needs the `kubernetes` package: pip install kubernetes") from err
         self.s = settings
         self.k8s = k8s
         self.api_client = api_client or self._build_client()
@@ -182,10 +182,6 @@ class KubernetesScheduler:
         """Node patches this instance sent (visible idempotency in tests)."""
 
     def _build_client(self) -> Any:
-        import os
-
-        from kubernetes import config as kconfig
-
         cfg = self.k8s.Configuration()
         try:
             if self.s.api_url:
@@ -222,7 +218,7 @@ class KubernetesScheduler:
                     "nodes get/list/patch, nodes/status patch, pods list, pods/eviction create, events create "
                     "(the Helm chart's templates/rbac.yaml)") from err
             raise
-        except Exception as err:  # noqa: BLE001 - urllib3 raises many unrelated transport types
+        except Exception as err:
             raise SchedulerError(f"{what}: API server {self.where} unreachable or too slow "
                                  f"({type(err).__name__}: {err}); check kubernetes.kubeconfig / api_url") from err
 
@@ -569,15 +565,11 @@ def _rfc3339(v: Any) -> str | None:
 
 
 def _log() -> Any:
-    import structlog
-
     return structlog.get_logger("fleetmend.kubernetes")
 
 
 def _status_message(err: Any) -> str:
     """The `message` of a Kubernetes `Status` error body, else the raw body (truncated)."""
-    import json
-
     try:
         return str(json.loads(err.body or "{}").get("message", ""))[:300]
     except (ValueError, AttributeError):

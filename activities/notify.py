@@ -27,11 +27,14 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import httpx
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from temporalio import activity
+from temporalio.service import RPCError
 
 from fleetmend import subjects
 from fleetmend.config import NotifySettings
-from fleetmend.messages import Activity, Notification, NotifyEvent, NotifyResult
+from fleetmend.messages import Activity, GuardApi, Notification, NotifyEvent, NotifyResult
 
 
 class NotifyError(Exception):
@@ -165,9 +168,6 @@ class Notifier:
 
     async def _bucket(self) -> Any:
         if self._kv is None and self.js is not None:
-            from nats.js.api import KeyValueConfig, StorageType
-            from nats.js.errors import BucketNotFoundError
-
             async with asyncio.timeout(10):
                 try:
                     self._kv = await self.js.key_value(self.bucket)
@@ -182,8 +182,6 @@ class Notifier:
         return "n." + hashlib.sha1(f"{channel}\0{dedup_key}".encode()).hexdigest()
 
     async def _was_sent(self, key: str) -> bool:
-        from nats.js.errors import KeyNotFoundError
-
         kv = await self._bucket()
         if kv is None:
             return key in self._memory
@@ -253,10 +251,6 @@ async def notify_breaker(client: Any, cluster: str, notifier: Notifier) -> Notif
     Raises:
         NotifyError: a channel failed (the next poll retries; delivered channels are not sent again).
     """
-    from temporalio.service import RPCError
-
-    from fleetmend.messages import GuardApi
-
     try:
         st = await client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster)).query(GuardApi.STATUS)
     except RPCError as err:

@@ -31,12 +31,17 @@ from typing import Any, Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from fleetmend.messages import (
-    Activity, DrainRequest, DrainResult, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRequest,
-)
 from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.messages import (
+    Activity,
+    DrainRequest,
+    DrainResult,
+    PermitDecision,
+    PermitDrainRequest,
+    PermitDrainResult,
+    PermitRequest,
+)
 from fleetmend.policy import Topology
-
 
 Decide = Callable[[PermitRequest], Awaitable[PermitDecision]]
 Drain = Callable[[DrainRequest], Awaitable[DrainResult]]

@@ -12,8 +12,12 @@ import json
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
 from fleetmend import subjects
 from fleetmend.errors import SchedulerError
+from fleetmend.infra.jetstream import kv_keys
 from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
 if TYPE_CHECKING:
@@ -61,9 +65,6 @@ class StandaloneScheduler:
     async def kv(self) -> KeyValue:
         """The bucket, created on first use if missing."""
         if self._kv is None:
-            from nats.js.api import KeyValueConfig, StorageType
-            from nats.js.errors import BucketNotFoundError
-
             async with asyncio.timeout(self.op_timeout_s):
                 try:
                     self._kv = await self.js.key_value(self.bucket)
@@ -79,8 +80,6 @@ class StandaloneScheduler:
 
     async def _entry(self, node: str, key: str | None = None) -> tuple[dict[str, Any] | None, int]:
         """(value, revision) of `node`'s key (or of `key` as given); (None, 0) when not drained."""
-        from nats.js.errors import KeyNotFoundError
-
         kv = await self.kv()
         async with asyncio.timeout(self.op_timeout_s):
             try:
@@ -98,8 +97,6 @@ class StandaloneScheduler:
 
     async def _write(self, node: str, value: bytes, revision: int) -> bool:
         """create (revision 0) or update-with-revision. False when someone else wrote first."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         kv = await self.kv()
         async with asyncio.timeout(self.op_timeout_s):
             try:
@@ -157,8 +154,6 @@ class StandaloneScheduler:
         Raises:
             SchedulerError: the entry kept changing (5 attempts).
         """
-        from nats.js.errors import APIError
-
         kv = await self.kv()
         for _ in range(5):
             key = self.key(node)
@@ -206,8 +201,6 @@ class StandaloneScheduler:
 
     async def list_nodes(self) -> list[NodeInfo]:
         """This cluster's drained nodes, by their real names (in-service nodes are not recorded)."""
-        from fleetmend.infra.jetstream import kv_keys
-
         await self.kv()  # creates the bucket on first use
         rows = []
         for k in await kv_keys(self.js, self.bucket, timeout_s=self.op_timeout_s):

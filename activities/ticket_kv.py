@@ -25,12 +25,15 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
 import fleetmend
+from activities.ticket_store import DEFAULT_REPAIRED_STATUSES
 from fleetmend import subjects
 from fleetmend.errors import TicketError, TicketNotFoundError
+from fleetmend.infra.jetstream import kv_keys
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
-
-from activities.ticket_store import DEFAULT_REPAIRED_STATUSES
 
 
 def _now() -> str:
@@ -72,9 +75,6 @@ class KvTicketStore:
     async def kv(self) -> Any:
         """The bucket, created on first use."""
         if self._kv is None:
-            from nats.js.api import KeyValueConfig, StorageType
-            from nats.js.errors import BucketNotFoundError
-
             async with asyncio.timeout(self.timeout_s):
                 try:
                     self._kv = await self.js.key_value(self.bucket)
@@ -84,9 +84,7 @@ class KvTicketStore:
                         description="fleetmend ticket ledger (one per deployment)"))
         return self._kv
 
-    async def _get(self, key: str) -> tuple[dict | None, int]:
-        from nats.js.errors import KeyNotFoundError
-
+    async def _get(self, key: str) -> tuple[Any, int]:
         kv = await self.kv()
         try:
             e = await kv.get(key)
@@ -95,8 +93,6 @@ class KvTicketStore:
         return json.loads(e.value or b"null"), e.revision or 0
 
     async def _next_id(self) -> str:
-        from nats.js.errors import KeyWrongLastSequenceError
-
         kv = await self.kv()
         while True:
             last, rev = await self._get("seq")
@@ -126,8 +122,6 @@ class KvTicketStore:
         Raises:
             TicketError: `ticket_id` is already the ticket of another incident.
         """
-        from nats.js.errors import KeyWrongLastSequenceError
-
         kv = await self.kv()
         ikey = incident_key(req.incident_id)
         idx, _ = await self._get(ikey)
@@ -165,8 +159,6 @@ class KvTicketStore:
         Raises:
             TicketNotFoundError: no such ticket in the ledger.
         """
-        from nats.js.errors import KeyWrongLastSequenceError
-
         kv = await self.kv()
         while True:
             doc, rev = await self._get(ticket_key(upd.ticket_id))
@@ -185,8 +177,6 @@ class KvTicketStore:
 
     async def list_all(self) -> list[dict]:
         """Every ticket, oldest filed first (for `fleetmend tickets`)."""
-        from fleetmend.infra.jetstream import kv_keys
-
         await self.kv()  # creates the bucket on first use
         docs = []
         for k in await kv_keys(self.js, self.bucket, "t.", timeout_s=self.timeout_s):

@@ -8,6 +8,7 @@ collide; `by-incident/` maps an incident to its ticket (filing is idempotent by 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import fcntl
 import hashlib
 import json
@@ -18,14 +19,15 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import fleetmend
 from fleetmend.config import TicketSettings
 from fleetmend.errors import TicketError, TicketNotFoundError
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
-DEFAULT_REPAIRED_STATUSES: list[str] = TicketSettings.model_fields["repaired_statuses"].default_factory()  # type: ignore[misc]
+DEFAULT_REPAIRED_STATUSES: list[str] = list(TicketSettings.model_fields["repaired_statuses"].get_default(
+    call_default_factory=True))
 """`tickets.repaired_statuses`' default (fleetmend/config.py)."""
 
 
@@ -213,7 +215,7 @@ class LocalTicketStore:
         """`update_sync` in a thread (see there)."""
         return await asyncio.to_thread(self.update_sync, upd)
 
-    async def list_all(self) -> list[dict]:
+    async def list_all(self) -> builtins.list[dict]:
         return await asyncio.to_thread(self.list)
 
     async def poll(self, ticket_id: str) -> TicketStatus:
@@ -221,7 +223,16 @@ class LocalTicketStore:
         return await poll_ledger(self, ticket_id, self.repaired)
 
 
-async def poll_ledger(local: LocalTicketStore, ticket_id: str, repaired: set[str]) -> TicketStatus:
+class TicketLedger(Protocol):
+    """What `poll_ledger` reads: the local file ledger or the JetStream KV one (`activities.ticket_kv`)."""
+
+    @property
+    def directory(self) -> str | Path: ...
+
+    async def get(self, ticket_id: str) -> dict | None: ...
+
+
+async def poll_ledger(local: TicketLedger, ticket_id: str, repaired: set[str]) -> TicketStatus:
     """`TicketStatus` from the local ledger (local filer; webhook without a status URL)."""
     doc = await local.get(ticket_id)
     if doc is None:

@@ -19,10 +19,14 @@ from typing import Any, Protocol, runtime_checkable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.jira import JiraTicketFiler
+from activities.ticket_kv import KvTicketStore
 from activities.ticket_store import LocalTicketStore
-from fleetmend.infra import metrics
+from activities.webhook import WebhookTicketFiler
+from fleetmend.catalog.runbooks import runbook_ref
 from fleetmend.config import Settings, TicketKind
 from fleetmend.errors import ConfigError, TicketNotFoundError, TicketRejectedError
+from fleetmend.infra import metrics
 from fleetmend.messages import Activity, TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
 
@@ -55,8 +59,6 @@ def build_ticket_filer(settings: Settings, js: Any = None) -> TicketFiler:
     t = settings.tickets
     local: Any
     if js is not None and t.ledger == "kv":
-        from activities.ticket_kv import KvTicketStore
-
         local = KvTicketStore(js, repaired_statuses=t.repaired_statuses)
     else:
         local = LocalTicketStore(settings.state_dir / "tickets", repaired_statuses=t.repaired_statuses)
@@ -66,13 +68,10 @@ def build_ticket_filer(settings: Settings, js: Any = None) -> TicketFiler:
         if not t.webhook_url:
             raise ConfigError("tickets.kind = webhook needs tickets.webhook_url "
                               "(or FLEETMEND_TICKETS__WEBHOOK_URL)")
-        from activities.webhook import WebhookTicketFiler
 
         return WebhookTicketFiler(t.webhook_url, t.webhook_headers, t.webhook_timeout_s, local,
                                   status_url=t.webhook_status_url, repaired_statuses=t.repaired_statuses)
     if t.kind == TicketKind.JIRA:
-        from activities.jira import JiraTicketFiler
-
         return JiraTicketFiler(t.jira, local, t.repaired_statuses)
     raise ConfigError(f"unknown ticket kind {t.kind!r}; expected local, webhook, jira")
 
@@ -101,7 +100,6 @@ class TicketActivities:
         """
         activity.heartbeat({"phase": "filing", "incident_id": req.incident_id})
         if req.fault_class and "runbook" not in req.evidence:  # the ticket text points at what to do
-            from fleetmend.catalog.runbooks import runbook_ref
 
             req.evidence["runbook"] = runbook_ref(req.fault_class)
         try:

@@ -9,7 +9,8 @@ agent with psutil for `--seconds` (≥ 60 s): CPU % = (user+system CPU seconds) 
 core, RSS mean and max (children included). Beside it, the RSS of a bare
 `python -c 'import nats, structlog, asyncio'` (with the agent's lean imports: no aiohttp, no rich)
 measured in the same run: the floor any asyncio NATS client in Python pays. bench/agent_memory.py
-breaks the agent's RSS down by layer (NVML's share shows only on a host with the driver). Target: < 1 % of one core and < 60 MiB RSS.
+breaks the agent's RSS down by layer (NVML's share shows only on a host with the driver).
+Target: < 1 % of one core and < 60 MiB RSS.
 Not a timed test: it prints figures.
 """
 
@@ -105,7 +106,8 @@ def main() -> int:
         port = servers.free_port()
         nats = servers.start_nats(d / "js", port)
         env = {**os.environ, "FLEETMEND_NATS_URL": f"nats://127.0.0.1:{port}", "FLEETMEND_STATE_DIR": str(d / "state"),
-               "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_AGENT__NICE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+               "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_AGENT__NICE": "0",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         if args.lastboot == "off":
             env["FLEETMEND_AGENT__LASTBOOT_ENABLED"] = "false"
         elif args.lastboot == "crash":

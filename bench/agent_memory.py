@@ -81,7 +81,8 @@ STEPS: list[tuple[str, str]] = [
     ("+nvml init", "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
                    "import asyncio, nats, structlog\nfrom fleetmend.catalog import default_catalog\n"
                    "default_catalog()\nimport agents.runner, agents.nvml, agents.kmsg.probe, agents.sysfs, "
-                   "agents.udev, agents.spool, agents.publisher, agents.diag, agents.recovery, agents.lastboot\nFULL = True\n" + _NVML),
+                   "agents.udev, agents.spool, agents.publisher, agents.diag, agents.recovery, agents.lastboot\n"
+                   "FULL = True\n" + _NVML),
 ]
 
 

@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fleetmend import subjects  # noqa: E402
-from fleetmend.dev import servers
+from fleetmend.dev import servers  # noqa: E402
 
 DRAIN_XIDS = (79, 48, 95)
 """Catalog drain=True (fell off the bus, DBE, uncontained ECC)."""
@@ -299,7 +299,6 @@ class Chaos:
     # -- observation ----------------------------------------------------------------------------
     async def observe(self, client: Any, nc: Any) -> dict[str, Any]:
         """Everything the claims are checked against, read from the systems of record."""
-        from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
         from temporalio.service import RPCError
 
         from activities.ticket_kv import KvTicketStore
@@ -559,9 +558,8 @@ class Chaos:
         return rows, failures
 
     async def run(self) -> int:
-        from temporalio.client import Client
-
         import nats
+        from temporalio.client import Client
 
         from fleetmend.infra.converter import data_converter
 

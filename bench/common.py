@@ -18,8 +18,8 @@ from pathlib import Path
 
 import psutil
 
-from fleetmend.dev import servers
 from fleetmend.config import Settings, load_settings
+from fleetmend.dev import servers
 from fleetmend.infra.logs import configure_logging
 
 configure_logging("console", level="warning")  # benchmarks print tables, not per-event logs
@@ -46,7 +46,7 @@ class Stack:
     temporal_address: str
     procs: list[servers.ManagedProcess] = field(default_factory=list)
 
-    def settings(self, **kw) -> Settings:  # noqa: ANN003
+    def settings(self, **kw) -> Settings:
         return load_settings(None, nats_url=self.nats_url, temporal_address=self.temporal_address,
                              state_dir=self.root / "state", **kw)
 
@@ -113,7 +113,7 @@ class CpuMeter:
         return out
 
 
-async def wait_drained(js, stream: str, durable: str, timeout_s: float) -> float:  # noqa: ANN001
+async def wait_drained(js, stream: str, durable: str, timeout_s: float) -> float:
     """Wait until the durable consumer has nothing pending or unacked; returns when (monotonic)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -136,7 +136,7 @@ def table(title: str, rows: list[tuple[str, str]]) -> str:
     return text
 
 
-def run(coro) -> None:  # noqa: ANN001
+def run(coro) -> None:
     asyncio.run(coro)
 
 

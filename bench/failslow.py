@@ -115,14 +115,13 @@ def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: in
 async def real_process(nodes: int, slow: int, slowdown: float, seconds: float, interval: float, seed: int) -> list[str]:
     import psutil
 
-    from fleetmend import subjects
-    from fleetmend.dev import servers
     from fleetmend.config import load_settings
-    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.dev import servers
     from fleetmend.dev.devup import child_env
-    from fleetmend.events import FaultEvent
-    from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
     from fleetmend.dev.perfsim import run_perf_sim
+    from fleetmend.events import FaultEvent
+    from fleetmend.infra.connect import close_nats, connect_nats
+    from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
 
     root = Path(tempfile.mkdtemp(prefix="fleetmend-bench-failslow-"))
     (root / "logs").mkdir()
@@ -138,7 +137,7 @@ async def real_process(nodes: int, slow: int, slowdown: float, seconds: float, i
         await ensure_fault_stream(js)
         found: dict[str, str] = {}
 
-        async def on_fault(msg) -> None:  # noqa: ANN001
+        async def on_fault(msg) -> None:
             ev = FaultEvent.from_json_bytes(msg.data)
             found.setdefault(ev.node, str(ev.attrs.get("metric")))
 

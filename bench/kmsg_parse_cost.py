@@ -5,8 +5,8 @@
 Feeds `KmsgParser` (a) a real H200 host's boot log (tests/h200_boot_dmesg.txt: no faults, the common case)
 and (b) every kernel-log case of `--corpus` (default tests/corpus; fault-dense), each `--repeat` times, and
 prints µs per line (best of 3) and the memory the parser modules add once imported beyond the contract and
-catalog (tracemalloc of `import agents.kmsg, agents.parsers` plus one parse). Run it on two checkouts to compare a change. Not a timed test: it prints
-figures.
+catalog (tracemalloc of `import agents.kmsg, agents.parsers` plus one parse).
+Run it on two checkouts to compare a change. Not a timed test: it prints figures.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def main() -> int:
 
     default_catalog()
     tracemalloc.start()
-    from agents.kmsg import KmsgParser
     import agents.parsers  # noqa: F401
+    from agents.kmsg import KmsgParser
 
     boot = (REPO / "tests" / "h200_boot_dmesg.txt").read_text().splitlines()
     corpus: list[str] = []

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CpuMeter, machine, stack, table, wait_drained  # noqa: E402
-from fleetmend import subjects  # noqa: E402
-from fleetmend.events import Component, Device, FaultEvent, Severity, Source  # noqa: E402
+from bench.common import CpuMeter, machine, stack, table, wait_drained
+from fleetmend import subjects
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 
 
 def xid13(cluster: str, node: str) -> FaultEvent:
@@ -30,7 +30,7 @@ def xid13(cluster: str, node: str) -> FaultEvent:
                       raw="NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics SM Warp Exception")
 
 
-async def publish_all(js, events: list[FaultEvent], window: int = 512) -> float:  # noqa: ANN001
+async def publish_all(js, events: list[FaultEvent], window: int = 512) -> float:
     t0 = time.monotonic()
     for i in range(0, len(events), window):
         chunk = events[i:i + window]
@@ -39,7 +39,7 @@ async def publish_all(js, events: list[FaultEvent], window: int = 512) -> float:
     return time.monotonic() - t0
 
 
-async def raw_jetstream(nc, n: int) -> tuple[float, float]:  # noqa: ANN001
+async def raw_jetstream(nc, n: int) -> tuple[float, float]:
     """Raw JetStream: publish n messages (512 in flight), then durable pull fetch(100) + ack."""
     from nats.js.api import StreamConfig
 
@@ -63,7 +63,7 @@ async def raw_jetstream(nc, n: int) -> tuple[float, float]:  # noqa: ANN001
     return pub_rate, cons_rate
 
 
-async def raw_sws(client, task_queue: str, ids: int, calls: int,  # noqa: ANN001
+async def raw_sws(client, task_queue: str, ids: int, calls: int,
                   in_flight: int = 64) -> tuple[float, float]:
     """Raw signal-with-start: (rate creating `ids` workflows, rate on those running ids)."""
     from bench.sws_workflow import Sink

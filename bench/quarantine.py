@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CpuMeter, machine, pct, stack, table  # noqa: E402
+from bench.common import CpuMeter, machine, pct, stack, table
 
 XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 OPEN = "100000"
@@ -79,7 +79,7 @@ def replay_drains(records: list[tuple[float, str, bool]], rack_of: dict[str, str
     return peak, peak_rack, worst
 
 
-async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001, C901
+async def measure(st, mode: str, a: argparse.Namespace) -> dict:
     import nats
     from temporalio.client import Client
 
@@ -88,10 +88,10 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     from agents.spool import Spool
     from fleetmend import subjects
     from fleetmend.catalog import default_catalog
-    from fleetmend.infra.jetstream import ensure_fault_stream
-    from fleetmend.policy import drain_budget
     from fleetmend.dev.simulate import SimConfig, run_sim
     from fleetmend.infra.converter import data_converter
+    from fleetmend.infra.jetstream import ensure_fault_stream
+    from fleetmend.policy import drain_budget
 
     cluster = f"q{mode.replace('-', '')}"
     observe = mode == "observe-only"
@@ -171,7 +171,7 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
     started: dict[str, float] = {}
     waits = []
 
-    async def send(node: str, pub, parser) -> None:  # noqa: ANN001
+    async def send(node: str, pub, parser) -> None:
         started[node] = time.monotonic()  # the line enters the agent
         for ev in parser.feed(XID79) + parser.flush():
             await pub.publish(ev)
@@ -233,7 +233,7 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:  # noqa: ANN001
             "worst_rack": worst_rack, "guard": guard, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records)}
 
 
-async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],  # noqa: ANN001
+async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],
                         t0: float, window_s: float) -> dict:
     """Poll, as `fleetmend status` sees it (phase, and the reason the permit waits), until every measured
     node is drained or visibly queued, or `window_s` after the burst began."""
@@ -259,7 +259,7 @@ async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict
         await asyncio.sleep(1.0)
 
 
-async def _guard_tasks(client, wid: str) -> str:  # noqa: ANN001
+async def _guard_tasks(client, wid: str) -> str:
     """The FleetGuard's workflow tasks over all its runs: how many, how fast, and where a task's time
     went (scheduled → started: waiting for a worker slot; started → completed: running)."""
     from temporalio.api.enums.v1 import EventType
@@ -302,7 +302,7 @@ async def _guard_tasks(client, wid: str) -> str:  # noqa: ANN001
             + slow)
 
 
-async def _timeline(client, wid: str) -> str:  # noqa: ANN001
+async def _timeline(client, wid: str) -> str:
     """One incident's history as `+seconds EVENT` steps from its start (where a drain's time went)."""
     from temporalio.api.enums.v1 import EventType
 
@@ -317,7 +317,7 @@ async def _timeline(client, wid: str) -> str:  # noqa: ANN001
     return "; ".join(out)
 
 
-async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) -> None:  # noqa: ANN001
+async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
@@ -328,7 +328,7 @@ async def _closed(handle, node: str, seen: dict[str, float], deadline_s: float) 
             await asyncio.sleep(0.05)
 
 
-async def raw_drain_rate(st, n: int) -> tuple[float, float]:  # noqa: ANN001 - bench stack
+async def raw_drain_rate(st, n: int) -> tuple[float, float]:
     """The raw limit of the drain path on this server, in the same run: `n` signal-with-starts (64 in
     flight) of a workflow whose one activity is the "drain", timed to the last activity; no NATS,
     router, FleetGuard or policy. Returns (drains/s, Temporal CPU % of one core)."""
@@ -365,7 +365,7 @@ async def raw_drain_rate(st, n: int) -> tuple[float, float]:  # noqa: ANN001 - b
     return (len(done) / (max(done) - t0) if done else 0.0), meter.read()["temporal"][0]
 
 
-async def raw_pool_rate(st, n: int) -> float:  # noqa: ANN001 - bench stack
+async def raw_pool_rate(st, n: int) -> float:
     """The raw limit of the fast path's permit pool here: `n` claims (64 in flight, as the router's node
     senders make them) against one cluster's pool with room for all, timed to the last; claims/s."""
     import nats

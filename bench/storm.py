@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import CpuMeter, machine, stack, table, wait_drained  # noqa: E402
+from bench.common import CpuMeter, machine, stack, table, wait_drained
 
 
 async def main(nodes: int, events: int, seed: int, hold_s: float = 0.0) -> None:
@@ -27,8 +27,8 @@ async def main(nodes: int, events: int, seed: int, hold_s: float = 0.0) -> None:
 
     from fleetmend import subjects
     from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-    from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.infra.converter import data_converter
+    from fleetmend.infra.jetstream import ensure_fault_stream
     from workflows.remediation import NodeRemediation
 
     cluster = "storm"
@@ -138,7 +138,7 @@ async def main(nodes: int, events: int, seed: int, hold_s: float = 0.0) -> None:
     table(f"Storm ({time.strftime('%Y-%m-%d %H:%M')})", rows)
 
 
-async def _has(js) -> bool:  # noqa: ANN001
+async def _has(js) -> bool:
     try:
         from fleetmend import subjects
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, stack, table  # noqa: E402
+from bench.common import machine, stack, table
 
 
 async def main(incidents: int, signals: int, cache: int, env: list[str]) -> None:
@@ -27,11 +27,10 @@ async def main(incidents: int, signals: int, cache: int, env: list[str]) -> None
     from temporalio.client import Client
 
     from fleetmend import subjects
-    from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+    from fleetmend.events import Component, Device, FaultEvent, Severity, Source, Verdict
     from fleetmend.infra.converter import data_converter
     from fleetmend.messages import FaultBatch, IncidentInput, IncidentPolicy, RoutedFault
     from workflows.remediation import NodeRemediation
-    from fleetmend.events import Verdict
 
     def xid13(node: str) -> RoutedFault:
         ev = FaultEvent(cluster="wm", node=node, component=Component.GPU, kind="xid", code=13,

@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.diag import DiagResponder  # noqa: E402
-from agents.nvml import NvmlProbe  # noqa: E402
-from fleetmend.diagnostics import DiagLevel, DiagRequest, DiagResult  # noqa: E402
+from agents.diag import DiagResponder
+from agents.nvml import NvmlProbe
+from fleetmend.diagnostics import DiagLevel, DiagRequest, DiagResult
 
 LOAD = r"""
 import sys, time, torch

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.conditions import UNKNOWN  # noqa: E402
-from agents.nvml import NvmlProbe  # noqa: E402
+from agents.conditions import UNKNOWN
+from agents.nvml import NvmlProbe
 
 
 def _show(v: object) -> object:
@@ -45,12 +44,14 @@ def main() -> int:
         print(f"driver {nv.nvmlSystemGetDriverVersion()}, NVML {nv.nvmlSystemGetNVMLVersion()}, {len(p.gpus)} GPU(s)")
         for g in p.gpus:
             print(f"\nGPU {g.index} {g.device.pci_bus_id} {g.device.uuid} {nv.nvmlDeviceGetName(g.handle)}")
-            for slot, reading in p._readings(g):
+            for _slot, _reading in p._readings(g):
                 pass  # evaluates every read once (populates g.unsupported and link list)
             h = g.handle
             reads = {
-                "ecc sbe/dbe volatile": lambda: (nv.nvmlDeviceGetTotalEccErrors(h, 0, 0), nv.nvmlDeviceGetTotalEccErrors(h, 1, 0)),
-                "ecc sbe/dbe aggregate": lambda: (nv.nvmlDeviceGetTotalEccErrors(h, 0, 1), nv.nvmlDeviceGetTotalEccErrors(h, 1, 1)),
+                "ecc sbe/dbe volatile": lambda: (nv.nvmlDeviceGetTotalEccErrors(h, 0, 0),
+                                                 nv.nvmlDeviceGetTotalEccErrors(h, 1, 0)),
+                "ecc sbe/dbe aggregate": lambda: (nv.nvmlDeviceGetTotalEccErrors(h, 0, 1),
+                                                  nv.nvmlDeviceGetTotalEccErrors(h, 1, 1)),
                 "remapped rows (corr, unc, pending, failure)": lambda: nv.nvmlDeviceGetRemappedRows(h),
                 "retired pages pending": lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(h),
                 "pcie width cur/max": lambda: (nv.nvmlDeviceGetCurrPcieLinkWidth(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h)),
@@ -58,7 +59,8 @@ def main() -> int:
                 "utilization %": lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu,
                 "nvlinks present": lambda: g.links,
                 "clock event reasons": lambda: hex(nv.nvmlDeviceGetCurrentClocksEventReasons(h)),
-                "temperature C / slowdown C": lambda: (nv.nvmlDeviceGetTemperature(h, 0), nv.nvmlDeviceGetTemperatureThreshold(h, 1)),
+                "temperature C / slowdown C": lambda: (nv.nvmlDeviceGetTemperature(h, 0),
+                                                       nv.nvmlDeviceGetTemperatureThreshold(h, 1)),
                 "recovery action (field 230)": lambda: p._recovery(g, "") or "NONE",
                 "unsupported reads": lambda: sorted(g.unsupported),
             }

@@ -4,21 +4,30 @@ workflow tests assert outcomes (drains issued, tickets filed) rather than implem
 from __future__ import annotations
 
 import asyncio
-
 from dataclasses import dataclass, field
 
 from temporalio import activity
 
 from activities.quarantine import DrainWithPermitActivities
-
-from fleetmend.messages import DiagActivityRequest
-from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
-from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
-from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult
-from fleetmend.messages import RecoveryActivityRequest
 from fleetmend import subjects
-from fleetmend.diagnostics import RecoveryReport, RecoveryResult
-from fleetmend.messages import Notification, NotifyResult, PermitDecision, PermitRelease, PermitRequest
+from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult, RecoveryReport, RecoveryResult
+from fleetmend.messages import (
+    DiagActivityRequest,
+    DrainRequest,
+    DrainResult,
+    Notification,
+    NotifyResult,
+    PermitDecision,
+    PermitRelease,
+    PermitRequest,
+    RecoveryActivityRequest,
+    TicketRef,
+    TicketRequest,
+    TicketStatus,
+    TicketUpdate,
+    UndrainRequest,
+    UndrainResult,
+)
 
 
 @dataclass
@@ -48,7 +57,7 @@ class Calls:
     """When set, `run_diagnostics` waits for it (an incident held in a phase while the test acts)."""
 
 
-def _drain_stand_in(calls: Calls):  # noqa: ANN202
+def _drain_stand_in(calls: Calls):
     @activity.defn(name="drain_node")
     async def drain_node(req: DrainRequest) -> DrainResult:
         calls.drains.append(req)
@@ -140,7 +149,7 @@ GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drai
 """The permit activities a test replaces with the real ones (`guard_activities`) to run the real FleetGuard."""
 
 
-def guard_activities(guard, calls: Calls | None = None) -> list:  # noqa: ANN001 - FleetGuardActivities
+def guard_activities(guard, calls: Calls | None = None) -> list:
     """The real guard's activities, and `drain_with_permit` over it and the stand-in drain (recording
     into `calls`; a fresh `Calls` when none is given)."""
     quarantine = DrainWithPermitActivities(guard.decide_drain_permit, _drain_stand_in(calls or Calls()))

@@ -10,7 +10,6 @@ import asyncio
 import os
 import time
 import uuid
-
 from typing import Any, Awaitable, Callable
 
 import pytest
@@ -127,7 +126,7 @@ async def wait_agents_answer(nc: Any, cluster: str, nodes: Any, timeout_s: float
         for n in nodes:
             try:
                 await nc.request(subjects.diag_subject(cluster, n), b"{}", timeout=2)
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 return False
         return True
 

@@ -3,7 +3,7 @@
 `slurm_cluster` (session scope) writes a slurm.conf in a temp dir (4 nodes `node[1-4]`, all
 `NodeHostname=localhost`, every port picked free at runtime), makes sure munged answers, starts
 `slurmctld -D -i` and four `slurmd -D -N nodeN` as child processes (foreground, so teardown is by
-PID), and waits until every node is `idle`. 
+PID), and waits until every node is `idle`.
 
 Missing binaries: `pytest.fail` in CI (`CI=true`: these tests must run there), else `pytest.skip`
 with the apt-get line. `scripts/slurm-dev.sh` starts the same cluster for operators.

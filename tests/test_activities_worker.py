@@ -14,14 +14,21 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from activities.scheduler import SchedulerActivities
 from activities.slurm import SlurmScheduler
 from activities.standalone import StandaloneScheduler
 from activities.ticket_store import LocalTicketStore
 from activities.tickets import TicketActivities
-from fleetmend.messages import TicketRef, TicketRequest, TicketUpdate
 from fleetmend.config import SlurmSettings
+from fleetmend.messages import (
+    DrainRequest,
+    DrainResult,
+    TicketRef,
+    TicketRequest,
+    TicketUpdate,
+    UndrainRequest,
+    UndrainResult,
+)
 
 
 @dataclass

@@ -15,8 +15,8 @@ import pytest
 from fleetmend.analyzer.core import Comparator, finding_event
 from fleetmend.analyzer.metrics import derive
 from fleetmend.config import AnalyzerSettings, load_settings
-from fleetmend.events import FaultEvent, Severity, Source
 from fleetmend.dev.perfsim import HW, PATTERNS, PerfFleet
+from fleetmend.events import FaultEvent, Severity, Source
 from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample
 
 T0 = 1_800_000_000.0  # a window boundary (divisible by 300)
@@ -257,9 +257,9 @@ async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, u
     import nats
 
     from fleetmend import subjects
-    from fleetmend.infra import security
-    from fleetmend.dev import servers
     from fleetmend.analyzer.service import Analyzer, analyzer_kv
+    from fleetmend.dev import servers
+    from fleetmend.infra import security
     from fleetmend.infra.connect import connect_nats
     from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
     from tests.conftest import assert_eventually
@@ -306,7 +306,7 @@ async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, u
         for c in nodes.values():
             await c.flush()
         await assert_eventually(lambda: a.samples == 120, timeout_s=10, what="analyzer read the node samples")
-        await assert_eventually(lambda: any("permissions violation" in e and f"perf.n0" in e for e in errors),
+        await assert_eventually(lambda: any("permissions violation" in e and "perf.n0" in e for e in errors),
                                 timeout_s=5, what="spoofed perf publish refused")
         faults = await admin.subscribe(subjects.fault_subject(cluster, "n0"))
         clock.t = start + 240 + 10

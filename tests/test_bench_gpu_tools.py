@@ -364,7 +364,7 @@ def test_tool_metrics_feed_the_comparison() -> None:
     assert "nvbandwidth_host_to_device_memcpy_ce_gbps" not in rows["n3"].metrics and not rows["n3"].outlier
 
 
-async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal_server, tmp_path: Path,  # noqa: ANN001
+async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal_server, tmp_path: Path,
                                                            unique: str) -> None:
     """End to end: real agents (each with its NVML stand-in, stand-in load generator, nvbandwidth
     and dcgmi), real NATS and Temporal, `fleetmend sweep --json`: the node with a slow link and the
@@ -374,12 +374,11 @@ async def test_gpu_tools_through_real_agents_and_the_sweep(nats_server, temporal
     import subprocess
 
     from agents.runner import run_agent
-    from fleetmend import subjects
     from fleetmend.config import load_settings
     from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
-    from tests.conftest import assert_eventually, wait_agents_answer
+    from tests.conftest import wait_agents_answer
 
     cluster = f"gt{unique}"
     base = dict(cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,

@@ -15,14 +15,22 @@ from temporalio.worker import Worker
 from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.events import Severity
-from fleetmend.messages import GuardApi, GuardCommand, GuardInput, GuardPolicy, GuardStatus, PermitDecision, PermitRequest
+from fleetmend.messages import (
+    GuardApi,
+    GuardCommand,
+    GuardInput,
+    GuardPolicy,
+    GuardStatus,
+    PermitDecision,
+    PermitRequest,
+)
 from fleetmend.worker import workflow_runner
 from workflows.fleetguard import FleetGuard
 
 NODES = [f"q{i}" for i in range(5)]
 
 
-async def reask_after_reset(client) -> tuple[object, GuardStatus, GuardStatus]:  # noqa: ANN001
+async def reask_after_reset(client) -> tuple[object, GuardStatus, GuardStatus]:
     """Budget 1, breaker at more than 2 distinct nodes: 5 nodes ask (1 granted, 4 queued, the breaker
     trips), an operator resets it, then every queued node asks again. Returns (guard handle, status
     after the reset, status after the re-asks); tests/test_policy_replay.py records its history."""
@@ -53,7 +61,7 @@ async def reask_after_reset(client) -> tuple[object, GuardStatus, GuardStatus]: 
     return history, after_reset, after_reasks
 
 
-async def test_a_queued_node_asking_again_is_not_a_new_fault(temporal_client) -> None:  # noqa: ANN001
+async def test_a_queued_node_asking_again_is_not_a_new_fault(temporal_client) -> None:
     _history, after_reset, st = await reask_after_reset(temporal_client)
     assert not after_reset.breaker_tripped and [h["node"] for h in after_reset.held] == ["q0"]
     assert not st.breaker_tripped, st.breaker_reason

@@ -15,10 +15,10 @@ from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.messages import AbortCommand
 from fleetmend.router.core import Router
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
-from fleetmend.messages import AbortCommand
 from workflows.remediation import NodeRemediation
 
 
@@ -28,17 +28,17 @@ def app_event(cluster: str, node: str, xid: int = 13, bus: str = "0000:3b:00.0")
                       severity=Severity.DEGRADED, source=Source.INJECT, device=Device(pci_bus_id=bus))
 
 
-async def publish(js, ev: FaultEvent) -> None:  # noqa: ANN001
+async def publish(js, ev: FaultEvent) -> None:
     await js.publish(subjects.fault_subject(ev.cluster, ev.node), ev.to_json_bytes(),
                      headers={"Nats-Msg-Id": ev.event_id})
 
 
-async def status(client, cluster: str, node: str):  # noqa: ANN001, ANN201
+async def status(client, cluster: str, node: str):
     h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node))
     return await h.query(NodeRemediation.status)
 
 
-def make_settings(nats_server, temporal_server, tmp_path, unique, **router):  # noqa: ANN001, ANN201
+def make_settings(nats_server, temporal_server, tmp_path, unique, **router):
     return load_settings(None, cluster=f"cr{unique}", nats_url=nats_server.url,
                          temporal_address=temporal_server.address, state_dir=tmp_path, task_queue=f"tq-{unique}",
                          router={"nak_delay_s": 0.2, **router})
@@ -76,7 +76,7 @@ async def test_router_survives_nats_restart(nats_server, temporal_server, tempor
                 try:
                     await publish(js, after)
                     return True
-                except Exception:  # noqa: BLE001 - JetStream not ready yet after restart
+                except Exception:
                     return False
 
             await assert_eventually(published, timeout_s=20, what="publish after restart")
@@ -107,7 +107,7 @@ async def test_redelivery_after_crash_before_ack_applies_once(nc, temporal_serve
                       activities=stand_ins(Calls())):
         real_ack = Msg.ack
 
-        async def lost_ack(self) -> None:  # noqa: ANN001 - the process died before the ack left
+        async def lost_ack(self) -> None:
             return None
 
         monkeypatch.setattr(Msg, "ack", lost_ack)
@@ -127,7 +127,7 @@ async def test_redelivery_after_crash_before_ack_applies_once(nc, temporal_serve
         try:
             await assert_eventually(lambda: b.stats.routed >= 1, timeout_s=20, what="redelivered to router B")
 
-            async def deduped():  # noqa: ANN202
+            async def deduped():
                 st = await status(temporal_client, cluster, "n2")
                 return st if st.duplicates >= 1 else None
 
@@ -144,7 +144,7 @@ async def test_redelivery_after_crash_before_ack_applies_once(nc, temporal_serve
 class _TemporalDown:
     """A Temporal client whose every call fails (the server is unreachable)."""
 
-    async def start_workflow(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    async def start_workflow(self, *args, **kwargs):
         raise RuntimeError("temporal unreachable (test)")
 
 
@@ -184,8 +184,8 @@ async def test_cli_command_by_is_in_workflow_history(temporal_client, temporal_s
     cluster, node = f"au{unique}", "n4"
     async with Worker(temporal_client, task_queue=f"tq-{unique}", workflows=[NodeRemediation],
                       activities=stand_ins(Calls())):
-        from fleetmend.messages import FaultBatch, IncidentInput, RoutedFault
         from fleetmend.events import Verdict
+        from fleetmend.messages import FaultBatch, IncidentInput, RoutedFault
 
         ev = app_event(cluster, node).model_copy(update={"verdict": Verdict(
             severity="degraded", immediate_action="RESTART_APP", fault_class="xid13")})

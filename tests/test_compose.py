@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetmend.infra import fleetgauges
-from fleetmend.infra import metrics
 from fleetmend.dev.servers import find_binary
+from fleetmend.infra import fleetgauges, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -20,9 +20,9 @@ import pytest
 
 from activities.ticket_kv import KvTicketStore
 from fleetmend import subjects
+from fleetmend.catalog import load_catalog
 from fleetmend.config import SlurmSettings, load_settings
 from fleetmend.infra.connect import connect_nats, connect_temporal
-from fleetmend.catalog import load_catalog
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually
@@ -41,7 +41,7 @@ async def cli(env: dict[str, str], *args: str, check: bool = True) -> subprocess
     return p
 
 
-async def status(client, cluster: str, node: str):  # noqa: ANN001
+async def status(client, cluster: str, node: str):
     h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node))
     return await h.query(NodeRemediation.status)
 
@@ -83,7 +83,7 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         async def node2_awaiting_repair():
             try:
                 st = await status(client, cluster, "node2")
-            except Exception:  # noqa: BLE001 - not started yet
+            except Exception:
                 return None
             return st if st.phase == "awaiting_repair" else None
 
@@ -147,7 +147,7 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         for t in tasks:
             try:
                 await asyncio.wait_for(t, 30)
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - report below if it failed
+            except (asyncio.CancelledError, Exception):
                 pass
         await nc.close()
         slurm_cluster.resume_all()

@@ -24,7 +24,7 @@ def _texts() -> list[tuple[str, str]]:
     return out
 
 
-def _key(ev) -> dict:  # noqa: ANN001
+def _key(ev) -> dict:
     d = ev.model_dump(mode="json")
     d.pop("event_id")
     d.pop("observed_at")

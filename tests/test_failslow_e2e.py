@@ -13,9 +13,9 @@ from fleetmend import subjects
 from fleetmend.analyzer.service import Analyzer, analyzer_kv
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
+from fleetmend.dev.perfsim import PerfFleet
 from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_fault_stream, ensure_perf_stream
-from fleetmend.dev.perfsim import PerfFleet
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually
@@ -72,7 +72,7 @@ async def test_slowed_node_gets_a_fail_slow_incident_healthy_ones_do_not(nats_se
             h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, pcie))
             try:
                 return await h.query(NodeRemediation.status)
-            except Exception:  # noqa: BLE001 - not started yet
+            except Exception:
                 return None
 
         st = await assert_eventually(incident, timeout_s=60, what="fail_slow incident")
@@ -98,7 +98,7 @@ async def test_slowed_node_gets_a_fail_slow_incident_healthy_ones_do_not(nats_se
         await nc.close()
 
 
-async def _fault_class(client, cluster: str, node: str) -> str | None:  # noqa: ANN001
+async def _fault_class(client, cluster: str, node: str) -> str | None:
     q = f"WorkflowType='NodeRemediation' AND FleetCluster='{cluster}' AND FleetNode='{node}' AND FleetFaultClass='fail_slow'"
     rows = [w async for w in client.list_workflows(q)]
     return "fail_slow" if rows else None

@@ -35,12 +35,12 @@ class Replica:
         self.forgotten += 1
 
 
-async def test_one_replica_publishes_and_another_takes_over(nats_server, unique) -> None:  # noqa: ANN001
+async def test_one_replica_publishes_and_another_takes_over(nats_server, unique) -> None:
     conns = [await nats.connect(nats_server.url) for _ in range(3)]
     reps = [Replica() for _ in conns]
     tasks = [asyncio.create_task(run_elected(c.jetstream(), "incident-poller", f"c{unique}", r.refresh, r.forget,
                                              0.05, r.stop, log, ttl_s=0.9, holder=f"r{i}"))
-             for i, (c, r) in enumerate(zip(conns, reps))]
+             for i, (c, r) in enumerate(zip(conns, reps, strict=True))]
     try:
         await asyncio.sleep(2.0)
         publishing = [r for r in reps if r.refreshes]
@@ -85,7 +85,7 @@ def _series(text: str, name: str) -> list[str]:
 
 
 async def test_two_worker_replicas_publish_the_cluster_gauges_once(nats_server, temporal_server, unique,
-                                                                   tmp_path: Path) -> None:  # noqa: ANN001
+                                                                   tmp_path: Path) -> None:
     cluster = f"g{unique}"
     ports = [servers.free_port(), servers.free_port()]
     procs = []

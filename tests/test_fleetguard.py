@@ -20,14 +20,13 @@ from temporalio.worker import Worker
 from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.dev import servers
+from fleetmend.infra.converter import data_converter
+from fleetmend.messages import AbortCommand, GuardCommand, GuardPolicy, RepairedCommand
 from fleetmend.policy import FailureDomain, Topology
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, start
-from fleetmend.infra.converter import data_converter
 from workflows.fleetguard import FleetGuard
-from fleetmend.messages import GuardCommand, GuardPolicy
-from fleetmend.messages import AbortCommand, RepairedCommand
 from workflows.remediation import NodeRemediation
 
 BY = RepairedCommand(by="tester@ci")
@@ -88,22 +87,22 @@ class Guarded:
         await self.worker.__aenter__()
         return self
 
-    async def __aexit__(self, *exc) -> None:  # noqa: ANN002
+    async def __aexit__(self, *exc) -> None:
         await self.worker.__aexit__(*exc)
 
-    def guard(self):  # noqa: ANN201
+    def guard(self):
         return self.client.get_workflow_handle_for(FleetGuard.run, subjects.fleetguard_workflow_id(self.cluster))
 
-    async def guard_status(self):  # noqa: ANN201
+    async def guard_status(self):
         return await self.guard().query(FleetGuard.status, rpc_timeout=QUERY_TIMEOUT)
 
-    def node(self, name: str):  # noqa: ANN201
+    def node(self, name: str):
         return self.client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(self.cluster, name))
 
     async def phases(self, names: list[str]) -> dict[str, str]:
         sts = await asyncio.gather(*(self.node(n).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
                                      for n in names))
-        return {n: st.phase for n, st in zip(names, sts)}
+        return {n: st.phase for n, st in zip(names, sts, strict=True)}
 
 
 async def test_storm_budget_breaker_and_severity_order(tenv):
@@ -145,7 +144,7 @@ async def test_storm_budget_breaker_and_severity_order(tenv):
             await assert_eventually(lambda hs=holders: _all_phase(g, hs, "awaiting_repair"), what="holders drained")
             await asyncio.gather(*(g.node(n).execute_update(NodeRemediation.mark_repaired, BY) for n in holders))
             done |= set(holders)
-            await assert_eventually(lambda: _all_phase(g, holders, "closed"), what="holders returned")
+            await assert_eventually(lambda hs=holders: _all_phase(g, hs, "closed"), what="holders returned")
         assert max_drained_at_once(g.calls.log) <= 10
         assert sorted(n for op, n in g.calls.log if op == "drain")[10:] == sorted(nodes)[10:]
         # The guard's grant order (its `permit` signals in its history): grants of one workflow task are
@@ -191,7 +190,7 @@ async def _requested(g: Guarded, node: str) -> bool:
     return bool(await _guard(g, lambda st: node in {h["node"] for h in st.held} | {q["node"] for q in st.queue}))
 
 
-async def _guard(g: Guarded, pred):  # noqa: ANN001, ANN202
+async def _guard(g: Guarded, pred):
     try:
         st = await g.guard_status()
     except (RPCError, WorkflowQueryFailedError) as err:  # no guard yet, or the query timed out: poll again
@@ -231,7 +230,7 @@ async def test_failure_domain_becomes_one_infrastructure_incident(tenv):
 async def _incident_settled(g: Guarded, node: str) -> bool:
     try:
         st = await g.node(node).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
-    except Exception:  # noqa: BLE001 - not started yet
+    except Exception:
         return False
     return st.phase in ("awaiting_repair", "closed")
 
@@ -243,7 +242,7 @@ async def test_pause_holds_drains_and_resume_grants(tenv):
         msg = await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="bob@ops", note="maintenance"))
         assert "no node will be drained" in msg
 
-        async def shows_paused():  # noqa: ANN202 - at once, before any request wakes the guard (pause-publishes)
+        async def shows_paused():
             d = await g.guard().describe()
             return {p.key.name: p.value for p in d.typed_search_attributes}.get("FleetPhase") == "paused"
 
@@ -258,7 +257,7 @@ async def test_pause_holds_drains_and_resume_grants(tenv):
         assert [d.node for d in g.calls.drains] == ["p1"]
 
 
-def _guard_input(g: Guarded):  # noqa: ANN202
+def _guard_input(g: Guarded):
     from fleetmend.messages import GuardInput
 
     return GuardInput(cluster=g.cluster, policy=GuardPolicy(cluster_nodes=100))
@@ -284,7 +283,7 @@ async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv
         assert [d.node for d in g.calls.drains] == ["h1"]
 
 
-async def _closed(g: Guarded, node: str):  # noqa: ANN202
+async def _closed(g: Guarded, node: str):
     st = await g.node(node).query(NodeRemediation.status, rpc_timeout=QUERY_TIMEOUT)
     return st if st.phase == "closed" else None
 
@@ -355,6 +354,6 @@ async def test_no_answer_is_lost_when_the_guard_continues_as_new(tenv):
         assert sorted({n for op, n in g.calls.log if op == "drain"}) == nodes
 
 
-async def _all_drained(g: Guarded, nodes: list[str]):  # noqa: ANN202
+async def _all_drained(g: Guarded, nodes: list[str]):
     phases = await g.phases(nodes)
     return phases if all(p not in ("triage", "awaiting_permit", "draining") for p in phases.values()) else None

@@ -58,7 +58,7 @@ def test_index_equals_the_scan(seq: list[tuple]) -> None:
             assert set(ix.domains.get(d, {})) == {n for n, _ in recent if d in node_domains.get(n, [])}, (d, op)
 
 
-def test_a_burst_in_one_task_is_linear(monkeypatch) -> None:  # noqa: ANN001
+def test_a_burst_in_one_task_is_linear(monkeypatch) -> None:
     """3,000 forwarded requests in one `_process` (one workflow task) keep every decision of the scans:
     all queued behind a full budget, the breaker and the domains counted. It took 3.3 s by scans on
     these 2 cores (the SDK fails an activation past 2 s); bench/RESULTS.md has the figures."""

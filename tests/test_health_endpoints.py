@@ -7,8 +7,8 @@ import time
 
 import httpx
 
-from fleetmend.infra import metrics
 from fleetmend.dev import servers
+from fleetmend.infra import metrics
 
 
 async def _get(url: str) -> httpx.Response:

@@ -26,7 +26,7 @@ async def _faults(js, cluster: str, node: str) -> list[FaultEvent]:
         while True:
             try:
                 msg = await sub.next_msg(timeout=0.3)
-            except Exception:  # noqa: BLE001 - nats TimeoutError: end of the stream
+            except Exception:
                 break
             out.append(FaultEvent.from_json_bytes(msg.data))
     finally:

@@ -13,14 +13,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm  # dev dependency helm-python-sdk
+import kubernetes_validate as kv  # dev dependency kubernetes-validate
 import pytest
 import yaml
 
-from fleetmend.infra import metrics
 from fleetmend.config import load_settings
-
-import helm_python as helm  # dev dependency helm-python-sdk
-import kubernetes_validate as kv  # dev dependency kubernetes-validate
+from fleetmend.infra import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy/helm/fleetmend"
@@ -303,7 +302,7 @@ def test_every_workloads_environment_loads_as_fleetmend_settings(full_docs: list
                 assert e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
                 env[e["name"]] = node
             else:
-                env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+                env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], e["value"])
         env["FLEETMEND_CONFIG"] = str(cfg)
         for k in [k for k in os.environ if k.startswith("FLEETMEND_")]:
             monkeypatch.delenv(k)

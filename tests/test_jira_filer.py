@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
-from email.parser import BytesParser
-from email.policy import HTTP
 import re
 import threading
+from email.parser import BytesParser
+from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -24,11 +24,10 @@ from temporalio.testing import ActivityEnvironment
 from activities.jira import JiraTicketFiler, description, incident_label
 from activities.ticket_store import LocalTicketStore
 from activities.tickets import TicketActivities, build_ticket_filer
-from fleetmend.errors import TicketRejectedError
-from fleetmend.messages import TicketRequest, TicketUpdate
 from activities.webhook import WebhookTicketFiler
 from fleetmend.config import JiraSettings, Settings
-from fleetmend.errors import ConfigError, TicketError
+from fleetmend.errors import ConfigError, TicketError, TicketRejectedError
+from fleetmend.messages import TicketRequest, TicketUpdate
 
 EMAIL, TOKEN = "bot@example.com", "tok-123"
 
@@ -60,7 +59,7 @@ TRANSITIONS = [{"id": "11", "name": "Start Progress", "to": {"name": "In Progres
 class _Handler(BaseHTTPRequestHandler):
     server: FakeJira
 
-    def log_message(self, *a) -> None:  # noqa: ANN002
+    def log_message(self, *a) -> None:
         pass
 
     def _send(self, code: int, doc: object | None = None) -> None:
@@ -94,10 +93,10 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.route("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.route("POST")
 
     def route(self, method: str) -> None:
@@ -213,7 +212,7 @@ def req(incident: str = "inc-1") -> TicketRequest:
                                                                           "diag": {"result": "fail"}})
 
 
-def filer(jira: FakeJira, tmp_path, **kw) -> JiraTicketFiler:  # noqa: ANN001, ANN003
+def filer(jira: FakeJira, tmp_path, **kw) -> JiraTicketFiler:
     s = JiraSettings(url=jira.url, project="OPS", email=EMAIL, api_token=TOKEN, **kw)
     return JiraTicketFiler(s, LocalTicketStore(tmp_path / "tickets"), ["Done", "Resolved"], backoff_s=0.01)
 

@@ -14,10 +14,10 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.kubernetes import KubernetesScheduler, evictable, taint_value
-from fleetmend.messages import DrainRequest, UndrainRequest
 from activities.scheduler import SchedulerActivities, build_scheduler
 from fleetmend.config import KubernetesSettings, Settings
 from fleetmend.errors import NodeNotFoundError, SchedulerError
+from fleetmend.messages import DrainRequest
 
 PODS = kmock.resource("", "v1", "pods")
 NODES = kmock.resource("", "v1", "nodes")
@@ -34,7 +34,7 @@ class Cluster:
         self.fail_next_patch_409 = 0
         self.pristine: dict[str, dict] = {}
 
-    def evict(self, request):  # noqa: ANN001, ANN201
+    def evict(self, request):
         key = f"{request.namespace}/{request.name}"
         self.evictions.append({"key": key, "body": request.data, "method": request.method})
         if (PODS, request.namespace, request.name) not in self.k8s.objects:
@@ -48,7 +48,7 @@ class Cluster:
         return kmock.Response(status=201, payload={"kind": "Status", "apiVersion": "v1", "status": "Success",
                                                    "code": 201})
 
-    def patch_conflict(self, request):  # noqa: ANN001, ANN201
+    def patch_conflict(self, request):
         if self.fail_next_patch_409 > 0:
             self.fail_next_patch_409 -= 1
             # kmock stores the patch before reactions run: put the node back, as a refused precondition would.
@@ -77,7 +77,7 @@ class Cluster:
                                             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "i"}]},
                                             "status": {"phase": phase}}
 
-    def read(self, kind, name: str, ns: str | None = None) -> dict:  # noqa: ANN001
+    def read(self, kind, name: str, ns: str | None = None) -> dict:
         return dict(self.k8s.objects[kind, ns, name])
 
     def pods(self) -> list[str]:
@@ -100,7 +100,7 @@ async def cluster():
         yield c
 
 
-def sched(c: Cluster, **kw) -> KubernetesScheduler:  # noqa: ANN003
+def sched(c: Cluster, **kw) -> KubernetesScheduler:
     return KubernetesScheduler(KubernetesSettings(api_url=c.url, evict_retry_s=0.05, **kw))
 
 
@@ -264,7 +264,7 @@ async def test_list_nodes_and_build_scheduler(cluster: Cluster) -> None:
 def test_evictable_rules() -> None:
     from kubernetes import client as k
 
-    def pod(**md) -> object:  # noqa: ANN003
+    def pod(**md) -> object:
         return k.V1Pod(metadata=k.V1ObjectMeta(name="p", namespace="n", **md), status=k.V1PodStatus(phase="Running"))
 
     assert evictable(pod()) == (True, "")

@@ -116,7 +116,7 @@ async def test_ticket_and_diagnostics_activities_record_events_on_the_node(kc: C
     ref = await env.run(tickets.file_ticket, req)
     await env.run(tickets.file_ticket, req)  # a retry finds the same ticket: still one event
 
-    async def answer(msg) -> None:  # noqa: ANN001 - the node's agent
+    async def answer(msg) -> None:
         rep = DiagReport(node=NODE, cluster="prod", level=DiagLevel.QUICK,
                          checks=[CheckResult(name="gpu_count", result=DiagResult.FAIL, measured="7", expected="8")])
         await msg.respond(rep.model_dump_json().encode())

@@ -23,8 +23,8 @@ import pytest
 from agents import lastboot
 from agents.lastboot import LastBootProbe, journal_entries, record_clean_stop, record_reboot_ordered
 from agents.recovery import RecoveryHandler
-from fleetmend.events import FaultEvent
 from fleetmend.diagnostics import RecoveryOp, RecoveryRequest, RecoveryResult
+from fleetmend.events import FaultEvent
 
 TEXTS = Path(__file__).parent / "crash_texts"
 BOOT_A = "6f1c3c3e-8a57-4f0e-9d55-0a4a2d3c9b10"

@@ -17,7 +17,7 @@ class Clock:
         return self.t
 
 
-async def _bucket(nc, unique: str):  # noqa: ANN001, ANN202
+async def _bucket(nc, unique: str):
     return await lease_bucket(nc.jetstream(), bucket=f"leases_{unique}")
 
 
@@ -28,7 +28,7 @@ async def test_one_holder_among_contenders_then_takeover_after_ttl(nc, unique: s
     a, b, c = (KvLease(kv, key, name, ttl_s=30, clock=clock) for name in ("a", "b", "c"))
     won = await asyncio.gather(a.tick(), b.tick(), c.tick())
     assert sum(won) == 1, won  # concurrent creates: exactly one wins the compare-and-set
-    holder = [x for x, w in zip((a, b, c), won) if w][0]
+    holder = [x for x, w in zip((a, b, c), won, strict=True) if w][0]
     others = [x for x in (a, b, c) if x is not holder]
     assert await holder.holder_now() == holder.holder
     for _ in range(5):  # the holder renews every 10 s; the others never take over
@@ -43,7 +43,7 @@ async def test_one_holder_among_contenders_then_takeover_after_ttl(nc, unique: s
     assert holder.held is False  # its last write is now older than ttl_s
     taken = [await o.tick() for o in others]
     assert sum(taken) == 1, taken
-    new = [o for o, t in zip(others, taken) if t][0]
+    new = [o for o, t in zip(others, taken, strict=True) if t][0]
     assert await new.holder_now() == new.holder
     # the old holder comes back: its compare-and-set fails, it is a contender again
     assert await holder.tick() is False and holder.held is False

@@ -15,14 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
-from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from activities.scheduler import SchedulerActivities
 from fleetmend import subjects
-from fleetmend.infra import metrics
-from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
+from fleetmend.dev import servers
+from fleetmend.infra import metrics
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.messages import DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from fleetmend.router.core import Router
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
@@ -105,7 +105,7 @@ async def test_router_metrics_move(metrics_url, nats_server, temporal_server, te
     assert ("fleetmend_drains_in_force", frozenset({("cluster", s.cluster)})) in after
 
 
-async def _incidents(client, cluster: str) -> dict | None:  # noqa: ANN001
+async def _incidents(client, cluster: str) -> dict | None:
     counts = await metrics.refresh_incidents(client, cluster)
     return counts or None
 

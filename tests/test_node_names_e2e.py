@@ -22,13 +22,13 @@ import pytest
 from typer.testing import CliRunner
 
 from fleetmend import subjects
-from fleetmend.infra import security
-from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import SlurmSettings, load_settings
-from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.dev import servers
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra import security
+from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually
@@ -40,12 +40,12 @@ EKS = "ip-10-0-1-23.ec2.internal"
 SLURM = ["gpu.rack1-07", "gpu.rack1-08"]
 
 
-async def incident(client, cluster: str, node: str, phase: str, timeout_s: float = 90):  # noqa: ANN001
-    async def check():  # noqa: ANN202
+async def incident(client, cluster: str, node: str, phase: str, timeout_s: float = 90):
+    async def check():
         try:
             st = await client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, node)) \
                 .query(NodeRemediation.status)
-        except Exception:  # noqa: BLE001 - not started yet
+        except Exception:
             return None
         return st if st.phase == phase else None
 
@@ -55,7 +55,7 @@ async def incident(client, cluster: str, node: str, phase: str, timeout_s: float
 class Stack:
     """Router + worker (+ the node's agent replaying `log`) in this process, on the session servers."""
 
-    def __init__(self, s, unique: str, log: Path) -> None:  # noqa: ANN001
+    def __init__(self, s, unique: str, log: Path) -> None:
         self.s, self.unique, self.log = s, unique, log
         self.stop, self.agent_stop = asyncio.Event(), asyncio.Event()
         self.tasks: list[asyncio.Task] = []
@@ -80,12 +80,12 @@ class Stack:
         for t in self.tasks:
             try:
                 await asyncio.wait_for(t, 30)
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
         await self.nc.close()
 
 
-def env_of(s) -> dict[str, str]:  # noqa: ANN001
+def env_of(s) -> dict[str, str]:
     return {**os.environ, "FLEETMEND_NATS_URL": s.nats_url, "FLEETMEND_TEMPORAL_ADDRESS": s.temporal_address,
             "FLEETMEND_STATE_DIR": str(s.state_dir), "FLEETMEND_CLUSTER": s.cluster, "FLEETMEND_LOG_FORMAT": "json",
             "FLEETMEND_TASK_QUEUE": s.task_queue, "FLEETMEND_SCHEDULER": s.scheduler.value}

@@ -11,7 +11,12 @@ import nats
 import pytest
 
 from activities.notify import (
-    NotifyError, Notifier, PagerDutyChannel, SlackChannel, WebhookChannel, channels_from_settings,
+    Notifier,
+    NotifyError,
+    PagerDutyChannel,
+    SlackChannel,
+    WebhookChannel,
+    channels_from_settings,
 )
 from fleetmend.config import NotifySettings
 from fleetmend.messages import Notification, NotifyEvent
@@ -28,7 +33,7 @@ class Hooks:
         hooks = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if hooks.fail.get(self.path, 0) > 0:
                     hooks.fail[self.path] -= 1
@@ -42,7 +47,7 @@ class Hooks:
                 self.end_headers()
                 self.wfile.write(b'{"status": "success"}')
 
-            def log_message(self, *args) -> None:  # noqa: ANN002
+            def log_message(self, *args) -> None:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -54,7 +59,7 @@ class Hooks:
 
 
 @pytest.fixture
-def hooks():  # noqa: ANN201
+def hooks():
     h = Hooks()
     yield h
     h.server.shutdown()
@@ -72,7 +77,7 @@ def channels(h: Hooks) -> list:
             PagerDutyChannel("R0UTING", h.url + "/pd", ALL)]
 
 
-async def test_each_channel_gets_its_format_once(hooks, nats_server, unique) -> None:  # noqa: ANN001
+async def test_each_channel_gets_its_format_once(hooks, nats_server, unique) -> None:
     nc = await nats.connect(nats_server.url)
     try:
         n = Notifier(channels(hooks), nc.jetstream(), bucket=f"notified_{unique}")
@@ -97,7 +102,7 @@ async def test_each_channel_gets_its_format_once(hooks, nats_server, unique) -> 
     assert pd["payload"]["group"] == "c1" and pd["payload"]["summary"].startswith("gpu-7: xid79")
 
 
-async def test_return_to_service_resolves_the_incidents_page(hooks) -> None:  # noqa: ANN001
+async def test_return_to_service_resolves_the_incidents_page(hooks) -> None:
     n = Notifier([PagerDutyChannel("R0UTING", hooks.url + "/pd", ALL)])
     await n.send(note(NotifyEvent.TICKET_FILED))
     await n.send(note(NotifyEvent.LEMON))
@@ -108,7 +113,7 @@ async def test_return_to_service_resolves_the_incidents_page(hooks) -> None:  # 
                                                                                          "resolve")
 
 
-async def test_a_failed_channel_is_retried_alone(hooks, nats_server, unique) -> None:  # noqa: ANN001
+async def test_a_failed_channel_is_retried_alone(hooks, nats_server, unique) -> None:
     nc = await nats.connect(nats_server.url)
     try:
         n = Notifier(channels(hooks), nc.jetstream(), bucket=f"notified_{unique}")
@@ -123,7 +128,7 @@ async def test_a_failed_channel_is_retried_alone(hooks, nats_server, unique) -> 
     assert len(hooks.to("/hook")) == len(hooks.to("/pd")) == len(hooks.to("/slack")) == 1
 
 
-async def test_unreachable_channel_is_an_error_not_a_hang(hooks) -> None:  # noqa: ANN001
+async def test_unreachable_channel_is_an_error_not_a_hang(hooks) -> None:
     from fleetmend.dev import servers
 
     dead = f"http://127.0.0.1:{servers.free_port()}/x"
@@ -143,7 +148,7 @@ def test_settings_choose_channels_and_events() -> None:
 
 
 async def test_an_incident_notifies_drain_ticket_and_return_once_each(hooks, temporal_client, nats_server,
-                                                                      unique) -> None:  # noqa: ANN001
+                                                                      unique) -> None:
     """NodeRemediation on a real Temporal dev server with the real `notify` activity (other side
     effects stand-ins): the local server hears drained, ticket filed and returned, once each."""
     from temporalio.worker import Worker
@@ -181,7 +186,7 @@ async def test_an_incident_notifies_drain_ticket_and_return_once_each(hooks, tem
     assert len(hooks.to("/slack")) == 3
 
 
-async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, unique) -> None:  # noqa: ANN001
+async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, unique) -> None:
     """The elected poller's check against a real FleetGuard whose breaker tripped: one notification,
     however many polls (and pollers) see it."""
     from temporalio.worker import Worker
@@ -217,7 +222,7 @@ async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, un
     assert pd["payload"]["severity"] == "critical" and pd["event_action"] == "trigger"
 
 
-async def test_a_lemon_node_is_notified(temporal_client, unique) -> None:  # noqa: ANN001
+async def test_a_lemon_node_is_notified(temporal_client, unique) -> None:
     from temporalio.worker import Worker
 
     from tests.activity_standins import Calls, stand_ins
@@ -234,7 +239,7 @@ async def test_a_lemon_node_is_notified(temporal_client, unique) -> None:  # noq
     assert "RMA" in calls.notifications[2].summary and calls.notifications[0].node == "n9"
 
 
-async def test_no_channels_configured_starts_no_notify_activity(temporal_client, unique) -> None:  # noqa: ANN001
+async def test_no_channels_configured_starts_no_notify_activity(temporal_client, unique) -> None:
     """The router sets `IncidentPolicy.notify` from `[notify]`: nobody to notify, no activity per event."""
     from temporalio.worker import Worker
 

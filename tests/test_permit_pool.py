@@ -24,7 +24,6 @@ import random
 from pathlib import Path
 
 import nats
-import pytest
 
 from activities.scheduler import build_scheduler
 from activities.standalone import StandaloneScheduler
@@ -33,8 +32,8 @@ from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
 from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_fault_stream
-from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
 from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually
@@ -53,7 +52,7 @@ async def test_racing_claims_keep_the_budget_and_the_rack_cap(nats_server, uniqu
         random.Random(3).shuffle(nodes)
         claims = await asyncio.gather(*(pools[i % 3].claim(cluster, n, r, by=BY_ROUTER if i % 2 else BY_GUARD)
                                         for i, (n, r) in enumerate(nodes)))
-        won = [n for (n, _r), c in zip(nodes, claims) if c.ok]
+        won = [n for (n, _r), c in zip(nodes, claims, strict=True) if c.ok]
         state = await pools[1].read(cluster)
         assert sorted(won) == sorted(state.holders) and len(won) == 5
         racks = [h.rack for h in state.holders.values()]
@@ -111,8 +110,8 @@ def _replay(records: list[tuple[str, bool]]) -> int:
     return peak
 
 
-async def _fast_stack(cluster: str, budget: int, nats_server, temporal_server, tmp_path: Path,  # noqa: ANN001
-                      unique: str):  # noqa: ANN202
+async def _fast_stack(cluster: str, budget: int, nats_server, temporal_server, tmp_path: Path,
+                      unique: str):
     """(settings, NATS, JetStream, Temporal client, the standalone scheduler's drain bucket) for
     `fast_drain` on a 100-node cluster with `budget` drain slots, no breaker or failure domain in the
     way, no debounce. The bucket is the scheduler's own (other tests share it)."""
@@ -156,7 +155,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
     async def drained(node: str) -> bool:
         try:
             return bool((await kv.get(subjects.drain_kv_key(cluster, node))).value)
-        except Exception:  # noqa: BLE001 - no record
+        except Exception:
             return False
 
     try:
@@ -226,15 +225,15 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         await nc.close()
 
 
-async def _when(coro, pred):  # noqa: ANN001, ANN202
+async def _when(coro, pred):
     try:
         v = await coro
-    except Exception:  # noqa: BLE001 - not there yet
+    except Exception:
         return None
     return v if v is not None and pred(v) else None
 
 
-async def _true(v: bool):  # noqa: ANN202
+async def _true(v: bool):
     return v or None
 
 
@@ -248,8 +247,8 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
     from activities.quarantine import PoolGate
     from fleetmend.events import Severity
     from fleetmend.messages import GuardInput, GuardPolicy, Outcome, PermitDecision, PermitRelease, PermitRequest
-    from workflows.fleetguard import FleetGuard
     from fleetmend.worker import workflow_runner
+    from workflows.fleetguard import FleetGuard
 
     cluster = f"ga{unique}"
     s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address)
@@ -341,7 +340,7 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
         for n in nodes:
             try:
                 out += [n] if (await kv.get(subjects.drain_kv_key(cluster, n))).value else []
-            except Exception:  # noqa: BLE001 - no record
+            except Exception:
                 pass
         return out
 

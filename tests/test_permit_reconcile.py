@@ -25,7 +25,7 @@ ONE_AT_A_TIME = dict(max_drained_nodes=1, max_drained_percent=100.0, max_drained
 
 
 class Fleet:
-    def __init__(self, client, policy: GuardPolicy) -> None:  # noqa: ANN001
+    def __init__(self, client, policy: GuardPolicy) -> None:
         self.client, self.calls = client, Calls()
         self.tq = f"pr-{uuid.uuid4().hex[:8]}"
         self.cluster = f"r{uuid.uuid4().hex[:8]}"
@@ -38,20 +38,20 @@ class Fleet:
         await self.worker.__aenter__()
         return self
 
-    async def __aexit__(self, *exc) -> None:  # noqa: ANN002
+    async def __aexit__(self, *exc) -> None:
         await self.worker.__aexit__(*exc)
 
-    def guard(self):  # noqa: ANN201
+    def guard(self):
         return self.client.get_workflow_handle_for(FleetGuard.run, subjects.fleetguard_workflow_id(self.cluster))
 
-    async def incident(self, node: str, **policy):  # noqa: ANN003, ANN201
+    async def incident(self, node: str, **policy):
         return await start(self.client, self.tq, self.cluster, node, [fault(self.cluster, node, 79, drain=True)],
                            **policy)
 
     def drained(self, node: str) -> bool:
         return node in [n for op, n in self.calls.log if op == "drain"]
 
-    async def status(self):  # noqa: ANN201
+    async def status(self):
         return await self.guard().query(FleetGuard.status)
 
 
@@ -71,7 +71,7 @@ async def _new_run(f: Fleet, old_run: str) -> bool:
     return d.run_id != old_run and d.status == WorkflowExecutionStatus.RUNNING
 
 
-async def _guard(f: Fleet, pred):  # noqa: ANN001, ANN202
+async def _guard(f: Fleet, pred):
     st = await f.status()
     return st if pred(st) else None
 
@@ -126,7 +126,7 @@ async def test_waiting_incident_asks_again(temporal_client) -> None:
         await assert_eventually(lambda: f.drained("b"), timeout_s=30, what="b drained")
 
 
-async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_server, temporal_server,  # noqa: ANN001
+async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_server, temporal_server,
                                                      tmp_path) -> None:
     """`fleetmend status` shows why the queued node waits; `fleetmend breaker release NODE` frees the held
     permit (audited with who ran it) and the queued node drains; `release_permit` without `by` is refused."""
@@ -142,7 +142,7 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_TASK_QUEUE": f.tq, "FLEETMEND_STATE_DIR": str(tmp_path),
                "FLEETMEND_LOG_FORMAT": "json", "USER": "alice"}
 
-        def cli(*args: str):  # noqa: ANN202
+        def cli(*args: str):
             return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
 
         await f.incident("a")
@@ -150,7 +150,7 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
         await f.incident("b")
         await _held_and_queued(f, "a", "b")
 
-        async def b_waits_visibly():  # noqa: ANN202
+        async def b_waits_visibly():
             r = await asyncio.to_thread(cli, "status", "--cluster", f.cluster, "--json")  # status alone: every cluster
             rows = {x["node"]: x for x in json.loads(r.output)}
             b = rows.get("b") or {}

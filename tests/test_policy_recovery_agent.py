@@ -10,11 +10,10 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.recovery import RecoveryActivities
-from fleetmend.messages import RecoveryActivityRequest
 from agents.diag import DiagResponder
 from agents.recovery import RecoveryHandler
-from fleetmend.diagnostics import DiagRequest
-from fleetmend.diagnostics import RecoveryOp, RecoveryRequest, RecoveryResult
+from fleetmend.diagnostics import DiagRequest, RecoveryOp, RecoveryRequest, RecoveryResult
+from fleetmend.messages import RecoveryActivityRequest
 from tests.conftest import assert_eventually
 
 BUS = "0000:3b:00.0"

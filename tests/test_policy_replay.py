@@ -61,7 +61,7 @@ def test_histories_are_present() -> None:
     assert BASELINE <= {p.stem for p in recorded()}
 
 
-def _write(name: str, history) -> None:  # noqa: ANN001
+def _write(name: str, history) -> None:
     """Histories are never overwritten: an old one is the contract that running incidents hold us to."""
     path = HISTORIES / f"{name}.json"
     if not path.exists():
@@ -69,7 +69,7 @@ def _write(name: str, history) -> None:  # noqa: ANN001
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
+async def test_record_histories(temporal_client) -> None:
     from fleetmend.diagnostics import RecoveryResult
     from tests.test_policy_workflow import _flap, ev
     from tests.test_workflow import fault, phase_is, start
@@ -172,7 +172,7 @@ async def test_record_histories(temporal_client) -> None:  # noqa: ANN001
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_reask_after_reset(temporal_client) -> None:  # noqa: ANN001
+async def test_record_reask_after_reset(temporal_client) -> None:
     """Queued nodes asking again after a breaker reset (recorded before patch reask-not-a-fault: the
     re-asks counted as new faults and tripped the breaker again)."""
     from tests.test_breaker_reask import reask_after_reset
@@ -182,7 +182,7 @@ async def test_record_reask_after_reset(temporal_client) -> None:  # noqa: ANN00
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_abort_while_diagnosing(temporal_client) -> None:  # noqa: ANN001
+async def test_record_abort_while_diagnosing(temporal_client) -> None:
     """An abort that arrives while the initial diagnostics run (recorded before patch
     abort-stops-recovery: the incident still rebooted the node before it closed)."""
     from tests.test_workflow import abort_while_diagnosing
@@ -193,7 +193,7 @@ async def test_record_abort_while_diagnosing(temporal_client) -> None:  # noqa: 
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_storm_bytes(temporal_client) -> None:  # noqa: ANN001
+async def test_record_storm_bytes(temporal_client) -> None:
     """A record-only incident absorbing ~2.7 × `MAX_RUN_BYTES` of faults in one run (recorded before
     patch run-bytes: the run did not continue as new by bytes)."""
     from tests.test_workflow_run_bytes import send_storm
@@ -205,12 +205,12 @@ async def test_record_storm_bytes(temporal_client) -> None:  # noqa: ANN001
         _write("remediation_storm_bytes", await h.fetch_history())
 
 
-async def _phase_in(h, phases: tuple[str, ...]):  # noqa: ANN001, ANN202
+async def _phase_in(h, phases: tuple[str, ...]):
     st = await h.query(NodeRemediation.status)
     return st if st.phase in phases else None
 
 
-async def _record_guard(client) -> None:  # noqa: ANN001
+async def _record_guard(client) -> None:
     from activities.fleetguard import FleetGuardActivities
     from fleetmend import subjects
     from tests.test_workflow import fault, phase_is, start
@@ -237,7 +237,7 @@ async def _record_guard(client) -> None:  # noqa: ANN001
         _write("fleetguard_breaker", await gh.fetch_history())
 
 
-async def _record_guard_pause(client) -> None:  # noqa: ANN001
+async def _record_guard_pause(client) -> None:
     """A pause and a resume by hand while a node holds a permit."""
     from activities.fleetguard import FleetGuardActivities
     from fleetmend import subjects

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from fleetmend.catalog import Recovery, Urgency, default_catalog
 from fleetmend.errors import ConfigError
 from fleetmend.policy import (
-    FaultView, RuleSettings, decide, drain_budget, load_topology,
+    FaultView,
+    RuleSettings,
+    decide,
+    drain_budget,
+    load_topology,
 )
-from fleetmend.catalog import Recovery, Urgency, default_catalog
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 GPU = "0000:3b:00.0"

@@ -10,17 +10,15 @@ from datetime import timedelta
 import pytest
 from temporalio.worker import Worker
 
-from fleetmend.diagnostics import DiagResult
-from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-from fleetmend.diagnostics import RecoveryOp, RecoveryResult
+from fleetmend.diagnostics import DiagResult, RecoveryOp, RecoveryResult
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source, Verdict
+from fleetmend.messages import FaultBatch, RepairedCommand, RoutedFault
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_fleetguard import tenv  # noqa: F401 - the module-scoped time-skipping server
 from tests.test_workflow import row_reading, start
 from workflows.fleetguard import FleetGuard
-from fleetmend.messages import FaultBatch, RepairedCommand, RoutedFault
 from workflows.remediation import NodeRemediation
-from fleetmend.events import Verdict
 
 GPU = "0000:3b:00.0"
 
@@ -46,7 +44,7 @@ async def wenv(tenv):  # noqa: F811
         yield tenv, tq, calls, f"c{uuid.uuid4().hex[:8]}"
 
 
-async def phase(h, want: str):  # noqa: ANN001, ANN201
+async def phase(h, want: str):
     st = await h.query(NodeRemediation.status)
     return st if st.phase == want else None
 
@@ -72,7 +70,7 @@ async def test_link_fault_that_stays_down_drains_after_the_debounce_window(wenv)
     await assert_eventually(lambda: phase(h, "triage"))
     assert calls.drains == []
     await env.sleep(timedelta(seconds=31))
-    st = await assert_eventually(lambda: phase(h, "awaiting_repair"), what="drained after the window")
+    await assert_eventually(lambda: phase(h, "awaiting_repair"), what="drained after the window")
     assert [d.node for d in calls.drains] == ["d2"] and len(calls.permits) == 1
     assert calls.diags[0].checks is None, "initial diagnostics run every QUICK check"
 
@@ -127,7 +125,7 @@ async def test_collapsed_repeats_count_every_new_id_once(wenv):
                     Occurrence(event_id="r-2", observed_at=more.event.observed_at)]
     await h.signal(NodeRemediation.faults, FaultBatch(faults=[more]))
 
-    async def counted():  # noqa: ANN202
+    async def counted():
         st = await h.query(NodeRemediation.status)
         return st if st.faults and st.faults[0]["count"] == 4 else None
 

@@ -127,7 +127,7 @@ TOML_KEY = st.sampled_from(["cluster", "node", "nats_url", "scheduler", "log_for
                             "temporal_tls", "state_dir"]) | NAME
 
 
-def _toml_value(v) -> str:  # noqa: ANN001
+def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -147,7 +147,7 @@ TOML_VALUE = st.recursive(TOML_SCALAR, lambda c: st.lists(c, max_size=3) | st.di
                           max_leaves=8)
 
 
-def _load(tmp_path: Path, content: bytes):  # noqa: ANN202
+def _load(tmp_path: Path, content: bytes):
     p = tmp_path / "fleetmend.toml"
     p.write_bytes(content)
     try:

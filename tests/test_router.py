@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 from pathlib import Path
 
@@ -15,15 +14,15 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from fleetmend import subjects
-from fleetmend.dev import servers
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
+from fleetmend.dev import servers
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.infra.converter import data_converter
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.router.core import MAX_EVENT_BYTES, Router, decode_event
-from tests.conftest import assert_eventually
 from tests.activity_standins import Calls, stand_ins
-from fleetmend.infra.converter import data_converter
+from tests.conftest import assert_eventually
 from workflows.remediation import NodeRemediation
 
 
@@ -33,13 +32,13 @@ def xid_event(cluster: str, node: str, xid: int = 79, **kw) -> FaultEvent:
                       raw=f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid='<unknown>', name=<unknown>, test", **kw)
 
 
-async def deadletters(js, subject_prefix: str) -> list[dict]:  # noqa: ANN001
+async def deadletters(js, subject_prefix: str) -> list[dict]:
     info = await js.stream_info(subjects.DEADLETTER_STREAM)
     out = []
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         try:
             m = await js.get_msg(subjects.DEADLETTER_STREAM, seq)
-        except Exception:  # noqa: BLE001 - purged
+        except Exception:
             continue
         rec = json.loads(m.data)
         if rec["subject"].startswith(subject_prefix):
@@ -47,7 +46,7 @@ async def deadletters(js, subject_prefix: str) -> list[dict]:  # noqa: ANN001
     return out
 
 
-async def run_router(settings, nc, client, cluster: str, unique: str):  # noqa: ANN001
+async def run_router(settings, nc, client, cluster: str, unique: str):
     stop = asyncio.Event()
     r = Router(settings, nc, nc.jetstream(), client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
                durable=f"r-{unique}")
@@ -124,12 +123,12 @@ async def test_bad_input_is_deadlettered_with_reason_and_good_input_routed(setti
             await task
 
 
-async def _at_least(coro, n):  # noqa: ANN001
+async def _at_least(coro, n):
     got = await coro
     return got if len(got) >= n else None
 
 
-async def _no_pending(js, unique):  # noqa: ANN001
+async def _no_pending(js, unique):
     from nats.js.errors import NotFoundError
 
     try:
@@ -237,7 +236,7 @@ async def test_a_nodes_storm_is_collapsed_and_every_event_counted(settings, nc, 
             await assert_eventually(lambda: _no_pending(js, unique), what="all 300 acked")
             h = temporal_client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "s1"))
 
-            async def counted():  # noqa: ANN202
+            async def counted():
                 st = await h.query(NodeRemediation.status)
                 return st if sum(f["count"] for f in st.faults) == 300 else None
 
@@ -433,7 +432,7 @@ async def test_400_distinct_15k_faults_then_xid79_still_drains(settings, nc, tem
             async def absorbed():
                 try:
                     st = await h.query(NodeRemediation.status)
-                except Exception:  # noqa: BLE001 - not started yet
+                except Exception:
                     return None
                 return st if len(st.faults) + st.faults_dropped >= 400 else None
 

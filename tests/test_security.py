@@ -15,12 +15,12 @@ import pytest
 from typer.testing import CliRunner
 
 from fleetmend import subjects
-from fleetmend.infra import security
-from fleetmend.dev import servers
 from fleetmend.config import load_settings
-from fleetmend.infra.connect import connect_nats
+from fleetmend.dev import servers
 from fleetmend.errors import ConfigError, ServiceUnavailableError
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.infra import security
+from fleetmend.infra.connect import connect_nats
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from tests.conftest import assert_eventually
 
@@ -49,7 +49,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory):
     proc.stop()
 
 
-async def node_client(url: str, cs, node: str, errors: list | None = None):  # noqa: ANN001, ANN201
+async def node_client(url: str, cs, node: str, errors: list | None = None):
     async def error_cb(err: Exception) -> None:
         if errors is not None:
             errors.append(str(err))
@@ -58,7 +58,7 @@ async def node_client(url: str, cs, node: str, errors: list | None = None):  # n
                               inbox_prefix=security.node_inbox_prefix(CLUSTER, node), error_cb=error_cb)
 
 
-async def stream_ids(url: str, cs, subject: str) -> list[str]:  # noqa: ANN001
+async def stream_ids(url: str, cs, subject: str) -> list[str]:
     """Event ids stored in the fault stream on `subject` (read with admin credentials)."""
     nc = await nats.connect(url, nkeys_seed=str(cs.seed_file("admin")))
     try:
@@ -68,7 +68,7 @@ async def stream_ids(url: str, cs, subject: str) -> list[str]:  # noqa: ANN001
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             try:
                 m = await js.get_msg(subjects.FAULT_STREAM, seq)
-            except Exception:  # noqa: BLE001 - deleted
+            except Exception:
                 continue
             if m.subject == subject:
                 out.append(json.loads(m.data).get("event_id"))
@@ -166,7 +166,7 @@ async def test_node_answers_own_diag_only_and_cannot_eavesdrop(secured):
     n1 = await node_client(url, cs, "n1", errors)
     worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")), inbox_prefix=security.role_inbox_prefix("worker"))
     try:
-        async def answer(msg) -> None:  # noqa: ANN001
+        async def answer(msg) -> None:
             await msg.respond(b"n1 ok")
 
         await n1.subscribe(subjects.diag_subject(CLUSTER, "n1"), cb=answer)
@@ -283,7 +283,7 @@ async def test_agent_publishes_and_answers_with_node_credentials(secured, tmp_pa
 
         await assert_eventually(stored, timeout_s=20, what="agent's event in the stream")
 
-        async def diag_answer():  # noqa: ANN202
+        async def diag_answer():
             try:
                 return await worker.request(subjects.diag_subject(CLUSTER, "n1"), b'{"level": "quick"}', timeout=5)
             except nats.errors.NoRespondersError:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from fleetmend import subjects
-from fleetmend.dev import servers
 from fleetmend.config import load_settings
-from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.dev import servers
 from fleetmend.errors import ConfigError, ServiceUnavailableError
+from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_fault_stream
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 
-def _write(path: Path, key, cert) -> tuple[Path, Path]:  # noqa: ANN001
+def _write(path: Path, key, cert) -> tuple[Path, Path]:
     key_path, cert_path = path.with_suffix(".key"), path.with_suffix(".pem")
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
@@ -50,7 +50,7 @@ def make_pki(d: Path) -> dict[str, Path]:
                                        key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
 
-    def leaf(cn: str, usage, sans: list) -> tuple:  # noqa: ANN001
+    def leaf(cn: str, usage, sans: list) -> tuple:
         key = ec.generate_private_key(ec.SECP256R1())
         b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())

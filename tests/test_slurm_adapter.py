@@ -6,11 +6,11 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from fleetmend.messages import DrainRequest, UndrainRequest
 from activities.scheduler import SchedulerActivities
 from activities.slurm import SlurmScheduler, normalize_slurm_state, parse_scontrol_node, strip_reason_suffix
 from fleetmend.config import SlurmSettings
 from fleetmend.errors import NodeNotFoundError
+from fleetmend.messages import DrainRequest, UndrainRequest
 from tests.conftest import assert_eventually
 
 pytestmark = pytest.mark.slurm

@@ -8,12 +8,12 @@ import json
 import pytest
 from nats.js.api import StorageType
 
-from fleetmend.messages import DrainRequest, UndrainRequest
-from activities.standalone import NoopScheduler, StandaloneScheduler
 from activities.scheduler import SchedulerActivities, build_scheduler
 from activities.slurm import SlurmScheduler
+from activities.standalone import NoopScheduler, StandaloneScheduler
 from fleetmend.config import Settings
 from fleetmend.errors import ConfigError
+from fleetmend.messages import DrainRequest, UndrainRequest
 
 
 @pytest.fixture

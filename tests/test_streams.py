@@ -14,10 +14,10 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from agents.runner import run_agent
-from fleetmend.infra import jetstream
-from fleetmend.dev import servers
 from fleetmend.config import AgentSettings, Settings, StreamSettings
+from fleetmend.dev import servers
 from fleetmend.events import Component, FaultEvent, Severity, Source
+from fleetmend.infra import jetstream
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, fault_stream_config
 from fleetmend.subjects import DEADLETTER_STREAM, FAULT_STREAM, fault_subject
 from tests.conftest import assert_eventually
@@ -79,7 +79,7 @@ async def test_agent_recreates_a_fault_stream_nats_lost(own_nats: str, tmp_path:
         def __init__(self) -> None:
             self.q: asyncio.Queue[FaultEvent] = asyncio.Queue()
 
-        async def run(self, emit) -> None:  # noqa: ANN001
+        async def run(self, emit) -> None:
             while True:
                 await emit(await self.q.get())
 
@@ -98,7 +98,7 @@ async def test_agent_recreates_a_fault_stream_nats_lost(own_nats: str, tmp_path:
         async def stored() -> int:
             try:
                 info = await js.stream_info(FAULT_STREAM, subjects_filter=fault_subject(cluster, node))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 return 0
             return (info.state.subjects or {}).get(fault_subject(cluster, node), 0)
 
@@ -110,15 +110,15 @@ async def test_agent_recreates_a_fault_stream_nats_lost(own_nats: str, tmp_path:
         await nc.close()
 
 
-async def _has_stream(js) -> bool:  # noqa: ANN001
+async def _has_stream(js) -> bool:
     try:
         await js.stream_info(FAULT_STREAM)
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
-async def _eq(coro, n: int) -> bool:  # noqa: ANN001
+async def _eq(coro, n: int) -> bool:
     return (await coro) == n
 
 
@@ -178,10 +178,10 @@ async def test_router_recreates_a_fault_stream_nats_lost(own_nats: str, temporal
         await nc.close()
 
 
-async def _consumer(js, name: str):  # noqa: ANN001, ANN202
+async def _consumer(js, name: str):
     try:
         return await js.consumer_info(FAULT_STREAM, name)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

@@ -15,9 +15,9 @@ from agents.diag import DiagResponder
 from agents.parsers import dcgm, detect_kinds, nvidia_smi, other, parse_any
 from agents.parsers.common import Ctx
 from fleetmend.catalog import default_catalog
+from fleetmend.cli.explain import explain_text
 from fleetmend.diagnostics import DiagLevel, DiagRequest, DiagResult
 from fleetmend.events import FaultEvent
-from fleetmend.cli.explain import explain_text
 from tests.corpus_paths import load_cases
 
 CASES = load_cases()

@@ -27,7 +27,7 @@ def req(incident: str, node: str = "gpu-1", cluster: str = "c1") -> TicketReques
 
 
 @pytest.fixture
-async def replicas(nats_server, unique):  # noqa: ANN001
+async def replicas(nats_server, unique):
     """Two ledgers on two connections, one bucket: what two worker replicas see."""
     a, b = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
     bucket = f"tickets_{unique}"
@@ -36,12 +36,12 @@ async def replicas(nats_server, unique):  # noqa: ANN001
     await b.close()
 
 
-async def test_two_replicas_filing_the_same_incidents_file_each_once(replicas) -> None:  # noqa: ANN001
+async def test_two_replicas_filing_the_same_incidents_file_each_once(replicas) -> None:
     a, b = replicas
     incidents = [f"remediate/c1/gpu-{i}/run{i}" for i in range(12)]
     refs = await asyncio.gather(*(f.file(req(inc)) for inc in incidents for f in (a, b, a)))
     by_incident: dict[str, list] = {}
-    for inc, ref in zip([inc for inc in incidents for _ in range(3)], refs):
+    for inc, ref in zip([inc for inc in incidents for _ in range(3)], refs, strict=True):
         by_incident.setdefault(inc, []).append(ref)
     for inc, rs in by_incident.items():
         assert len({r.ticket_id for r in rs}) == 1, (inc, rs)  # one ticket id per incident
@@ -51,7 +51,7 @@ async def test_two_replicas_filing_the_same_incidents_file_each_once(replicas) -
     assert len({t["ticket_id"] for t in listed_a}) == len(incidents)  # ids never collide across replicas
 
 
-async def test_a_crash_between_index_and_ticket_never_files_twice(replicas) -> None:  # noqa: ANN001
+async def test_a_crash_between_index_and_ticket_never_files_twice(replicas) -> None:
     a, b = replicas
     # Replica A wrote the incident's index and died before the ticket document (what it leaves behind):
     kv = await a.kv()
@@ -65,7 +65,7 @@ async def test_a_crash_between_index_and_ticket_never_files_twice(replicas) -> N
     assert [t["ticket_id"] for t in await a.list_all()] == ["FM-000777"]
 
 
-async def test_concurrent_updates_from_both_replicas_both_land(replicas) -> None:  # noqa: ANN001
+async def test_concurrent_updates_from_both_replicas_both_land(replicas) -> None:
     a, b = replicas
     ref = await a.file(req("inc-upd"))
     await asyncio.gather(a.update(TicketUpdate(ref.ticket_id, "inc-upd", "diagnosed", "dcgm fail")),
@@ -77,7 +77,7 @@ async def test_concurrent_updates_from_both_replicas_both_land(replicas) -> None
     assert st.status == "Resolved" and st.repaired
 
 
-async def test_worker_filer_uses_the_kv_ledger_and_the_cli_reads_it(nats_server, tmp_path, unique) -> None:  # noqa: ANN001
+async def test_worker_filer_uses_the_kv_ledger_and_the_cli_reads_it(nats_server, tmp_path, unique) -> None:
     nc = await nats.connect(nats_server.url)
     try:
         filer = build_ticket_filer(Settings(state_dir=tmp_path, cluster=f"l{unique}"), js=nc.jetstream())

@@ -19,11 +19,10 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.ticket_store import LocalTicketStore
 from activities.tickets import TicketActivities, build_ticket_filer
-from fleetmend.messages import TicketRef, TicketRequest, TicketUpdate
-from fleetmend.errors import TicketRejectedError
 from activities.webhook import WebhookTicketFiler
 from fleetmend.config import Settings
-from fleetmend.errors import ConfigError, TicketError
+from fleetmend.errors import ConfigError, TicketError, TicketRejectedError
+from fleetmend.messages import TicketRef, TicketRequest, TicketUpdate
 
 
 def req(incident: str = "inc-1", node: str = "gpu-017") -> TicketRequest:
@@ -125,7 +124,7 @@ def hook():
     state = Hook(url="")
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (stdlib name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             state.requests.append({"method": "POST", "path": self.path, "headers": dict(self.headers),
                                    "body": body})

@@ -68,7 +68,8 @@ def test_real_veth_remove_and_readd_in_a_netns(netns: str) -> None:
 def test_virtual_netdevs_are_ignored_by_default() -> None:
     """The default probe tracks physical netdevs only: veth/bridge churn on a container host is no fault."""
     assert classify_uevent("remove", "net", {"INTERFACE": "veth1", "DEVPATH": "/devices/virtual/net/veth1"}) is None
-    c = classify_uevent("remove", "net", {"INTERFACE": "eth3", "DEVPATH": "/devices/pci0000:00/0000:00:03.0/0000:3d:00.0/net/eth3"})
+    c = classify_uevent("remove", "net",
+                        {"INTERFACE": "eth3", "DEVPATH": "/devices/pci0000:00/0000:00:03.0/0000:3d:00.0/net/eth3"})
     assert c is not None and c[0] == "nic_removed"
 
 

@@ -7,20 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
 from fleetmend import subjects
 from fleetmend.diagnostics import DiagResult
-from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.events import Component, Device, FaultEvent, Severity, Source, Verdict
+from fleetmend.messages import (
+    AbortCommand,
+    FaultBatch,
+    IncidentInput,
+    IncidentPolicy,
+    RepairedCommand,
+    RetestCommand,
+    RoutedFault,
+)
 from tests.activity_standins import Calls, stand_ins
 from tests.conftest import assert_eventually
-from fleetmend.messages import (
-    FaultBatch, AbortCommand, RepairedCommand, RetestCommand, IncidentInput, IncidentPolicy, RoutedFault,
-)
 from workflows.remediation import NodeRemediation
-from fleetmend.events import Verdict
 
 
 def fault(cluster: str, node: str, xid: int, drain: bool, severity: str = "fatal", event_id: str | None = None,
@@ -48,7 +54,7 @@ FAST_POLICY = {"debounce_s": 0.0, "recovery_settle_s": 0.0, "ticket_poll_s": 0.0
 """Tests run incidents without the production waits (debounce, settle, ticket polling) unless they set them."""
 
 
-async def start(client, tq: str, cluster: str, node: str, faults: list[RoutedFault], **policy):  # noqa: ANN001
+async def start(client, tq: str, cluster: str, node: str, faults: list[RoutedFault], **policy):
     wid = subjects.workflow_id(cluster, node)
     await client.start_workflow(NodeRemediation.run, IncidentInput(cluster=cluster, node=node,
                                                                    policy=IncidentPolicy(**{**FAST_POLICY, **policy})),
@@ -57,7 +63,7 @@ async def start(client, tq: str, cluster: str, node: str, faults: list[RoutedFau
     return client.get_workflow_handle_for(NodeRemediation.run, wid)
 
 
-async def phase_is(handle, phase: str):  # noqa: ANN001
+async def phase_is(handle, phase: str):
     st = await handle.query(NodeRemediation.status)
     return st if st.phase == phase else None
 
@@ -95,7 +101,7 @@ async def test_fatal_fault_drains_tickets_and_returns_after_repair(env, unique):
     assert len(calls.diags) == 2
 
 
-async def _dups(h):  # noqa: ANN001
+async def _dups(h):
     st = await h.query(NodeRemediation.status)
     return st.duplicates >= 1 and st.faults[0]["count"] == 2
 
@@ -126,7 +132,7 @@ async def test_failed_verification_goes_back_to_awaiting_repair(env, unique):
     assert len(calls.undrains) == 1
 
 
-async def _verification_failed(h, calls):  # noqa: ANN001
+async def _verification_failed(h, calls):
     st = await h.query(NodeRemediation.status)
     return st.phase == "awaiting_repair" and len(calls.diags) == 2
 
@@ -200,7 +206,7 @@ async def test_a_flood_of_distinct_faults_stays_within_the_byte_budget(env):
     assert any(f["code"] == 79 and f["raw"] for f in st.faults), "the drain-worthy fault kept its text"
 
 
-async def abort_while_diagnosing(client, calls: Calls):  # noqa: ANN001, ANN201 - (handle, IncidentStatus)
+async def abort_while_diagnosing(client, calls: Calls):
     """XID 79 (recovery: reboot) drained; abort with undrain while its diagnostics run; the incident's
     handle and its closed status. `test_abort_while_diagnosing_stops_recovery` asserts what it did;
     tests/test_policy_replay.py records it."""
@@ -219,7 +225,7 @@ async def abort_while_diagnosing(client, calls: Calls):  # noqa: ANN001, ANN201 
     return h, st
 
 
-async def test_abort_while_diagnosing_stops_recovery(temporal_client) -> None:  # noqa: ANN001
+async def test_abort_while_diagnosing_stops_recovery(temporal_client) -> None:
     """An abort that arrives while the initial diagnostics run: no reboot starts after it (the
     operator's hands are on the node), the node is undrained and the permit given back."""
     calls = Calls()

@@ -36,7 +36,7 @@ def storm_batches(cluster: str, node: str, signals: int = 12, per_signal: int = 
     return out
 
 
-async def send_storm(client, tq: str, cluster: str, node: str):  # noqa: ANN001, ANN201
+async def send_storm(client, tq: str, cluster: str, node: str):
     """Open a record-only incident and send it the storm batches one signal at a time (the incident
     absorbs each before the next); returns the handle and the number of distinct events sent."""
     batches = storm_batches(cluster, node)

@@ -92,10 +92,31 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend import subjects
     from fleetmend.events import Severity
     from fleetmend.messages import (
-        KEY_CLUSTER, KEY_PHASE, Activity, GuardApi, GuardCommand, GuardInput, GuardPhase, GuardState,
-        GuardStatus, Held, InfraIncident, Phase, PermitDecision, PermitRelease, PermitReleaseCommand,
-        PermitRequest, PoolSync, PoolSynced, Queued, RemediationApi, RunningIncident, RunningIncidents, TicketRef,
-        TicketRequest, iso,
+        KEY_CLUSTER,
+        KEY_PHASE,
+        Activity,
+        GuardApi,
+        GuardCommand,
+        GuardInput,
+        GuardPhase,
+        GuardState,
+        GuardStatus,
+        Held,
+        InfraIncident,
+        PermitDecision,
+        PermitRelease,
+        PermitReleaseCommand,
+        PermitRequest,
+        Phase,
+        PoolSync,
+        PoolSynced,
+        Queued,
+        RemediationApi,
+        RunningIncident,
+        RunningIncidents,
+        TicketRef,
+        TicketRequest,
+        iso,
     )
     from fleetmend.policy import drain_budget
 
@@ -130,6 +151,9 @@ class RecentIndex:
     limit (bench/RESULTS.md, "Storm path, fourth pass")."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._of: list | None = None
         self._seen = 0
         self.nodes: Counter[str] = Counter()
@@ -137,7 +161,7 @@ class RecentIndex:
 
     def sync(self, recent: list, node_domains: dict[str, list[str]]) -> "RecentIndex":
         if self._of is not recent or self._seen > len(recent):
-            self.__init__()
+            self._reset()
             self._of = recent
         for node, _at in recent[self._seen:]:
             self._count(node, node_domains, 1)

@@ -75,27 +75,72 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
+from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from fleetmend.catalog.runbooks import runbook_ref
     from fleetmend.diagnostics import (
-        DiagLevel, DiagReport, DiagResult, RecoveryOp, RecoveryReport, RecoveryResult, recovery_steps,
+        DiagLevel,
+        DiagReport,
+        DiagResult,
+        RecoveryOp,
+        RecoveryReport,
+        RecoveryResult,
+        recovery_steps,
     )
     from fleetmend.events import MAX_CLOCK_SKEW_S, Recovery, Severity, Urgency, Verdict, condition_key
     from fleetmend.messages import (
-        KEY_CLUSTER, KEY_DRAINED, KEY_FAULT_CLASS, KEY_NODE, KEY_PHASE, KEY_SEVERITY, KEY_TICKET, AbortCommand,
-        Activity, DiagActivityRequest, DiagOutcome, DrainRequest, DrainResult, FaultBatch, FaultRecord,
-        IncidentInput, IncidentPolicy, IncidentState, IncidentStatus, Notification, NotifyEvent, NotifyResult,
-        Outcome, PermitDecision, PermitDrainRequest, PermitDrainResult, PermitRelease,
-        PermitRequest, Phase, RecoveryActivityRequest, RemediationApi, RepairedCommand, RetestCommand,
-        MAX_PENDING_FAULTS, MAX_PENDING_HARD, Occurrence, RoutedFault, TicketRef, TicketRequest, TicketStatus,
-        TicketUpdate, TimelineEntry, UndrainRequest, UndrainResult, iso,
+        KEY_CLUSTER,
+        KEY_DRAINED,
+        KEY_FAULT_CLASS,
+        KEY_NODE,
+        KEY_PHASE,
+        KEY_SEVERITY,
+        KEY_TICKET,
+        MAX_PENDING_FAULTS,
+        MAX_PENDING_HARD,
+        AbortCommand,
+        Activity,
+        DiagActivityRequest,
+        DiagOutcome,
+        DrainRequest,
+        DrainResult,
+        FaultBatch,
+        FaultRecord,
+        IncidentInput,
+        IncidentPolicy,
+        IncidentState,
+        IncidentStatus,
+        Notification,
+        NotifyEvent,
+        NotifyResult,
+        Occurrence,
+        Outcome,
+        PermitDecision,
+        PermitDrainRequest,
+        PermitDrainResult,
+        PermitRelease,
+        PermitRequest,
+        Phase,
+        RecoveryActivityRequest,
+        RemediationApi,
+        RepairedCommand,
+        RetestCommand,
+        RoutedFault,
+        TicketRef,
+        TicketRequest,
+        TicketStatus,
+        TicketUpdate,
+        TimelineEntry,
+        UndrainRequest,
+        UndrainResult,
+        iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide
-    from fleetmend.catalog.runbooks import runbook_ref
 
 PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
 PATCH_PERMIT_DECIDE = "permit-decide"
@@ -514,7 +559,7 @@ class NodeRemediation:
     async def _diagnose_and_ticket(self) -> None:
         s = self._state
         if s.phase == Phase.DIAGNOSING:
-            report = await self._diagnostics("initial diagnostics")
+            report: DiagOutcome | None = await self._diagnostics("initial diagnostics")
             self._set_phase(Phase.RECOVERING)
         else:
             report = s.last_diag
@@ -523,7 +568,7 @@ class NodeRemediation:
             return
         if self._abort is not None:
             return
-        evidence = {
+        evidence: dict[str, Any] = {
             "faults": [f.view() for f in s.faults],
             "raw": "\n".join(f.raw for f in s.faults if f.raw)[:32_000],
             "classification": {"fault_class": s.fault_class, "severity": s.severity.value},
@@ -962,7 +1007,7 @@ class NodeRemediation:
         if values == self._sa_last:
             return
         self._sa_last = values
-        updates = [KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase.value),
+        updates: list[SearchAttributeUpdate[Any]] = [KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase.value),
                    KEY_SEVERITY.value_set(s.severity.value), KEY_DRAINED.value_set(s.drained)]
         if s.fault_class:
             updates.append(KEY_FAULT_CLASS.value_set(s.fault_class))

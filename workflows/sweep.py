@@ -17,8 +17,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from fleetmend.diagnostics import BenchReport
-    from fleetmend.messages import (Activity, BenchActivityRequest, FailSlowRequest, SweepApi, SweepInput,
-                                    SweepResult)
+    from fleetmend.messages import Activity, BenchActivityRequest, FailSlowRequest, SweepApi, SweepInput, SweepResult
     from fleetmend.sweep import compare, findings
 
 ONE_TRY = RetryPolicy(maximum_attempts=1)
@@ -39,7 +38,7 @@ class Sweep:
         reports: dict[str, dict[str, float]] = {}
         skipped: dict[str, dict[str, str]] = {}
         missing: dict[str, str] = {}
-        for node, a in zip(inp.nodes, answers):
+        for node, a in zip(inp.nodes, answers, strict=True):
             if isinstance(a, BenchReport):
                 reports[node] = dict(a.metrics)
                 skipped[node] = dict(a.skipped)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
+import time
 from pathlib import Path
 from typing import Any
+
+import nats
+import structlog
 
 from fleetmend.config import Settings, TlsSettings
 from fleetmend.errors import ConfigError, ServiceUnavailableError
@@ -71,7 +76,7 @@ def temporal_tls_config(tls: TlsSettings):  # noqa: ANN201
     """
     if not tls.active:
         return False
-    from temporalio.service import TLSConfig
+    from temporalio.service import TLSConfig  # lazy: the node agent imports this module, never temporalio
 
     return TLSConfig(server_root_ca_cert=_read(tls.ca_file, "temporal_tls.ca_file"),
                      client_cert=_read(tls.cert_file, "temporal_tls.cert_file"),
@@ -90,15 +95,11 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
     Raises:
         ServiceUnavailableError: not reachable (message names the URL and the setting to check).
     """
-    import nats
-    import structlog
-
     log = structlog.get_logger("fleetmend.nats")
     last = {"at": 0.0}
 
     async def error_cb(err: Exception) -> None:
         # one line at most every 30 s instead of nats-py's traceback per reconnect attempt
-        import time
 
         if time.monotonic() - last["at"] > 30:
             last["at"] = time.monotonic()
@@ -114,7 +115,7 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
             return await nats.connect(settings.nats_url, **opts)
         async with asyncio.timeout(settings.nats_connect_timeout_s * 2):
             return await nats.connect(settings.nats_url, **opts)
-    except Exception as err:  # noqa: BLE001 - nats raises several unrelated types here
+    except Exception as err:
         if "authorization violation" in str(err).lower():
             raise ServiceUnavailableError(
                 f"NATS at {settings.nats_url} refused this client's credentials ({err}); check nats_user/"
@@ -130,6 +131,7 @@ async def connect_temporal(settings: Settings):  # noqa: ANN201
     Raises:
         ServiceUnavailableError: naming the address and FLEETMEND_TEMPORAL_ADDRESS.
     """
+    # lazy: the node agent imports this module for NATS and must not load temporalio (tests/test_agent_entry.py)
     from temporalio.client import Client
 
     from fleetmend.infra.converter import data_converter
@@ -138,25 +140,22 @@ async def connect_temporal(settings: Settings):  # noqa: ANN201
     try:
         return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
                                     data_converter=data_converter, tls=tls)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         raise ServiceUnavailableError(
             f"cannot reach Temporal at {settings.temporal_address} namespace {settings.temporal_namespace} "
             f"({err}); is `fleetmend dev up` (or the Temporal server) running? check FLEETMEND_TEMPORAL_ADDRESS"
         ) from err
 
 
-async def close_nats(nc: Any, timeout_s: float = 10.0) -> None:  # noqa: ANN401 - nats.aio.client.Client
+async def close_nats(nc: Any, timeout_s: float = 10.0) -> None:
     """Drain `nc` at exit (pending publishes flushed, subscriptions finished) within `timeout_s`;
     when NATS is away (reconnecting) or the drain does not finish, just close. Never raises: a
     process that is stopping must stop, whatever state the server is in."""
-    import contextlib
-
     try:
         if nc.is_connected:
             async with asyncio.timeout(timeout_s):
                 await nc.drain()
     except Exception as err:  # noqa: BLE001 - best effort at exit
-        import structlog
 
         structlog.get_logger("fleetmend.nats").warning("nats_drain_failed", error=repr(err))
     finally:

@@ -30,7 +30,7 @@ class SharedCachePayloadConverter(PydanticPayloadConverter):
         super().__init__()
         for conv in self.converters.values():
             if isinstance(conv, PydanticJSONPlainPayloadConverter):
-                conv._type_adapter = _type_adapter  # noqa: SLF001 - the SDK keeps this cache per instance
+                conv._type_adapter = _type_adapter
 
 
 data_converter = DataConverter(payload_converter_class=SharedCachePayloadConverter)

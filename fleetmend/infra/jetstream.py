@@ -15,9 +15,10 @@ from typing import Any
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from fleetmend.config import StreamSettings
 from fleetmend.subjects import (
     DEADLETTER_STREAM,
     DEADLETTER_SUBJECT,
@@ -95,8 +96,6 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
 
 def _settings(streams: Any) -> Any:
     if streams is None:
-        from fleetmend.config import StreamSettings
-
         return StreamSettings()
     return getattr(streams, "streams", streams)  # Settings or StreamSettings
 
@@ -215,9 +214,6 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import BucketNotFoundError
-
     async with asyncio.timeout(timeout_s):
         try:
             return await js.key_value(bucket)

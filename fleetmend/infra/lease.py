@@ -16,13 +16,16 @@ cleanly deletes its key (`release`), and the next contender takes it at its next
 from __future__ import annotations
 
 import json
-import socket
 import os
+import socket
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
 from fleetmend import subjects
+from fleetmend.infra.jetstream import open_kv_bucket
 
 DEFAULT_TTL_S = 30.0
 """A dead holder is replaced within 30-40 s: a gauge at most that stale, against one KV write per
@@ -44,8 +47,6 @@ async def lease_bucket(js: Any, bucket: str = subjects.LEASE_KV_BUCKET, ttl_s: f
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from fleetmend.infra.jetstream import open_kv_bucket
-
     return await open_kv_bucket(js, bucket, "fleetmend leases: which replica publishes the fleet-level gauges",
                                 timeout_s)
 
@@ -96,8 +97,6 @@ class KvLease:
             Exceptions of the NATS client other than a lost compare-and-set (NATS away): the holder
             then still counts as holding until its write expires (`held`).
         """
-        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
         now = self._clock()
         if self._revision is not None:
             try:
@@ -124,8 +123,6 @@ class KvLease:
 
     async def release(self) -> None:
         """Give the lease up (clean stop): delete the key if this replica still holds it."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         if self._revision is None:
             return
         try:
@@ -137,8 +134,6 @@ class KvLease:
 
     async def holder_now(self) -> str | None:
         """Who holds the key according to the bucket (for `status` output); None when nobody."""
-        from nats.js.errors import KeyNotFoundError
-
         try:
             entry = await self.kv.get(self.key)
         except KeyNotFoundError:

@@ -43,8 +43,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypeVar
 
 import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from fleetmend import subjects
+from fleetmend.infra.jetstream import open_kv_bucket
 
 log = structlog.get_logger("fleetmend.infra.permit_pool")
 
@@ -121,8 +123,6 @@ async def permit_bucket(js: Any, bucket: str = subjects.PERMIT_KV_BUCKET, timeou
         TimeoutError: JetStream did not answer within `timeout_s`.
         nats.js.errors.APIError: the server refused (e.g. no JetStream in the account).
     """
-    from fleetmend.infra.jetstream import open_kv_bucket
-
     return await open_kv_bucket(js, bucket, "fleetmend drain permits: the blast-radius budget per cluster "
                                             "(FleetGuard + router)", timeout_s)
 
@@ -141,8 +141,6 @@ class PermitPool:
         return cls(await permit_bucket(js, bucket))
 
     async def _get(self, cluster: str) -> tuple[PoolState | None, int]:
-        from nats.js.errors import KeyNotFoundError
-
         try:
             entry = await self.kv.get(subjects.permit_kv_key(cluster))
         except KeyNotFoundError:
@@ -153,8 +151,6 @@ class PermitPool:
 
     async def _put(self, cluster: str, state: PoolState, revision: int) -> bool:
         """Write `state` if the key is still at `revision` (0: it must not exist). False: lost the race."""
-        from nats.js.errors import KeyWrongLastSequenceError
-
         key = subjects.permit_kv_key(cluster)
         try:
             if revision:
@@ -218,7 +214,7 @@ class PermitPool:
                         if not fut.done():
                             fut.set_exception(err)
                     continue
-                for (*_x, fut), res in zip(batch, results):
+                for (*_x, fut), res in zip(batch, results, strict=True):
                     if not fut.done():
                         fut.set_result(res)
         finally:
@@ -270,7 +266,7 @@ class PermitPool:
 
         return await self._cas(cluster, change)
 
-    async def publish(self, cluster: str, *, budget: int, rack_cap: int, open: bool, why: str = "",  # noqa: A002
+    async def publish(self, cluster: str, *, budget: int, rack_cap: int, open: bool, why: str = "",
                       closed_domains: list[str] | None = None,
                       held: dict[str, str | None] | None = None, drop: list[str] | None = None) -> PoolState:
         """FleetGuard's write: budget, rack cap, open/why and closed domains replace what was there;

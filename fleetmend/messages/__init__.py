@@ -3,8 +3,8 @@ per conversation; this package re-exports them all (`from fleetmend.messages imp
 
 | module | conversation |
 |---|---|
-| `fleetmend.messages.names` | activity, workflow, signal, query and update names; task queues; search-attribute keys; `Phase`, `Outcome` |
-| `fleetmend.messages.incident` | router → `NodeRemediation` (`IncidentInput`, `FaultBatch`, the byte budget), the incident's carried state |
+| `fleetmend.messages.names` | activity, workflow, signal, query, update names; task queues; search keys; phases |
+| `fleetmend.messages.incident` | router → `NodeRemediation` (`IncidentInput`, `FaultBatch`, byte budget); carried state |
 | `fleetmend.messages.commands` | CLI → `NodeRemediation` updates and the `status` query's answer |
 | `fleetmend.messages.guard` | `FleetGuard` ↔ incidents, router and CLI: permits, the guard's policy and state |
 | `fleetmend.messages.drain` | `NodeRemediation` → the scheduler adapter (drain, undrain, `NodeInfo`) |
@@ -21,43 +21,18 @@ sandbox resolves dataclass annotations that are strings in its own module table,
 missing.
 """
 
-from fleetmend.messages.names import (
-    Activity,
-    GuardApi,
-    KEY_CLUSTER,
-    KEY_DRAINED,
-    KEY_FAULT_CLASS,
-    KEY_NODE,
-    KEY_PHASE,
-    KEY_SEVERITY,
-    KEY_TICKET,
-    Outcome,
-    Phase,
-    RemediationApi,
-    SweepApi,
-    guard_task_queue,
-    iso,
-)
-from fleetmend.messages.incident import (
-    DiagOutcome,
-    FaultBatch,
-    FaultRecord,
-    IncidentInput,
-    IncidentPolicy,
-    IncidentState,
-    MAX_PENDING_FAULTS,
-    MAX_PENDING_HARD,
-    MAX_SIGNAL_BYTES,
-    Occurrence,
-    RoutedFault,
-    TimelineEntry,
-    WORKFLOW_ATTRS,
-    WORKFLOW_ATTR_CHARS,
-    WORKFLOW_MESSAGE_CHARS,
-    WORKFLOW_RAW_BYTES,
-    for_workflow,
-)
 from fleetmend.messages.commands import AbortCommand, IncidentStatus, RepairedCommand, RetestCommand
+from fleetmend.messages.drain import (
+    OWNER_FLEETMEND,
+    OWNER_OPERATOR,
+    DrainRequest,
+    DrainResult,
+    NodeInfo,
+    PermitDrainRequest,
+    PermitDrainResult,
+    UndrainRequest,
+    UndrainResult,
+)
 from fleetmend.messages.guard import (
     GUARD_MAX_HISTORY_EVENTS,
     GuardCommand,
@@ -78,24 +53,41 @@ from fleetmend.messages.guard import (
     RunningIncident,
     RunningIncidents,
 )
-from fleetmend.messages.drain import (
-    DrainRequest,
-    DrainResult,
-    NodeInfo,
-    OWNER_FLEETMEND,
-    OWNER_OPERATOR,
-    PermitDrainRequest,
-    PermitDrainResult,
-    UndrainRequest,
-    UndrainResult,
+from fleetmend.messages.incident import (
+    MAX_PENDING_FAULTS,
+    MAX_PENDING_HARD,
+    MAX_SIGNAL_BYTES,
+    WORKFLOW_ATTR_CHARS,
+    WORKFLOW_ATTRS,
+    WORKFLOW_MESSAGE_CHARS,
+    WORKFLOW_RAW_BYTES,
+    DiagOutcome,
+    FaultBatch,
+    FaultRecord,
+    IncidentInput,
+    IncidentPolicy,
+    IncidentState,
+    Occurrence,
+    RoutedFault,
+    TimelineEntry,
+    for_workflow,
 )
-from fleetmend.messages.tickets import (
-    DiagActivityRequest,
-    RecoveryActivityRequest,
-    TicketRef,
-    TicketRequest,
-    TicketStatus,
-    TicketUpdate,
+from fleetmend.messages.names import (
+    KEY_CLUSTER,
+    KEY_DRAINED,
+    KEY_FAULT_CLASS,
+    KEY_NODE,
+    KEY_PHASE,
+    KEY_SEVERITY,
+    KEY_TICKET,
+    Activity,
+    GuardApi,
+    Outcome,
+    Phase,
+    RemediationApi,
+    SweepApi,
+    guard_task_queue,
+    iso,
 )
 from fleetmend.messages.notify import Notification, NotifyEvent, NotifyResult
 from fleetmend.messages.sweep import (
@@ -106,6 +98,14 @@ from fleetmend.messages.sweep import (
     SweepFinding,
     SweepInput,
     SweepResult,
+)
+from fleetmend.messages.tickets import (
+    DiagActivityRequest,
+    RecoveryActivityRequest,
+    TicketRef,
+    TicketRequest,
+    TicketStatus,
+    TicketUpdate,
 )
 
 __all__ = [

@@ -29,21 +29,6 @@ class DrainRequest:
 
 
 @dataclass
-class PermitDrainRequest:
-    """`Activity.DRAIN_WITH_PERMIT`: ask `permit`'s guard; when it grants, issue `drain`."""
-
-    permit: "PermitRequest"
-    drain: DrainRequest
-
-
-@dataclass
-class PermitDrainResult:
-    decision: PermitDecision
-    drain: "DrainResult | None" = None
-    """The drain issued on the grant; None when the decision is not a grant (queued or denied)."""
-
-
-@dataclass
 class DrainResult:
     node: str
     drained: bool
@@ -59,6 +44,21 @@ class DrainResult:
     """The scheduler's current drain reason (without Slurm's `[user@time]` suffix)."""
     raw_state: str = ""
     """The scheduler's own state text, e.g. Slurm `ALLOCATED+DRAIN`."""
+
+
+@dataclass
+class PermitDrainRequest:
+    """`Activity.DRAIN_WITH_PERMIT`: ask `permit`'s guard; when it grants, issue `drain`."""
+
+    permit: PermitRequest
+    drain: DrainRequest
+
+
+@dataclass
+class PermitDrainResult:
+    decision: PermitDecision
+    drain: DrainResult | None = None
+    """The drain issued on the grant; None when the decision is not a grant (queued or denied)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ No `from __future__ import annotations` here: the workflow sandbox resolves data
 that are strings in its own module table, where they may be missing.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -50,8 +50,6 @@ class GuardPolicy:
 
     @classmethod
     def from_settings(cls, p: PolicySettings, topology_nodes: int = 0) -> "GuardPolicy":
-        from dataclasses import fields
-
         return cls(**{f.name: getattr(p, f.name) for f in fields(cls) if f.name != "topology_nodes"},
                    topology_nodes=topology_nodes)
 

@@ -9,7 +9,7 @@ No `from __future__ import annotations` here: the workflow sandbox resolves data
 that are strings in its own module table, where they may be missing.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -124,8 +124,6 @@ class IncidentPolicy:
 
     @classmethod
     def from_settings(cls, p: PolicySettings, notify: bool = True) -> "IncidentPolicy":
-        from dataclasses import fields
-
         return cls(**{f.name: getattr(p, f.name) for f in fields(cls) if f.name != "notify"}, notify=notify)
 
 

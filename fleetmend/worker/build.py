@@ -12,7 +12,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.diagnostics import DiagnosticsActivities
 from activities.fleetguard import FleetGuardActivities
-from activities.notify import NotifyActivities, Notifier, channels_from_settings
+from activities.notify import Notifier, NotifyActivities, channels_from_settings
 from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
 from activities.recovery import RecoveryActivities
 from activities.scheduler import SchedulerActivities, build_scheduler
