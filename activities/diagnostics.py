@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import TypeVar
 
+from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.scheduler import NodeEventRecorder
 from fleetmend import subjects
 from fleetmend.diagnostics import DiagReport, DiagRequest, DiagResult
 from fleetmend.messages import Activity, DiagActivityRequest
@@ -18,7 +20,7 @@ from fleetmend.messages import Activity, DiagActivityRequest
 T = TypeVar("T", bound=BaseModel)
 
 
-async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, reply: type[T],  # noqa: ANN001
+async def ask_agent(nc: NATS, cluster: str, node: str, body: bytes, timeout_s: float, reply: type[T],
                     what: str) -> T:
     """Request/reply with a node's agent on `fleet.<cluster>.diag.<node>`, heartbeating first.
 
@@ -49,7 +51,7 @@ async def ask_agent(nc, cluster: str, node: str, body: bytes, timeout_s: float, 
 class DiagnosticsActivities:
     """Runs diagnostics on a node by asking its agent. Takes a connected `nats.aio.client.Client`."""
 
-    def __init__(self, nc, node_events=None) -> None:  # noqa: ANN001 - nats client, not imported by workflows
+    def __init__(self, nc: NATS, node_events: NodeEventRecorder | None = None) -> None:
         self._nc = nc
         self._node_events = node_events
         """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's

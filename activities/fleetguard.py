@@ -14,14 +14,16 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from nats.js import JetStreamContext
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
+from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.quarantine import PoolGate
 from fleetmend import subjects
+from fleetmend.config import Settings
 from fleetmend.events import Severity
 from fleetmend.infra.permit_pool import BY_ROUTER
 from fleetmend.messages import (
@@ -52,7 +54,7 @@ UPDATES_IN_FLIGHT = 4
 by default; a few worker replicas stay under it)."""
 
 
-def guard_policy(settings, topology: Topology | None = None) -> GuardPolicy:  # noqa: ANN001 - Settings
+def guard_policy(settings: Settings, topology: Topology | None = None) -> GuardPolicy:
     """`GuardPolicy` from `Settings.policy` and the topology's node count."""
     return GuardPolicy.from_settings(settings.policy, len(topology) if topology is not None else 0)
 
@@ -64,8 +66,8 @@ class FleetGuardActivities:
     `decide_drain_permit` is run by NodeRemediation as a *local* activity: the decision reaches the
     incident in the workflow task that asked for it (no activity task, no second workflow task)."""
 
-    def __init__(self, client, task_queue: str, policy: GuardPolicy,  # noqa: ANN001 - temporal Client
-                 topology: Topology | None = None, gate=None) -> None:  # noqa: ANN001 - quarantine.PoolGate
+    def __init__(self, client: Client, task_queue: str, policy: GuardPolicy,
+                 topology: Topology | None = None, gate: PoolGate | None = None) -> None:
         self._client = client
         self._task_queue = task_queue
         self._policy = policy
@@ -75,8 +77,8 @@ class FleetGuardActivities:
         """`activities.quarantine.PoolGate` (`policy.fast_drain`); None: no permit pool."""
 
     @classmethod
-    def from_settings(cls, client, settings, task_queue: str | None = None,  # noqa: ANN001
-                      js=None) -> "FleetGuardActivities":  # noqa: ANN001 - JetStream context
+    def from_settings(cls, client: Client, settings: Settings, task_queue: str | None = None,
+                      js: JetStreamContext | None = None) -> FleetGuardActivities:
         """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`. `js`:
         JetStream, for the permit pool (`policy.fast_drain`); without it there is no pool."""
         topo = load_topology(settings.policy.topology_file)
@@ -84,7 +86,7 @@ class FleetGuardActivities:
         return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo,
                    gate=gate)
 
-    async def _signal_with_start(self, cluster: str, signal: str, arg) -> None:  # noqa: ANN001
+    async def _signal_with_start(self, cluster: str, signal: str, arg: Any) -> None:
         await self._client.start_workflow(
             GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=self._policy),
             id=subjects.fleetguard_workflow_id(cluster), task_queue=self._task_queue,
@@ -161,7 +163,7 @@ class FleetGuardActivities:
                 activity.heartbeat(i)
         return out
 
-    def _running(self, wf) -> RunningIncident:  # noqa: ANN001 - WorkflowExecution / description
+    def _running(self, wf: WorkflowExecution) -> RunningIncident:
         sa = wf.typed_search_attributes
         node = sa.get(KEY_NODE) or wf.id.rsplit("/", 1)[-1]
         dom = self._topology.domain(node)

@@ -8,6 +8,7 @@ disabled, the default) or FAILED. The workflow verifies afterwards; this activit
 
 from __future__ import annotations
 
+from nats.aio.client import Client as NATS
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -19,7 +20,7 @@ from fleetmend.messages import Activity, RecoveryActivityRequest
 class RecoveryActivities:
     """Takes a connected `nats.aio.client.Client`."""
 
-    def __init__(self, nc) -> None:  # noqa: ANN001 - nats client, not imported by workflows
+    def __init__(self, nc: NATS) -> None:
         self._nc = nc
 
     async def _ask(self, req: RecoveryActivityRequest) -> RecoveryReport:

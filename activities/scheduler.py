@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from temporalio import activity
@@ -27,6 +28,18 @@ from fleetmend.messages import Activity, DrainRequest, DrainResult, NodeInfo, Un
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
+
+
+NodeEventRecorder = Callable[..., Awaitable[bool]]
+"""`NodeEvents.record_event` as a callback: `(node, step, message, *, key, warning=False) -> recorded`."""
+
+
+@runtime_checkable
+class NodeEvents(Protocol):
+    """A scheduler that also records each remediation step on the node itself (Kubernetes: core/v1
+    Events on the Node); the diagnostics and ticket activities call it when the adapter offers it."""
+
+    async def record_event(self, node: str, step: str, message: str, *, key: str, warning: bool = False) -> bool: ...
 
 
 @runtime_checkable

@@ -15,7 +15,6 @@ from fleetmend.config import SlurmSettings
 from fleetmend.errors import NodeNotFoundError, SchedulerError
 from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
-
 _REASON_SUFFIX = re.compile(r"\s*\[[^\[\]@]*@[^\[\]]*\]\s*$")
 _INCIDENT = re.compile(r"\[incident ([^\]]+)\]")
 _KEY_SPLIT = re.compile(r"\s+(?=[A-Za-z][A-Za-z0-9_:/]*=)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from nats.aio.client import Client as NATS
 from temporalio import activity
 
 from activities.diagnostics import ask_agent
@@ -17,7 +18,7 @@ from fleetmend.messages.sweep import BenchActivityRequest, FailSlowRequest
 class SweepActivities:
     """Takes a connected `nats.aio.client.Client` (diag requests, JetStream publish)."""
 
-    def __init__(self, nc) -> None:  # noqa: ANN001
+    def __init__(self, nc: NATS) -> None:
         self._nc = nc
 
     @activity.defn(name=Activity.BENCH_NODE)

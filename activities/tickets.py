@@ -20,6 +20,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.jira import JiraTicketFiler
+from activities.scheduler import NodeEventRecorder
 from activities.ticket_kv import KvTicketStore
 from activities.ticket_store import LocalTicketStore
 from activities.webhook import WebhookTicketFiler
@@ -84,7 +85,7 @@ class TicketActivities:
         node_events: see below.
     """
 
-    def __init__(self, filer: TicketFiler, node_events=None) -> None:  # noqa: ANN001 - optional recorder
+    def __init__(self, filer: TicketFiler, node_events: NodeEventRecorder | None = None) -> None:
         self.filer = filer
         self._node_events = node_events
         """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's

@@ -7,12 +7,17 @@ import contextlib
 import ssl
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 import structlog
 
 from fleetmend.config import Settings, TlsSettings
+
+if TYPE_CHECKING:  # types only: the agent imports this module and never loads temporalio
+    from nats.aio.client import Client as NATS
+    from temporalio.client import Client
+    from temporalio.service import TLSConfig
 from fleetmend.errors import ConfigError, ServiceUnavailableError
 
 
@@ -68,7 +73,7 @@ def nats_auth_options(settings: Settings) -> dict[str, Any]:
     return opts
 
 
-def temporal_tls_config(tls: TlsSettings):  # noqa: ANN201
+def temporal_tls_config(tls: TlsSettings) -> TLSConfig | bool:
     """`temporalio.service.TLSConfig` for `tls`, or False when TLS is off.
 
     Raises:
@@ -84,7 +89,7 @@ def temporal_tls_config(tls: TlsSettings):  # noqa: ANN201
                      domain=tls.server_name)
 
 
-async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any):  # noqa: ANN201
+async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any) -> NATS:
     """Connect to `settings.nats_url` (reconnects forever once connected).
 
     Args:
@@ -125,7 +130,7 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
             "running? check FLEETMEND_NATS_URL") from err
 
 
-async def connect_temporal(settings: Settings):  # noqa: ANN201
+async def connect_temporal(settings: Settings) -> Client:
     """Connect to Temporal at `settings.temporal_address` with the pydantic data converter.
 
     Raises:

@@ -7,6 +7,8 @@ import asyncio
 from datetime import timedelta
 
 import structlog
+from nats.aio.client import Client as NATS
+from temporalio.client import Client
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -15,7 +17,7 @@ from activities.fleetguard import FleetGuardActivities
 from activities.notify import Notifier, NotifyActivities, channels_from_settings
 from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
 from activities.recovery import RecoveryActivities
-from activities.scheduler import SchedulerActivities, build_scheduler
+from activities.scheduler import NodeEvents, SchedulerActivities, build_scheduler
 from activities.sweep import SweepActivities
 from activities.tickets import TicketActivities, build_ticket_filer
 from fleetmend.config import Settings
@@ -30,7 +32,7 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 """Running activities (a drain in flight) get 30 s to finish on SIGTERM; the default 0 cancels them at once."""
 
 
-def workflow_runner():  # noqa: ANN201 - temporalio WorkflowRunner
+def workflow_runner() -> SandboxedWorkflowRunner:
     """The sandbox with the project's own modules (`fleetmend`, `workflows`) passed through: loaded once
     per process instead of re-imported for every workflow run. A run then costs a fraction of the memory
     and CPU (the storm measured ~0.8 → ~0.35 MiB per cached run), and a message type is one class in
@@ -41,10 +43,10 @@ def workflow_runner():  # noqa: ANN201 - temporalio WorkflowRunner
         restrictions=SandboxRestrictions.default.with_passthrough_modules("fleetmend", "workflows"))
 
 
-async def build_worker(settings: Settings, client, nc, *, task_queue: str | None = None):  # noqa: ANN001, ANN201
+async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_queue: str | None = None) -> Workers:
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
-    node_events = getattr(adapter, "record_event", None)  # Kubernetes: Events on the Node
+    node_events = adapter.record_event if isinstance(adapter, NodeEvents) else None  # Kubernetes: Events on the Node
     tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events)
     diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
@@ -52,8 +54,8 @@ async def build_worker(settings: Settings, client, nc, *, task_queue: str | None
     guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq, js=nc.jetstream())
     quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node, gate=guard.gate)
     # policy.fast_drain: every drain under a permit takes its slot in the cluster's permit pool first
-    drain_node = PooledDrainActivities(sched.drain_node, guard.gate).drain_node if settings.policy.fast_drain \
-        else sched.drain_node
+    drain_node = PooledDrainActivities(sched.drain_node, guard.gate).drain_node \
+        if settings.policy.fast_drain and guard.gate is not None else sched.drain_node
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
@@ -93,7 +95,7 @@ class Workers:
     (incidents, sweeps, every side effect) and the guard's (`messages.guard_task_queue`). `run()` returns
     or raises when either stops, like `temporalio.worker.Worker.run`."""
 
-    def __init__(self, main, guard) -> None:  # noqa: ANN001 - temporalio Worker
+    def __init__(self, main: Worker, guard: Worker) -> None:
         self.main, self.guard = main, guard
         self._stopping = False
 
