@@ -468,8 +468,7 @@ class WorkerSettings(_Section):
     on its next task). The worker holds ~0.1–0.45 MiB per cached run, growing with what the run has
     absorbed, so this bounds the worker's memory when many incidents are open (a fault storm); a run
     continues-as-new by history bytes, which bounds the replay of an evicted one. bench/storm.py
-    prints the worker's peak RSS with 2,000 open incidents (bench/RESULTS.md, "Worker memory in the
-    1M-event storm")."""
+    prints the worker's peak RSS with 2,000 open incidents (bench/RESULTS.md, "Worker memory")."""
     max_concurrent_activities: int = Field(default=100, ge=1)
     """Activities the worker runs at once (drains, diagnostics requests, tickets)."""
 
