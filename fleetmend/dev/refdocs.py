@@ -197,7 +197,7 @@ def metrics_page() -> str:
         out.append(f"| `{name}` | {_cell(typ)} | {_cell(labels)} | {_cell(metrics.SET_BY.get(name, ''))} | "
                    f"{_cell(m._documentation)} |")
     rest = inspect.cleandoc(metrics.__doc__ or "").split("\n\n")[1:]
-    out += ["", *(" ".join(p.split()) + "\n" for p in rest)]
+    out += ["", *(" ".join(p.split()) + "\n" for p in rest if "docs/metrics.md" not in p)]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -217,12 +217,28 @@ node out of scheduling but lets running jobs finish. A *clearing event* (`clears
 of another kind (a link back up, a GPU back on the bus); a fault with a clearing event waits
 `policy.debounce_s` and drains nothing if it clears first.
 
-Crashes that survived a reboot: at start the live agent reads pstore, systemd-pstore's archive, kdump's
-`vmcore-dmesg` and the previous boot's kernel journal once, and publishes each crash once as
-`kernel_panic_previous_boot`, with the panic reason, the module named in the oops and the component of
-the fault that caused it; a new boot with no clean agent stop and no reboot ordered by fleetmend is
-`unexpected_reboot`. What was published is kept in `<state_dir>/agent/<node>/lastboot.json`, so the next
-start publishes nothing again (settings `[agent.lastboot]`, `agent.host_root`).
+The kernel-log parser (`agents/kmsg/`) and the tool readers (`agents/parsers/`) read each kind from its
+format, as the driver or tool prints it; real texts for each are in `tests/corpus/`. A crash that follows
+an open hardware record (GHES record, machine check, ConnectX command timeout or health failure) stays
+that record's event (`attrs.followed_by`, `attrs.panic_reason`), with its component and device.
+
+## Crashes that survived a reboot
+
+A node that panicked comes back with an empty kernel log. At start the live agent reads what survived,
+once: pstore (`/sys/fs/pstore/dmesg-*`: efi-pstore, ramoops, erst; `.enc.z` records decompressed),
+systemd-pstore's archive (`/var/lib/systemd/pstore/*/dmesg.txt`), kdump (`/var/crash/*/vmcore-dmesg.txt`,
+`/var/crash/*/dmesg.*`) and the previous boot's kernel journal (`journalctl -k -b -1`, last 3,000 entries;
+needs a persistent journal). Each crash is published once as `kernel_panic_previous_boot` with the panic
+reason, the module named in the oops (`RIP: …[module]`, else the call trace), `Modules linked in`, the
+crashed boot's id and the crash time; the component and device are those of the fault that caused it (a
+GHES record names the PCIe device, an MCE the CPU). What was published is kept in
+`<state_dir>/agent/<node>/lastboot.json` (by file identity and by a signature of the crash, so the same
+panic in pstore and kdump is one event); the next start publishes nothing again.
+
+A new boot id (`/proc/sys/kernel/random/boot_id`) with no clean agent stop (SIGTERM, as at shutdown) and
+no reboot ordered by fleetmend is `unexpected_reboot`, unless a crash of that boot was found (then the
+crash event says `unexpected_reboot=true`). Settings: `[agent.lastboot]`; a container that mounts the
+host at `/host` sets `agent.host_root = "/host"`.
 """
 
 

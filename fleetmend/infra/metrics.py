@@ -1,4 +1,4 @@
-"""Prometheus metrics of the agent, router and worker (`prometheus-client`), one place for all.
+"""Prometheus metrics of the agent, router, worker and analyzer (`prometheus-client`), one place for all.
 
 Labels come from bounded sets only (an unbounded label is a memory leak in Prometheus): cluster,
 component, kind, source, severity, action, scheduler, filer, outcome, phase, reason (one of
@@ -18,7 +18,14 @@ metric objects below and `SET_BY` (`python -m fleetmend.dev.refdocs docs`).
 
 The fleet-level gauges (incidents, drains in force, breaker, drain queue and permits, time between
 incidents; the router's lag) are published by one elected replica per cluster (per consumer for
-the lag), so sums over replicas count the fleet once.
+the lag), so sums over replicas count the fleet once. The election is a lease in the JetStream KV
+bucket `fleetmend_leases` (`fleetmend/infra/fleetgauges.py`): a dead publisher is replaced within
+30-40 s, a stopped one at once; `fleetmend_fleet_gauges_publisher` summed over replicas is 1 per
+cluster (0: nobody publishes, an alert).
+
+Among the metrics: time to quarantine (fault observed → drained), MTTR (drained → returned) and the
+time between a node's incidents (previous closed → next opened, observed by the worker's poller).
+The Grafana dashboard is `deploy/grafana/fleetmend.json`.
 """
 
 from __future__ import annotations
