@@ -126,6 +126,16 @@ def test_backticked_paths_and_names_resolve(doc: Path) -> None:
     assert not broken, f"{doc.relative_to(REPO)}: " + "; ".join(broken)
 
 
+_LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(doc: Path) -> None:
+    links = [t for t in _LINK.findall(_FENCE.sub("", doc.read_text())) if not re.match(r"^[a-z]+:", t)]
+    broken = [t for t in links if not (doc.parent / t).exists()]
+    assert not broken, f"{doc.relative_to(REPO)}: broken links {broken}"
+
+
 def test_the_checker_catches_a_broken_path_and_a_broken_name(tmp_path: Path) -> None:
     text = ("See `fleetmend/infra/lease.py`, `fleetmend.infra.lease.KvLease`, `agents.kmsg.parser`, "
             "`fleetmend.diagnostics.recovery_steps()`, `docs/runbooks/<class>.md`, `fleetmend/subjects.py:42`, "
