@@ -14,10 +14,10 @@ import os
 import re
 import socket
 import tomllib
-from urllib.parse import urlparse
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -36,6 +36,7 @@ def default_node_name() -> str:
 
 
 def default_state_dir() -> Path:
+    """`$XDG_STATE_HOME/fleetmend`, else `~/.local/state/fleetmend`."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "fleetmend"
 
@@ -61,6 +62,7 @@ class SlurmSettings(_Section):
     scontrol: str = "scontrol"
     """Path or name of `scontrol` (found on PATH)."""
     sinfo: str = "sinfo"
+    """Path or name of `sinfo` (found on PATH)."""
     slurm_conf: str | None = None
     """Value for SLURM_CONF in the adapter's subprocesses; None keeps the environment's."""
     reason_prefix: str = "fleetmend:"
@@ -71,9 +73,13 @@ class SlurmSettings(_Section):
 
 class TicketSettings(_Section):
     kind: TicketKind = TicketKind.LOCAL
+    """Ticket filer: `local` (the ledger only), `webhook` (POST JSON to `webhook_url`) or `jira`."""
     webhook_url: str | None = None
+    """Where the webhook filer POSTs each ticket and update as JSON."""
     webhook_timeout_s: float = 10.0
+    """Bound on one webhook request."""
     webhook_headers: dict[str, str] = Field(default_factory=dict)
+    """Extra HTTP headers of webhook requests (e.g. Authorization); shown as `***` by `config check`."""
     webhook_status_url: str | None = None
     """GET `{ticket_id}`-templated URL answering JSON with a `status` field: makes the webhook
     ticket's status pollable (`poll_ticket`). None: only the local ledger's status is known."""
@@ -92,10 +98,15 @@ class JiraSettings(_Section):
     url: str | None = None
     """Base URL, e.g. https://example.atlassian.net (no trailing /rest)."""
     project: str = "OPS"
+    """Jira project key issues are created in."""
     issue_type: str = "Bug"
+    """Jira issue type of created issues."""
     email: str | None = None
+    """Jira Cloud account e-mail (HTTP Basic with `api_token`)."""
     api_token: str | None = None
+    """Jira Cloud API token (with `email`)."""
     bearer_token: str | None = None
+    """Jira Data Center personal access token."""
     labels: list[str] = Field(default_factory=lambda: ["fleetmend"])
     """Labels on every issue; `fleetmend-incident-<hash>` is added per incident (idempotency key)."""
     transitions: dict[str, str] = Field(default_factory=lambda: {"resolved": "Done", "aborted": "Done"})
@@ -118,18 +129,23 @@ class KubernetesSettings(_Section):
     kubeconfig: Path | None = None
     """kubeconfig file; None: $KUBECONFIG or ~/.kube/config (unless in a cluster)."""
     context: str | None = None
+    """kubeconfig context; None: the file's current context."""
     in_cluster: bool | None = None
     """True: service-account config; None: auto (KUBERNETES_SERVICE_HOST set)."""
     api_url: str | None = None
     """Explicit API server URL without auth (kubectl proxy, tests); overrides the above."""
     taint_key: str = "fleetmend.io/fault"
+    """NoSchedule taint put on a drained Node, valued with the fault class; undrain removes only this taint."""
     annotation_prefix: str = "fleetmend.io"
+    """Prefix of the Node annotations fleetmend writes (`<prefix>/cordon-owner`, `/incident`, `/reason`,
+    `/drained-at`)."""
     evict_timeout_s: float = 90.0
     """How long one drain retries evictions a PodDisruptionBudget refuses (429); below the workflow's
     2 min drain activity timeout. Pods left are reported; a retried drain carries on."""
     evict_retry_s: float = 5.0
     """Delay between eviction rounds (kubectl drain waits 5 s after a 429 too)."""
     request_timeout_s: float = 30.0
+    """Bound on each API server request."""
     grace_period_s: int | None = None
     """Pod termination grace for evictions; None keeps each pod's own."""
 
@@ -143,11 +159,13 @@ class NotifySettings(_Section):
     webhook_url: str | None = None
     """POST JSON (the `Notification` fields) with `Idempotency-Key: <dedup_key>`."""
     webhook_headers: dict[str, str] = Field(default_factory=dict)
+    """Extra HTTP headers of webhook notifications; shown as `***` by `config check`."""
     slack_webhook_url: str | None = None
     """A Slack incoming-webhook URL (https://hooks.slack.com/services/…)."""
     pagerduty_routing_key: str | None = None
     """Events API v2 integration key of the PagerDuty service."""
     pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
+    """PagerDuty Events API v2 endpoint."""
     events: list[str] = Field(default_factory=lambda: ["drained", "ticket_filed", "breaker_open", "lemon",
                                                        "returned"])
     """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned)."""
@@ -167,10 +185,15 @@ class MetricsSettings(_Section):
     """Prometheus `/metrics` port per process; 0 turns it off. Distinct defaults let `dev up` run all."""
 
     host: str = "0.0.0.0"
+    """Address the `/metrics`, `/healthz` and `/readyz` server listens on."""
     agent_port: int = Field(default=0, ge=0, le=65535)
+    """The agent's `/metrics` port (`--metrics-port`); 0: off."""
     router_port: int = Field(default=0, ge=0, le=65535)
+    """The router's `/metrics` port; 0: off."""
     worker_port: int = Field(default=0, ge=0, le=65535)
+    """The worker's `/metrics` port; 0: off."""
     analyzer_port: int = Field(default=0, ge=0, le=65535)
+    """The analyzer's `/metrics` port; 0: off."""
     poll_interval_s: float = 15.0
     """How often the worker/router refresh gauges from Temporal visibility and JetStream (a Prometheus
     scrape interval)."""
@@ -210,6 +233,7 @@ class SysfsProbeSettings(_Section):
     """`agent.sysfs`: the sysfs probe (IB ports, NIC carrier, PCIe links)."""
 
     enabled: bool = True
+    """Run the sysfs probe when the agent runs live."""
     poll_interval_s: float = 30.0
     """IB port/NIC carrier/PCIe link reads: ~10 small sysfs reads per device; 30 s like NVML."""
     root: Path = Path("/")
@@ -223,6 +247,7 @@ class UdevProbeSettings(_Section):
     """`agent.udev`: the udev/uevent probe (PCI and netdev add/remove)."""
 
     enabled: bool = True
+    """Run the udev probe when the agent runs live."""
     source: str = "auto"
     """auto ('udev' where /run/udev/control exists, else the kernel's own uevents), udev or kernel."""
     include_virtual_net: bool = False
@@ -279,6 +304,7 @@ class AgentSettings(_Section):
     spool_max_bytes: int = 64 * 1024 * 1024
     """64 MiB ≈ 100k events of ~600 B: hours of a fault storm while NATS is away."""
     publish_timeout_s: float = 5.0
+    """Bound on one JetStream publish; a publish that fails or times out goes to the disk spool."""
     manage_stream: bool = True
     """Create the fault stream when it is missing (at start, or when NATS lost it). Node credentials
     from `fleetmend creds generate` set it to false: the router (or the operator) owns the stream."""
@@ -352,10 +378,13 @@ class RouterSettings(_Section):
     fleet's node count lets each node's signal carry many events (bench/storm.py: 2,000 nodes).
     Memory: ~4 KiB a held message."""
     ack_wait_s: float = 60.0
+    """JetStream ack wait of the router's consumer: a message not acked in this time is redelivered."""
     max_deliver: int = Field(default=50, ge=1)
     """After this many deliveries a message is dead-lettered (poison), not retried forever."""
     nak_delay_s: float = 2.0
+    """Redelivery delay of a nak'ed message (Temporal away or slow), times the delivery count up to 10."""
     temporal_call_timeout_s: float = 15.0
+    """Bound on one signal-with-start or other call to Temporal; past it the message is nak'ed."""
     heartbeat_silence_s: float = 60.0
     """An agent silent this long becomes an agent_silent fault (6 missed beats at the agent's default 10 s)."""
 
@@ -378,6 +407,7 @@ class StreamSettings(_Section):
     deadletter_max_bytes: int = Field(default=1024**3, ge=1024 * 1024)
     """Bound of the dead-letter stream (bytes); records carry at most 64 KiB of the original message."""
     deadletter_max_age_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    """Dead letters older than this are removed (30 days)."""
     duplicate_window_s: float = Field(default=120.0, gt=0)
     """Nats-Msg-Id dedupe window of the fault stream (seconds)."""
 class AnalyzerSettings(_Section):
@@ -426,7 +456,7 @@ class AnalyzerSettings(_Section):
 
 
 class WorkerSettings(_Section):
-    """The Temporal worker process (fleetmend/worker.py)."""
+    """The Temporal worker process (`fleetmend/worker/`)."""
 
     max_concurrent_workflow_tasks: int = Field(default=8, ge=2)
     """Workflow activations run at once. They share one GIL, so more at once only makes each take
@@ -438,9 +468,9 @@ class WorkerSettings(_Section):
     on its next task). The worker holds ~0.1–0.45 MiB per cached run, growing with what the run has
     absorbed, so this bounds the worker's memory when many incidents are open (a fault storm); a run
     continues-as-new by history bytes, which bounds the replay of an evicted one. bench/storm.py
-    prints the worker's peak RSS with 2,000 open incidents (bench/RESULTS.md, "Worker memory in the
-    1M-event storm")."""
+    prints the worker's peak RSS with 2,000 open incidents (bench/RESULTS.md, "Worker memory")."""
     max_concurrent_activities: int = Field(default=100, ge=1)
+    """Activities the worker runs at once (drains, diagnostics requests, tickets)."""
 
 
 class PolicySettings(_Section):
@@ -453,6 +483,7 @@ class PolicySettings(_Section):
     settle_s: float = 0.0
     """Clean period after verification before return to service."""
     diag_timeout_s: float = Field(default=120.0, gt=0)
+    """Bound on one diagnostics request to a node's agent."""
     close_after_idle_s: float = 3600.0
     """A record-only incident (no drain) closes after this long without new faults."""
 
@@ -473,10 +504,12 @@ class PolicySettings(_Section):
     """Breaker trips when drain-worthy faults come from MORE than this many distinct nodes within
     `breaker_window_s`; 10 in 10 min is far above a healthy fleet's rate (~1/day per 1k GPUs)."""
     breaker_window_s: float = Field(default=600.0, gt=0)
+    """Window of `breaker_distinct_nodes` (seconds)."""
     domain_incident_nodes: int = Field(default=3, ge=2)
     """This many distinct nodes faulting under one rack/leaf/PDU within `domain_window_s` become one
     infrastructure incident: no further drains there, a ticket pages a human."""
     domain_window_s: float = Field(default=300.0, gt=0)
+    """Window of `domain_incident_nodes` (seconds)."""
     # --- history rules (NodeRemediation) --------------------------------------------------------
     debounce_s: float = Field(default=30.0, ge=0)
     """A fault whose kind has a clearing event (link down, GPU missing) waits this long; if it clears
@@ -484,9 +517,11 @@ class PolicySettings(_Section):
     app_xid_repeats: int = Field(default=3, ge=2)
     """XID 13/31 this often on the same GPU within `app_xid_window_s` → hardware suspect."""
     app_xid_window_s: float = Field(default=3600.0, gt=0)
+    """Window of `app_xid_repeats` (seconds; 1 hour)."""
     sbe_events_per_window: int = Field(default=10, ge=1)
     """SBE (volatile) events within `sbe_window_s` that mean a rising rate → drain when idle."""
     sbe_window_s: float = Field(default=3600.0, gt=0)
+    """Window of `sbe_events_per_window` (seconds; 1 hour)."""
     lemon_repairs: int = Field(default=2, ge=1)
     """The same fault class returning after this many repairs within `lemon_window_s` → RMA."""
     lemon_window_s: float = Field(default=30 * 24 * 3600.0, gt=0)
@@ -540,11 +575,13 @@ class TlsSettings(_Section):
     """
 
     enabled: bool = False
+    """Use TLS even with no file set (the system trust store checks the server)."""
     ca_file: Path | None = None
     """CA bundle that signed the server's certificate; None uses the system trust store."""
     cert_file: Path | None = None
     """Client certificate (mutual TLS); set together with `key_file`."""
     key_file: Path | None = None
+    """Private key of `cert_file`."""
     server_name: str | None = None
     """Name to verify the server certificate against (SNI) when it differs from the host dialled."""
 
@@ -567,10 +604,17 @@ class Settings(BaseSettings):
     )
 
     cluster: str = "local"
+    """Cluster name: letters, digits, `-` and `_` (it becomes a NATS subject token), at most 128 characters."""
     node: str = Field(default_factory=default_node_name)
+    """This node's name: any Kubernetes or Slurm node name, dots included; subjects and KV keys carry it encoded
+    (`fleetmend.subjects.node_token`)."""
     nats_url: str = "nats://127.0.0.1:4222"
+    """NATS server URL(s): `nats://`, `tls://`, `ws://` or `wss://`, comma-separated for a cluster; user and
+    password may be in the URL."""
     nats_user: str | None = None
+    """NATS user (with `nats_password`), when not in the URL."""
     nats_password: str | None = None
+    """NATS password for `nats_user`."""
     nats_creds: Path | None = None
     """NATS `.creds` file (JWT + nkey seed; operator/JWT deployments)."""
     nats_nkey_seed: Path | None = None
@@ -581,15 +625,23 @@ class Settings(BaseSettings):
     nats_tls: TlsSettings = Field(default_factory=TlsSettings)
     temporal_tls: TlsSettings = Field(default_factory=TlsSettings)
     nats_connect_timeout_s: float = 5.0
+    """Bound on one NATS connect; a process gives up after twice this with a clear error."""
     temporal_address: str = "127.0.0.1:7233"
+    """Temporal frontend `host:port`."""
     temporal_namespace: str = "default"
+    """Temporal namespace of the incidents, the guard and the sweeps."""
     temporal_retention_days: int = Field(90, ge=0, le=3650)
     """Days Temporal keeps a closed incident (`fleetmend history`): set on the namespace by `dev up` and
-    `fleetmend temporal setup`; 0 leaves the namespace as it is. Longer: Temporal archival (README)."""
+    `fleetmend temporal setup`; 0 leaves the namespace as it is. Longer: Temporal archival (docs/operating.md)."""
     temporal_ui_port: int = 8233
+    """Port of the Temporal Web UI (`dev up` serves it; `fleetmend` prints links to it)."""
     task_queue: str = "fleetmend"
+    """Temporal task queue of the worker; FleetGuard runs on `<task_queue>-guard`, which every worker also polls."""
     state_dir: Path = Field(default_factory=default_state_dir)
+    """Local state: `dev up`'s servers, logs, the agent's spool and last-boot record, file ledgers."""
     scheduler: SchedulerKind = SchedulerKind.STANDALONE
+    """How nodes are drained: `standalone` (drained set in a JetStream KV bucket), `slurm` (`scontrol`),
+    `kubernetes` (cordon, taint, evict) or `none` (drain nothing)."""
     slurm: SlurmSettings = Field(default_factory=SlurmSettings)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A local 4-node Slurm cluster (node1..node4, all on this host) for trying `--scheduler slurm`.
-# Same recipe as tests/fixtures_slurm.py (shared/notes/what-runs-here.md §1): free ports picked at
+# Same recipe as tests/fixtures_slurm.py: free ports picked at
 # start, munged started if it doesn't answer, daemons stopped by PID. Needs root and
 # `.ci/install-slurm.sh` (slurmctld slurmd slurm-client munge).
 #

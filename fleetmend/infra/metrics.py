@@ -1,46 +1,31 @@
-"""Prometheus metrics of the agent, router and worker (`prometheus-client`), one place for all.
+"""Prometheus metrics of the agent, router, worker and analyzer (`prometheus-client`), one place for all.
 
-Labels come from bounded sets only (an unbounded label is a memory leak in Prometheus): cluster, component, kind, source, severity, action,
-scheduler, filer, outcome, phase, reason (one of `DEADLETTER_REASONS`). Never a node, event or
-incident id: per-node questions go to Temporal visibility (`fleetmend status`, the UI).
+Labels come from bounded sets only (an unbounded label is a memory leak in Prometheus): cluster,
+component, kind, source, severity, action, scheduler, filer, outcome, phase, reason (one of
+`DEADLETTER_REASONS`). Never a node, event or incident id: per-node questions go to Temporal
+visibility (`fleetmend status`, the UI).
 
 Each process serves `/metrics` on its own port when `metrics.<process>_port` (or `--metrics-port`)
 is not 0: `start_http_server(port)` at process start. The same port answers `/healthz` (liveness: 200
 while the process's event loop turns, 503 once it has not run `beat_forever`'s tick for
 `HEALTH.stall_after_s`) and `/readyz` (readiness: 200 after the role called `HEALTH.set_ready()`,
-503 with the reason before that and while it shuts down), for Kubernetes probes. Gauges that need a remote read (router lag
-from the consumer's `num_pending`; incidents by phase and drains in force from Temporal
+503 with the reason before that and while it shuts down), for Kubernetes probes. Gauges that need a
+remote read (router lag from the consumer's `num_pending`; incidents by phase and drains in force from Temporal
 visibility) are refreshed every `metrics.poll_interval_s` by `poll_router_lag` / `poll_incidents`.
 
-| metric | type | labels | set by |
-|---|---|---|---|
-| fleetmend_agent_events_total | counter | cluster, source, component, kind, severity | agent (each event a probe emits) |
-| fleetmend_agent_spool_depth | gauge | cluster | agent (read at scrape time) |
-| fleetmend_agent_faults_lost_total | counter | cluster, reason | agent: events it could not keep (`spool_full`, errno name such as `ENOSPC`/`EROFS`, `refused`) |
-| fleetmend_router_events_total | counter | cluster, source, component, kind, severity | router (valid events) |
-| fleetmend_router_deadletters_total | counter | reason | router |
-| fleetmend_router_naks_total | counter | | router (Temporal away) |
-| fleetmend_router_lag_messages | gauge | stream, consumer | router (consumer num_pending) |
-| fleetmend_router_accept_seconds | histogram | cluster | router: observed_at → signal-with-start accepted |
-| fleetmend_agents_silent | gauge | cluster | router heartbeat monitor: nodes whose agent is silent now |
-| fleetmend_incidents | gauge | cluster, phase | worker (visibility) |
-| fleetmend_drains_in_force | gauge | cluster | worker (visibility: FleetDrained) |
-| fleetmend_breaker_open | gauge | cluster | worker (FleetGuard `status` query; 1 open / 0 closed) |
-| fleetmend_drain_queue, fleetmend_drain_permits_held | gauge | cluster | worker (FleetGuard `status`) |
-| fleetmend_drains_total | counter | cluster, scheduler, outcome | drain activity |
-| fleetmend_undrains_total | counter | cluster, scheduler, outcome | undrain activity |
-| fleetmend_time_to_quarantine_seconds | histogram | cluster | drain activity: observed_at → drained |
-| fleetmend_mttr_seconds | histogram | cluster | undrain activity: drained_at → returned |
-| fleetmend_time_between_incidents_seconds | histogram | cluster | worker poller: a node's previous incident closed → next opened |
-| fleetmend_tickets_total | counter | filer, outcome | ticket activities |
-| fleetmend_analyzer_active | gauge | cluster | analyzer (1 while this replica holds the lease) |
-| fleetmend_analyzer_small_groups | gauge | cluster | analyzer: (group, metric) pairs too small to judge, last window |
-| fleetmend_analyzer_fail_slow_total | counter | cluster, metric | analyzer: fail_slow events published |
-| fleetmend_fleet_gauges_publisher | gauge | role, scope | every worker/router replica: 1 on the one elected to publish the fleet-level gauges (`fleetmend/infra/fleetgauges.py`) |
+Every metric, with its type, labels and help, is listed in `docs/metrics.md`, generated from the
+metric objects below and `SET_BY` (`python -m fleetmend.dev.refdocs docs`).
 
 The fleet-level gauges (incidents, drains in force, breaker, drain queue and permits, time between
 incidents; the router's lag) are published by one elected replica per cluster (per consumer for
-the lag), so sums over replicas count the fleet once.
+the lag), so sums over replicas count the fleet once. The election is a lease in the JetStream KV
+bucket `fleetmend_leases` (`fleetmend/infra/fleetgauges.py`): a dead publisher is replaced within
+30-40 s, a stopped one at once; `fleetmend_fleet_gauges_publisher` summed over replicas is 1 per
+cluster (0: nobody publishes, an alert).
+
+Among the metrics: time to quarantine (fault observed → drained), MTTR (drained → returned) and the
+time between a node's incidents (previous closed → next opened, observed by the worker's poller).
+The Grafana dashboard is `deploy/grafana/fleetmend.json`.
 """
 
 from __future__ import annotations
@@ -105,6 +90,37 @@ TIME_BETWEEN_INCIDENTS = Histogram(
     "fleetmend_time_between_incidents_seconds",
     "Per node: previous incident closed → next incident opened (MTBF-style; the node is not a label).",
     ["cluster"], buckets=MTTR_BUCKETS_S)
+
+
+SET_BY: dict[str, str] = {
+    "fleetmend_agent_events_total": "agent (each event a probe emits)",
+    "fleetmend_agent_spool_depth": "agent (read at scrape time)",
+    "fleetmend_agent_faults_lost_total": ("agent: events it could not keep (`spool_full`, errno name such as "
+                                          "`ENOSPC`/`EROFS`, `refused`)"),
+    "fleetmend_router_events_total": "router (valid events)",
+    "fleetmend_router_deadletters_total": "router",
+    "fleetmend_router_naks_total": "router (Temporal away)",
+    "fleetmend_router_lag_messages": "router (consumer num_pending)",
+    "fleetmend_router_accept_seconds": "router: observed_at → signal-with-start accepted",
+    "fleetmend_agents_silent": "router heartbeat monitor: nodes whose agent is silent now",
+    "fleetmend_incidents": "worker (visibility)",
+    "fleetmend_drains_in_force": "worker (visibility: FleetDrained)",
+    "fleetmend_breaker_open": "worker (FleetGuard `status` query; 1 open / 0 closed)",
+    "fleetmend_drain_queue": "worker (FleetGuard `status`)",
+    "fleetmend_drain_permits_held": "worker (FleetGuard `status`)",
+    "fleetmend_drains_total": "drain activity",
+    "fleetmend_undrains_total": "undrain activity",
+    "fleetmend_time_to_quarantine_seconds": "drain activity: observed_at → drained",
+    "fleetmend_mttr_seconds": "undrain activity: drained_at → returned",
+    "fleetmend_time_between_incidents_seconds": "worker poller: a node's previous incident closed → next opened",
+    "fleetmend_tickets_total": "ticket activities",
+    "fleetmend_analyzer_active": "analyzer (1 while this replica holds the lease)",
+    "fleetmend_analyzer_small_groups": "analyzer: (group, metric) pairs too small to judge, last window",
+    "fleetmend_analyzer_fail_slow_total": "analyzer: fail_slow events published",
+    "fleetmend_fleet_gauges_publisher": ("every worker/router replica: 1 on the one elected to publish the "
+                                         "fleet-level gauges (`fleetmend/infra/fleetgauges.py`)"),
+}
+"""Exposed metric name → the process (and code path) that sets it: the "set by" column of `docs/metrics.md`."""
 
 
 class Health:
