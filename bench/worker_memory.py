@@ -7,7 +7,7 @@ process with `worker.max_cached_workflows = --cache`, opens `--incidents` NodeRe
 (one XID 13 each, record-only, kept open), then sends every incident `--signals` more batches of
 one fault, printing the worker's RSS after the starts and after every 20 rounds. Compare
 `--cache 1000` with `--cache 50` to see what is held per cached workflow run (bench/RESULTS.md,
-"Open: the worker's memory"). Not a timed test: it prints figures.
+"Worker memory"). Not a timed test: it prints figures.
 """
 
 from __future__ import annotations

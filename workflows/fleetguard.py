@@ -148,7 +148,7 @@ class RecentIndex:
 
     Without it every request scanned the whole window three ways (breaker, each of its domains), and
     a burst's requests cost O(n²) in one workflow task: 3,000 took 3.3 s, past the SDK's 2 s deadlock
-    limit (bench/RESULTS.md, "Storm path, fourth pass")."""
+    limit (measured outside Temporal for the storm-path pass of 2026-12-01)."""
 
     def __init__(self) -> None:
         self._reset()

@@ -175,7 +175,7 @@ MAX_RUN_BYTES = 64 * 1024
 the carried state, is not counted). A run evicted from the worker's cache (`worker.max_cached_workflows`)
 replays its whole history on its next task, and a storm's faults arrive as a few large signals: by the
 event count alone one run took in ~190 KiB of faults in a few hundred events (bench/RESULTS.md, "Worker
-memory in the 1M-event storm"). This bounds what an evicted run replays."""
+memory"). This bounds what an evicted run replays."""
 MAX_FAULTS_KEPT = 100
 """Fault records kept in state; older ones are summarised in `faults_dropped` (bounded history)."""
 MAX_SEEN_IDS = 2_000

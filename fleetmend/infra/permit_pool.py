@@ -1,7 +1,7 @@
 """The drain-permit pool: the blast-radius budget as a compare-and-set semaphore in JetStream KV.
 
-Why it exists (bench/RESULTS.md, "Storm path, third pass"): a drain that has to go through Temporal
-first (signal-with-start of the incident, then the guard's decision, then the drain activity) cannot
+Why it exists (bench/RESULTS.md, "Quarantine latency, storm path"): a drain that has to go through
+Temporal first (signal-with-start of the incident, then the guard's decision, then the drain activity) cannot
 run faster than the dev server starts one-activity workflows (39.5/s measured), so 50 failing nodes a
 second queue for seconds before a single cordon. With `policy.fast_drain`, the router cordons a node
 whose fault the catalog says must drain *now* as soon as it holds a slot here, and signals Temporal
