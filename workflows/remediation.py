@@ -1007,8 +1007,9 @@ class NodeRemediation:
         if values == self._sa_last:
             return
         self._sa_last = values
-        updates: list[SearchAttributeUpdate[Any]] = [KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase.value),
-                   KEY_SEVERITY.value_set(s.severity.value), KEY_DRAINED.value_set(s.drained)]
+        updates: list[SearchAttributeUpdate[Any]] = [
+            KEY_NODE.value_set(s.node), KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(s.phase.value),
+            KEY_SEVERITY.value_set(s.severity.value), KEY_DRAINED.value_set(s.drained)]
         if s.fault_class:
             updates.append(KEY_FAULT_CLASS.value_set(s.fault_class))
         if s.ticket:
