@@ -1,44 +1,18 @@
 #!/usr/bin/env python3
-"""Generate the reviewable XID catalog TOML from the corpus TSVs (`--corpus`).
+"""Generate the reviewable XID catalog TOML from NVIDIA's tables and fleetmend's reading rules.
 
-Reads `xid_catalog.tsv` (NVIDIA's XID catalog as data, one XID a row) and `xid_nvlink5_decode.tsv`
-(the catalog's 'Xid 144-150 Decode' sheet) and writes `fleetmend/catalog/xid.toml` and
-`fleetmend/catalog/nvlink5.toml`. Run once when the catalog changes; the TOML is committed so the
-package never needs the corpus at runtime:
+Reads `fleetmend/catalog/source/xid_catalog.tsv` (NVIDIA's XID catalog as data, one XID a row),
+`fleetmend/catalog/source/xid_nvlink5_decode.tsv` (the catalog's 'Xid 144-150 Decode' sheet) and
+`fleetmend/catalog/xid_reading.toml` (how fleetmend reads each row: component, severity, drain,
+recovery, verify, history, each rule with its reason) and writes `fleetmend/catalog/xid.toml` and
+`fleetmend/catalog/nvlink5.toml`. Run it when a source table or a reading rule changes; the TOML is
+committed, so the package reads only it at runtime:
 
-    .venv/bin/python scripts/gen_xid_catalog.py [--corpus tests/corpus] [--out fleetmend/catalog]
+    .venv/bin/python scripts/gen_xid_catalog.py [--source fleetmend/catalog/source] [--out fleetmend/catalog]
 
 NVIDIA's fields are transcribed unchanged. Below them each row gets fleetmend's reading, written out
-so the row says everything that happens on that XID (`fleetmend.catalog` reads only the TOML):
-
-- `component`: `nvlink` for the NVLink XIDs, else `gpu`.
-- `severity`, `drain` from NVIDIA's immediate action and the hardware-versus-application reading:
-
-  ======================================================  ===========  =======
-  immediate_action                                        severity     drain
-  ======================================================  ===========  =======
-  RESET_GPU, RESTART_BM, RESTART_VM, RMA,                 fatal        yes
-  WORKFLOW_XID_48 (DBE), WORKFLOW_NVLINK_ERR (XID 74)
-  CONTACT_SUPPORT with hw_vs_app starting "hardware"      fatal        yes
-  CONTACT_SUPPORT otherwise (driver/system, unused)       degraded     no
-  RESTART_APP, WORKFLOW_XID_45, CHECK_MECHANICALS,        degraded     no
-  CHECK_UVM, UPDATE_SWFW, NONE (no action assigned yet)
-  DRAIN_DIAGNOSE                                          degraded     yes
-  IGNORE with hw_vs_app starting "hardware" (63, 92, 121) degraded     no
-  IGNORE otherwise (43, 137, ...)                         info         no
-  WORKFLOW_NVLINK5_ERR (XID 144-150), XID_154             decoded per event (left out)
-  ======================================================  ===========  =======
-
-  Why: operator readings of real kernel logs put restart-the-app faults (XID 13, 31, 45) at degraded,
-  a pending row remap (XID 63, IGNORE but hardware) at degraded, and anything needing a GPU reset or
-  reboot (XID 79, 95, 119, 120, 48, 74, 149 Fatal) at fatal. Automation drains only when the device is
-  untrustworthy until reset/reboot/replacement; an application fault alone never drains.
-- `recovery` from the immediate action: RESET_GPU, WORKFLOW_XID_48, WORKFLOW_NVLINK_ERR and a pending
-  row remap → RESET_GPU; RESTART_BM/RESTART_VM → RESTART_BM; RMA → RMA; else DRAIN_DIAGNOSE.
-- `verify`: NVLink XIDs → DCGM diag (its level 2 runs the NVLink/P2P bandwidth tests); ECC/row-remap
-  XIDs → remapped_rows_pending plus DCGM's memory test; XID 79 (fallen off the bus) → PCIe link width;
-  each after nvml_reachable and gpu_count. Others: every QUICK check.
-- `history` (+ `urgency`, `history_source`) for the XIDs the history rules read (`HISTORY` below).
+so the row says everything that happens on that XID (`fleetmend.catalog` reads only the TOML). The
+rules, their order and their reasons are in `xid_reading.toml`.
 """
 
 from __future__ import annotations
@@ -46,71 +20,159 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import tomllib
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleetmend.errors import CatalogError
+from fleetmend.events import Component, History, Recovery, Severity, Urgency
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# XIDs that describe the NVLink fabric rather than the GPU core (mnemonics per NVIDIA's catalog).
-NVLINK_XIDS = {74, 108, 136, 137, 144, 145, 146, 147, 148, 149, 150, 155, 166, 170}
-
-FATAL_ACTIONS = {"RESET_GPU", "RESTART_BM", "RESTART_VM", "RMA", "WORKFLOW_XID_48", "WORKFLOW_NVLINK_ERR"}
-DECODED_ACTIONS = {"WORKFLOW_NVLINK5_ERR", "XID_154"}
-RECOVERY = {"RESET_GPU": "RESET_GPU", "RESTART_BM": "RESTART_BM", "RESTART_VM": "RESTART_BM", "RMA": "RMA",
-            "WORKFLOW_XID_48": "RESET_GPU", "WORKFLOW_NVLINK_ERR": "RESET_GPU"}
-GPU_CHECKS = ["nvml_reachable", "gpu_count"]
-VERIFY_NVLINK = {74, *range(144, 151)}
-VERIFY_MEMORY = {48, 63, 64, 92, 94, 95}
-VERIFY_PCIE = {79}
-
-_XID_CATALOG = "NVIDIA Xid catalog (XID 13/31: application faults unless repeated on the same GPU across jobs)"
-_MEMORY = "NVIDIA GPU Memory Error Management (row remapping: a pending remap is applied at the next GPU reset)"
-HISTORY = {
-    13: ("repeats", "now", _XID_CATALOG),
-    31: ("repeats", "now", _XID_CATALOG),
-    45: ("sympathetic", "now", "NVIDIA Xid catalog: XID 45 is preemptive cleanup after another error"),
-    48: ("dbe", "now", _MEMORY + "; a DBE with XID 63/64 is reset to apply the remap"),
-    63: ("remap_pending", "when_idle", _MEMORY + "; drain when idle, then reset"),
-    64: ("remap_failure", "now", _MEMORY),
-}
-"""XID → (history rule, urgency, source) for the XIDs the history rules in fleetmend/policy.py read."""
-RECOVERY_BY_XID = {63: "RESET_GPU"}
-"""A pending row remap is applied by a GPU reset (NVIDIA GPU Memory Error Management)."""
+CATALOG = ROOT / "fleetmend" / "catalog"
+READING = CATALOG / "xid_reading.toml"
 
 
-def reading(n: int, action: str, hw_vs_app: str, component: str) -> list[str]:
-    """fleetmend's fields for one XID row, as TOML lines (rules in the module docstring)."""
+class _Named(BaseModel):
+    """What every reading rule has: a name (unique in its section) and why it reads as it does."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z0-9_]+$")
+    reason: str = Field(min_length=1)
+
+
+class ComponentRule(_Named):
+    """`[[component]]`: rows of `xids` (None: any row) report this component."""
+
+    component: Component
+    xids: list[int] | None = None
+
+    def fits(self, n: int) -> bool:
+        return self.xids is None or n in self.xids
+
+
+class _Rule(_Named):
+    """A rule that fits rows by what NVIDIA says about them; a field left out fits any row."""
+
+    immediate_action: list[str] | None = None
+    """Fits rows with one of these immediate actions."""
+    hardware: bool | None = None
+    """Fits rows whose hardware-versus-application reading starts with "hardware" (True) or not (False)."""
+    component: Component | None = None
+    """Fits rows of this component (`[[component]]`)."""
+    xids: list[int] | None = None
+
+    def fits(self, n: int, action: str, hardware: bool, component: Component) -> bool:
+        return ((self.immediate_action is None or action in self.immediate_action)
+                and (self.hardware is None or self.hardware == hardware)
+                and (self.component is None or self.component == component)
+                and (self.xids is None or n in self.xids))
+
+
+class SeverityRule(_Rule):
+    decoded: bool = False
+    """The row leaves severity and drain out: they are decoded per event."""
+    severity: Severity | None = None
+    drain: bool | None = None
+
+
+class RecoveryRule(_Rule):
+    recovery: Recovery
+
+
+class VerifyRule(_Rule):
+    checks: list[str]
+
+
+class XidReading(BaseModel):
+    """`[xid.N]`: one XID's own reading (history rule) or an exception to the rules."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recovery: Recovery | None = None
+    recovery_reason: str = ""
+    history: History | None = None
+    urgency: Urgency = Urgency.NOW
+    history_source: str = ""
+
+
+class Reading(BaseModel):
+    """`xid_reading.toml`, validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    component: list[ComponentRule]
+    severity: list[SeverityRule]
+    recovery: list[RecoveryRule]
+    verify: list[VerifyRule]
+    xid: dict[int, XidReading] = Field(default_factory=dict)
+
+
+def load_reading(path: Path = READING) -> Reading:
+    """`xid_reading.toml` as a `Reading`. Raises CatalogError naming the file and the entry."""
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise CatalogError(f"{path}: not valid TOML: {err}") from err
+    try:
+        reading = Reading.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{_where(data, e['loc'])}: {e['msg']}" for e in err.errors())
+        raise CatalogError(f"{path}: {problems}") from err
+    for section in ("component", "severity", "recovery", "verify"):
+        names = [r.name for r in getattr(reading, section)]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise CatalogError(f"{path}: [[{section}]]: rule names used twice: {dupes}")
+    for n, x in reading.xid.items():
+        if x.recovery is not None and not x.recovery_reason:
+            raise CatalogError(f"{path}: [xid.{n}]: recovery needs a recovery_reason")
+        if x.history is not None and not x.history_source:
+            raise CatalogError(f"{path}: [xid.{n}]: history needs a history_source")
+    return reading
+
+
+def _where(data: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    """`[[severity]] "fatal"`-style name of the entry a validation error is about."""
+    if len(loc) >= 2 and isinstance(loc[1], int) and isinstance(data.get(loc[0]), list):
+        entry = data[loc[0]][loc[1]]
+        name = entry.get("name", f"#{loc[1]}") if isinstance(entry, dict) else f"#{loc[1]}"
+        return f"[[{loc[0]}]] {name}: " + ".".join(map(str, loc[2:]))
+    if len(loc) >= 2 and loc[0] == "xid":
+        return f"[xid.{loc[1]}]: " + ".".join(map(str, loc[2:]))
+    return ".".join(map(str, loc)) or "(file)"
+
+
+def _first(rules: list[Any], n: int, *fields: Any) -> Any:
+    """The first rule of a section that fits XID `n`. Raises CatalogError when none does."""
+    for rule in rules:
+        if rule.fits(n, *fields):
+            return rule
+    section = type(rules[0]).__name__ if rules else "a section"
+    raise CatalogError(f"{READING.name}: XID {n} ({', '.join(map(str, fields))}) fits no {section}")
+
+
+def reading(n: int, action: str, hw_vs_app: str, component: str, rules: Reading | None = None) -> list[str]:
+    """fleetmend's fields for one XID row, as TOML lines (rules in `xid_reading.toml`)."""
+    rules = rules or load_reading()
     hardware = hw_vs_app.strip().lower().startswith("hardware")
+    comp = Component(component)
+    own = rules.xid.get(n, XidReading())
     lines = []
-    if action not in DECODED_ACTIONS:
-        if action in FATAL_ACTIONS:
-            sev, drain = "fatal", True
-        elif action == "CONTACT_SUPPORT":
-            sev, drain = ("fatal", True) if hardware else ("degraded", False)
-        elif action == "IGNORE":
-            sev, drain = ("degraded" if hardware else "info"), False
-        elif action == "DRAIN_DIAGNOSE":
-            sev, drain = "degraded", True
-        else:
-            sev, drain = "degraded", False
-        lines += [f"severity = {_s(sev)}", f"drain = {'true' if drain else 'false'}"]
-    lines.append(f"recovery = {_s(RECOVERY_BY_XID.get(n, RECOVERY.get(action, 'DRAIN_DIAGNOSE')))}")
-    if component == "nvlink" and n not in VERIFY_NVLINK:
-        verify = GPU_CHECKS + ["dcgm_diag"]
-    elif n in VERIFY_NVLINK:
-        verify = GPU_CHECKS + ["dcgm_diag"]
-    elif n in VERIFY_MEMORY:
-        verify = GPU_CHECKS + ["remapped_rows_pending", "dcgm_diag"]
-    elif n in VERIFY_PCIE:
-        verify = GPU_CHECKS + ["pcie_link_width"]
-    else:
-        verify = []
-    lines.append(f"verify = {json.dumps(verify)}")
-    if n in HISTORY:
-        rule, urgency, source = HISTORY[n]
-        lines.append(f"history = {_s(rule)}")
-        if urgency != "now":
-            lines.append(f"urgency = {_s(urgency)}")
-        lines.append(f"history_source = {_s(source)}")
+    sev: SeverityRule = _first(rules.severity, n, action, hardware, comp)
+    if not sev.decoded:
+        lines += [f"severity = {_s(str(sev.severity))}", f"drain = {'true' if sev.drain else 'false'}"]
+    recovery = own.recovery or _first(rules.recovery, n, action, hardware, comp).recovery
+    lines.append(f"recovery = {_s(str(recovery))}")
+    verify: VerifyRule = _first(rules.verify, n, action, hardware, comp)
+    lines.append(f"verify = {json.dumps(verify.checks)}")
+    if own.history is not None:
+        lines.append(f"history = {_s(str(own.history))}")
+        if own.urgency is not Urgency.NOW:
+            lines.append(f"urgency = {_s(str(own.urgency))}")
+        lines.append(f"history_source = {_s(own.history_source)}")
     return lines
 
 
@@ -129,7 +191,8 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 
-def gen_xid(src: Path) -> str:
+def gen_xid(src: Path, rules: Reading | None = None) -> str:
+    rules = rules or load_reading()
     out = [
         "# NVIDIA XID catalog, generated by scripts/gen_xid_catalog.py from the corpus file xid_catalog.tsv.",
         "# Do not edit by hand: change the generator or override entries in the operator catalog overrides.",
@@ -141,18 +204,20 @@ def gen_xid(src: Path) -> str:
     ]
     for row in _rows(src):
         n = int(row["xid"])
+        action = _action(row["immediate_action"])
+        component = _first(rules.component, n).component
         out.append(f"[xid.{n}]")
         out.append(f"mnemonic = {_s(row['mnemonic'])}")
         out.append(f"description = {_s(row['description'])}")
-        out.append(f"immediate_action = {_s(_action(row['immediate_action']))}")
+        out.append(f"immediate_action = {_s(action)}")
         out.append(f"investigatory_action = {_s(row['investigatory_action'].strip())}")
         out.append(f"hw_vs_app = {_s(row['hw_vs_app'])}")
-        out.append(f"component = {_s('nvlink' if n in NVLINK_XIDS else 'gpu')}")
+        out.append(f"component = {_s(str(component))}")
         out.append(f"legacy_possible_causes = {_s(row['legacy_possible_causes'])}")
         out.append(f"legacy_name_r555 = {_s(row['legacy_name_r555'])}")
         out.append(f"source = {_s(row['source'])}")
         out.append("# fleetmend's reading (scripts/gen_xid_catalog.py):")
-        out.extend(reading(n, _action(row["immediate_action"]), row["hw_vs_app"], "nvlink" if n in NVLINK_XIDS else "gpu"))
+        out.extend(reading(n, action, row["hw_vs_app"], str(component), rules))
         out.append("")
     return "\n".join(out)
 
@@ -183,12 +248,12 @@ def gen_nvlink5(src: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus", type=Path, default=ROOT / "tests" / "corpus")
-    ap.add_argument("--out", type=Path, default=ROOT / "fleetmend" / "catalog")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--source", type=Path, default=CATALOG / "source", help="directory with NVIDIA's TSVs")
+    ap.add_argument("--out", type=Path, default=CATALOG)
     args = ap.parse_args()
-    (args.out / "xid.toml").write_text(gen_xid(args.corpus / "xid_catalog.tsv"), encoding="utf-8")
-    (args.out / "nvlink5.toml").write_text(gen_nvlink5(args.corpus / "xid_nvlink5_decode.tsv"), encoding="utf-8")
+    (args.out / "xid.toml").write_text(gen_xid(args.source / "xid_catalog.tsv"), encoding="utf-8")
+    (args.out / "nvlink5.toml").write_text(gen_nvlink5(args.source / "xid_nvlink5_decode.tsv"), encoding="utf-8")
     print(f"wrote {args.out / 'xid.toml'} and {args.out / 'nvlink5.toml'}")
 
 
