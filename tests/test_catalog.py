@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from fleetmend.catalog import Action, Recovery, load_catalog
+from fleetmend.catalog import Action, Recovery, gen_xid, load_catalog
 from fleetmend.errors import CatalogError
 from fleetmend.events import Component, FaultEvent, Severity, Source
 
@@ -184,12 +183,32 @@ def test_missing_override_file(tmp_path) -> None:
 
 
 def test_committed_toml_matches_generator() -> None:
-    import importlib.util
+    """xid.toml and nvlink5.toml are what `python -m fleetmend.catalog.gen_xid` writes from NVIDIA's
+    tables and xid_reading.toml."""
+    assert gen_xid.gen_xid(gen_xid.SOURCE / "xid_catalog.tsv") == (gen_xid.CATALOG / "xid.toml").read_text()
+    assert gen_xid.gen_nvlink5(gen_xid.SOURCE / "xid_nvlink5_decode.tsv") == (gen_xid.CATALOG / "nvlink5.toml").read_text()
 
-    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts" / "gen_xid_catalog.py")
-    gen = importlib.util.module_from_spec(spec)
-    sys.modules["gen"] = gen  # pydantic resolves the generator's annotations through it
-    spec.loader.exec_module(gen)
-    source = ROOT / "fleetmend/catalog/source"
-    assert gen.gen_xid(source / "xid_catalog.tsv") == (ROOT / "fleetmend/catalog/xid.toml").read_text()
-    assert gen.gen_nvlink5(source / "xid_nvlink5_decode.tsv") == (ROOT / "fleetmend/catalog/nvlink5.toml").read_text()
+
+def test_xid_79_reads_from_its_rules() -> None:
+    """What XID 79 does is named in its row: the rules of xid_reading.toml that gave each field."""
+    text = (gen_xid.CATALOG / "xid.toml").read_text()
+    row = text[text.index("[xid.79]\n"):text.index("[xid.80]\n")]
+    assert "# fleetmend's reading (xid_reading.toml: severity.reset_or_replace, recovery.reboot, verify.pcie):" in row
+    rules = gen_xid.load_reading()
+    assert [r.checks for r in rules.verify if r.name == "pcie"] == [["nvml_reachable", "gpu_count", "pcie_link_width"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[[severity]]\nname = "x"\nreason = "r"\nsevere = "fatal"\n', "[[severity]] x: severe"),
+        ('[xid.999]\nrecovery = "RESET_GPU"\n', "[xid.999]: recovery needs a recovery_reason"),
+        ('[[verify]]\nname = "quick"\nreason = "r"\nchecks = []\n', "rule names used twice: ['quick']"),
+    ],
+)
+def test_bad_reading_rules_raise_catalog_error_naming_file_and_rule(tmp_path, body, needle) -> None:
+    f = tmp_path / "xid_reading.toml"
+    f.write_text(gen_xid.READING.read_text() + "\n" + body)
+    with pytest.raises(CatalogError) as err:
+        gen_xid.load_reading(f)
+    assert needle in str(err.value) and str(f) in str(err.value)
