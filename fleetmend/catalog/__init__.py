@@ -28,6 +28,10 @@ happens on XID 79" is one table in `xid.toml`:
   XID repeating on one GPU), `sympathetic` (a consequence of another XID), `dbe` / `remap_pending` /
   `remap_failure` (a DBE with a row-remap XID), `rate` (a rising corrected-error rate).
 - `cleared_by` (kinds): the clearing kind, or "none: <why>"; `source`: where the row comes from.
+- `escalate_to`, `escalate_count`, `escalate_window_s`, `escalate_reason` (kinds): that many
+  occurrences on one device within the window become the `escalate_to` kind, for the reason given
+  (`nic_tx_timeout`: 3 episodes in 10 minutes; `aer_corrected`: 3 corrected errors on a port in 60 s).
+  The kmsg parser reads them from the catalog it is given, so an override changes the threshold.
 
 Operators override any row with their own TOML (`load_catalog(overrides=Path)`), same layout:
 `[xid.79] recovery = "RESTART_BM"`, `[kind.aer_corrected] severity = "degraded"`. Unknown keys are
