@@ -2,7 +2,7 @@
 
 Pipeline per physical line: `Deframer` strips the framing (`framing.py`); an indented unframed line is
 joined to the previous logical message; each logical message either starts a record (a head,
-`matchers.match_head`), merges into the open record (same condition: repeats, XID 79 + 'fallen off the
+`heads.match_head`), merges into the open record (same condition: repeats, XID 79 + 'fallen off the
 bus', the OOM triple, AER detail lines), is absorbed as detail (call traces, register dumps, GSP RPC
 tables, `{1}[Hardware Error]:` blocks; within `RECORD_WINDOW_S` of the record) or is dropped. A record
 completes when the next record starts, on a foreign line (another program's syslog line), an elision,
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agents.kmsg.framing import IGNORE, Deframer, Framed
-from agents.kmsg.matchers import Attr, Candidate, detail, ghes_component, match_head, normalize_bdf
+from agents.kmsg.heads import match_head
+from agents.kmsg.matchers import Attr, Candidate, detail, ghes_component, normalize_bdf
 from fleetmend.catalog import Catalog, default_catalog
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 

@@ -7,7 +7,7 @@ follow them while the parser has a record open (call traces, register dumps, GHE
 token but belong to the record before them). Lines between are skipped without being looked at.
 
 Why skipping gives the same events as feeding every line: a line without a token starts no record
-(every head matcher in `matchers.match_head` and every fact `KmsgParser` learns from a line needs one
+(every head in `heads.HEADS` and every fact `KmsgParser` learns from a line needs one
 of `TOKENS` in the line); when no record is open, such a line completes nothing and closes nothing.
 The one piece of state a skipped line would change is the running total of `dmesg -H` deltas
 (`[  +0.004974]`); such stamps are among the tokens, so those lines are always fed. tests/test_explain_stream.py
