@@ -3,7 +3,8 @@ nothing beside it.
 
 Files: `cases.jsonl` and `cases-new.jsonl` (real fault texts with operator readings), `cases-more.jsonl`
 (further real texts found in public issue trackers, mailing lists and driver sources, each with its
-source), the XID catalog TSVs the catalog generator reads. `$FLEETMEND_CORPUS` points the tests at another
+source). NVIDIA's XID tables the catalog generator reads are product data, not corpus: they live in
+`fleetmend/catalog/source/`. `$FLEETMEND_CORPUS` points the tests at another
 directory with the same layout; its missing files are then simply absent.
 """
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from fleetmend.catalog import Action, Recovery, load_catalog
+from agents.kmsg.heads import HEADS
+from fleetmend.catalog import Action, Recovery, gen_xid, load_catalog
 from fleetmend.errors import CatalogError
 from fleetmend.events import Component, FaultEvent, Severity, Source
-from tests.corpus_paths import need_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,12 +59,14 @@ def test_every_unhealthy_kind_names_its_clearing_event(cat) -> None:
 
 
 def test_parser_kinds_are_all_in_the_catalog(cat) -> None:
-    src = "".join(p.read_text() for p in (ROOT / "agents" / "kmsg").glob("*.py"))
-    kinds = set(re.findall(r'kind="([a-z0-9_]+)"', src)) | set(re.findall(r'"(ghes_\w+|ib_port_\w+|nic_link_\w+|bond_\w+)"', src))
-    kinds |= {"aer_corrected", "aer_nonfatal", "aer_fatal", "aer_corrected_burst"}
-    kinds -= {"xid", "ghes_section"}
+    """Every kind a kmsg head can start (`agents.kmsg.heads.HEADS`), every kind a detail line turns a
+    record into, and every kind those escalate to has a catalog row."""
+    kinds = {k for head in HEADS for k in head.kinds} - {"xid"}
+    kinds |= {"ghes_corrected", "ghes_recoverable", "ghes_fatal"}  # matchers.detail(): GHES `event severity:`
+    kinds |= {cat.kinds[k].escalate_to for k in set(kinds) if k in cat.kinds and cat.kinds[k].escalate_to}
     missing = sorted(k for k in kinds if k not in cat.kinds)
-    assert not missing, f"parser emits kinds not in kinds.toml: {missing}"
+    assert not missing, f"kmsg heads emit kinds not in kinds.toml: {missing}"
+    assert {"aer_corrected_burst", "nic_tx_timeout_repeated"} <= kinds
 
 
 @pytest.mark.parametrize(
@@ -184,11 +185,32 @@ def test_missing_override_file(tmp_path) -> None:
 
 
 def test_committed_toml_matches_generator() -> None:
-    corpus = need_corpus()
-    import importlib.util
+    """xid.toml and nvlink5.toml are what `python -m fleetmend.catalog.gen_xid` writes from NVIDIA's
+    tables and xid_reading.toml."""
+    assert gen_xid.gen_xid(gen_xid.SOURCE / "xid_catalog.tsv") == (gen_xid.CATALOG / "xid.toml").read_text()
+    assert gen_xid.gen_nvlink5(gen_xid.SOURCE / "xid_nvlink5_decode.tsv") == (gen_xid.CATALOG / "nvlink5.toml").read_text()
 
-    spec = importlib.util.spec_from_file_location("gen", ROOT / "scripts" / "gen_xid_catalog.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    assert gen.gen_xid(corpus / "xid_catalog.tsv") == (ROOT / "fleetmend/catalog/xid.toml").read_text()
-    assert gen.gen_nvlink5(corpus / "xid_nvlink5_decode.tsv") == (ROOT / "fleetmend/catalog/nvlink5.toml").read_text()
+
+def test_xid_79_reads_from_its_rules() -> None:
+    """What XID 79 does is named in its row: the rules of xid_reading.toml that gave each field."""
+    text = (gen_xid.CATALOG / "xid.toml").read_text()
+    row = text[text.index("[xid.79]\n"):text.index("[xid.80]\n")]
+    assert "# fleetmend's reading (xid_reading.toml: severity.reset_or_replace, recovery.reboot, verify.pcie):" in row
+    rules = gen_xid.load_reading()
+    assert [r.checks for r in rules.verify if r.name == "pcie"] == [["nvml_reachable", "gpu_count", "pcie_link_width"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[[severity]]\nname = "x"\nreason = "r"\nsevere = "fatal"\n', "[[severity]] x: severe"),
+        ('[xid.999]\nrecovery = "RESET_GPU"\n', "[xid.999]: recovery needs a recovery_reason"),
+        ('[[verify]]\nname = "quick"\nreason = "r"\nchecks = []\n', "rule names used twice: ['quick']"),
+    ],
+)
+def test_bad_reading_rules_raise_catalog_error_naming_file_and_rule(tmp_path, body, needle) -> None:
+    f = tmp_path / "xid_reading.toml"
+    f.write_text(gen_xid.READING.read_text() + "\n" + body)
+    with pytest.raises(CatalogError) as err:
+        gen_xid.load_reading(f)
+    assert needle in str(err.value) and str(f) in str(err.value)

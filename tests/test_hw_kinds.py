@@ -107,6 +107,35 @@ def test_threshold_comes_from_the_catalog(tmp_path) -> None:
     assert parse_text(_episodes(60, 5), node="n", catalog=cat)[-1].kind == "nic_tx_timeout_repeated"
 
 
+def _aer(times: list[float], bdf: str = "0000:00:03.0") -> str:
+    return "\n".join(f"[{t:12.6f}] pcieport {bdf}: AER: Corrected error received: {bdf}" for t in times)
+
+
+def test_corrected_aer_burst_is_a_catalog_escalation() -> None:
+    """3 corrected AER errors on one port within 60 s become aer_corrected_burst; the threshold is
+    `[kind.aer_corrected]`'s escalation, with its reason, like nic_tx_timeout's."""
+    entry = default_catalog().kinds["aer_corrected"]
+    assert (entry.escalate_to, entry.escalate_count, entry.escalate_window_s) == ("aer_corrected_burst", 3, 60.0)
+    assert entry.escalate_reason and len(entry.escalate_reason) > 40
+    three = parse_text(_aer([100, 120, 150]), node="n")
+    assert [e.kind for e in three] == ["aer_corrected", "aer_corrected", "aer_corrected_burst"]
+    assert (three[-1].severity.value, three[-1].attrs["burst_count"]) == ("degraded", 3)
+    assert [e.kind for e in parse_text(_aer([100, 150]), node="n")] == ["aer_corrected", "aer_corrected"]
+    assert {e.kind for e in parse_text(_aer([100, 150, 200]), node="n")} == {"aer_corrected"}  # 100 s apart
+    # other ports do not add up
+    other = _aer([100], "0000:00:03.0") + "\n" + _aer([110], "0000:00:04.0") + "\n" + _aer([120], "0000:00:05.0")
+    assert {e.kind for e in parse_text(other, node="n")} == {"aer_corrected"}
+
+
+def test_aer_burst_threshold_comes_from_the_catalog(tmp_path) -> None:
+    override = tmp_path / "o.toml"
+    override.write_text("[kind.aer_corrected]\nescalate_count = 2\nescalate_window_s = 10.0\n")
+    cat = load_catalog(overrides=override)
+    assert [e.kind for e in parse_text(_aer([100, 105]), node="n", catalog=cat)] == [
+        "aer_corrected", "aer_corrected_burst"]
+    assert {e.kind for e in parse_text(_aer([100, 150]), node="n", catalog=cat)} == {"aer_corrected"}
+
+
 # ------------------------------------------------------------------ ConnectX firmware
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents.kmsg import KmsgParser, parse_text
+from agents.kmsg import HEADS, KmsgParser, match_head, parse_text
 from fleetmend.catalog import default_catalog
 from fleetmend.events import FaultEvent, Source
 from tests.corpus_paths import load_cases
@@ -32,6 +32,24 @@ def _observed(e: FaultEvent) -> dict:
 
 def test_corpus_present() -> None:
     assert KMSG_CASES, "no kmsg cases found (corpus missing?)"
+
+
+def test_heads_keep_to_their_kinds_and_order() -> None:
+    """On every line of every corpus case, each head whose guard lets it run returns one of the kinds
+    it lists in `HEADS`, and `match_head` returns the first such candidate."""
+    seen: set[str] = set()
+    for case in load_cases():
+        for line in case["raw"].splitlines():
+            t = line.strip()
+            first = None
+            for head in HEADS:
+                c = head.build(t) if t and head.tries(t) else None
+                if c is not None:
+                    assert c.kind in head.kinds, (head.name, c.kind, t)
+                    seen.add(head.name)
+                    first = first or c
+            assert match_head(line) == first, line
+    assert seen == {h.name for h in HEADS}, f"heads no corpus line starts: {sorted({h.name for h in HEADS} - seen)}"
 
 
 @pytest.mark.parametrize("case", KMSG_CASES, ids=[c["id"] for c in KMSG_CASES])

@@ -1,11 +1,13 @@
-"""Head matchers: one kernel message in, at most one fault candidate out.
+"""Head builders: one kernel message in, at most one fault candidate out.
 
 A *head* starts a fault record (an `NVRM: Xid` line, `AER: ... error received`, `INFO: task ...
-blocked`). Lines that only add detail to an open record (register dumps, call traces, AER status
-lines) are not heads; `detail()` extracts fields from them. Rules and their sources are in
-`fleetmend/catalog/kinds.toml`; XID framings follow NVIDIA's driver output from r340 to r580
-(with/without `pid=`, quoted `pid='<unknown>'`, `name=` with hyphens, `Ch 0000003a`, NVLink5 register
-words, MIG `GPU-I:` suffixes).
+blocked`). This module holds the patterns, their kernel and driver sources and one builder per family
+(`xid_head`, `aer_head`, `mlx5_fw_head`, ...); `agents.kmsg.heads.HEADS` orders them, each behind its
+substring guard, and `heads.match_head` tries them. Lines that only add detail to an open record
+(register dumps, call traces, AER status lines) are not heads; `detail()` extracts fields from them.
+Rules and their sources are in `fleetmend/catalog/kinds.toml`; XID framings follow NVIDIA's driver
+output from r340 to r580 (with/without `pid=`, quoted `pid='<unknown>'`, `name=` with hyphens,
+`Ch 0000003a`, NVLink5 register words, MIG `GPU-I:` suffixes).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ _CHANNEL = re.compile(r"\b(?:Ch|channel|Channel ID)\s+(?P<ch>(?:0x)?[0-9a-fA-F]{
 _PHYS = re.compile(r"physAddr\s+(?P<pa>0x[0-9a-fA-F]+)")
 
 
-def _xid(text: str) -> Candidate | None:
+def xid_head(text: str) -> Candidate | None:
     m = _XID.search(text)
     if not m:
         return None
@@ -156,8 +158,6 @@ def _xid(text: str) -> Candidate | None:
 
 
 # ------------------------------------------------------------------------------------------ others
-
-Rule = tuple[re.Pattern[str], "callable"]  # type: ignore[valid-type]
 
 _FALLEN = re.compile(rf"(?:GPU\s+|NVIDIA GPU\s+)(?:at\s+)?(?:PCI:)?(?P<bdf>{_BDF_RAW})\b.*?fallen off the bus", re.I)
 _FALLEN_ANY = re.compile(r"NVRM:.*fallen off the bus", re.I)
@@ -223,7 +223,7 @@ def _nvme_dev(dev: str) -> dict:
     return {"dev_name": dev} if dev.startswith("nvme") else {"bdf": normalize_bdf(dev)}
 
 
-def _pci_prefixed(t: str) -> bool:
+def pci_prefixed(t: str) -> bool:
     """Cheap test for a driver-model prefix `<driver> dddd:bb:dd.f ...` (dev_printk with a PCI device)."""
     sp = t.find(" ", 0, 40)
     return sp > 0 and t[sp + 5:sp + 6] == ":" and t[sp + 8:sp + 9] == ":"
@@ -291,7 +291,7 @@ _NIC_UNRECOVERABLE = re.compile(
 )
 
 
-def _nic_tx(t: str) -> Candidate | None:
+def nic_tx_head(t: str) -> Candidate | None:
     """NIC transmit timeouts, driver resets and unrecoverable resets (family `nic_tx`).
 
     Sources: net/sched/sch_generic.c dev_watchdog; drivers/net/ethernet/mellanox/mlx5/core/en_main.c
@@ -386,7 +386,7 @@ _MLX5_LINK = re.compile(r"^Link (?P<st>up|down)\b", re.I)
 """drivers/net/ethernet/mellanox/mlx5/core/en_main.c mlx5e_update_carrier: `Link up` / `Link down`."""
 
 
-def _mlx5(t: str) -> Candidate | None:
+def mlx5_fw_head(t: str) -> Candidate | None:
     m = _MLX5_DEV.match(t)
     if m is None:
         if "synd 0x" in t and _MLX5_FW_FATAL.search(t):  # `mlx5_core: INFO: synd 0x8: ...`
@@ -548,7 +548,7 @@ the GPU never finished its firmware boot."""
 _GPU_FSP_BAD = re.compile(r"DumpDebugState|fail|error|timeout|timed out|not (?:responding|ready)", re.I)
 
 
-def _gpu_boot(t: str) -> Candidate | None:
+def gpu_boot_head(t: str) -> Candidate | None:
     m = _GPU_INIT.search(t) if ("InitAdapter" in t or "init_adapter" in t) else None
     if m:
         attrs: dict[str, Attr] = {"init_error": m["code"]} if m["code"] else {}
@@ -571,198 +571,237 @@ def _aer_kind(sev: str) -> str:
     return "aer_corrected"
 
 
-def match_head(text: str) -> Candidate | None:
-    """The fault candidate a kernel message starts, or None.
+# ------------------------------------------------------------------------------------------ head builders
+# One function per family of heads, tried by `agents.kmsg.heads.HEADS` (in its order, behind its
+# substring guard): each returns the candidate the message starts, or None.
 
-    Args:
-        text: the message with framing removed (leading indentation allowed).
-    Returns:
-        `Candidate` (kind, code, bdf, pid, attrs, family) or None for lines that start no fault.
-    """
-    t = text.strip()
-    if not t:
+
+def gpu_lost_head(t: str) -> Candidate | None:
+    if "fallen off the bu" not in t.lower():  # both patterns need it, in any case (and re.I reads "ſ" as "s")
         return None
-    if "Xid" in t:
-        c = _xid(t)
-        if c:
-            return c
-    if "NVRM" in t or "GPU" in t:
-        m = _FALLEN.search(t)
-        if m and "fallen off the bus" in t.lower():
-            return Candidate(kind="gpu_fallen_off_bus", bdf=normalize_bdf(m["bdf"]), family="gpu_lost", priority=5)
-        if _FALLEN_ANY.search(t):
-            return Candidate(kind="gpu_fallen_off_bus", family="gpu_lost", priority=4)
-        if "NVRM" in t and _RESET_REQ.search(t):
-            return Candidate(kind="gpu_reset_required", family="gsp", priority=6)
-        if _GSP.search(t):
-            return Candidate(kind="gsp_error", family="gsp", priority=1)
-        if "NVRM" in t:
-            c = _gpu_boot(t)
-            if c:
-                return c
-        if _NVL_DISC.search(t):
-            return Candidate(kind="nvlink_discovery_failed")
-    if "SXid" in t:
-        m = _SXID.search(t)
-        if m:
-            rest = m["rest"]
-            dm = _SXID_DEV.search(t)
-            fatal = rest.lower().startswith("fatal")
-            detail = rest.startswith("Data {") or rest.startswith("Severity ")
-            return Candidate(
-                kind="sxid_fatal" if fatal else "sxid_nonfatal", code=int(m["code"]), bdf=normalize_bdf(m["bdf"]),
-                dev_name=dm["dev"] if dm else None, family="sxid", detail=detail, priority=2 if fatal else 1,
-                attrs={"sxid_text": rest[:512]},
-            )
-    if "peermem" in t and _PEERMEM.search(t):
-        return Candidate(kind="peermem_invalid_context")
-    if "rror" in t or "ecovery" in t:
-        m = _AER_HEAD.search(t)
-        if m:
-            return Candidate(
-                kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer",
-                attrs={"aer_severity": m["sev"], "multiple": bool(m["multi"])},
-            )
-        m = _AER_BUS.search(t)
-        if m:
-            return Candidate(
-                kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer", detail=True,
-                attrs={"aer_severity": m["sev"].strip(), "aer_type": m["type"].strip()},
-            )
-        m = _AER_FAILED.search(t)
-        if m:
-            return Candidate(
-                kind="aer_recovery_failed", bdf=normalize_bdf(m["bdf"]), family="aer", priority=-1,
-                attrs={"recovery_failed": True},
-            )
-    if "PCIe bandwidth" in t:
-        m = _PCIE_BW.search(t)
-        if m:
-            reduced = int(m["w"]) < int(m["cw"])
-            return Candidate(
-                kind="pcie_link_degraded" if reduced else "pcie_bandwidth_limited", bdf=normalize_bdf(m["bdf"]),
-                attrs={
-                    "pcie_link_width": int(m["w"]), "pcie_link_width_capable": int(m["cw"]),
-                    "pcie_link_speed": m["speed"], "pcie_link_speed_capable": m["cspeed"],
-                    "limited_at": m["at"],
-                },
-            )
-    if "EDAC" in t:
-        m = _EDAC.search(t)
-        if m:
-            ue = m["t"] in ("UE", "Uncorrected")
-            return Candidate(
-                kind="edac_ue" if ue else "edac_ce", dev_name=m["mc"].lower(), family="ras", priority=3,
-                attrs={"error_count": int(m["n"]), "edac_detail": m["rest"].strip()[:256]},
-            )
-    if "Hardware Error" in t or "mce:" in t or "achine check" in t or "Memory error" in t:
-        if _GHES.search(t):
-            return Candidate(kind="ghes_recoverable", family="ras", priority=2)
-        c = _mce(t) or _ghes_body(t)
-        if c:
-            return c
-        if _MCE_LOGGED.search(t):
-            return Candidate(kind="mce", family="ras", detail=True, priority=0)
-    if "mlx5" in t:
-        c = _mlx5(t)
-        if c:
-            return c
-        m = _IB_PORT.search(t)
-        if m:
-            st = m["st"].upper()
-            kind = {"DOWN": "ib_port_down", "ACTIVE": "ib_port_active"}.get(st, "ib_port_init")
-            return Candidate(
-                kind=kind, bdf=normalize_bdf(m["bdf"]), dev_name=m["dev"], port=int(m["port"]),
-                healthy=kind == "ib_port_active", attrs={"port_state": st},
-            )
-        m = _IB_POWER.search(t)
-        if m:
-            return Candidate(kind="ib_insufficient_power", bdf=normalize_bdf(m["bdf"]))
-        if _ACCESS_REG.search(t):
-            return Candidate(kind="ib_access_reg_noise")
-    if "NETDEV WATCHDOG" in t or "dev_watchdog" in t or _pci_prefixed(t):
-        c = _nic_tx(t)
-        if c:
-            return c
-    if "Link is" in t:
-        m = _NIC_LINK.search(t)
-        if m:
-            up = m["st"].lower() == "up"
-            return Candidate(
-                kind="nic_link_up" if up else "nic_link_down", bdf=normalize_bdf(m["bdf"]), dev_name=m["ifname"],
-                healthy=up, attrs={"driver": m["drv"]} if m["drv"] else {},
-            )
-    if "bond" in t or "active interface" in t or "slave" in t:
-        m = _BOND_SLAVE.search(t)
-        if m:
-            up = (m["st1"] or m["st2"]) == "up"
-            return Candidate(
-                kind="bond_slave_up" if up else "bond_slave_down", dev_name=m["if1"] or m["if2"], healthy=up,
-                attrs={"bond": m["bond"]},
-            )
-        m = _BOND_NONE.search(t)
-        if m:
-            return Candidate(kind="bond_no_active_slave", dev_name=m["bond"])
-        m = _BOND_BACK.search(t)
-        if m:
-            return Candidate(kind="bond_active_slave", dev_name=m["bond"], healthy=True)
-    if "nvme" in t:
-        m = _NVME_TIMEOUT.search(t)
-        if m:
-            return Candidate(kind="nvme_timeout", family="nvme", priority=1, **_nvme_dev(m["dev"]))
-        m = _NVME_NOTREADY.search(t)
-        if m:
-            return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
-        m = _NVME_REMOVED.search(t)
-        if m:
-            return Candidate(kind="nvme_removed", family="nvme", priority=2, **_nvme_dev(m["dev"]))
-        m = _NVME_RESET.search(t)
-        if m:
-            return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
-    m = _PANIC.search(t)
+    m = _FALLEN.search(t)
     if m:
-        reason = m["reason"].strip()
-        attrs: dict[str, Attr] = {"panic_reason": reason[:256]}
-        hw = _HW_PANIC.search(reason)
-        if hw:  # the panic names its hardware cause: the event is that cause (merges into its record)
-            if hw["ghes"]:
-                return Candidate(kind="ghes_fatal", family="ras", detail=True, priority=3, attrs=attrs)
-            return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=3, attrs=attrs)
-        hm = _HARD.search(reason)
-        if hm:
-            attrs["cpu"] = int(hm["cpu"])
-        return Candidate(kind="kernel_panic", family="crash", priority=3, attrs=attrs)
-    if "lockup" in t.lower() or "LOCKUP" in t:
-        m = _SOFT.search(t)
-        if m:
-            return Candidate(
-                kind="soft_lockup", pid=int(m["pid"]), family="crash", priority=0,
-                attrs={"cpu": int(m["cpu"]), "stuck_s": int(m["s"]), "process": m["comm"]},
-            )
-        m = _HARD.search(t)
-        if m:
-            return Candidate(kind="hard_lockup", family="crash", priority=2, attrs={"cpu": int(m["cpu"])})
+        return Candidate(kind="gpu_fallen_off_bus", bdf=normalize_bdf(m["bdf"]), family="gpu_lost", priority=5)
+    if _FALLEN_ANY.search(t):
+        return Candidate(kind="gpu_fallen_off_bus", family="gpu_lost", priority=4)
+    return None
+
+
+def gpu_reset_required_head(t: str) -> Candidate | None:
+    return Candidate(kind="gpu_reset_required", family="gsp", priority=6) if _RESET_REQ.search(t) else None
+
+
+def gsp_head(t: str) -> Candidate | None:
+    return Candidate(kind="gsp_error", family="gsp", priority=1) if _GSP.search(t) else None
+
+
+def nvlink_discovery_head(t: str) -> Candidate | None:
+    return Candidate(kind="nvlink_discovery_failed") if _NVL_DISC.search(t) else None
+
+
+def sxid_head(t: str) -> Candidate | None:
+    m = _SXID.search(t)
+    if not m:
+        return None
+    rest = m["rest"]
+    dm = _SXID_DEV.search(t)
+    fatal = rest.lower().startswith("fatal")
+    detail = rest.startswith("Data {") or rest.startswith("Severity ")
+    return Candidate(
+        kind="sxid_fatal" if fatal else "sxid_nonfatal", code=int(m["code"]), bdf=normalize_bdf(m["bdf"]),
+        dev_name=dm["dev"] if dm else None, family="sxid", detail=detail, priority=2 if fatal else 1,
+        attrs={"sxid_text": rest[:512]},
+    )
+
+
+def peermem_head(t: str) -> Candidate | None:
+    return Candidate(kind="peermem_invalid_context") if _PEERMEM.search(t) else None
+
+
+def aer_head(t: str) -> Candidate | None:
+    m = _AER_HEAD.search(t)
+    if m:
+        return Candidate(
+            kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer",
+            attrs={"aer_severity": m["sev"], "multiple": bool(m["multi"])},
+        )
+    m = _AER_BUS.search(t)
+    if m:
+        return Candidate(
+            kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer", detail=True,
+            attrs={"aer_severity": m["sev"].strip(), "aer_type": m["type"].strip()},
+        )
+    m = _AER_FAILED.search(t)
+    if m:
+        return Candidate(
+            kind="aer_recovery_failed", bdf=normalize_bdf(m["bdf"]), family="aer", priority=-1,
+            attrs={"recovery_failed": True},
+        )
+    return None
+
+
+def pcie_bandwidth_head(t: str) -> Candidate | None:
+    m = _PCIE_BW.search(t)
+    if not m:
+        return None
+    reduced = int(m["w"]) < int(m["cw"])
+    return Candidate(
+        kind="pcie_link_degraded" if reduced else "pcie_bandwidth_limited", bdf=normalize_bdf(m["bdf"]),
+        attrs={
+            "pcie_link_width": int(m["w"]), "pcie_link_width_capable": int(m["cw"]),
+            "pcie_link_speed": m["speed"], "pcie_link_speed_capable": m["cspeed"],
+            "limited_at": m["at"],
+        },
+    )
+
+
+def edac_head(t: str) -> Candidate | None:
+    m = _EDAC.search(t)
+    if not m:
+        return None
+    ue = m["t"] in ("UE", "Uncorrected")
+    return Candidate(
+        kind="edac_ue" if ue else "edac_ce", dev_name=m["mc"].lower(), family="ras", priority=3,
+        attrs={"error_count": int(m["n"]), "edac_detail": m["rest"].strip()[:256]},
+    )
+
+
+def hardware_error_head(t: str) -> Candidate | None:
+    """GHES record headers and bodies, machine checks (`[Hardware Error]:` lines)."""
+    if _GHES.search(t):
+        return Candidate(kind="ghes_recoverable", family="ras", priority=2)
+    c = _mce(t) or _ghes_body(t)
+    if c:
+        return c
+    if _MCE_LOGGED.search(t):
+        return Candidate(kind="mce", family="ras", detail=True, priority=0)
+    return None
+
+
+def ib_head(t: str) -> Candidate | None:
+    m = _IB_PORT.search(t)
+    if m:
+        st = m["st"].upper()
+        kind = {"DOWN": "ib_port_down", "ACTIVE": "ib_port_active"}.get(st, "ib_port_init")
+        return Candidate(
+            kind=kind, bdf=normalize_bdf(m["bdf"]), dev_name=m["dev"], port=int(m["port"]),
+            healthy=kind == "ib_port_active", attrs={"port_state": st},
+        )
+    m = _IB_POWER.search(t)
+    if m:
+        return Candidate(kind="ib_insufficient_power", bdf=normalize_bdf(m["bdf"]))
+    if _ACCESS_REG.search(t):
+        return Candidate(kind="ib_access_reg_noise")
+    return None
+
+
+def nic_link_head(t: str) -> Candidate | None:
+    m = _NIC_LINK.search(t)
+    if not m:
+        return None
+    up = m["st"].lower() == "up"
+    return Candidate(
+        kind="nic_link_up" if up else "nic_link_down", bdf=normalize_bdf(m["bdf"]), dev_name=m["ifname"],
+        healthy=up, attrs={"driver": m["drv"]} if m["drv"] else {},
+    )
+
+
+def bond_head(t: str) -> Candidate | None:
+    m = _BOND_SLAVE.search(t)
+    if m:
+        up = (m["st1"] or m["st2"]) == "up"
+        return Candidate(
+            kind="bond_slave_up" if up else "bond_slave_down", dev_name=m["if1"] or m["if2"], healthy=up,
+            attrs={"bond": m["bond"]},
+        )
+    m = _BOND_NONE.search(t)
+    if m:
+        return Candidate(kind="bond_no_active_slave", dev_name=m["bond"])
+    m = _BOND_BACK.search(t)
+    if m:
+        return Candidate(kind="bond_active_slave", dev_name=m["bond"], healthy=True)
+    return None
+
+
+def nvme_head(t: str) -> Candidate | None:
+    m = _NVME_TIMEOUT.search(t)
+    if m:
+        return Candidate(kind="nvme_timeout", family="nvme", priority=1, **_nvme_dev(m["dev"]))
+    m = _NVME_NOTREADY.search(t)
+    if m:
+        return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
+    m = _NVME_REMOVED.search(t)
+    if m:
+        return Candidate(kind="nvme_removed", family="nvme", priority=2, **_nvme_dev(m["dev"]))
+    m = _NVME_RESET.search(t)
+    if m:
+        return Candidate(kind="nvme_timeout", family="nvme", detail=True, priority=1, **_nvme_dev(m["dev"]))
+    return None
+
+
+def panic_head(t: str) -> Candidate | None:
+    m = _PANIC.search(t)
+    if not m:
+        return None
+    reason = m["reason"].strip()
+    attrs: dict[str, Attr] = {"panic_reason": reason[:256]}
+    hw = _HW_PANIC.search(reason)
+    if hw:  # the panic names its hardware cause: the event is that cause (merges into its record)
+        if hw["ghes"]:
+            return Candidate(kind="ghes_fatal", family="ras", detail=True, priority=3, attrs=attrs)
+        return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=3, attrs=attrs)
+    hm = _HARD.search(reason)
+    if hm:
+        attrs["cpu"] = int(hm["cpu"])
+    return Candidate(kind="kernel_panic", family="crash", priority=3, attrs=attrs)
+
+
+def has_lockup(t: str) -> bool:
+    """`lockup` in any case (`BUG: soft lockup`, `hard LOCKUP`): the lockup heads' guard."""
+    return "lockup" in t.lower()
+
+
+def lockup_head(t: str) -> Candidate | None:
+    m = _SOFT.search(t)
+    if m:
+        return Candidate(
+            kind="soft_lockup", pid=int(m["pid"]), family="crash", priority=0,
+            attrs={"cpu": int(m["cpu"]), "stuck_s": int(m["s"]), "process": m["comm"]},
+        )
+    m = _HARD.search(t)
+    if m:
+        return Candidate(kind="hard_lockup", family="crash", priority=2, attrs={"cpu": int(m["cpu"])})
+    return None
+
+
+def oops_head(t: str) -> Candidate | None:
     if _OOPS.search(t):
         return Candidate(kind="oops", family="crash", priority=1, attrs={"oops": t[:256]})
     if _OOPS_LINE.search(t):
         return Candidate(kind="oops", family="crash", priority=1, detail=True, attrs={"oops": t[:256]})
-    if "blocked for more than" in t:
-        m = _HUNG.search(t)
-        if m:
-            return Candidate(
-                kind="hung_task", pid=int(m["pid"]), family="crash", priority=0,
-                attrs={"process": m["comm"], "blocked_s": int(m["s"])},
-            )
-    if "oom" in t or "Kill" in t or "memory" in t:
-        m = _OOM_SUMMARY.search(t)
-        if m:
-            return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
-        m = _OOM_KILL.search(t) or _OOM_KILLED.search(t)
-        if m:
-            return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
-        m = _OOM_INVOKED.search(t)
-        if m:
-            return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]})
+    return None
+
+
+def hung_task_head(t: str) -> Candidate | None:
+    m = _HUNG.search(t)
+    if not m:
+        return None
+    return Candidate(
+        kind="hung_task", pid=int(m["pid"]), family="crash", priority=0,
+        attrs={"process": m["comm"], "blocked_s": int(m["s"])},
+    )
+
+
+def oom_head(t: str) -> Candidate | None:
+    m = _OOM_SUMMARY.search(t)
+    if m:
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+    m = _OOM_KILL.search(t) or _OOM_KILLED.search(t)
+    if m:
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+    m = _OOM_INVOKED.search(t)
+    if m:
+        return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]})
     return None
 
 

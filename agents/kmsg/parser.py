@@ -2,7 +2,7 @@
 
 Pipeline per physical line: `Deframer` strips the framing (`framing.py`); an indented unframed line is
 joined to the previous logical message; each logical message either starts a record (a head,
-`matchers.match_head`), merges into the open record (same condition: repeats, XID 79 + 'fallen off the
+`heads.match_head`), merges into the open record (same condition: repeats, XID 79 + 'fallen off the
 bus', the OOM triple, AER detail lines), is absorbed as detail (call traces, register dumps, GSP RPC
 tables, `{1}[Hardware Error]:` blocks; within `RECORD_WINDOW_S` of the record) or is dropped. A record
 completes when the next record starts, on a foreign line (another program's syslog line), an elision,
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agents.kmsg.framing import IGNORE, Deframer, Framed
-from agents.kmsg.matchers import Attr, Candidate, detail, ghes_component, match_head, normalize_bdf
+from agents.kmsg.heads import match_head
+from agents.kmsg.matchers import Attr, Candidate, detail, ghes_component, normalize_bdf
 from fleetmend.catalog import Catalog, default_catalog
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 
@@ -29,9 +30,10 @@ RECORD_WINDOW_S = 2.0
 (c001's GSP tables and stack share one second); a later report of the same fault is a new event."""
 MAX_RECORD_LINES = 400
 """A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway."""
-AER_BURST_COUNT = 3
-AER_BURST_WINDOW_S = 60.0
-"""3 corrected AER errors on one port within 60 s = `aer_corrected_burst` (kinds.toml states why)."""
+PER_LINE_KINDS = frozenset({"aer_corrected"})
+"""Kinds whose catalog escalation (`escalate_to/escalate_count/escalate_window_s`, e.g. 3 corrected AER
+errors on one port within 60 s become `aer_corrected_burst`) counts every line of a record, on its PCI
+device only (a corrected AER line is one error on one port); other kinds count per episode (`_escalate`)."""
 FAMILY_WINDOW_S = {"nvme": 120.0, "nic_tx": 10.0}
 """An NVMe timeout -> reset -> 'Device not ready' -> removal chain spans ~25 s per step (admin command
 timeout 30 s default); heads of that family on the same controller merge within 120 s. A NIC transmit-timeout
@@ -123,7 +125,7 @@ class KmsgParser:
         self._pending_raw: list[str] = []
         self._last_len = 0
         self._record: _Record | None = None
-        self._aer_history: dict[str, deque[float | None]] = {}
+        self._burst_history: dict[str, deque[float | None]] = {}
         self._repeat_history: dict[str, deque[float | None]] = {}
         self.parse_errors = 0
         self.lines_seen = 0
@@ -149,7 +151,7 @@ class KmsgParser:
         out: list[FaultEvent] = []
         try:
             f = self._deframer.deframe(line)
-        except Exception as err:  # a decoder bug must not stop the agent; counted and logged
+        except Exception as err:  # noqa: BLE001  # a decoder bug must not stop the agent; counted and logged
             self.parse_errors += 1
             log.warning("kmsg_line_skipped", extra={"line_no": self.lines_seen, "error": repr(err)})
             return out
@@ -239,7 +241,7 @@ class KmsgParser:
         self._logical_origin = self._pending_origin
         try:
             self._logical(f, raw, out)
-        except Exception as err:  # a decoder bug must not stop the agent; counted and logged
+        except Exception as err:  # noqa: BLE001  # a decoder bug must not stop the agent; counted and logged
             self.parse_errors += 1
             log.warning("kmsg_line_skipped", extra={"line_no": self.lines_seen, "error": repr(err)})
 
@@ -411,15 +413,8 @@ class KmsgParser:
             attrs["kernel_time"] = rec.stamp
         if rec.wall and rec.wall != rec.stamp:
             attrs["collector_time"] = rec.wall
-        if c.kind == "aer_corrected" and c.bdf:
-            hist = self._aer_history.setdefault(c.bdf, deque(maxlen=64))
-            for _ in range(rec.count):
-                hist.append(rec.ts_last)
-            now = rec.ts_last
-            recent = [t for t in hist if t is None or now is None or now - t <= AER_BURST_WINDOW_S]
-            if len(recent) >= AER_BURST_COUNT:
-                c.kind = "aer_corrected_burst"
-                attrs["burst_count"] = len(recent)
+        if c.kind in PER_LINE_KINDS:
+            self._escalate_burst(rec, attrs)
         self._escalate(rec, attrs)
         if c.kind == "xid":
             if self._ctx.driver_version:
@@ -466,14 +461,34 @@ class KmsgParser:
         return self.catalog.stamp(draft.model_copy(update=update), classification=cls)  # classified once, here
 
 
+    def _escalate_burst(self, rec: _Record, attrs: dict[str, Attr]) -> None:
+        """A burst of a `PER_LINE_KINDS` kind on one PCI device within the catalog's window becomes its
+        `escalate_to` kind (`[kind.aer_corrected]`: 3 within 60 s -> aer_corrected_burst, attr
+        `burst_count`). Every line of the record counts (a record of repeats holds several errors); a
+        record without a PCI address counts nowhere. Records without timestamps count as within the window."""
+        c = rec.cand
+        entry = self.catalog.kinds.get(c.kind)
+        if entry is None or not entry.escalate_to or not entry.escalate_count or not c.bdf:
+            return
+        hist = self._burst_history.setdefault(f"{c.kind}|{c.bdf}", deque(maxlen=max(64, entry.escalate_count * 4)))
+        for _ in range(rec.count):
+            hist.append(rec.ts_last)
+        now = rec.ts_last
+        window = entry.escalate_window_s or 0.0
+        recent = [t for t in hist if t is None or now is None or now - t <= window]
+        if len(recent) >= entry.escalate_count:
+            c.kind = entry.escalate_to
+            attrs["burst_count"] = len(recent)
+
     def _escalate(self, rec: _Record, attrs: dict[str, Attr]) -> None:
         """Repeats of a kind on one device within the catalog's window become its `escalate_to` kind
         (`[kind.X] escalate_to/escalate_count/escalate_window_s`, e.g. nic_tx_timeout ->
         nic_tx_timeout_repeated). One record (one episode: a watchdog line and its driver follow-ups) counts
-        once. Records without timestamps count as within the window."""
+        once. Records without timestamps count as within the window. `PER_LINE_KINDS` count in
+        `_escalate_burst` instead."""
         c = rec.cand
         entry = self.catalog.kinds.get(c.kind)
-        if entry is None or not entry.escalate_to or not entry.escalate_count:
+        if entry is None or not entry.escalate_to or not entry.escalate_count or c.kind in PER_LINE_KINDS:
             return
         key = f"{c.kind}|{c.bdf or c.dev_name or ''}"
         hist = self._repeat_history.setdefault(key, deque(maxlen=max(entry.escalate_count, 1) * 4))

@@ -220,7 +220,12 @@ class KmsgProbe:
                     saved = self._settled_through(last_seq)
                     self._save_cursor(saved)
                     readable: asyncio.Future[None] = loop.create_future()
-                    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+
+                    def wake(fut: asyncio.Future[None] = readable) -> None:
+                        if not fut.done():
+                            fut.set_result(None)
+
+                    loop.add_reader(fd, wake)
                     try:
                         # Wake for new records, or to move the cursor once queued events settle.
                         while not readable.done():

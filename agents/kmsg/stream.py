@@ -7,7 +7,7 @@ follow them while the parser has a record open (call traces, register dumps, GHE
 token but belong to the record before them). Lines between are skipped without being looked at.
 
 Why skipping gives the same events as feeding every line: a line without a token starts no record
-(every head matcher in `matchers.match_head` and every fact `KmsgParser` learns from a line needs one
+(every head in `heads.HEADS` and every fact `KmsgParser` learns from a line needs one
 of `TOKENS` in the line); when no record is open, such a line completes nothing and closes nothing.
 The one piece of state a skipped line would change is the running total of `dmesg -H` deltas
 (`[  +0.004974]`); such stamps are among the tokens, so those lines are always fed. tests/test_explain_stream.py
@@ -23,10 +23,13 @@ A matcher for a new kind whose head line holds none of `TOKENS` must add its wor
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from agents.kmsg.parser import KmsgParser
 from fleetmend.events import FaultEvent
+
+if TYPE_CHECKING:
+    from ahocorasick_rs import BytesAhoCorasick
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """Bytes read at a time (memory holds about two chunks)."""
@@ -91,23 +94,22 @@ def _interesting_starts(chunk: str) -> list[int]:
     return sorted(starts)
 
 
-def _line_starts_ac(chunk: bytes, automaton) -> list[int]:  # noqa: ANN001
+def _line_starts_ac(chunk: bytes, automaton: BytesAhoCorasick) -> list[int]:
     """As `_interesting_starts`, on bytes, with one Aho-Corasick pass (ahocorasick_rs)."""
     rfind = chunk.rfind
     starts: list[int] = []
-    last_start, last_end = -1, -1
+    last_end = -1
     for _, i, _e in automaton.find_matches_as_indexes(chunk):
         if i < last_end:  # still in the line found last
             continue
         s = rfind(b"\n", 0, i) + 1
         starts.append(s)
-        last_start = s
         e = chunk.find(b"\n", i)
         last_end = e if e != -1 else len(chunk)
     return starts
 
 
-def _automaton():  # noqa: ANN202
+def _automaton() -> BytesAhoCorasick | None:
     try:
         import ahocorasick_rs
     except ImportError:  # pragma: no cover - a dependency; the str.find scan is the slow fallback
@@ -135,11 +137,11 @@ def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CH
     busy = False  # the last line fed held a token, or the parser has a record open
 
     def is_open() -> bool:
-        return parser._record is not None  # noqa: SLF001 - same package; the parser's record state
+        return parser._record is not None  # same package: the parser's record state
 
     def complete() -> list[FaultEvent]:
         out: list[FaultEvent] = []
-        parser._complete_pending(out)  # noqa: SLF001 - what feeding a non-continuation line does first
+        parser._complete_pending(out)  # same package: what feeding a non-continuation line does first
         return out
 
     def line(chunk: bytes, pos: int, end: int) -> str:
