@@ -225,7 +225,7 @@ async def test_agent_survives_full_spool_keeps_heartbeats_and_resumes(tmp_path: 
             async def stream_count() -> int:
                 try:
                     info = await js.stream_info(FAULT_STREAM, subjects_filter=fault_subject(cluster, node))
-                except Exception:
+                except Exception:  # not yet created
                     return 0
                 return (info.state.subjects or {}).get(fault_subject(cluster, node), 0)
 
