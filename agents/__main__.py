@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
         settings.metrics.agent_port = args.metrics_port
     if lean:
         lean_imports(settings.nats_url)
+    # imported after lean_imports(): these pull in nats and structlog, which must not find aiohttp or rich
     from agents.runner import run_agent
     from fleetmend.infra.logs import configure_logging
 

@@ -46,7 +46,7 @@ from typing import Any
 import structlog
 
 from agents.commands import run_command, tail
-from agents.nvml import THRESHOLD_SLOWDOWN, TEMPERATURE_GPU, _nvml_error_type, read_once
+from agents.nvml import TEMPERATURE_GPU, THRESHOLD_SLOWDOWN, _nvml_error_type, read_once
 from fleetmend import __version__
 from fleetmend.diagnostics import BenchReport, BenchRequest
 from fleetmend.events import utcnow
@@ -387,7 +387,7 @@ async def _tool(argv: list[str], budget_s: float) -> tuple[int, str] | str:
 async def nvbandwidth_step(argv: list[str], budget_s: float) -> tuple[dict[str, float], dict[str, str]]:
     """nvbandwidth's matrices → `nvbandwidth_<matrix key>_gbps|_ns` (agents.parsers.nvbandwidth);
     waived and failed testcases, a missing binary or a non-zero exit → skipped."""
-    from agents.parsers import nvbandwidth
+    from agents.parsers import nvbandwidth  # lazy: `agents.parsers` (every tool parser) only for a sweep
 
     if not argv:
         return {}, {"nvbandwidth": "turned off (agent.nvbandwidth_command = [])"}
@@ -412,7 +412,7 @@ async def dcgm_step(argv: list[str], budget_s: float) -> tuple[dict[str, float],
     """`dcgmi diag ... -j` → `dcgm_<test>_<quantity>` (agents.parsers.dcgm.diag_json_metrics); a test
     that did not pass, a missing dcgmi or unreadable output → skipped. dcgmi exits non-zero when a
     test fails, so its JSON is read whatever the exit code."""
-    from agents.parsers.dcgm import diag_json_metrics
+    from agents.parsers.dcgm import diag_json_metrics  # lazy: `agents.parsers` only for a sweep
 
     if not argv:
         return {}, {"dcgm": "turned off (agent.sweep_dcgm_command = [])"}
@@ -497,7 +497,7 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
         else:
             try:
                 lm, why = await gpu_load_step(nvml, argv, tools.load_seconds, deadline - time.monotonic())
-            except Exception as err:  # noqa: BLE001 - a bug or odd NVML must not cost the whole report
+            except Exception as err:  # a bug or odd NVML must not cost the whole report
                 log.exception("bench_gpu_load_failed")
                 lm, why = {}, f"failed: {err!r}"
             metrics.update(lm)
@@ -505,11 +505,11 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
                 skipped["gpu_load"] = f"{why} [load: {source}]"
             else:
                 log.info("bench_gpu_load_done", load=source, metrics=len(lm))
-        for step, fn, argv_ in (("nvbandwidth", nvbandwidth_step, tools.nvbandwidth_command),
-                                ("dcgm", dcgm_step, tools.dcgm_command)):
+        for step, step_fn, argv_ in (("nvbandwidth", nvbandwidth_step, tools.nvbandwidth_command),
+                                     ("dcgm", dcgm_step, tools.dcgm_command)):
             try:
-                m, sk = await fn(argv_, deadline - time.monotonic())
-            except Exception as err:  # noqa: BLE001 - as above
+                m, sk = await step_fn(argv_, deadline - time.monotonic())
+            except Exception as err:  # as above
                 log.exception("bench_step_failed", step=step)
                 m, sk = {}, {step: f"failed: {err!r}"}
             metrics.update(m)

@@ -36,9 +36,19 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from fleetmend import __version__
+from agents.bench import GpuTools, answer_bench
 from agents.commands import run_command, tail
-from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagRequest, DiagResult
+from agents.recovery import RecoveryHandler
+from fleetmend import __version__
+from fleetmend.diagnostics import (
+    CheckResult,
+    DiagLevel,
+    DiagReport,
+    DiagRequest,
+    DiagResult,
+    is_bench_request,
+    is_recovery_request,
+)
 from fleetmend.events import utcnow
 from fleetmend.subjects import diag_subject
 
@@ -52,7 +62,7 @@ NO_DRIVER = "no NVIDIA driver on this host"
 
 def _real_pynvml() -> Any:
     try:
-        import pynvml
+        import pynvml  # lazy: NVML's library only where the responder runs; None on hosts without it
     except ImportError:
         return None
     return pynvml
@@ -110,7 +120,9 @@ class DiagResponder:
         self._sub: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._hw_lock = asyncio.Lock()  # one diagnostics run at a time on the hardware
-        self.recovery: Any = None  # agents.recovery.RecoveryHandler, set by the runner (else dry-run default)
+        self.recovery: RecoveryHandler | None = None  # set by the runner (else a dry-run default)
+        self.bench_command: list[str] | None = None  # `agent.bench_command`, for `fleetmend sweep` (agents/bench.py)
+        self.gpu_tools: GpuTools | None = None  # the sweep's GPU load, nvbandwidth and dcgm steps
         self._log = structlog.get_logger("fleetmend.agent.diag").bind(cluster=cluster, node=node)
 
     # ------------------------------------------------------------------ serving
@@ -135,12 +147,8 @@ class DiagResponder:
 
     async def _on_msg(self, msg: Any) -> None:
         # --- recovery requests (GPU reset / reboot) share this subject: agents/recovery.py ---
-        from fleetmend.diagnostics import is_recovery_request
-
         if is_recovery_request(msg.data):
             if self.recovery is None:
-                from agents.recovery import RecoveryHandler
-
                 self.recovery = RecoveryHandler(self.cluster, self.node)  # dry-run reboot by default
             task = asyncio.create_task(self.recovery.answer(msg))
             self._tasks.add(task)
@@ -148,11 +156,7 @@ class DiagResponder:
             return
         # --- end recovery ---
         # --- sweep benchmark requests (fleetmend sweep) share it too: agents/bench.py ---
-        from fleetmend.diagnostics import is_bench_request
-
         if is_bench_request(msg.data):
-            from agents.bench import answer_bench
-
             task = asyncio.create_task(answer_bench(self, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -366,6 +370,7 @@ class DiagResponder:
         """`dcgmi diag` output read with the same parser as `fleetmend explain` (agents.parsers.dcgm):
         a failed test (or an Error row) fails the check even if dcgmi exited 0; the measured value names
         each failed test and GPU; warnings are listed in the detail."""
+        # lazy: `agents.parsers` loads every tool parser (~1 MiB of RSS), for nodes that run `dcgmi diag`
         from agents.parsers.common import Ctx
         from agents.parsers.dcgm import parse_diag
 

@@ -43,6 +43,7 @@ Everything runs once, in a worker thread, at start; nothing stays in memory afte
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import hashlib
@@ -52,6 +53,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -673,10 +675,6 @@ class LastBootProbe:
         return KmsgParser(self.cluster, self.node, self.agent_version, catalog=self.catalog)
 
     async def run(self, emit: Any) -> None:
-        import asyncio
-
-        import time
-
         t0 = time.monotonic()
         events, commit = await asyncio.to_thread(self.collect)
         log.info("lastboot_read", extra={"events": [e.kind for e in events],

@@ -91,7 +91,7 @@ TEMPERATURE_HYSTERESIS_C = 5
 
 def _real_pynvml() -> Any:
     try:
-        import pynvml
+        import pynvml  # lazy: NVML's library loads only where an NVML probe or reader runs
     except ImportError:
         return None
     return pynvml

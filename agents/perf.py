@@ -229,7 +229,7 @@ class PerfSampler:
         fvs = self._read(g, "reason_fields", getattr(nv, "nvmlDeviceGetFieldValues", None),
                          list(FI_REASON_COUNTERS.values()))
         if fvs is not None:
-            for (reason, _fid), fv in zip(FI_REASON_COUNTERS.items(), fvs):
+            for (reason, _fid), fv in zip(FI_REASON_COUNTERS.items(), fvs, strict=False):
                 if int(getattr(fv, "nvmlReturn", 1)) != 0:
                     continue
                 d = _delta(g.prev, ("fi", reason), int(fv.value.ullVal))

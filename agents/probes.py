@@ -17,18 +17,22 @@ import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import orjson
 
+from agents.perf import PerfSampler
 from fleetmend import __version__
-from fleetmend.config import (AgentSettings, LastbootProbeSettings, NvmlProbeSettings, Settings, SysfsProbeSettings,
-                              UdevProbeSettings)
+from fleetmend.catalog import Catalog, load_catalog
+from fleetmend.config import (
+    AgentSettings,
+    LastbootProbeSettings,
+    NvmlProbeSettings,
+    Settings,
+    SysfsProbeSettings,
+    UdevProbeSettings,
+)
 from fleetmend.events import FaultEvent, Source
-
-if TYPE_CHECKING:  # the probe modules are imported lazily (a missing hardware library stops one probe only)
-    from agents.perf import PerfSampler
-    from fleetmend.catalog import Catalog
 
 Emit = Callable[[FaultEvent], Awaitable[object]]
 """`await emit(event)`; the agent's returns a future settled once the event is published or spooled."""
@@ -209,13 +213,11 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
     probes: list[Probe] = []
     catalog: Catalog | None = None
     if settings.catalog_overrides is not None:
-        from fleetmend.catalog import load_catalog
-
         catalog = load_catalog(settings.catalog_overrides)
     if kmsg:
         try:
             kmsg_cls = probe_class("kmsg")
-            from agents.kmsg import KmsgParser
+            from agents.kmsg import KmsgParser  # lazy, like the probe: a missing matcher library stops kmsg only
 
             parser = KmsgParser(settings.cluster, settings.node, __version__, catalog=catalog)
             if kmsg_file is not None:
@@ -247,7 +249,5 @@ def build_perf_sampler(settings: Settings, nvml: object = "default") -> PerfSamp
     a = settings.agent
     if not a.perf.enabled:
         return None
-    from agents.perf import PerfSampler
-
     return PerfSampler(nvml if a.nvml.enabled else None, a.sysfs.root, cluster=settings.cluster,
                        node=settings.node, interval_s=a.perf.interval_s)

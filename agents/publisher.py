@@ -41,6 +41,7 @@ import structlog
 from agents.spool import Spool
 from fleetmend.errors import SpoolError
 from fleetmend.events import FaultEvent
+from fleetmend.infra import metrics
 from fleetmend.subjects import fault_subject, msg_id
 
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -239,8 +240,6 @@ class Publisher:
                                           headers={MSG_ID_HEADER: msg_id(event_id)})
 
     def record_lost(self, event_id: str, reason: str, detail: str, **kw: Any) -> None:
-        from fleetmend.infra import metrics
-
         self.lost_count += 1
         metrics.AGENT_FAULTS_LOST.labels(cluster=self.cluster, reason=reason).inc()
         self._log.error("fault_lost", event_id=event_id, reason=reason, detail=detail, lost_total=self.lost_count,

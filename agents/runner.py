@@ -1,6 +1,9 @@
 """The node agent process: probes → bounded queue → publisher (JetStream or spool), heartbeats,
 diagnostics responder — one `asyncio.TaskGroup`.
 
+`Agent` is the process, in steps: `start()`, `run()`, `online()`, `shutdown()`, `close()`, `finish()`;
+`run_agent(...)` runs one.
+
 Start: apply `agent.cpu_affinity` / `agent.nice`, open the spool under
 `<state_dir>/agent/<node>/spool`, start publisher and replay, connect to NATS in the background
 (retrying forever: `max_reconnect_attempts=-1`; the spool takes events meanwhile), then ensure the
@@ -26,14 +29,20 @@ from typing import Any
 import orjson
 import structlog
 
+from agents.bench import GpuTools
 from agents.diag import DiagResponder
+from agents.lastboot import record_clean_stop, record_reboot_ordered
 from agents.probes import Emit, Probe, build_perf_sampler, build_probes
 from agents.publisher import Publisher
+from agents.recovery import RecoveryHandler
 from agents.spool import Spool
 from fleetmend import __version__
 from fleetmend.config import AgentSettings, Settings
 from fleetmend.events import utcnow
-from fleetmend.subjects import heartbeat_subject
+from fleetmend.infra import metrics
+from fleetmend.infra.connect import close_nats, connect_nats
+from fleetmend.infra.jetstream import ensure_fault_stream
+from fleetmend.subjects import heartbeat_subject, inbox_prefix, perf_subject
 
 SHUTDOWN_TIMEOUT_S = 10.0
 """Flush + drain budget at exit; systemd's default stop timeout is 90 s, Kubernetes' grace 30 s."""
@@ -97,12 +106,11 @@ async def _supervise(probe: Probe, emit: Emit, status: dict[str, str], restart: 
         log.info("probe_restarted", probe=probe.name)
 
 
-async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: bool = False,
-                    stop: asyncio.Event | None = None, *, probes: list[Probe] | None = None,
-                    inject_file: Path | None = None, kmsg: bool = True, hardware: bool | None = None,
-                    nvml: Any = "default",
-                    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
-    """Run the node agent until `stop` is set (or, with `once`, until the probes are done).
+class Agent:
+    """The node agent of one node (the shape of NPD's `ProblemDetector`): `start()` opens the spool
+    and builds the probes, `run()` runs them, the publisher and `online()` in one `TaskGroup` until
+    `stop` (or, with `once`, until the probes are done), then `shutdown()` and `close()`;
+    `finish()` says how it went. `run_agent(...)` is the usual way in.
 
     Args:
         settings: cluster, node, NATS, `state_dir` and the `agent` section.
@@ -119,241 +127,301 @@ async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: boo
             or drill publishes exactly what it replays).
         nvml: `pynvml` module or stand-in for the diagnostics responder ("default": import it).
         shutdown_timeout_s: budget for flush + drain at exit.
-    Returns:
-        0; with `once`, 1 when events are left in the spool (NATS unreachable), after printing how
-        many to stderr.
     """
-    log = structlog.get_logger("fleetmend.agent").bind(cluster=settings.cluster, node=settings.node)
-    state = agent_state_dir(settings)
-    apply_process_limits(settings.agent, log)
-    loop = asyncio.get_running_loop()
-    own_signals = stop is None
-    stop = stop or asyncio.Event()
-    signals: list[int] = []
-    if own_signals:
-        hits = {"n": 0}
 
-        def on_signal(signame: str) -> None:
-            hits["n"] += 1
-            if hits["n"] > 1 and signame == "SIGINT":
-                log.warning("agent_forced_exit", signal=signame)
-                os._exit(130)
-            log.info("agent_stopping", signal=signame)
-            stop.set()
+    def __init__(self, settings: Settings, kmsg_file: Path | None = None, once: bool = False,
+                 stop: asyncio.Event | None = None, *, probes: list[Probe] | None = None,
+                 inject_file: Path | None = None, kmsg: bool = True, hardware: bool | None = None,
+                 nvml: Any = "default", shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        self.settings = settings
+        self.kmsg_file, self.inject_file, self.kmsg = kmsg_file, inject_file, kmsg
+        self.once = once
+        self.own_signals = stop is None
+        self.stop = stop or asyncio.Event()
+        self.hardware = (not once and kmsg_file is None and inject_file is None) if hardware is None else hardware
+        self.nvml = nvml
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.log = structlog.get_logger("fleetmend.agent").bind(cluster=settings.cluster, node=settings.node)
+        self.state = agent_state_dir(settings)
+        self.probes: list[Probe] = probes if probes is not None else []
+        self._build_probes = probes is None
+        self.lastboot = False
+        """The lastboot probe runs (live): boots, ordered reboots and clean stops are recorded."""
+        self.status: dict[str, str] = {}
+        """probe name → "starting", "ok" or "failed: …", for the heartbeat."""
+        self.connected = asyncio.Event()
+        self.nc: Any = None
+        self.diag: DiagResponder | None = None
+        self.signals: list[int] = []
+        self.signal_count = 0
+        self.nats_error_logged_at = 0.0
+        self.probe_tasks: list[asyncio.Task[None]] = []
+        self.service_tasks: list[asyncio.Task[Any]] = []
+        """Cancelled after the flush, in this order: publisher, replay, nats, stop, liveness, perf."""
 
+    def start(self) -> None:
+        """Tune the process, take SIGTERM/SIGINT (unless given `stop`), open the spool and publisher,
+        build the probes and serve /metrics."""
+        settings = self.settings
+        apply_process_limits(settings.agent, self.log)
+        if self.own_signals:
+            self._take_signals()
+        self.spool = Spool(self.state / "spool", settings.agent.spool_max_bytes)
+        self.publisher = Publisher(None, None, self.spool, settings.cluster, settings.node,
+                                   settings.agent.publish_timeout_s)
+        if self._build_probes:
+            self.probes = build_probes(settings, kmsg_file=self.kmsg_file, state_dir=self.state / "kmsg",
+                                       inject_file=self.inject_file, kmsg=self.kmsg, hardware=self.hardware,
+                                       agent_state_dir=self.state)
+        self.lastboot = any(p.name == "lastboot" for p in self.probes)
+        metrics.start_http_server(settings.metrics.agent_port, settings.metrics.host)
+        metrics.watch_spool(settings.cluster, self.spool)
+        self.status = {p.name: "starting" for p in self.probes}
+        self.log.info("agent_starting", agent_version=__version__, probes=[p.name for p in self.probes],
+                      once=self.once, state_dir=str(self.state), spool_depth=self.spool.depth,
+                      nats_url=settings.nats_url)
+
+    def _take_signals(self) -> None:
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, on_signal, sig.name)
-                signals.append(sig)
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+                self.signals.append(sig)
 
-    spool = Spool(state / "spool", settings.agent.spool_max_bytes)
-    publisher = Publisher(None, None, spool, settings.cluster, settings.node, settings.agent.publish_timeout_s)
-    if probes is None:
-        if hardware is None:
-            hardware = not once and kmsg_file is None and inject_file is None
-        probes = build_probes(settings, kmsg_file=kmsg_file, state_dir=state / "kmsg",
-                              inject_file=inject_file, kmsg=kmsg, hardware=hardware, agent_state_dir=state)
-    lastboot = any(p.name == "lastboot" for p in probes)  # live: boots and clean stops are recorded
-    # -- metrics (fleetmend/infra/metrics.py): /metrics port, spool depth at scrape time
-    from fleetmend.infra import metrics
+    def _on_signal(self, signame: str) -> None:
+        self.signal_count += 1
+        if self.signal_count > 1 and signame == "SIGINT":
+            self.log.warning("agent_forced_exit", signal=signame)
+            os._exit(130)
+        self.log.info("agent_stopping", signal=signame)
+        self.stop.set()
 
-    metrics.start_http_server(settings.metrics.agent_port, settings.metrics.host)
-    metrics.watch_spool(settings.cluster, spool)
-    status: dict[str, str] = {p.name: "starting" for p in probes}
-    conn: dict[str, Any] = {}
-    connected = asyncio.Event()
-    log.info("agent_starting", agent_version=__version__, probes=[p.name for p in probes], once=once,
-             state_dir=str(state), spool_depth=spool.depth, nats_url=settings.nats_url)
+    async def run(self) -> int:
+        """`start()`, run until `stop` (or, with `once`, until the probes are done), shut down.
 
-    async def online_services() -> None:
-        from fleetmend.infra.connect import connect_nats
-        from fleetmend.infra.jetstream import ensure_fault_stream
+        Returns:
+            `finish()`'s exit code.
+        """
+        self.start()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                pub_task = tg.create_task(self.publisher.run(), name="publisher")
+                replay_task = tg.create_task(self.publisher.replay(), name="replay")
+                online_task = tg.create_task(self.online(), name="nats")
+                if self.once:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.settings.nats_connect_timeout_s):
+                            await self.connected.wait()
+                emit = metrics.counting_emit(self.publisher.emit)  # metrics: events by source/kind/severity
+                self.probe_tasks = [tg.create_task(_supervise(p, emit, self.status, not self.once, self.log),
+                                                   name=p.name) for p in self.probes]
+                perf_task = tg.create_task(self.perf(), name="perf")
+                stop_task = tg.create_task(self.stop.wait(), name="stop")
+                beat_task = tg.create_task(metrics.beat_forever(self.stop), name="liveness")  # /healthz
+                self.service_tasks = [pub_task, replay_task, online_task, stop_task, beat_task, perf_task]
+                metrics.HEALTH.set_ready()  # /readyz: probes run (events spool while NATS is away)
+                if self.once:
+                    done_task = tg.create_task(_gather(self.probe_tasks), name="probes")
+                    self.service_tasks.append(done_task)
+                    await asyncio.wait([stop_task, done_task], return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await stop_task
+                await self.shutdown()
+        finally:
+            await self.close()
+        return self.finish()
 
-        last_err = {"at": 0.0}
-
-        async def error_cb(err: Exception) -> None:
-            if time.monotonic() - last_err["at"] > NATS_ERROR_LOG_EVERY_S:
-                last_err["at"] = time.monotonic()
-                log.warning("nats_unreachable", url=settings.nats_url, error=repr(err), spool_depth=spool.depth)
-
-        async def disconnected_cb() -> None:
-            publisher.on_disconnected()
-
-        async def reconnected_cb() -> None:
-            log.info("nats_reconnected", spool_depth=spool.depth)
-            publisher.on_reconnected()
-
+    async def online(self) -> None:
+        """Connect to NATS (retrying forever; the spool takes events meanwhile), ensure the fault
+        stream, hand the connection to the publisher, answer diagnostics, then send heartbeats
+        until `stop`."""
+        settings = self.settings
         extra: dict[str, Any] = {}
         if not settings.nats_inbox_prefix and (settings.nats_nkey_seed or settings.nats_creds):
             # node credentials allow replies only below the node's own prefix; a DaemonSet cannot spell
             # it per node in its manifest, so it is derived from cluster and node
-            from fleetmend.subjects import inbox_prefix
-
             extra["inbox_prefix"] = inbox_prefix(settings.cluster, settings.node)
         nc = await connect_nats(settings, name=f"fleetmend-agent-{settings.node}", wait_forever=True,
-                                error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
-                                **extra)
-        conn["nc"] = nc
+                                error_cb=self._nats_error, disconnected_cb=self._nats_disconnected,
+                                reconnected_cb=self._nats_reconnected, **extra)
+        self.nc = nc
         js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
         if settings.agent.manage_stream:
             try:
                 await ensure_fault_stream(js, settings, timeout_s=settings.agent.publish_timeout_s)
             except Exception as err:  # noqa: BLE001 - e.g. no permission: the router/operator owns the stream
-                log.warning("fault_stream_not_ensured", error=repr(err))
-            publisher.ensure_stream = lambda: ensure_fault_stream(js, settings,
-                                                                  timeout_s=settings.agent.publish_timeout_s)
-        publisher.attach(nc, js)
-        log.info("nats_connected", url=settings.nats_url, spool_depth=spool.depth)
-        diag = DiagResponder(nc, settings.cluster, settings.node, nvml=nvml,
+                self.log.warning("fault_stream_not_ensured", error=repr(err))
+            self.publisher.ensure_stream = lambda: ensure_fault_stream(js, settings,
+                                                                       timeout_s=settings.agent.publish_timeout_s)
+        self.publisher.attach(nc, js)
+        self.log.info("nats_connected", url=settings.nats_url, spool_depth=self.spool.depth)
+        await self._start_diag(nc)
+        self.connected.set()
+        await self._heartbeats(nc)
+
+    async def _nats_error(self, err: Exception) -> None:
+        if time.monotonic() - self.nats_error_logged_at > NATS_ERROR_LOG_EVERY_S:
+            self.nats_error_logged_at = time.monotonic()
+            self.log.warning("nats_unreachable", url=self.settings.nats_url, error=repr(err),
+                             spool_depth=self.spool.depth)
+
+    async def _nats_disconnected(self) -> None:
+        self.publisher.on_disconnected()
+
+    async def _nats_reconnected(self) -> None:
+        self.log.info("nats_reconnected", spool_depth=self.spool.depth)
+        self.publisher.on_reconnected()
+
+    async def _start_diag(self, nc: Any) -> None:
+        """Answer diagnostics, recovery requests (they share the diag subject) and `fleetmend sweep`
+        benchmarks (agents/bench.py) on this node's diag subject."""
+        settings = self.settings
+        diag = DiagResponder(nc, settings.cluster, settings.node, nvml=self.nvml,
                              expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path)
-        from agents.bench import GpuTools
-        from agents.recovery import RecoveryHandler  # recovery requests share the diag subject
-
-        from agents.lastboot import record_reboot_ordered
-
+        on_reboot = self._record_reboot_ordered if self.lastboot else None
         diag.recovery = RecoveryHandler(settings.cluster, settings.node, reboot_command=settings.policy.reboot_command,
-                                        gpu_reset_command=settings.policy.gpu_reset_command,
-                                        on_reboot=(lambda req: record_reboot_ordered(state, req.incident_id))
-                                        if lastboot else None)
-        diag.bench_command = settings.agent.bench_command  # `fleetmend sweep` (agents/bench.py)
+                                        gpu_reset_command=settings.policy.gpu_reset_command, on_reboot=on_reboot)
+        diag.bench_command = settings.agent.bench_command
         diag.gpu_tools = GpuTools(load_command=settings.agent.gpu_load_command,
                                   load_seconds=settings.agent.gpu_load_seconds,
                                   nvbandwidth_command=settings.agent.nvbandwidth_command,
                                   dcgm_command=settings.agent.sweep_dcgm_command)
         await diag.start()
-        conn["diag"] = diag
-        connected.set()
-        subject = heartbeat_subject(settings.cluster, settings.node)
-        while not stop.is_set():
+        self.diag = diag
+
+    def _record_reboot_ordered(self, req: Any) -> None:
+        record_reboot_ordered(self.state, req.incident_id)
+
+    async def _heartbeats(self, nc: Any) -> None:
+        """A heartbeat every `agent.heartbeat_interval_s` while connected (core NATS, fire and forget:
+        the next beat retries), until `stop`."""
+        subject = heartbeat_subject(self.settings.cluster, self.settings.node)
+        while not self.stop.is_set():
             if nc.is_connected:
-                hb = {"node": settings.node, "cluster": settings.cluster, "agent_version": __version__,
-                      "at": utcnow().isoformat(), "probes": dict(status), "spool_depth": spool.depth,
-                      "spool_dropped": spool.dropped_count, "faults_lost": publisher.lost_count,
-                      "spool_error": spool.error}
-                with contextlib.suppress(Exception):  # core NATS, fire and forget; next beat retries
+                hb = {"node": self.settings.node, "cluster": self.settings.cluster, "agent_version": __version__,
+                      "at": utcnow().isoformat(), "probes": dict(self.status), "spool_depth": self.spool.depth,
+                      "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
+                      "spool_error": self.spool.error}
+                with contextlib.suppress(Exception):
                     await nc.publish(subject, orjson.dumps(hb))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(settings.agent.heartbeat_interval_s):
-                    await stop.wait()
+                async with asyncio.timeout(self.settings.agent.heartbeat_interval_s):
+                    await self.stop.wait()
 
-    rc = 0
-    try:
-        async with asyncio.TaskGroup() as tg:
-            pub_task = tg.create_task(publisher.run(), name="publisher")
-            replay_task = tg.create_task(publisher.replay(), name="replay")
-            online_task = tg.create_task(online_services(), name="nats")
-            if once:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(settings.nats_connect_timeout_s):
-                        await connected.wait()
-            emit = metrics.counting_emit(publisher.emit)  # metrics: events by source/kind/severity
-            probe_tasks = [tg.create_task(_supervise(p, emit, status, not once, log), name=p.name)
-                           for p in probes]
-            perf_task = tg.create_task(_perf_loop(settings, conn, connected, stop, hardware_live=bool(
-                hardware if hardware is not None else (not once and kmsg_file is None and inject_file is None)),
-                nvml=nvml, log=log), name="perf")
-            stop_task = tg.create_task(stop.wait(), name="stop")
-            beat_task = tg.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
-            metrics.HEALTH.set_ready()  # /readyz: probes run (events spool while NATS is away)
-            if once:
-                done_task = tg.create_task(_gather(probe_tasks), name="probes")
-                await asyncio.wait([stop_task, done_task], return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await stop_task
+    async def perf(self) -> None:
+        """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
+        fire and forget: a sample lost while NATS is away is replaced by the next one). Live agents only."""
+        settings = self.settings
+        if not (settings.agent.perf.enabled and bool(self.hardware)):
+            return
+        await self.connected.wait()
+        sampler = build_perf_sampler(settings, self.nvml)
+        assert sampler is not None  # agent.perf.enabled, checked above
+        subject = perf_subject(settings.cluster, settings.node)
 
-            # -- shutdown: stop intake → finish in-flight → drain → close
-            for t in probe_tasks:
-                t.cancel()
-            try:
-                async with asyncio.timeout(shutdown_timeout_s):
-                    log.info("agent_flushing", queued=publisher.queue.qsize())
-                    await publisher.flush()
-                    if once and spool.depth and connected.is_set():
-                        log.info("agent_waiting_for_replay", spool_depth=spool.depth)
-                        await publisher.wait_spool_empty()
-            except TimeoutError:
-                log.warning("agent_shutdown_timeout", queued=publisher.queue.qsize(), spool_depth=spool.depth)
-            metrics.HEALTH.set_ready(False, "stopping")
-            for t in (pub_task, replay_task, online_task, stop_task, beat_task, perf_task):
-                t.cancel()
-            if once:
-                done_task.cancel()
-    finally:
-        await _close(conn, shutdown_timeout_s, log)
-        publisher.close()  # the spool I/O thread finishes its call; the spool is ours again
-        # Anything still queued (shutdown timeout) goes to disk rather than being lost.
-        while not publisher.queue.empty():
-            ev, _fut = publisher.queue.get_nowait()
-            try:
-                spool.append(ev.to_json_bytes(), ev.severity, ev.event_id)
-            except Exception as err:  # noqa: BLE001 - counted and logged; the agent is stopping anyway
-                publisher.record_lost(ev.event_id, getattr(err, "reason", type(err).__name__), str(err), kind=ev.kind)
-        spool.close()
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-    if lastboot:
-        from agents.lastboot import record_clean_stop
+        async def publish(sample: Any) -> None:
+            if self.nc is not None and self.nc.is_connected:
+                await self.nc.publish(subject, sample.to_json_bytes())
 
+        self.log.info("perf_sampling", subject=subject, interval_s=settings.agent.perf.interval_s)
+        await sampler.run(publish, self.stop)
+
+    async def shutdown(self) -> None:
+        """Stop intake (cancel the probes), flush the queue to JetStream or the spool (with `once`,
+        also wait for the replay while connected), within `shutdown_timeout_s`; then cancel the rest."""
+        for t in self.probe_tasks:
+            t.cancel()
+        publisher, spool = self.publisher, self.spool
         try:
-            record_clean_stop(state, settings.agent.host_root)  # the next boot is not an unexpected one
-        except OSError as err:
-            log.warning("clean_stop_not_recorded", error=repr(err))
-    left = spool.depth
-    log.info("agent_stopped", published=publisher.published_count, spooled=publisher.spooled_count,
-             replayed=publisher.replayed_count, lost=publisher.lost_count, spool_depth=left,
-             spool_dropped=spool.dropped_count)
-    if kmsg_file is not None and publisher.published_count + publisher.spooled_count == 0:
-        print(f"fleetmend agent: no kernel-log fault found in {kmsg_file}; the replay reads kernel logs "
-              "(dmesg, journald, /dev/kmsg records). For nvidia-smi, dcgmi or other tool output use "
-              "`fleetmend explain`.", file=sys.stderr)
-    if once and left:
-        print(f"fleetmend agent: {left} event(s) could not be published and remain in the spool at "
-              f"{spool.directory}; they are sent when the agent next runs with NATS reachable",
-              file=sys.stderr)
-        rc = 1
-    return rc
+            async with asyncio.timeout(self.shutdown_timeout_s):
+                self.log.info("agent_flushing", queued=publisher.queue.qsize())
+                await publisher.flush()
+                if self.once and spool.depth and self.connected.is_set():
+                    self.log.info("agent_waiting_for_replay", spool_depth=spool.depth)
+                    await publisher.wait_spool_empty()
+        except TimeoutError:
+            self.log.warning("agent_shutdown_timeout", queued=publisher.queue.qsize(), spool_depth=spool.depth)
+        metrics.HEALTH.set_ready(False, "stopping")
+        for t in self.service_tasks:
+            t.cancel()
+
+    async def close(self) -> None:
+        """Stop the diag responder, drain NATS, spool whatever is still queued, close the spool and
+        give the signals back. Runs however `run()` ended."""
+        await self._close_nats()
+        self.publisher.close()  # the spool I/O thread finishes its call; the spool is ours again
+        # Anything still queued (shutdown timeout) goes to disk rather than being lost.
+        while not self.publisher.queue.empty():
+            ev, _fut = self.publisher.queue.get_nowait()
+            try:
+                self.spool.append(ev.to_json_bytes(), ev.severity, ev.event_id)
+            except Exception as err:  # noqa: BLE001 - counted and logged; the agent is stopping anyway
+                self.publisher.record_lost(ev.event_id, getattr(err, "reason", type(err).__name__), str(err),
+                                           kind=ev.kind)
+        self.spool.close()
+        loop = asyncio.get_running_loop()
+        for sig in self.signals:
+            loop.remove_signal_handler(sig)
+
+    async def _close_nats(self) -> None:
+        """Stop the diag responder, then drain and close NATS (`close_nats`), within
+        `shutdown_timeout_s` in all."""
+        timeout_s = self.shutdown_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.diag is not None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.diag.stop()
+            except Exception as err:  # noqa: BLE001 - best effort at exit; the spool holds what matters
+                self.log.warning("diag_stop_failed", error=repr(err))
+        if self.nc is not None:
+            self.log.info("nats_draining")
+            await close_nats(self.nc, max(0.1, deadline - loop.time()))
+
+    def finish(self) -> int:
+        """Record the clean stop (lastboot), log the totals, say on stderr what a replay found nothing
+        in or left in the spool.
+
+        Returns:
+            0; with `once`, 1 when events are left in the spool (NATS unreachable).
+        """
+        if self.lastboot:
+            try:
+                record_clean_stop(self.state, self.settings.agent.host_root)  # the next boot is not an unexpected one
+            except OSError as err:
+                self.log.warning("clean_stop_not_recorded", error=repr(err))
+        publisher, left = self.publisher, self.spool.depth
+        self.log.info("agent_stopped", published=publisher.published_count, spooled=publisher.spooled_count,
+                      replayed=publisher.replayed_count, lost=publisher.lost_count, spool_depth=left,
+                      spool_dropped=self.spool.dropped_count)
+        if self.kmsg_file is not None and publisher.published_count + publisher.spooled_count == 0:
+            print(f"fleetmend agent: no kernel-log fault found in {self.kmsg_file}; the replay reads kernel logs "
+                  "(dmesg, journald, /dev/kmsg records). For nvidia-smi, dcgmi or other tool output use "
+                  "`fleetmend explain`.", file=sys.stderr)
+        if self.once and left:
+            print(f"fleetmend agent: {left} event(s) could not be published and remain in the spool at "
+                  f"{self.spool.directory}; they are sent when the agent next runs with NATS reachable",
+                  file=sys.stderr)
+            return 1
+        return 0
 
 
-async def _perf_loop(settings: Settings, conn: dict[str, Any], connected: asyncio.Event, stop: asyncio.Event, *,
-                     hardware_live: bool, nvml: Any, log: Any) -> None:
-    """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
-    fire and forget: a sample lost while NATS is away is replaced by the next one). Live agents only."""
-    if not (settings.agent.perf.enabled and hardware_live):
-        return
-    from fleetmend.subjects import perf_subject
+async def run_agent(settings: Settings, kmsg_file: Path | None = None, once: bool = False,
+                    stop: asyncio.Event | None = None, *, probes: list[Probe] | None = None,
+                    inject_file: Path | None = None, kmsg: bool = True, hardware: bool | None = None,
+                    nvml: Any = "default",
+                    shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+    """Run the node agent until `stop` is set (or, with `once`, until the probes are done); the
+    arguments are `Agent`'s.
 
-    await connected.wait()
-    sampler = build_perf_sampler(settings, nvml)
-    assert sampler is not None  # agent.perf.enabled, checked above
-    subject = perf_subject(settings.cluster, settings.node)
-
-    async def publish(sample: Any) -> None:
-        nc = conn.get("nc")
-        if nc is not None and nc.is_connected:
-            await nc.publish(subject, sample.to_json_bytes())
-
-    log.info("perf_sampling", subject=subject, interval_s=settings.agent.perf.interval_s)
-    await sampler.run(publish, stop)
+    Returns:
+        0; with `once`, 1 when events are left in the spool (NATS unreachable), after printing how
+        many to stderr.
+    """
+    return await Agent(settings, kmsg_file, once, stop, probes=probes, inject_file=inject_file, kmsg=kmsg,
+                       hardware=hardware, nvml=nvml, shutdown_timeout_s=shutdown_timeout_s).run()
 
 
 async def _gather(tasks: list[asyncio.Task[None]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _close(conn: dict[str, Any], timeout_s: float, log: Any) -> None:
-    """Stop the diag responder, then drain and close NATS (`close_nats`), within `timeout_s` in all."""
-    from fleetmend.infra.connect import close_nats
-
-    diag: DiagResponder | None = conn.get("diag")
-    nc = conn.get("nc")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    if diag is not None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await diag.stop()
-        except Exception as err:  # noqa: BLE001 - best effort at exit; the spool holds what matters
-            log.warning("diag_stop_failed", error=repr(err))
-    if nc is not None:
-        log.info("nats_draining")
-        await close_nats(nc, max(0.1, deadline - loop.time()))

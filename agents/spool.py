@@ -507,7 +507,7 @@ class Spool:
                 except OSError:
                     tmp.unlink(missing_ok=True)
                     raise
-                for r, off in zip(recs, offsets):
+                for r, off in zip(recs, offsets, strict=False):
                     r.offset = off
                 self._seg_sizes[seg] = offset
                 done.add(seg)

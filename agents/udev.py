@@ -115,7 +115,7 @@ class UdevProbe:
         self._log = structlog.get_logger("fleetmend.agent.udev").bind(cluster=cluster, node=node)
 
     def monitor(self) -> Any:
-        import pyudev
+        import pyudev  # lazy: a host without libudev loses this probe only (agents.probes)
 
         ctx = self.context or pyudev.Context()
         mon = pyudev.Monitor.from_netlink(ctx, source=self.source)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import nats
 import nats.errors
-import pytest
 
 from agents.publisher import MSG_ID_HEADER, Publisher
 from agents.runner import run_agent
@@ -237,11 +236,13 @@ async def test_agent_killed_while_nats_away_loses_nothing(nats_server, nc, uniqu
     assert {e.severity for _, e in got} == {Severity.FATAL, Severity.DEGRADED}
     print(f"replayed {n} spooled events after kill -9 in {time.monotonic() - t0:.2f}s (incl. process start)")
 
-KMSG_TEXT = """\
-[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.
-[ 1235.000000] NVRM: Xid (PCI:0000:86:00): 48, pid=1234, name=python, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.
-[ 1236.100000] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics SM Warp Exception on (GPC 0, TPC 0, SM 0): Illegal Instruction Encoding
-"""
+KMSG_TEXT = (
+    "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
+    "[ 1235.000000] NVRM: Xid (PCI:0000:86:00): 48, pid=1234, name=python, An uncorrectable double bit"
+    " error (DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.\n"
+    "[ 1236.100000] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics SM Warp Exception on (GPC 0,"
+    " TPC 0, SM 0): Illegal Instruction Encoding\n"
+)
 
 
 async def test_kmsg_file_replay_once_through_real_probe(nats_server, nc, unique: str, tmp_path: Path) -> None:
@@ -267,7 +268,7 @@ async def test_spool_io_runs_off_the_event_loop(tmp_path: Path) -> None:
     for name in ("append", "peek", "ack", "commit"):
         real = getattr(spool, name)
 
-        def spy(*a, _real=real, **kw):  # noqa: ANN002, ANN003
+        def spy(*a, _real=real, **kw):
             threads.add(threading.current_thread().name)
             return _real(*a, **kw)
 

@@ -170,7 +170,7 @@ def test_dev_up_killed_with_sigkill_leaves_nothing_behind(tmp_path: Path):
                 try:
                     return (await nc.request(diag_subject("devkill", "killnode"),
                                              b'{"type": "recovery", "op": "reboot"}', timeout=2)).data
-                except Exception:  # noqa: BLE001 - the agent is still connecting
+                except Exception:  # the agent is still connecting
                     await asyncio.sleep(0.3)
             raise AssertionError("the agent never answered")
         finally:

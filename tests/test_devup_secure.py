@@ -12,15 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-from fleetmend.infra import security
 from fleetmend.dev.servers import free_port
+from fleetmend.infra import security
 from tests.corpus_paths import corpus_case
 from tests.test_devup import _alive
 
 FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]
 
 
-def _wait(what: str, check, timeout_s: float = 120):  # noqa: ANN001
+def _wait(what: str, check, timeout_s: float = 120):
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:

@@ -21,11 +21,11 @@ import pytest
 
 from agents.runner import run_agent
 from agents.spool import Spool
-from fleetmend.infra import metrics
-from fleetmend.dev import servers
 from fleetmend.config import AgentSettings, Settings
-from fleetmend.errors import SpoolWriteError  # noqa
+from fleetmend.dev import servers
+from fleetmend.errors import SpoolWriteError
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.infra import metrics
 from fleetmend.subjects import FAULT_STREAM, diag_subject, fault_subject, heartbeat_subject
 from tests.conftest import assert_eventually
 
@@ -151,7 +151,7 @@ class ListProbe:
         self.q: asyncio.Queue[FaultEvent] = asyncio.Queue()
         self.futures: list[asyncio.Future] = []
 
-    async def run(self, emit) -> None:  # noqa: ANN001
+    async def run(self, emit) -> None:
         while True:
             fut = await emit(await self.q.get())
             self.futures.append(fut)
@@ -196,7 +196,7 @@ async def test_agent_survives_full_spool_keeps_heartbeats_and_resumes(tmp_path: 
             nc = await nats_py.connect(url)
             beats: list[dict] = []
 
-            async def on_hb(msg) -> None:  # noqa: ANN001
+            async def on_hb(msg) -> None:
                 beats.append(json.loads(msg.data))
 
             await nc.subscribe(heartbeat_subject(cluster, node), cb=on_hb)
@@ -225,7 +225,7 @@ async def test_agent_survives_full_spool_keeps_heartbeats_and_resumes(tmp_path: 
             async def stream_count() -> int:
                 try:
                     info = await js.stream_info(FAULT_STREAM, subjects_filter=fault_subject(cluster, node))
-                except Exception:  # noqa: BLE001 - not yet created
+                except Exception:  # not yet created
                     return 0
                 return (info.state.subjects or {}).get(fault_subject(cluster, node), 0)
 
@@ -241,5 +241,5 @@ async def test_agent_survives_full_spool_keeps_heartbeats_and_resumes(tmp_path: 
         assert agent.result() == 0
 
 
-async def _ge(coro, n: int) -> bool:  # noqa: ANN001
+async def _ge(coro, n: int) -> bool:
     return (await coro) >= n

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from agents.kmsg import parse_text
 from agents.parsers import dcgm, nvidia_smi, other
 from agents.parsers.common import Ctx
 from fleetmend.catalog import Catalog, default_catalog
@@ -28,8 +29,6 @@ __all__ = ["detect_kinds", "parse_any"]
 
 def detect_kinds(text: str) -> list[str]:
     """Formats present in `text` ("kmsg", "nvidia-smi", "dcgm", "other"); [] when none is recognised."""
-    from agents.kmsg import parse_text
-
     kinds = []
     if parse_text(text, node="n"):
         kinds.append("kmsg")
@@ -45,8 +44,6 @@ def detect_kinds(text: str) -> list[str]:
 
 def parse_any(text: str, cluster: str = "local", node: str = "local", catalog: Catalog | None = None) -> list[FaultEvent]:
     """Every recognised fault in `text`, kernel-log events first, then nvidia-smi, DCGM and other tools."""
-    from agents.kmsg import parse_text
-
     cat = catalog or default_catalog()
     ctx = Ctx(cluster=cluster, node=node, catalog=cat)
     events = parse_text(text, cluster=cluster, node=node, catalog=cat)

@@ -16,12 +16,14 @@ Formats (DCGM 2.x-4.x user guide; dcgm-exporter default counters):
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from agents.kmsg.matchers import normalize_bdf
 from agents.parsers.common import Ctx, judge_memory, to_int
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.sweep import lower_is_better
 
 SRC = Source.DCGM
 _CELLS = re.compile(r"^\|(.*)\|\s*$")
@@ -369,10 +371,6 @@ def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
     Raises:
         ValueError: no JSON object in `text`, or not a DCGM diagnostic report.
     """
-    import json
-
-    from fleetmend.sweep import lower_is_better
-
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end < start:
         raise ValueError(f"no JSON object in dcgmi output: {text[-300:]!r}")

@@ -299,7 +299,7 @@ def _csv(text: str, ctx: Ctx) -> list[FaultEvent]:
             continue
         if header is None or len(cells) != len(header):
             continue
-        row = dict(zip(header, cells))
+        row = dict(zip(header, cells, strict=False))
         action = row.get("gpu_recovery_action", "").strip()
         if action and action.lower() not in ("none", "n/a", "[n/a]", "not supported", "[not supported]"):
             bdf0 = normalize_bdf(row.get("pci.bus_id"))

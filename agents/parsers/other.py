@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import re
 
+from agents.kmsg.matchers import normalize_bdf
 from agents.parsers.common import Ctx, to_int
+from agents.parsers.dcgm import component_of
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 
 _PLUGIN_XID = re.compile(r"XidCriticalError:\s*Xid=(\d+)(?:\s+on\s+Device=(\S+?)[;,]?(?:\s|$))?")
@@ -52,8 +54,10 @@ _SEL_SHORT = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|\s*(Asserted|De
 _NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?Got async event\s*:\s*local catastrophic error"
                          r"(?:\s*\((?P<dev2>[^)]*)\))?", re.I)
 _AUTOPILOT = re.compile(r"autopilot\.ibm\.com/(?P<key>[\w.-]+)=(?P<val>\S+)")
-_KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
-_IML = re.compile(r"^\s*(?:(?P<sev>CRITICAL|CAUTION|REPAIRED|INFORMATIONAL)\s*:\s*|.*\b(?P<sev2>Critical|Caution)\b.*?\|\s*)(?P<msg>.+?)\s*$")
+_KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)"
+                     r"\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
+_IML = re.compile(r"^\s*(?:(?P<sev>CRITICAL|CAUTION|REPAIRED|INFORMATIONAL)\s*:\s*"
+                  r"|.*\b(?P<sev2>Critical|Caution)\b.*?\|\s*)(?P<msg>.+?)\s*$")
 _IML_WORDS = ("CRITICAL", "CAUTION", "Critical", "Caution")
 _RAS_SECTION = re.compile(r"^(?P<name>Memory controller events|PCIe AER events|MCE (?:events|records)|Extlog|"
                           r"Memory failure events)", re.I)
@@ -78,7 +82,7 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
                              raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
     for m in _NCCL_FATAL.finditer(text):
         dev = m.group("dev") or m.group("dev2")
-        out.append(ctx.event("ib_device_fatal", Component.IB, Severity.FATAL, f"NCCL NET/IB: local catastrophic error"
+        out.append(ctx.event("ib_device_fatal", Component.IB, Severity.FATAL, "NCCL NET/IB: local catastrophic error"
                              + (f" on {dev}" if dev else "") + " (IBV_EVENT_DEVICE_FATAL: the HCA is dead)",
                              Source.INJECT, device=Device(name=dev.split(":")[0] if dev else None),
                              raw=_line_of(text, m.start()), attrs={"text_kind": "nccl"}))
@@ -231,12 +235,11 @@ def _ras_mc_ctl(text: str, ctx: Ctx) -> list[FaultEvent]:
             groups[key] = (comp, sev, [])
         groups[key][2].append(t)
     out: list[FaultEvent] = []
-    from agents.kmsg.matchers import normalize_bdf
-
     for (kind, dev), (comp, sev, lines) in groups.items():
         bdf = normalize_bdf(dev) if dev and comp is Component.PCIE else None
         device = Device(pci_bus_id=bdf) if bdf else Device(name=dev[:64] if dev else None)
-        out.append(ctx.event(kind, comp, sev, f"ras-mc-ctl: {lines[0]}" + (f" (+{len(lines) - 1} more)" if len(lines) > 1 else ""),
+        more = f" (+{len(lines) - 1} more)" if len(lines) > 1 else ""
+        out.append(ctx.event(kind, comp, sev, f"ras-mc-ctl: {lines[0]}" + more,
                              Source.KMSG, device=device, raw="\n".join(lines[:50]),
                              attrs={"text_kind": "ras-mc-ctl", "records": len(lines)}))
     return out
@@ -256,8 +259,6 @@ def _autopilot(text: str, ctx: Ctx) -> list[FaultEvent]:
             if "." in test:
                 test, _, ids = test.partition(".")
                 gpu = to_int(ids.split(".")[0]) if ids[:1].isdigit() else None
-            from agents.parsers.dcgm import component_of
-
             out.append(ctx.event("dcgm_diag_fail", component_of(test), Severity.FATAL,
                                  f"Autopilot {key}: DCGM test {test} failed" + (f" on GPU {gpu}" if gpu is not None else ""),
                                  Source.DCGM, device=Device(index=gpu), raw=_line_of(text, m.start()).strip(),
@@ -287,7 +288,8 @@ def _mcelog(text: str, ctx: Ctx) -> list[FaultEvent]:
         attrs = {"text_kind": "mcelog", "bank": int(cpu.group(2)) if cpu else None}
         if re.search(r"Uncorrected error|Processor context corrupt|PCC\b", rec):
             out.append(ctx.event("mce_uncorrected", Component.CPU, Severity.FATAL,
-                                 "mcelog: uncorrected machine check" + (f" (CPU {cpu.group(1)} bank {cpu.group(2)})" if cpu else ""),
+                                 "mcelog: uncorrected machine check"
+                                 + (f" (CPU {cpu.group(1)} bank {cpu.group(2)})" if cpu else ""),
                                  Source.KMSG, device=dev, raw=rec, attrs=attrs))
         elif re.search(r"Corrected error", rec):
             out.append(ctx.event("mce", Component.CPU, Severity.INFO, "mcelog: corrected machine check", Source.KMSG,

@@ -31,7 +31,7 @@ from statistics import median
 from typing import Any
 
 from fleetmend import __version__
-from fleetmend.analyzer.metrics import Derived, MetricSpec, device_of, specs_for
+from fleetmend.analyzer.metrics import SPECS, Derived, MetricSpec, device_of, specs_for
 from fleetmend.config import AnalyzerSettings
 from fleetmend.events import FaultEvent, Severity, Source
 
@@ -244,8 +244,6 @@ def finding_event(f: Finding, cluster: str, spec: MetricSpec | None = None) -> F
     The event id is derived from the window end, node and metric, so two replicas reporting the same
     finding (a failover inside the window) are deduplicated by JetStream's Nats-Msg-Id.
     """
-    from fleetmend.analyzer.metrics import SPECS
-
     spec = spec or SPECS.get(f.metric)
     ns = int(f.window_end * 1e9)
     suffix = hashlib.sha1(f"{cluster}/{f.node}/{f.metric}".encode()).hexdigest()[:8]

@@ -5,9 +5,9 @@
   `grace_s` after it ends (wall clock).
 - One active replica per cluster: a `fleetmend.infra.lease.KvLease` on key `lease.<cluster>` of the KV
   bucket `fleetmend_analyzer` (compare-and-set on revisions, no clock sync; renewed every tick, at
-  most `lease_ttl_s / 3` apart; a standby takes over when the key has not changed for `lease_ttl_s`). Both replicas keep the windows; only the
-  active one publishes findings and writes the state, and a replica that becomes active first loads
-  the state the previous holder wrote.
+  most `lease_ttl_s / 3` apart; a standby takes over when the key has not changed for `lease_ttl_s`).
+  Both replicas keep the windows; only the active one publishes findings and writes the state, and a
+  replica that becomes active first loads the state the previous holder wrote.
 - State `state.<cluster>` (streaks, their evidence, report times; `Comparator.to_state`) is written
   after every judged window, so a restart or failover keeps counting where it was.
 - A finding becomes a `fail_slow` FaultEvent published on the node's fault subject through
@@ -35,13 +35,19 @@ from datetime import datetime, timezone
 from typing import Any
 
 import structlog
+from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
 from fleetmend import subjects
 from fleetmend.analyzer.core import Comparator, WindowResult, finding_event
 from fleetmend.analyzer.metrics import MetricSpec, derive
-from fleetmend.events import Component
 from fleetmend.config import Settings
+from fleetmend.events import Component
+from fleetmend.infra import metrics
+from fleetmend.infra.connect import close_nats, connect_nats
+from fleetmend.infra.jetstream import ensure_perf_stream
+from fleetmend.infra.lease import KvLease
 from fleetmend.telemetry import PerfSample
 
 log = structlog.get_logger("fleetmend.analyzer")
@@ -72,9 +78,6 @@ def state_key(cluster: str) -> str:
 
 async def analyzer_kv(js: Any) -> Any:
     """The analyzer's KV bucket (created when missing; history 1, file storage)."""
-    from nats.js.api import KeyValueConfig
-    from nats.js.errors import BucketNotFoundError
-
     try:
         return await js.key_value(subjects.ANALYZER_KV_BUCKET)
     except BucketNotFoundError:
@@ -99,8 +102,6 @@ class Analyzer:
         self.nc, self.js, self.kv = nc, js, kv
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.clock = clock
-        from fleetmend.infra.lease import KvLease
-
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
         self.comparator = Comparator(self.cfg)
         self.jobs = job_comparator(self.cfg)
@@ -121,8 +122,6 @@ class Analyzer:
 
     async def start(self) -> None:
         """Subscribe to the cluster's perf samples from `window_s + grace_s` ago."""
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
         since = datetime.fromtimestamp(self.clock() - self.cfg.window_s - self.cfg.grace_s, timezone.utc)
         self._sub = await self._ordered(subjects.cluster_perf_subject(self.cluster), subjects.PERF_STREAM, since,
                                         self._on_msg)
@@ -134,8 +133,6 @@ class Analyzer:
         by start *sequence* but keeps the start *time* of the first request, which the server refuses
         (err 10094); the stored time is cleared once the consumer exists, so a recreation resumes by
         sequence as intended."""
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
                              opt_start_time=since.isoformat().replace("+00:00", "Z"))
         sub = await self.js.subscribe(subject, stream=stream, cb=cb, ordered_consumer=True, config=cfg)
@@ -179,9 +176,9 @@ class Analyzer:
 
     def add(self, sample: PerfSample) -> bool:
         """File one sample into its window. Returns False for a late one (window already judged)."""
-        _busy, metrics = derive(sample, self.cfg.busy_util_pct)
+        _busy, derived = derive(sample, self.cfg.busy_util_pct)
         self.samples += 1
-        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), metrics)
+        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived)
 
     async def _deadletter(self, msg: Any, reason: str) -> None:
         record = {"reason": reason, "subject": msg.subject, "at": datetime.now(timezone.utc).isoformat(),
@@ -210,8 +207,6 @@ class Analyzer:
             self._log.info("analyzer_active")
         elif was and not self.active:
             self._log.info("analyzer_standby")
-        from fleetmend.infra import metrics
-
         metrics.ANALYZER_ACTIVE.labels(self.cluster).set(1 if self.active else 0)
         return self.active
 
@@ -222,8 +217,6 @@ class Analyzer:
         self.active = False
 
     async def load_state(self) -> None:
-        from nats.js.errors import KeyNotFoundError
-
         try:
             entry = await self.kv.get(state_key(self.cluster))
         except KeyNotFoundError:
@@ -240,8 +233,6 @@ class Analyzer:
 
     async def tick(self) -> list[WindowResult]:
         """Renew the lease, judge every due window, publish findings and save state (active only)."""
-        from fleetmend.infra import metrics
-
         active = await self.lease()
         results = []
         now = self.clock()
@@ -326,9 +317,6 @@ class Analyzer:
 
 async def run_analyzer(settings: Settings, stop: asyncio.Event) -> None:
     """Run one analyzer replica until `stop` is set (perf stream and KV bucket ensured at start)."""
-    from fleetmend.infra import metrics
-    from fleetmend.infra.connect import close_nats, connect_nats
-    from fleetmend.infra.jetstream import ensure_perf_stream
 
     nc = await connect_nats(settings, name=f"fleetmend-analyzer-{settings.cluster}")
     js = nc.jetstream(timeout=10.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -28,11 +29,14 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
 import structlog
 
-from fleetmend.dev import servers
 from fleetmend.config import Settings
+from fleetmend.dev import servers
 from fleetmend.errors import ConfigError
+from fleetmend.infra import security
+from fleetmend.infra.connect import connect_temporal
 from fleetmend.infra.process import stop_on_signals
 
 log = structlog.get_logger("fleetmend.dev.devup")
@@ -43,8 +47,6 @@ WATCHDOG_POLL_S = 0.2
 
 
 def _write_pids(path: Path, procs: list[servers.ManagedProcess]) -> None:
-    import psutil
-
     rows = []
     for p in procs:
         if p.alive() and p.pid is not None:
@@ -63,12 +65,17 @@ def start_watchdog(pid_file: Path) -> subprocess.Popen:
                             start_new_session=True, stdin=subprocess.DEVNULL)
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def watchdog_main(argv: list[str]) -> None:
     """`<parent pid> <pid file>`: wait until the parent is gone, then stop the process groups listed
     in the pid file (SIGTERM, then SIGKILL after `WATCHDOG_GRACE_S`). SIGTERM to the watchdog
     itself (the parent's clean stop) ends it without touching anything."""
-    import psutil
-
     parent, pid_file = int(argv[0]), Path(argv[1])
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -89,13 +96,7 @@ def watchdog_main(argv: list[str]) -> None:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + WATCHDOG_GRACE_S
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    while time.monotonic() < deadline and any(running(p) for p in groups):
+    while time.monotonic() < deadline and any(_running(p) for p in groups):
         time.sleep(WATCHDOG_POLL_S)
     for pid in groups:  # leaders past their grace, and whatever they left in their group
         with contextlib.suppress(OSError):
@@ -139,8 +140,6 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
 
     Returns (nats-server config file, environment of each child: worker, router, analyzer, agent).
     """
-    from fleetmend.infra import security
-
     cdir = s.state_dir / "creds"
     nodes = sorted({s.node} | {p.stem for p in (cdir / "nodes").glob("*.nk")})
     cs = security.generate(cdir, s.cluster, nodes)
@@ -157,8 +156,6 @@ def secure_setup(s: Settings) -> tuple[Path, dict[str, dict[str, str]]]:
 
 async def _retention(s: Settings) -> None:
     """Closed incidents are kept `temporal_retention_days` (the dev server's own default is 1 day)."""
-    from fleetmend.infra.connect import connect_temporal
-
     client = await connect_temporal(s)
     _, days = await servers.ensure_retention(client, s.temporal_namespace, s.temporal_retention_days)
     print(f"retention       closed incidents kept {days:g} days (temporal_retention_days)", flush=True)
@@ -173,8 +170,6 @@ def lock_state_dir(state: Path) -> int | None:
     Returns:
         The lock's file descriptor (keep it open), or None when another process holds the lock.
     """
-    import fcntl
-
     fd = os.open(state / "devup.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -186,112 +181,157 @@ def lock_state_dir(state: Path) -> int | None:
     return fd
 
 
+PIPELINE = ("worker", "router", "analyzer", "agent")
+"""The pipeline processes `dev up` starts as children (the same commands production runs)."""
+RESTARTS_PER_MINUTE = 5
+"""A child that exits this many times within 60 s stops `dev up` (exit 1) instead of restarting again."""
+
+
+class DevUp:
+    """One `dev up` run: `lock()` the state directory, `start_servers()`, `start_children()`,
+    `watch()` them until SIGINT/SIGTERM, then `stop_all()` in reverse order. `dev_up(...)` is the
+    usual way in; the arguments are its."""
+
+    def __init__(self, s: Settings, *, agent: bool = True, config: Path | None = None,
+                 secure: bool = False) -> None:
+        self.s = s
+        self.agent, self.config, self.secure = agent, config, secure
+        self.state = s.state_dir
+        self.pid_file = self.state / "devup.pids"
+        self.started: list[servers.ManagedProcess] = []
+        """Everything started, in order (what `stop_all()` stops and the pid file lists)."""
+        self.servers: list[servers.ManagedProcess] = []
+        self.children: list[servers.ManagedProcess] = []
+        self.role_env: dict[str, dict[str, str]] = {}
+        self.failed = False
+        """A server died or a process kept failing: exit 1, not a clean stop."""
+
+    async def run(self) -> int:
+        """Returns the exit code (0 on a clean stop; 1 when another `dev up` holds the state
+        directory, a server died, or a process kept failing)."""
+        (self.state / "logs").mkdir(parents=True, exist_ok=True)
+        if not self.lock():
+            return 1
+        nats_addr = _host_port(self.s.nats_url, "FLEETMEND_NATS_URL")
+        temporal_addr = _host_port(self.s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
+        stop = stop_on_signals(deadline_s=120.0)  # children get 45 s, then the servers 20 s each
+        _write_pids(self.pid_file, [])
+        watchdog = start_watchdog(self.pid_file)
+        try:
+            await self.start_servers(nats_addr, temporal_addr)
+            self.start_children()
+            await self.watch(stop)
+            return 1 if self.failed else 0
+        except servers.ServerStartError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            await self.stop_all(watchdog)
+
+    def lock(self) -> bool:
+        """Take the state directory (`lock_state_dir`); False, after saying who holds it, when another
+        `dev up` does."""
+        if lock_state_dir(self.state) is not None:
+            return True
+        holder = (self.state / "devup.lock").read_text().strip() or "?"
+        print(f"error: another `fleetmend dev up` (pid {holder}) uses {self.state}; stop it, or set "
+              "FLEETMEND_STATE_DIR to another directory", file=sys.stderr, flush=True)
+        return False
+
+    def _started(self, proc: servers.ManagedProcess) -> None:
+        self.started.append(proc)
+        _write_pids(self.pid_file, self.started)
+
+    async def start_servers(self, nats_addr: tuple[str, int], temporal_addr: tuple[str, int]) -> None:
+        """nats-server (with `secure_setup`'s config under `secure`), then the Temporal dev server,
+        ready and with its retention set."""
+        s, state = self.s, self.state
+        nats_conf, self.role_env = secure_setup(s) if self.secure else (None, {})
+        nats = servers.start_nats(state / "nats", nats_addr[1], host=nats_addr[0],
+                                  log_path=state / "logs" / "nats.log", config_file=nats_conf)
+        self.servers.append(nats)
+        self._started(nats)
+        print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
+        if self.secure:
+            print(f"credentials     {state / 'creds'}  (operator commands: FLEETMEND_NATS_NKEY_SEED="
+                  f"{state / 'creds' / 'admin.nk'})", flush=True)
+        temporal = servers.start_temporal(state / "temporal.db", temporal_addr[1], s.temporal_ui_port,
+                                          host=temporal_addr[0], log_path=state / "logs" / "temporal.log")
+        self.servers.append(temporal)
+        self._started(temporal)
+        await servers.wait_temporal_ready(s.temporal_address, s.temporal_namespace)
+        await _retention(s)
+        print(f"temporal        {s.temporal_address}  (SQLite {state / 'temporal.db'})", flush=True)
+        print(f"Temporal UI     {s.temporal_ui_url}/namespaces/{s.temporal_namespace}/workflows", flush=True)
+
+    def start_children(self) -> None:
+        """The worker, router, analyzer and (unless `agent=False`) the agent, each with its role's
+        environment."""
+        env = child_env(self.s)
+        base = [sys.executable, "-m", "fleetmend.cli.main"]
+        cfg = ["--config", str(self.config)] if self.config else []
+        logs = self.state / "logs"
+        names = [n for n in PIPELINE if n != "agent" or self.agent]
+        self.children = [servers.ManagedProcess(n, [*base, n, *cfg], logs / f"{n}.log",
+                                                env={**env, **self.role_env.get(n, {})}) for n in names]
+        for c in self.children:
+            c.start()
+            self._started(c)
+            print(f"{c.name:<15} pid {c.pid}  log {c.log_path}", flush=True)
+        print(f"state           {self.state}", flush=True)
+        print("ready: replay a log with `fleetmend agent --node NAME --kmsg-file FILE --once`; "
+              "`fleetmend status`; Ctrl-C stops everything", flush=True)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Once a second until `stop`: a server that died stops everything; a child that died is
+        restarted, unless it did so `RESTARTS_PER_MINUTE` times in the last 60 s."""
+        restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            for proc in self.servers:
+                if not proc.alive() and not stop.is_set():
+                    print(f"{proc.name} exited unexpectedly; stopping. log tail:\n{proc.log_tail()}", flush=True)
+                    self.failed = True
+                    stop.set()
+            for c in self.children:
+                if c.alive() or stop.is_set():
+                    continue
+                recent = [t for t in restarts[c.name] if time.monotonic() - t < 60]
+                restarts[c.name] = recent
+                if len(recent) >= RESTARTS_PER_MINUTE:
+                    print(f"{c.name} keeps failing ({RESTARTS_PER_MINUTE} restarts in 60 s); stopping. "
+                          f"log tail:\n{c.log_tail()}", flush=True)
+                    self.failed = True
+                    stop.set()
+                    break
+                print(f"{c.name} exited (code {c.proc.returncode if c.proc else '?'}); restarting", flush=True)
+                restarts[c.name].append(time.monotonic())
+                c.start()
+                _write_pids(self.pid_file, self.started)
+
+    async def stop_all(self, watchdog: subprocess.Popen) -> None:
+        """Pipeline processes first, all at once (each finishes its in-flight work, 45 s), then the
+        servers in reverse order (20 s each); then the pid file and the watchdog go."""
+        print("stopping: " + ", ".join(p.name for p in reversed(self.started)), flush=True)
+        pipeline = [p for p in self.started if p.name in PIPELINE]
+        for p in pipeline:
+            p.terminate()
+        for p in pipeline:
+            await asyncio.to_thread(p.stop, 45.0)
+        for p in reversed([p for p in self.started if p not in pipeline]):
+            await asyncio.to_thread(p.stop, 20.0)
+        with contextlib.suppress(OSError):
+            self.pid_file.unlink()
+        watchdog.terminate()
+        await asyncio.to_thread(watchdog.wait, 10)
+        print("stopped", flush=True)
+
+
 async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False) -> int:
     """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop; 1 when
     another `dev up` holds the state directory, a server died, or a process kept failing).
 
     `secure`: NATS requires the per-role credentials of `secure_setup`, and each child connects
     with its own (the agent with its node's, the router and worker with theirs)."""
-    state = s.state_dir
-    (state / "logs").mkdir(parents=True, exist_ok=True)
-    if lock_state_dir(state) is None:
-        holder = (state / "devup.lock").read_text().strip() or "?"
-        print(f"error: another `fleetmend dev up` (pid {holder}) uses {state}; stop it, or set "
-              "FLEETMEND_STATE_DIR to another directory", file=sys.stderr, flush=True)
-        return 1
-    nats_host, nats_port = _host_port(s.nats_url, "FLEETMEND_NATS_URL")
-    t_host, t_port = _host_port(s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
-
-    stop = stop_on_signals(deadline_s=120.0)  # children get 45 s, then the servers 20 s each
-
-    started: list[servers.ManagedProcess] = []
-    pid_file = state / "devup.pids"
-    _write_pids(pid_file, [])
-    watchdog = start_watchdog(pid_file)
-    try:
-        nats_conf, role_env = secure_setup(s) if secure else (None, {})
-        nats = servers.start_nats(state / "nats", nats_port, host=nats_host, log_path=state / "logs" / "nats.log",
-                                  config_file=nats_conf)
-        started.append(nats)
-        _write_pids(pid_file, started)
-        print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
-        if secure:
-            print(f"credentials     {state / 'creds'}  (operator commands: FLEETMEND_NATS_NKEY_SEED="
-                  f"{state / 'creds' / 'admin.nk'})", flush=True)
-        temporal = servers.start_temporal(state / "temporal.db", t_port, s.temporal_ui_port, host=t_host,
-                                          log_path=state / "logs" / "temporal.log")
-        started.append(temporal)
-        _write_pids(pid_file, started)
-        await servers.wait_temporal_ready(s.temporal_address, s.temporal_namespace)
-        await _retention(s)
-        print(f"temporal        {s.temporal_address}  (SQLite {state / 'temporal.db'})", flush=True)
-        print(f"Temporal UI     {s.temporal_ui_url}/namespaces/{s.temporal_namespace}/workflows", flush=True)
-
-        env = child_env(s)
-        base = [sys.executable, "-m", "fleetmend.cli.main"]
-        cfg = ["--config", str(config)] if config else []
-        children = [
-            servers.ManagedProcess("worker", base + ["worker"] + cfg, state / "logs" / "worker.log",
-                                   env={**env, **role_env.get("worker", {})}),
-            servers.ManagedProcess("router", base + ["router"] + cfg, state / "logs" / "router.log",
-                                   env={**env, **role_env.get("router", {})}),
-            servers.ManagedProcess("analyzer", base + ["analyzer"] + cfg, state / "logs" / "analyzer.log",
-                                   env={**env, **role_env.get("analyzer", {})}),
-        ]
-        if agent:
-            children.append(servers.ManagedProcess("agent", base + ["agent"] + cfg, state / "logs" / "agent.log",
-                                                   env={**env, **role_env.get("agent", {})}))
-        for c in children:
-            c.start()
-            started.append(c)
-            _write_pids(pid_file, started)
-            print(f"{c.name:<15} pid {c.pid}  log {c.log_path}", flush=True)
-        print(f"state           {state}", flush=True)
-        print("ready: replay a log with `fleetmend agent --node NAME --kmsg-file FILE --once`; "
-              "`fleetmend status`; Ctrl-C stops everything", flush=True)
-
-        restarts: dict[str, list[float]] = {c.name: [] for c in children}
-        failed = False  # a server died or a process kept failing: exit 1, not a clean stop
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                pass
-            for proc in (nats, temporal):
-                if not proc.alive() and not stop.is_set():
-                    print(f"{proc.name} exited unexpectedly; stopping. log tail:\n{proc.log_tail()}", flush=True)
-                    failed = True
-                    stop.set()
-            for c in children:
-                if not c.alive() and not stop.is_set():
-                    recent = [t for t in restarts[c.name] if time.monotonic() - t < 60]
-                    restarts[c.name] = recent
-                    if len(recent) >= 5:
-                        print(f"{c.name} keeps failing (5 restarts in 60 s); stopping. log tail:\n{c.log_tail()}",
-                              flush=True)
-                        failed = True
-                        stop.set()
-                        break
-                    print(f"{c.name} exited (code {c.proc.returncode if c.proc else '?'}); restarting", flush=True)
-                    restarts[c.name].append(time.monotonic())
-                    c.start()
-                    _write_pids(pid_file, started)
-        return 1 if failed else 0
-    except servers.ServerStartError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        print("stopping: " + ", ".join(p.name for p in reversed(started)), flush=True)
-        # Pipeline processes first, all at once (each finishes its in-flight work), then the servers.
-        pipeline = [p for p in started if p.name in ("agent", "router", "worker", "analyzer")]
-        for p in pipeline:
-            p.terminate()
-        for p in pipeline:
-            await asyncio.to_thread(p.stop, 45.0)
-        for p in reversed([p for p in started if p not in pipeline]):
-            await asyncio.to_thread(p.stop, 20.0)
-        with contextlib.suppress(OSError):
-            pid_file.unlink()
-        watchdog.terminate()
-        await asyncio.to_thread(watchdog.wait, 10)
-        print("stopped", flush=True)
+    return await DevUp(s, agent=agent, config=config, secure=secure).run()

@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from fleetmend import subjects
 from fleetmend.analyzer.metrics import Derived
+from fleetmend.infra.connect import close_nats, connect_nats
+from fleetmend.infra.jetstream import ensure_perf_stream
 from fleetmend.telemetry import GpuPerf, HardwareClass, HostPerf, PerfSample, PortPerf
 
 _MASK = (1 << 16) - 1
@@ -261,10 +264,6 @@ async def run_perf_sim(settings: Any, fleet: PerfFleet, duration_s: float, inter
     """Publish `fleet`'s samples to NATS (core publish on each node's perf subject, captured by the perf
     stream, as the agent does), every node once per `interval_s`, spread over the interval, for
     `duration_s` seconds (or until `stop`). Returns {"samples": n, "intervals": n}."""
-    from fleetmend import subjects
-    from fleetmend.infra.connect import close_nats, connect_nats
-    from fleetmend.infra.jetstream import ensure_perf_stream
-
     stop = stop or asyncio.Event()
     nc = await connect_nats(settings, name=f"fleetmend-perfsim-{fleet.cluster}")
     try:

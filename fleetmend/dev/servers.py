@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -61,8 +62,6 @@ def find_binary(name: str) -> str:
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -243,7 +242,7 @@ def start_temporal(db_file: Path, port: int, ui_port: int, host: str = "127.0.0.
 
 async def wait_temporal_ready(address: str, namespace: str = "default", timeout_s: float = 60.0) -> None:
     """Wait until the frontend answers and the namespace exists (a TCP accept comes earlier)."""
-    from temporalio.client import Client
+    from temporalio.client import Client  # lazy: who starts only nats-server (tests, benches) skips temporalio
 
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
@@ -270,6 +269,7 @@ async def ensure_retention(client: Any, namespace: str, days: int) -> tuple[floa
     Raises:
         temporalio.service.RPCError: the namespace does not exist or the update was refused.
     """
+    # lazy, as above: only `dev up` and the Temporal fixtures set a retention
     from google.protobuf.duration_pb2 import Duration
     from temporalio.api.namespace.v1 import NamespaceConfig
     from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest, UpdateNamespaceRequest

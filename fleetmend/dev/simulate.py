@@ -18,6 +18,7 @@ rate) or `fault_rate_per_s` to set the fleet-wide rate directly.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import time
 from collections import Counter
@@ -25,9 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import orjson
 import structlog
 
+from agents.kmsg import KmsgParser
+from agents.publisher import Publisher
+from agents.spool import Spool
+from fleetmend import __version__, subjects
+from fleetmend.catalog import Catalog, default_catalog
 from fleetmend.config import Settings
+from fleetmend.events import utcnow
+from fleetmend.infra.connect import close_nats, connect_nats
+from fleetmend.infra.jetstream import ensure_fault_stream
 
 log = structlog.get_logger("fleetmend.sim")
 
@@ -117,107 +127,124 @@ def fleet_rate_per_s(cfg: SimConfig) -> float:
     return cfg.nodes * LLAMA3_RATE_PER_NODE_DAY * cfg.accelerate / 86_400.0
 
 
-async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None = None,
-                  on_event: Callable[[str, Any], None] | None = None) -> SimReport:
-    """Run the simulated fleet for `cfg.duration_s` (or until `stop`). Returns a `SimReport`."""
-    import orjson
+class FleetSim:
+    """One simulator run: `start()` connects and ensures the fault stream, `run()` sends heartbeats
+    and fault lines until `cfg.duration_s` is up (or `stop`), then `close()` replays what the
+    publishers spooled and drains NATS. `run_sim(...)` is the usual way in; the arguments are its."""
 
-    from agents.kmsg import KmsgParser
-    from agents.publisher import Publisher
-    from agents.spool import Spool
-    from fleetmend import __version__, subjects
-    from fleetmend.events import utcnow
-    from fleetmend.catalog import default_catalog
-    from fleetmend.infra.connect import close_nats, connect_nats
-    from fleetmend.infra.jetstream import ensure_fault_stream
+    def __init__(self, settings: Settings, cfg: SimConfig, stop: asyncio.Event | None = None,
+                 on_event: Callable[[str, Any], None] | None = None) -> None:
+        self.settings, self.cfg = settings, cfg
+        self.stop = stop or asyncio.Event()
+        self.on_event = on_event
+        self.rng = random.Random(cfg.seed)
+        self.state = (cfg.state_dir or settings.state_dir / "sim") / cfg.cluster
+        self.report = SimReport(nodes=cfg.nodes, duration_s=cfg.duration_s)
+        self.publishers: dict[str, Publisher] = {}
+        self.parsers: dict[str, KmsgParser] = {}
+        self.categories = [c for c, _n, _m in FAILURE_MIX]
+        self.weights = [n for _c, n, _m in FAILURE_MIX]
+        self.makers = {c: m for c, _n, m in FAILURE_MIX}
+        self.catalog: Catalog | None = None
+        self.spool_io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-spool-io")
+        """One thread for every node's spool I/O (threads start when first used)."""
+        self.nc: Any = None
+        self.js: Any = None
 
-    stop = stop or asyncio.Event()
-    rng = random.Random(cfg.seed)
-    state = (cfg.state_dir or settings.state_dir / "sim") / cfg.cluster
-    nc = await connect_nats(settings, name=f"fleetmend-sim-{cfg.cluster}")
-    js = nc.jetstream(timeout=settings.agent.publish_timeout_s)
-    await ensure_fault_stream(js, settings)
-    catalog = default_catalog()
-    report = SimReport(nodes=cfg.nodes, duration_s=cfg.duration_s)
-    publishers: dict[str, Publisher] = {}
-    parsers: dict[str, KmsgParser] = {}
-    categories = [c for c, _n, _m in FAILURE_MIX]
-    weights = [n for _c, n, _m in FAILURE_MIX]
-    makers = {c: m for c, _n, m in FAILURE_MIX}
-    t0 = time.monotonic()
+    async def start(self) -> None:
+        self.nc = await connect_nats(self.settings, name=f"fleetmend-sim-{self.cfg.cluster}")
+        self.js = self.nc.jetstream(timeout=self.settings.agent.publish_timeout_s)
+        await ensure_fault_stream(self.js, self.settings)
+        self.catalog = default_catalog()
 
-    import concurrent.futures
+    async def run(self) -> SimReport:
+        """Returns the `SimReport`."""
+        await self.start()
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(x()) for x in (self.heartbeats, self.faults, self.timer)]
+        try:
+            await self.stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+        report = self.report
+        report.duration_s = time.monotonic() - t0
+        log.info("sim_finished", nodes=self.cfg.nodes, fault_lines=report.fault_lines,
+                 published=report.events_published, heartbeats=report.heartbeats_sent)
+        return report
 
-    spool_io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-spool-io")
+    async def close(self) -> None:
+        for p in self.publishers.values():
+            await p.replay_once()
+        await close_nats(self.nc)
 
-    def publisher(node: str) -> Publisher:
-        if node not in publishers:
-            spool = Spool(state / node / "spool", settings.agent.spool_max_bytes)
-            p = Publisher(nc, js, spool, cfg.cluster, node, settings.agent.publish_timeout_s, io_pool=spool_io)
-            p.attach(nc, js)
-            publishers[node] = p
-            parsers[node] = KmsgParser(cfg.cluster, node, __version__, catalog=catalog)
-        return publishers[node]
+    def publisher(self, node: str) -> Publisher:
+        """The node's publisher (spool under `state/<node>/spool`) and parser, made when it first faults."""
+        if node not in self.publishers:
+            spool = Spool(self.state / node / "spool", self.settings.agent.spool_max_bytes)
+            p = Publisher(self.nc, self.js, spool, self.cfg.cluster, node, self.settings.agent.publish_timeout_s,
+                          io_pool=self.spool_io)
+            p.attach(self.nc, self.js)
+            self.publishers[node] = p
+            self.parsers[node] = KmsgParser(self.cfg.cluster, node, __version__, catalog=self.catalog)
+        return self.publishers[node]
 
-    async def heartbeats() -> None:
+    async def heartbeats(self) -> None:
+        """Every node's heartbeat once per `heartbeat_interval_s`, spread evenly (sleeping every 100)."""
+        cfg = self.cfg
         if not cfg.heartbeats or cfg.nodes == 0:
             return
         gap = cfg.heartbeat_interval_s / cfg.nodes
         i = 0
-        while not stop.is_set():
+        while not self.stop.is_set():
             node = node_name(cfg, i % cfg.nodes)
             hb = {"node": node, "cluster": cfg.cluster, "agent_version": __version__, "sim": True,
                   "at": utcnow().isoformat()}
-            await nc.publish(subjects.heartbeat_subject(cfg.cluster, node), orjson.dumps(hb))
-            report.heartbeats_sent += 1
+            await self.nc.publish(subjects.heartbeat_subject(cfg.cluster, node), orjson.dumps(hb))
+            self.report.heartbeats_sent += 1
             i += 1
             if i % 100 == 0:
                 await asyncio.sleep(gap * 100)
 
-    async def faults() -> None:
-        rate = fleet_rate_per_s(cfg)
+    async def faults(self) -> None:
+        """Fault lines at `fleet_rate_per_s` (Poisson), drawn from `FAILURE_MIX`, on random nodes."""
+        rate = fleet_rate_per_s(self.cfg)
         if rate <= 0:
             return
-        while not stop.is_set():
+        rng, report = self.rng, self.report
+        while not self.stop.is_set():
             await asyncio.sleep(rng.expovariate(rate))
-            cat = rng.choices(categories, weights)[0]
-            maker = makers[cat]
+            cat = rng.choices(self.categories, self.weights)[0]
+            maker = self.makers[cat]
             if maker is None:
                 report.silent_by_category[cat] += 1
                 continue
-            node = node_name(cfg, rng.randrange(cfg.nodes))
+            node = node_name(self.cfg, rng.randrange(self.cfg.nodes))
             line = maker(rng)
-            pub = publisher(node)
-            parser = parsers[node]
+            pub = self.publisher(node)
+            parser = self.parsers[node]
             events = parser.feed(line) + parser.flush()
             report.fault_lines += 1
             report.by_category[cat] += 1
             for ev in events:
                 report.emitted.append((node, ev.event_id, time.monotonic()))
-                if on_event:
-                    on_event(node, ev)
+                if self.on_event:
+                    self.on_event(node, ev)
                 if await pub.publish(ev):
                     report.events_published += 1
                 else:
                     report.events_spooled += 1
 
-    async def timer() -> None:
+    async def timer(self) -> None:
         try:
-            await asyncio.wait_for(stop.wait(), timeout=cfg.duration_s)
+            await asyncio.wait_for(self.stop.wait(), timeout=self.cfg.duration_s)
         except asyncio.TimeoutError:
-            stop.set()
+            self.stop.set()
 
-    tasks = [asyncio.create_task(x()) for x in (heartbeats, faults, timer)]
-    try:
-        await stop.wait()
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for p in publishers.values():
-            await p.replay_once()
-        await close_nats(nc)
-    report.duration_s = time.monotonic() - t0
-    log.info("sim_finished", nodes=cfg.nodes, fault_lines=report.fault_lines, published=report.events_published,
-             heartbeats=report.heartbeats_sent)
-    return report
+
+async def run_sim(settings: Settings, cfg: SimConfig, stop: asyncio.Event | None = None,
+                  on_event: Callable[[str, Any], None] | None = None) -> SimReport:
+    """Run the simulated fleet for `cfg.duration_s` (or until `stop`). Returns a `SimReport`."""
+    return await FleetSim(settings, cfg, stop, on_event).run()

@@ -52,18 +52,40 @@ from datetime import datetime, timezone
 from typing import Any
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from fleetmend import subjects
-from fleetmend.infra import metrics
+from fleetmend.catalog import Urgency
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
-from fleetmend.catalog import Urgency
 from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
+from fleetmend.infra import metrics
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
 from fleetmend.messages import (
-    KEY_CLUSTER, KEY_NODE, KEY_PHASE, MAX_SIGNAL_BYTES, FaultBatch, IncidentInput, IncidentPolicy, Occurrence, Phase,
-    RemediationApi, RoutedFault, for_workflow,
+    KEY_CLUSTER,
+    KEY_NODE,
+    KEY_PHASE,
+    MAX_SIGNAL_BYTES,
+    FaultBatch,
+    GuardApi,
+    GuardInput,
+    GuardPolicy,
+    IncidentInput,
+    IncidentPolicy,
+    Occurrence,
+    PermitRequest,
+    Phase,
+    RemediationApi,
+    RoutedFault,
+    for_workflow,
+    guard_task_queue,
 )
+from fleetmend.policy import load_topology
 
 log = structlog.get_logger("fleetmend.router")
 
@@ -178,9 +200,6 @@ class Router:
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the fast path (`policy.fast_drain`)."""
-        from fleetmend.infra.permit_pool import PermitPool
-        from fleetmend.policy import load_topology
-
         if self._pool is None:
             self._pool = await PermitPool.open(self.js)
         if self._topology is None:
@@ -191,8 +210,6 @@ class Router:
         """Start the cluster's FleetGuard if it is not running (signal-with-start of its no-op `ensure`),
         so it publishes the permit pool before the first fault, not after the first incident asked.
         At most once per `ENSURE_GUARD_EVERY_S`; failures are logged (the first incident starts it too)."""
-        from fleetmend.messages import GuardApi
-
         now = time.monotonic()
         if now - self._guard_ensured_at < ENSURE_GUARD_EVERY_S:
             return
@@ -202,16 +219,12 @@ class Router:
         except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
-    def _guard_policy(self):  # noqa: ANN202 - GuardPolicy
-        from fleetmend.messages import GuardPolicy
-
+    def _guard_policy(self) -> GuardPolicy:
         return GuardPolicy.from_settings(self.s.policy, len(self._topology))
 
     async def _signal_guard(self, signal: str, args: list[Any]) -> None:
         """Signal-with-start this router's cluster's FleetGuard (started with this router's policy when
         absent). Raises what `Client.start_workflow` raises, or TimeoutError."""
-        from fleetmend.messages import GuardApi, GuardInput, guard_task_queue
-
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
             await self.client.start_workflow(
                 GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=self._guard_policy()),
@@ -229,8 +242,6 @@ class Router:
         """Send the forwarded permit requests, `MAX_FORWARD_BATCH` per `request_permits` signal, until
         none wait. A failed signal is logged and its requests are let go: each incident asks for itself
         (and again every `policy.permit_rerequest_s`), so nothing is lost, only seen later."""
-        from fleetmend.messages import GuardApi
-
         while self._forwards:
             await asyncio.sleep(FORWARD_LINGER_S)
             batch, self._forwards = self._forwards[:MAX_FORWARD_BATCH], self._forwards[MAX_FORWARD_BATCH:]
@@ -251,10 +262,6 @@ class Router:
             log.info("permits_forwarded", cluster=self.s.cluster, nodes=len(batch))
 
     async def setup(self):  # noqa: ANN201
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-        from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
-
         await ensure_fault_stream(self.js, self.s)
         await ensure_deadletter_stream(self.js, self.s)
         if self._fast:
@@ -273,8 +280,6 @@ class Router:
         call (coalescing: the deeper the backlog, the more
         events per Temporal call). At most `max_unacked` messages are held un-acked.
         """
-        from nats.errors import TimeoutError as NatsTimeout
-
         psub = await self.setup()
         advisories = await self.watch_max_deliveries()
         log.info("router_started", durable=self.durable, filter=self.filter_subject, task_queue=self.s.task_queue)
@@ -294,8 +299,6 @@ class Router:
         """Fetch until `stop`. After `RESETUP_AFTER_FAILURES` failed fetches in a row (the stream or
         the consumer is gone: NATS lost its storage, someone deleted it) the streams and the durable
         consumer are set up again (`setup`: a missing stream is created, an existing one untouched)."""
-        from nats.errors import TimeoutError as NatsTimeout
-
         failures = 0
         while not stop.is_set():
             if self._held >= self._max_unacked:
@@ -334,8 +337,6 @@ class Router:
                                        cb=self._on_max_deliveries)
 
     async def _on_max_deliveries(self, adv_msg) -> None:  # noqa: ANN001
-        from nats.js.errors import NotFoundError
-
         try:
             adv = json.loads(adv_msg.data)
             seq, deliveries = int(adv["stream_seq"]), adv.get("deliveries")
@@ -358,7 +359,7 @@ class Router:
         if await self._write_deadletter(m.subject, m.data or b"", seq, deliveries, reason):
             self._counted_deadletter(reason, m.subject)
 
-    async def handle_batch(self, msgs: list) -> None:  # noqa: ANN001
+    async def handle_batch(self, msgs: list) -> None:
         """Validate a fetched batch, dead-letter the invalid, queue the rest per node. Whatever goes
         wrong with one message (an exception anywhere in its handling) dead-letters that message."""
         for msg in msgs:
@@ -473,15 +474,12 @@ class Router:
         return None
 
     async def _fast_drain(self, cluster: str, node: str, wid: str,
-                          items: list[tuple[Any, FaultEvent, float]]):  # noqa: ANN202 - PermitRequest | None
+                          items: list[tuple[Any, FaultEvent, float]]) -> PermitRequest | None:
         """The fast path: a pool slot, then the drain, for a node that must drain now. Never raises.
 
         Returns:
             the `PermitRequest` to forward to FleetGuard when the pool refused the node a slot (its
             incident waits for a permit), else None."""
-        from fleetmend.messages import PermitRequest
-        from fleetmend.infra.permit_pool import BY_ROUTER
-
         if cluster != self.s.cluster:
             return None  # the scheduler adapter here drains this router's own cluster only
         found = self._drain_now(items)
@@ -543,8 +541,6 @@ class Router:
                                  phase: Phase = Phase.TRIAGE) -> None:
         """`phase`: the incident's `FleetPhase` if this call starts it (`awaiting_permit` when its permit
         request is forwarded); an incident already running keeps its own."""
-        from temporalio.common import SearchAttributePair, TypedSearchAttributes
-
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
             await self.client.start_workflow(
                 RemediationApi.WORKFLOW, inp, id=wid, task_queue=self.s.task_queue,
