@@ -30,7 +30,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleetmend import servers  # noqa: E402
+from fleetmend.dev import servers  # noqa: E402
 
 
 def _tree_rss(p: psutil.Process) -> int:
