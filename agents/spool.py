@@ -38,6 +38,7 @@ that other threads may read at any time (heartbeats, the metrics endpoint).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import struct
@@ -121,7 +122,7 @@ class Spool:
         self._recs: deque[_Rec] = deque()  # live records (acked ones until commit), in order
         self._seg_sizes: dict[int, int] = {}  # segment id -> bytes on disk
         self._active: int | None = None  # segment id being appended to
-        self._fh = None
+        self._fh: io.FileIO | None = None
         self._acked_through = 0
         self._committed_through = 0
         self._last_seq = 0
@@ -178,7 +179,7 @@ class Spool:
                 self._cut_tail()
             if self.size_bytes + len(rec_bytes) > self.max_bytes:
                 self._make_room(len(rec_bytes), event_id)
-            if self._fh is None or self._seg_sizes.get(self._active, 0) >= self.segment_bytes:  # type: ignore[arg-type]
+            if self._fh is None or self._active is None or self._seg_sizes.get(self._active, 0) >= self.segment_bytes:
                 self._rotate(seq)
             assert self._fh is not None and self._active is not None
             seg, offset = self._active, self._seg_sizes[self._active]
@@ -191,6 +192,7 @@ class Spool:
             if isinstance(err, SpoolFullError):
                 raise
             self._write_failed(err, seg, offset, event_id)  # raises SpoolWriteError
+        assert self._active is not None  # set by _rotate in the try block, which raised otherwise
         self._seg_sizes[self._active] = offset + len(rec_bytes)
         self._recs.append(_Rec(seq, event_id, Severity(severity).rank, self._active, offset, len(rec_bytes)))
         self._depth += 1

@@ -51,7 +51,13 @@ class SpoolError(FleetmendError, OSError):
 
 
 class SpoolFullError(SpoolError):
+    """The spool's size bound would be passed; `directory`, `size_bytes` (on disk) and `max_bytes` (the
+    bound, `agent.spool_max_bytes`) say which spool and how full."""
+
     reason = "spool_full"
+    directory: object = None
+    size_bytes: int = 0
+    max_bytes: int = 0
 
 
 class SpoolWriteError(SpoolError):

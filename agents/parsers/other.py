@@ -72,14 +72,14 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
                            f"on {uuid or 'unknown device'}; device marked unhealthy",
                            device=Device(uuid=uuid), raw=_line_of(text, m.start()),
                            attrs={"text_kind": "k8s-device-plugin"}))
-    if (m := _CUDA_ECC.search(text)) is not None:
+    if (e := _CUDA_ECC.search(text)) is not None:
         out.append(ctx.event("cuda_uncorrectable_ecc", Component.GPU, Severity.FATAL,
-                             f"application: {_line_of(text, m.start()).strip()}", Source.INJECT,
-                             raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
-    if not out and (m := _LOST.search(text)) and "NVRM" not in text and "DCGM_" not in _line_of(text, m.start()):
+                             f"application: {_line_of(text, e.start()).strip()}", Source.INJECT,
+                             raw=_line_of(text, e.start()), attrs={"text_kind": "application"}))
+    if not out and (lost := _LOST.search(text)) and "NVRM" not in text and "DCGM_" not in _line_of(text, lost.start()):
         out.append(ctx.event("gpu_fallen_off_bus", Component.GPU, Severity.FATAL,
-                             f"application: {_line_of(text, m.start()).strip()}", Source.INJECT,
-                             raw=_line_of(text, m.start()), attrs={"text_kind": "application"}))
+                             f"application: {_line_of(text, lost.start()).strip()}", Source.INJECT,
+                             raw=_line_of(text, lost.start()), attrs={"text_kind": "application"}))
     for m in _NCCL_FATAL.finditer(text):
         dev = m.group("dev") or m.group("dev2")
         out.append(ctx.event("ib_device_fatal", Component.IB, Severity.FATAL, "NCCL NET/IB: local catastrophic error"

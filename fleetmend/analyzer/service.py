@@ -134,7 +134,8 @@ class Analyzer:
         (err 10094); the stored time is cleared once the consumer exists, so a recreation resumes by
         sequence as intended."""
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
-                             opt_start_time=since.isoformat().replace("+00:00", "Z"))
+                             # nats-py sends the value as given; the server wants RFC 3339 with Z
+                             opt_start_time=since.isoformat().replace("+00:00", "Z"))  # type: ignore[arg-type]
         sub = await self.js.subscribe(subject, stream=stream, cb=cb, ordered_consumer=True, config=cfg)
         jsi = getattr(sub, "_jsi", None)
         if jsi is not None and getattr(jsi, "_ccreq", None) is not None:

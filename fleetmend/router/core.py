@@ -85,7 +85,7 @@ from fleetmend.messages import (
     for_workflow,
     guard_task_queue,
 )
-from fleetmend.policy import load_topology
+from fleetmend.policy import Topology, load_topology
 
 log = structlog.get_logger("fleetmend.router")
 
@@ -193,7 +193,8 @@ class Router:
                                               "adapter; every drain goes through FleetGuard")
             self._fast = False
         self._scheduler = scheduler
-        self._pool = self._topology = None
+        self._pool: PermitPool | None = None  # both set by _setup_fast_path, on the first fast drain
+        self._topology: Topology | None = None
         self._guard_ensured_at = -1e9
         self._forwards: list[Any] = []  # PermitRequest, waiting for `_forward_loop`
         self._forwarder: asyncio.Task[None] | None = None
@@ -220,6 +221,7 @@ class Router:
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
     def _guard_policy(self) -> GuardPolicy:
+        assert self._topology is not None, "_setup_fast_path first"
         return GuardPolicy.from_settings(self.s.policy, len(self._topology))
 
     async def _signal_guard(self, signal: str, args: list[Any]) -> None:
@@ -249,6 +251,7 @@ class Router:
                 # the pool's router holders as of now, with the batch's last request (the guard keeps the
                 # newest view): the guard counts the drains it has not adopted yet before it grants. Without
                 # it a grant may find the slot taken, and its drain waits for one (`PoolGate.claim`).
+                assert self._pool is not None, "no permit pool"
                 state = await self._pool.read(self.s.cluster)
                 batch[-1] = replace(batch[-1], pool_router=state.router_holders() if state else {})
             except Exception as err:  # noqa: BLE001 - forwarded without the view
@@ -490,8 +493,10 @@ class Router:
         try:
             if self._pool is None:
                 await self._setup_fast_path()
-            dom = self._topology.domain(node)
-            claim = await self._pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys())
+            pool, topology = self._pool, self._topology
+            assert pool is not None and topology is not None
+            dom = topology.domain(node)
+            claim = await pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys())
         except Exception as err:  # noqa: BLE001 - the incident asks FleetGuard as without the fast path
             bound.warning("fast_drain_pool_failed", error=repr(err))
             return None
@@ -517,7 +522,7 @@ class Router:
         except Exception as err:  # noqa: BLE001 - not drained: free the slot, the incident asks FleetGuard
             bound.error("fast_drain_failed", error=repr(err))
             with contextlib.suppress(Exception):
-                await self._pool.release(cluster, node)
+                await pool.release(cluster, node)
             return None
         self.stats.fast_drains += 1
         metrics.drain_result(cluster, self._scheduler.name, res, ev.observed_at)
