@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
-from fleetmend.cli.main import app
+from fleetmend.cli.app import app
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetmend.sweep import compare, expand_hostlist, findings, lower_is_better
+from activities.slurm import SlurmScheduler, expand_hostlist
+from fleetmend.config import SlurmSettings
+from fleetmend.sweep import compare, findings, lower_is_better
 
 
 def test_expand_hostlist() -> None:
@@ -36,11 +38,9 @@ def test_hostlist_matches_enumeration(nums: list[int]) -> None:
 
 
 def test_scontrol_agrees_when_installed() -> None:
-    from fleetmend.cli.sweep import slurm_hostnames
-
     if not __import__("shutil").which("scontrol"):
         pytest.skip("no scontrol here")
-    assert slurm_hostnames("gpu[01-03,07]") == expand_hostlist("gpu[01-03,07]")
+    assert asyncio.run(SlurmScheduler(SlurmSettings()).expand("gpu[01-03,07]")) == expand_hostlist("gpu[01-03,07]")
 
 
 def test_compare_orientation_outliers_and_small_metrics() -> None:

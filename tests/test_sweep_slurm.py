@@ -102,7 +102,8 @@ async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_ser
 
 @pytest.mark.parametrize("expr", ["node[1-2,4]", "node[1-4]", "node3"])
 def test_job_nodelist_expansion_matches_scontrol(slurm, expr: str) -> None:  # noqa: ANN001
-    from fleetmend.cli.sweep import slurm_hostnames
-    from fleetmend.sweep import expand_hostlist
+    from activities.slurm import SlurmScheduler, expand_hostlist
+    from fleetmend.config import SlurmSettings
 
-    assert slurm_hostnames(expr, env=slurm.env) == expand_hostlist(expr)
+    scheduler = SlurmScheduler(SlurmSettings(slurm_conf=str(slurm.conf)))
+    assert asyncio.run(scheduler.expand(expr)) == expand_hostlist(expr)
