@@ -76,8 +76,8 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
     from agents.runner import run_agent
     from fleetmend import subjects
     from fleetmend.config import load_settings
-    from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.events import FaultEvent
+    from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
 
@@ -103,7 +103,7 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
            "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
            "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
     try:
-        from tests.conftest import assert_eventually, wait_agents_answer
+        from tests.conftest import wait_agents_answer
 
         await wait_agents_answer(nc, cluster, values, what="agents answer on their diag subjects")
         p = await asyncio.to_thread(subprocess.run, [
