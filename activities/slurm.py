@@ -1,4 +1,5 @@
-"""`SlurmScheduler`: drain and RESUME a node with `scontrol` (one `SchedulerAdapter`).
+"""`SlurmScheduler`: drain and RESUME a node with `scontrol` (one `SchedulerAdapter`); expand a Slurm
+hostlist or a job's nodes for `fleetmend sweep` (`SlurmScheduler.expand`, `.job_nodes`, `expand_hostlist`).
 
 `scontrol update NodeName=<n> State=DRAIN Reason="<prefix> <reason> [incident <id>]"`, ownership by the
 reason prefix (`SlurmSettings.reason_prefix`, default `fleetmend:`): only a drain whose reason carries
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 
 from fleetmend.config import SlurmSettings
 from fleetmend.errors import NodeNotFoundError, SchedulerError
@@ -66,6 +68,72 @@ def normalize_slurm_state(raw: str) -> str:
     else:
         word = base
     return word + ("*" if not_responding else "")
+
+
+def _split_top(text: str) -> list[str]:
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in hostlist {text!r}")
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ValueError(f"unbalanced '[' in hostlist {text!r}")
+    out.append("".join(cur))
+    return [x.strip() for x in out if x.strip()]
+
+
+def _expand_one(name: str) -> list[str]:
+    m = re.search(r"\[([^\[\]]*)\]", name)
+    if not m:
+        if "[" in name or "]" in name:
+            raise ValueError(f"bad hostlist item {name!r}")
+        return [name]
+    head, tail = name[:m.start()], name[m.end():]
+    out = []
+    for part in m.group(1).split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {part!r} in hostlist item {name!r} (expected N or N-M)")
+        if not sep:
+            nums = [lo]
+        else:
+            a, b = int(lo), int(hi)
+            if b < a:
+                raise ValueError(f"range {part!r} in {name!r} runs backwards")
+            if b - a > 100_000:
+                raise ValueError(f"range {part!r} in {name!r} is too large")
+            width = len(lo) if lo.startswith("0") else 0
+            nums = [str(n).zfill(width) for n in range(a, b + 1)]
+        for n in nums:
+            out.extend(_expand_one(head + n + tail))
+    return out
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expand a Slurm hostlist expression; order kept, duplicates dropped. What `scontrol show hostnames`
+    does, for hosts without Slurm: `"gpu[01-03,07],cpu1"` → `["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]`
+    (comma-separated at the top level, bracket ranges with zero padding kept, several bracket groups
+    per name).
+
+    Raises:
+        ValueError: unbalanced brackets, a range that is not `N` or `N-M`, or runs backwards.
+    """
+    seen: dict[str, None] = {}
+    for item in _split_top(text):
+        for h in _expand_one(item):
+            seen.setdefault(h, None)
+    return list(seen)
 
 
 def _is_drained(raw: str) -> bool:
@@ -262,3 +330,37 @@ class SlurmScheduler:
             rows.append(NodeInfo(f.get("NodeName", "?"), normalize_slurm_state(raw), reason, owner,
                                  m.group(1) if m else None))
         return rows
+
+    # -- hostlists (for `fleetmend sweep`) ------------------------------------------------------
+
+    async def expand(self, expr: str) -> list[str]:
+        """The nodes a Slurm hostlist names (`gpu[01-64]`): `scontrol show hostnames` when scontrol is
+        installed, else (or when it refuses the expression) `expand_hostlist`.
+
+        Raises:
+            ValueError: an expression neither accepts.
+            SchedulerError: scontrol did not finish within `command_timeout_s`.
+        """
+        if shutil.which(self.settings.scontrol):
+            rc, out, _ = await self._run(self.settings.scontrol, "show", "hostnames", expr)
+            if rc == 0 and out.strip():
+                return out.split()
+        return expand_hostlist(expr)
+
+    async def job_nodes(self, job: str) -> list[str]:
+        """The nodes of a running Slurm job (`scontrol show job JOBID`, field `NodeList=`, expanded by
+        `expand`).
+
+        Raises:
+            SchedulerError: scontrol missing or timed out, an unknown job, or a job without nodes (pending).
+        """
+        if not shutil.which(self.settings.scontrol):
+            raise SchedulerError(f"Slurm's {self.settings.scontrol} is not on PATH (slurm.scontrol): "
+                                 "a job's nodes come from scontrol")
+        rc, out, err = await self._run(self.settings.scontrol, "show", "job", job)
+        if rc != 0:
+            raise SchedulerError(f"scontrol show job {job}: {(err or out).strip()}")
+        m = re.search(r"(?:^|\s)NodeList=(\S+)", out)
+        if not m or m.group(1) in ("(null)", ""):
+            raise SchedulerError(f"job {job} has no nodes allocated (pending?)")
+        return await self.expand(m.group(1))

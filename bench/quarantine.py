@@ -237,13 +237,13 @@ async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict
                         t0: float, window_s: float) -> dict:
     """Poll, as `fleetmend status` sees it (phase, and the reason the permit waits), until every measured
     node is drained or visibly queued, or `window_s` after the burst began."""
-    from fleetmend.cli.main import _list_incidents
+    from fleetmend.cli.incidents import list_incidents
 
     result: dict = {}
     while True:
         elapsed = time.monotonic() - t0
         try:
-            rows = {r["node"]: r for r in await _list_incidents(s, 100_000) if r["status"] == "running"}
+            rows = {r["node"]: r for r in await list_incidents(s, 100_000) if r["status"] == "running"}
         except Exception as err:  # noqa: BLE001 - a slow visibility read: try again
             result["error"] = str(err)
             rows = {}

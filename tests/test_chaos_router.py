@@ -212,7 +212,7 @@ async def test_deadletters_counted_in_fleet_status(nc, nats_server, temporal_ser
     import subprocess
     import sys
 
-    from fleetmend.cli.security import deadletter_line
+    from fleetmend.cli.ledger import deadletter_line
     from fleetmend.router.core import MAX_EVENT_BYTES
 
     s = make_settings(nats_server, temporal_server, tmp_path, unique)

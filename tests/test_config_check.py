@@ -11,7 +11,7 @@ import sys
 FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]
 
 
-def test_config_check_prints_no_secret(tmp_path) -> None:  # noqa: ANN001
+def test_config_check_prints_no_secret(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
     env.update({"FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_NATS_PASSWORD": "hunter2",
                 "FLEETMEND_NATS_URL": "nats://ops:urlpw@nats.example:4222",

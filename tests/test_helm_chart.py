@@ -169,7 +169,7 @@ def test_router_worker_analyzer_have_probes_on_their_metrics_ports_and_budgets(f
 def test_role_flags_are_ones_the_cli_accepts(default_docs: list[dict]) -> None:
     from typer.testing import CliRunner
 
-    from fleetmend.cli.main import app
+    from fleetmend.cli.app import app
 
     commands = {c.name for c in app.registered_commands}
     for d in by_kind(default_docs, "Deployment").values():

@@ -27,25 +27,25 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, timeout=90, env={**os.environ, **env})
 
 
-async def cli_json(env: dict[str, str], *args: str, rc: int = 0):  # noqa: ANN201
+async def cli_json(env: dict[str, str], *args: str, rc: int = 0):
     p = await asyncio.to_thread(cli, env, *args)
     assert p.returncode == rc, (args, p.stdout, p.stderr)
     return json.loads(p.stdout)  # the whole stdout: nothing but JSON
 
 
 @pytest.fixture
-async def worker(temporal_client, unique):  # noqa: ANN001
+async def worker(temporal_client, unique):
     calls = Calls()
     tq = f"tq-{unique}"
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
         yield temporal_client, tq, calls
 
 
-async def _listed(client, query: str, n: int) -> bool:  # noqa: ANN001
+async def _listed(client, query: str, n: int) -> bool:
     return (await client.count_workflows(query)).count >= n
 
 
-async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_server, unique, tmp_path):  # noqa: ANN001
+async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_server, unique, tmp_path):
     client, tq, calls = worker
     ca, cb, node = f"a{unique}", f"b{unique}", f"n{unique}"
     env = {"FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address, "FLEETMEND_CLUSTER": "elsewhere",
@@ -122,6 +122,6 @@ async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_
     assert missing.returncode == 1 and missing.stdout == "" and "in any cluster" in missing.stderr
 
 
-async def _failed_retest(h) -> bool:  # noqa: ANN001
+async def _failed_retest(h) -> bool:
     st = await h.query(NodeRemediation.status)
     return st.phase == "awaiting_repair" and any("back to awaiting repair" in e["text"] for e in st.timeline)

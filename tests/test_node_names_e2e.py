@@ -161,7 +161,7 @@ def _event(cluster: str, node: str) -> FaultEvent:
 
 async def test_credentials_for_a_dotted_node(tmp_path: Path):
     out = tmp_path / "creds"
-    from fleetmend.cli.main import app
+    from fleetmend.cli.app import app
 
     r = CliRunner().invoke(app, ["creds", "generate", "--out", str(out), "--cluster", "c1", "--nodes",
                             f"{EKS},ip-10-0-1-24.ec2.internal"])

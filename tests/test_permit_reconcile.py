@@ -135,7 +135,7 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
 
     from typer.testing import CliRunner
 
-    from fleetmend.cli.main import app
+    from fleetmend.cli.app import app
 
     async with Fleet(temporal_client, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,

@@ -12,27 +12,27 @@ from typer.testing import CliRunner
 
 from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
-from fleetmend.cli.main import app
+from fleetmend.cli.app import app
+from fleetmend.messages import GuardPolicy, guard_task_queue
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start
 from workflows.fleetguard import FleetGuard
-from fleetmend.messages import GuardPolicy, guard_task_queue
 from workflows.remediation import NodeRemediation
 
 
-def cli(env: dict[str, str], *args: str):  # noqa: ANN201
+def cli(env: dict[str, str], *args: str):
     return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
 
 
 @pytest.fixture
-def cli_env(nats_server, temporal_server, unique, tmp_path):  # noqa: ANN001
+def cli_env(nats_server, temporal_server, unique, tmp_path):
     return {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
             "FLEETMEND_CLUSTER": f"cli{unique}", "FLEETMEND_TASK_QUEUE": f"tq-{unique}",
             "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
 
 
-async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):  # noqa: ANN001
+async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):
     cluster = cli_env["FLEETMEND_CLUSTER"]
     r = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--xid", "79", "--bus-id",
                                 "0000:3b:00.0", "--json")
@@ -66,7 +66,7 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):  # n
     assert "pydantic" not in name.output and "validation error" not in name.output
 
 
-async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):  # noqa: ANN001
+async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):
     cluster, tq = cli_env["FLEETMEND_CLUSTER"], cli_env["FLEETMEND_TASK_QUEUE"]
     calls = Calls()
     # as in a real worker, the guard runs on its own queue (the CLI starts it there)
@@ -105,7 +105,7 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client): 
         assert [d.node for d in calls.drains] == ["x1", "x2"]
 
 
-async def _status(env: dict[str, str], pred):  # noqa: ANN001, ANN202
+async def _status(env: dict[str, str], pred):
     r = await asyncio.to_thread(cli, env, "breaker", "status", "--json")
     st = json.loads(r.output) if r.exit_code == 0 else None
     return st if st and pred(st) else None

@@ -112,7 +112,7 @@ def test_generate_permissions_files_and_reuse(tmp_path: Path):
 
 
 def test_creds_cli(tmp_path: Path):
-    from fleetmend.cli.main import app
+    from fleetmend.cli.app import app
 
     r = CliRunner().invoke(app, ["creds", "generate", "--out", str(tmp_path), "--cluster", "c9", "--nodes", "x1,x2"])
     assert r.exit_code == 0, r.output

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetmend.sweep import compare, expand_hostlist, findings, lower_is_better
+from activities.slurm import SlurmScheduler, expand_hostlist
+from fleetmend.config import SlurmSettings
+from fleetmend.sweep import compare, findings, lower_is_better
 
 
 def test_expand_hostlist() -> None:
@@ -36,11 +38,9 @@ def test_hostlist_matches_enumeration(nums: list[int]) -> None:
 
 
 def test_scontrol_agrees_when_installed() -> None:
-    from fleetmend.cli.sweep import slurm_hostnames
-
     if not __import__("shutil").which("scontrol"):
         pytest.skip("no scontrol here")
-    assert slurm_hostnames("gpu[01-03,07]") == expand_hostlist("gpu[01-03,07]")
+    assert asyncio.run(SlurmScheduler(SlurmSettings()).expand("gpu[01-03,07]")) == expand_hostlist("gpu[01-03,07]")
 
 
 def test_compare_orientation_outliers_and_small_metrics() -> None:
@@ -76,8 +76,8 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
     from agents.runner import run_agent
     from fleetmend import subjects
     from fleetmend.config import load_settings
-    from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.events import FaultEvent
+    from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.infra.jetstream import ensure_fault_stream
     from fleetmend.worker import build_worker
 
@@ -103,7 +103,7 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
            "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_CLUSTER": cluster,
            "FLEETMEND_TASK_QUEUE": f"tq-{unique}", "FLEETMEND_LOG_FORMAT": "json"}
     try:
-        from tests.conftest import assert_eventually, wait_agents_answer
+        from tests.conftest import wait_agents_answer
 
         await wait_agents_answer(nc, cluster, values, what="agents answer on their diag subjects")
         p = await asyncio.to_thread(subprocess.run, [

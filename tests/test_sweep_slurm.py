@@ -16,19 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_eventually, wait_agents_answer
+from tests.conftest import wait_agents_answer
 
 JOB_NODES = ["node1", "node2", "node4"]
 
 
-def _job_state(slurm, job: str) -> str:  # noqa: ANN001
+def _job_state(slurm, job: str) -> str:
     return slurm.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
 
 
-async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_server, temporal_server,  # noqa: ANN001
+async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_server, temporal_server,
                                                                   tmp_path: Path, unique: str) -> None:
     from agents.runner import run_agent
-    from fleetmend import subjects
     from fleetmend.config import load_settings
     from fleetmend.infra.connect import connect_nats, connect_temporal
     from fleetmend.infra.jetstream import ensure_fault_stream
@@ -101,8 +100,9 @@ async def test_sweep_job_asks_exactly_the_nodes_of_a_running_job(slurm, nats_ser
 
 
 @pytest.mark.parametrize("expr", ["node[1-2,4]", "node[1-4]", "node3"])
-def test_job_nodelist_expansion_matches_scontrol(slurm, expr: str) -> None:  # noqa: ANN001
-    from fleetmend.cli.sweep import slurm_hostnames
-    from fleetmend.sweep import expand_hostlist
+def test_job_nodelist_expansion_matches_scontrol(slurm, expr: str) -> None:
+    from activities.slurm import SlurmScheduler, expand_hostlist
+    from fleetmend.config import SlurmSettings
 
-    assert slurm_hostnames(expr, env=slurm.env) == expand_hostlist(expr)
+    scheduler = SlurmScheduler(SlurmSettings(slurm_conf=str(slurm.conf)))
+    assert asyncio.run(scheduler.expand(expr)) == expand_hostlist(expr)

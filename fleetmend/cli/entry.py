@@ -2,7 +2,7 @@
 
 `fleetmend agent ...` runs on every node of the fleet, so it goes straight to the lean agent entry
 (`agents.__main__`: no typer, rich or temporalio in the process; bench/agent_memory.py shows what
-that saves). Every other command goes to the typer application in `fleetmend.cli.main`.
+that saves). Every other command goes to the typer application in `fleetmend.cli.app`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import sys
 
 def main() -> None:
     argv = sys.argv[1:]
+    # Both imports are lazy on purpose: importing the app would load typer and rich into every
+    # node's agent, and the agent entry is not needed by any other command.
     if argv[:1] == ["agent"]:
         from agents.__main__ import main as agent_main
 
         sys.exit(agent_main(argv[1:], prog="fleetmend agent"))
-    from fleetmend.cli.main import main as cli_main
+    from fleetmend.cli.app import main as cli_main
 
     cli_main()
 

@@ -1,7 +1,7 @@
 """`fleetmend explain`: classify fault text offline (kernel logs, nvidia-smi, DCGM, other tools) and say
 what the catalog says about it.
 
-The CLI (`fleetmend explain [FILE|-] [--json] [--exit-zero]`, registered by `register`) reads the
+The CLI (`fleetmend explain [FILE|-] [--json] [--exit-zero]`, the command `explain`) reads the
 input with `explain_stream`: up to `WHOLE_MAX_BYTES` it is read whole and every parser runs over it
 (`explain_text`); a larger input is read as a kernel log, streamed in bounded memory
 (`agents.kmsg.stream.parse_stream`). Each event is printed as it is found (`render_entry` or
@@ -10,17 +10,22 @@ input with `explain_stream`: up to `WHOLE_MAX_BYTES` it is read whole and every 
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, Any, cast
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+from typer.core import TyperCommand
 
 from fleetmend.catalog import Catalog, Classification, default_catalog
+from fleetmend.cli.common import err, out
 from fleetmend.events import FaultEvent, Severity
-
-if TYPE_CHECKING:
-    import typer
-    from rich.console import Console
 
 EXIT_OK, EXIT_DEGRADED, EXIT_FATAL, EXIT_UNREADABLE = 0, 1, 2, 3
 """Health-check convention (the Nagios plugin statuses OK, WARNING, CRITICAL, UNKNOWN): 0 nothing to act
@@ -72,8 +77,8 @@ class _Prefixed:
 
     def read(self, n: int = -1) -> bytes:
         if self.head:
-            out, self.head = (self.head, b"") if n < 0 or n >= len(self.head) else (self.head[:n], self.head[n:])
-            return out
+            chunk, self.head = (self.head, b"") if n < 0 or n >= len(self.head) else (self.head[:n], self.head[n:])
+            return chunk
         return self.stream.read(n)
 
 
@@ -116,7 +121,7 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
         UnreadableInput: the first 64 KiB hold NUL bytes (compressed or binary data, not a log).
         OSError: reading the stream failed.
     """
-    from agents.kmsg import KmsgParser
+    from agents.kmsg import KmsgParser  # lazily, as explain_text: only this command needs the agent's parsers
     from agents.kmsg.stream import parse_stream
 
     run = run if run is not None else ExplainRun()
@@ -133,7 +138,7 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
         return
     run.mode = "stream"
     parser = KmsgParser("local", node, "unknown", catalog=cat)
-    for ev in parse_stream(_Prefixed(head, stream), parser):
+    for ev in parse_stream(cast(IO[bytes], _Prefixed(head, stream)), parser):
         x = Explained(ev, cat.classify(ev))
         run.note(x)
         yield x
@@ -154,9 +159,9 @@ def explained_json(e: Explained) -> dict[str, Any]:
     `investigatory_action`, `catalog_source`, `fault_class`, `drain`, `description`, and
     `resolution`/`unit` (XID 144-150 decode; None otherwise).
     """
-    out = e.event.model_dump(mode="json")
+    row = e.event.model_dump(mode="json")
     c = e.classification
-    out.update(
+    row.update(
         immediate_action=c.immediate_action.value,
         investigatory_action=c.investigatory_action,
         catalog_source=c.source,
@@ -166,7 +171,7 @@ def explained_json(e: Explained) -> dict[str, Any]:
         resolution=c.resolution.value if c.resolution else None,
         unit=c.unit,
     )
-    return out
+    return row
 
 
 _STYLE = {Severity.INFO: "green", Severity.DEGRADED: "yellow", Severity.FATAL: "bold red"}
@@ -184,8 +189,6 @@ def render_table(explained: list[Explained], console: Console) -> None:
 
 def render_summary(run: ExplainRun, console: Console) -> None:
     """One line: counts by severity and whether the node should be drained."""
-    from rich.text import Text
-
     counts = ", ".join(f"{n} {k}" for k, n in sorted(run.counts.items()))
     console.print(Text.assemble((f"{run.total} fault(s): {counts}. ", "bold"),
                                 ("Recommendation: drain the node." if run.drain else "No drain needed.",
@@ -201,8 +204,6 @@ def render_entry(x: Explained, console: Console) -> None:
     Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the time
     the event was observed. Healthy (clearing) events show severity "cleared".
     """
-    from rich.text import Text
-
     when, component, kind, dev, sev, action, drain_s, msg = _row(x)
     line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
                          (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
@@ -244,64 +245,59 @@ Inputs up to 8 MiB are read whole (kernel logs and tool outputs); a larger input
 kernel log in bounded memory. Faults are printed as they are found; the summary comes last."""
 
 
-def register(app: typer.Typer) -> None:
-    """Add `fleetmend explain` to the CLI."""
-    import typer
-    from typer.core import TyperCommand
+class _ExplainCommand(TyperCommand):
+    """Bad usage exits `EXIT_UNREADABLE` (UNKNOWN, as health checks do) instead of click's 2."""
 
-    class _ExplainCommand(TyperCommand):
-        def make_context(self, info_name, args, parent=None, **extra):  # noqa: ANN001, ANN003, ANN201
-            try:
-                return super().make_context(info_name, args, parent=parent, **extra)
-            except Exception as e:
-                # click's UsageError (typer vendors click in some versions: matched by class name)
-                if any(c.__name__ == "UsageError" for c in type(e).__mro__):
-                    e.exit_code = EXIT_UNREADABLE  # type: ignore[attr-defined]  # UNKNOWN, as health checks do
-                raise
-
-    @app.command(cls=_ExplainCommand, epilog=EXPLAIN_EPILOG)
-    def explain(
-        file: str = typer.Argument("-", help="Kernel log or tool output file, or - for standard input."),
-        as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
-        exit_zero: bool = typer.Option(False, "--exit-zero",
-                                       help="Exit 0 whatever was found (3 still means unreadable input)."),
-    ) -> None:
-        """Parse a dmesg/journal/kmsg text or tool output (no server needed) and say what each fault
-        means and what to do."""
-        import json
-        from pathlib import Path
-
-        from rich.console import Console
-        from rich.markup import escape
-
-        out = Console(width=None if sys.stdout.isatty() else 160)
-        err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
-        run = ExplainRun()
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         try:
-            if file == "-":
-                stream: IO[bytes] = sys.stdin.buffer
-            else:
-                p = Path(file)
-                if p.is_dir():
-                    raise IsADirectoryError(file)
-                stream = p.open("rb")
-            with stream:
-                for x in explain_stream(stream, run):
-                    if as_json:
-                        sys.stdout.write(json.dumps(explained_json(x), default=str) + "\n")
-                    else:
-                        render_entry(x, out)
-        except (OSError, UnreadableInput) as e:
-            why = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory",
-                   PermissionError: "permission denied"}.get(type(e)) or (
-                str(e) if isinstance(e, UnreadableInput) else (e.strerror or str(e)))
-            err.print(f"[red]error:[/red] cannot read {escape(file)}: {escape(why)}")
-            raise typer.Exit(EXIT_UNREADABLE) from e
-        if not as_json:
-            if run.total == 0:
-                out.print("no faults found")
-            else:
-                render_summary(run, out)
-        if run.mode == "stream":
-            err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
-        raise typer.Exit(exit_status(run, exit_zero))
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except Exception as e:
+            # click's UsageError (typer vendors click in some versions: matched by class name)
+            if any(c.__name__ == "UsageError" for c in type(e).__mro__):
+                e.exit_code = EXIT_UNREADABLE  # type: ignore[attr-defined]
+            raise
+
+
+app = typer.Typer()
+"""`fleetmend explain` (top-level: added to the root app without a group name)."""
+
+
+@app.command(cls=_ExplainCommand, epilog=EXPLAIN_EPILOG)
+def explain(
+    file: str = typer.Argument("-", help="Kernel log or tool output file, or - for standard input."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object a line."),
+    exit_zero: bool = typer.Option(False, "--exit-zero",
+                                   help="Exit 0 whatever was found (3 still means unreadable input)."),
+) -> None:
+    """Parse a dmesg/journal/kmsg text or tool output (no server needed) and say what each fault
+    means and what to do."""
+    run = ExplainRun()
+    try:
+        if file == "-":
+            stream: IO[bytes] = sys.stdin.buffer
+        else:
+            p = Path(file)
+            if p.is_dir():
+                raise IsADirectoryError(file)
+            stream = p.open("rb")
+        with stream:
+            for x in explain_stream(stream, run):
+                if as_json:
+                    sys.stdout.write(json.dumps(explained_json(x), default=str) + "\n")
+                else:
+                    render_entry(x, out)
+    except (OSError, UnreadableInput) as e:
+        known: dict[type[Exception], str] = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory",
+                                             PermissionError: "permission denied"}
+        why = known.get(type(e)) or (
+            str(e) if isinstance(e, UnreadableInput) else (e.strerror or str(e)))
+        err.print(f"[red]error:[/red] cannot read {escape(file)}: {escape(why)}")
+        raise typer.Exit(EXIT_UNREADABLE) from e
+    if not as_json:
+        if run.total == 0:
+            out.print("no faults found")
+        else:
+            render_summary(run, out)
+    if run.mode == "stream":
+        err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
+    raise typer.Exit(exit_status(run, exit_zero))

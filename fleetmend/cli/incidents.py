@@ -1,18 +1,187 @@
-"""`fleetmend history NODE`: every incident of a node, open and closed, in every cluster
-(lookups in `fleetmend.cli.lookup`)."""
+"""Incidents: `fleetmend status [NODE]`, `show NODE`, `history NODE`, `nodes`, and the commands a human
+sends to an incident (`repaired`, `retest`, `abort`: `RemediationApi` updates, audited with who sent them).
+
+Finding a node's incidents across clusters is `fleetmend.cli.lookup`; why a queued node waits for its
+drain permit is `fleetmend.cli.breaker.annotate_waits`.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fleetmend.cli.lookup import node_history
+from fleetmend import subjects
+from fleetmend.cli.breaker import annotate_waits
+from fleetmend.cli.common import (
+    ClusterOpt,
+    ConfigOpt,
+    JsonOpt,
+    err,
+    out,
+    refusal,
+    run,
+    settings,
+    short_time,
+    who,
+)
+from fleetmend.cli.ledger import deadletter_line
+from fleetmend.cli.lookup import find_incidents, node_history, open_cluster
+from fleetmend.config import Settings
+from fleetmend.errors import FleetmendError
+from fleetmend.infra.connect import connect_nats, connect_temporal
+
+app = typer.Typer()
+"""Top-level commands (added to the root app without a group name)."""
+
+
+async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> list[dict[str, Any]]:
+    """Recent incidents of `cluster` (default `s.cluster`; None: every cluster), newest first.
+
+    Returns one dict per run: node, cluster, phase, drained, ticket, fault_class, severity, status (the
+    run's, lower case), started (ISO), workflow_id, run_id; a running `awaiting_permit` row also has
+    `waiting` (why its permit waits).
+    """
+    from fleetmend.messages import RemediationApi  # lazy: temporalio.common (see common)
+
+    client = await connect_temporal(s)
+    rows = []
+    cluster = s.cluster if cluster == "" else cluster
+    query = f"WorkflowType='{RemediationApi.WORKFLOW}'" + (f" AND FleetCluster='{cluster}'" if cluster else "")
+    async for wf in client.list_workflows(query, limit=limit):
+        sa = wf.typed_search_attributes
+        get = {p.key.name: p.value for p in sa}
+        rows.append({"node": get.get("FleetNode"), "cluster": get.get("FleetCluster"),
+                     "phase": get.get("FleetPhase"), "drained": bool(get.get("FleetDrained", False)),
+                     "ticket": get.get("FleetTicket"), "fault_class": get.get("FleetFaultClass"),
+                     "severity": get.get("FleetSeverity"), "status": wf.status.name.lower() if wf.status else None,
+                     "started": wf.start_time.isoformat(timespec="seconds") if wf.start_time else None,
+                     "workflow_id": wf.id, "run_id": wf.run_id})
+    if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
+        for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
+            await annotate_waits(client, cl, [r for r in rows if r["cluster"] == cl])  # each cluster's guard
+    return rows
+
+
+async def _count_beyond(s: Settings, cluster: str | None) -> str:
+    """"N incidents (D drained now, Q awaiting a permit)" of `cluster` (None: every cluster), or "" when
+    the server cannot count (visibility without counts)."""
+    from fleetmend.messages import RemediationApi  # lazy: temporalio.common (see common)
+
+    client = await connect_temporal(s)
+    base = f"WorkflowType='{RemediationApi.WORKFLOW}'" + (f" AND FleetCluster='{cluster}'" if cluster else "")
+    running = f"{base} AND ExecutionStatus='Running'"
+    try:
+        total = (await client.count_workflows(base)).count
+        drained = (await client.count_workflows(f"{running} AND FleetDrained=true")).count
+        waiting = (await client.count_workflows(f"{running} AND FleetPhase='awaiting_permit'")).count
+    except Exception:  # noqa: BLE001 - the listing stands without the counts
+        return ""
+    return f"{total} incidents ({drained} drained now, {waiting} awaiting a drain permit)"
+
+
+@app.command()
+def status(
+    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail, found in any cluster."),
+    as_json: bool = typer.Option(False, "--json", help="An object (one node: its incident; a node with "
+                                 "incidents in several clusters: an array of them), or an array of incidents."),
+    limit: int = typer.Option(50, "--limit", help="Most recent incidents listed."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Only this cluster (default: every cluster)."),
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Open and recent incidents of every cluster (a table), or one node's incident wherever it is."""
+    s = settings(config, cluster=cluster)
+    if node:
+        _show_node(s, node, cluster, as_json)
+        return
+    rows = run(list_incidents(s, limit, cluster))
+    if as_json:
+        sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
+        return
+    where = f"cluster {cluster}" if cluster else "any cluster"
+    if not rows:
+        out.print(f"no incidents in {where}")
+        out.print(escape(run(deadletter_line(s))))
+        return
+    t = Table(title=f"incidents in {where}")
+    # node and cluster are what an operator acts on (`--cluster`): never cut. A permit-wait reason in the
+    # phase column is cut at 60 columns instead (`status NODE` shows it whole): unbounded, it squeezed
+    # the cluster column to "a5…"
+    widths = {"node": max(len(r["node"] or "?") for r in rows), "phase": len("awaiting_repair"),
+              "cluster": max(len(r["cluster"] or "?") for r in rows),
+              "ticket": max([len(r["ticket"] or "") for r in rows] + [6])}
+    for col in ("cluster", "node", "phase", "drained", "fault", "severity", "ticket", "opened"):
+        t.add_column(col, no_wrap=True, min_width=widths.get(col), max_width=60 if col == "phase" else None)
+    for r in rows:
+        phase = r["phase"] or "?"
+        if r["status"] not in ("running", "completed", "continued_as_new", None):
+            phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
+        elif r.get("waiting"):
+            phase = f"{phase}: {r['waiting']}"  # why the drain permit waits (FleetGuard)
+        t.add_row(escape(r["cluster"] or "?"), escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no",
+                  r["fault_class"] or "", r["severity"] or "", r["ticket"] or "", short_time(r["started"])[:11])
+    out.print(t)
+    if len(rows) >= limit:  # a storm: say what the newest `limit` leave out (drained nodes scroll off first)
+        more = run(_count_beyond(s, cluster))
+        if more:
+            out.print(escape(f"showing the {limit} newest of {more}; `--limit N` lists more"))
+    out.print(escape(run(deadletter_line(s))))
+
+
+def _show_node(s: Settings, node: str, cluster: str | None, as_json: bool) -> None:
+    """`status NODE`: the node's incident (timeline and faults), or the clusters it has incidents in."""
+    found = run(find_incidents(s, node, cluster))
+    if len(found) > 1:
+        if as_json:
+            sys.stdout.write(json.dumps(found, default=str, indent=2) + "\n")
+            return
+        t = Table(title=f"{node} has incidents in {len(found)} clusters; pick one with --cluster")
+        for col in ("cluster", "phase", "outcome", "fault", "ticket", "opened", "workflow"):
+            t.add_column(col, no_wrap=True)
+        for d in found:
+            t.add_row(escape(d["cluster"] or "?"), d["phase"] or "", d["outcome"] or "", d["fault_class"] or "",
+                      d["ticket"] or "", short_time(d["opened_at"]), escape(d["workflow_id"] or ""))
+        out.print(t)
+        return
+    d = found[0]
+    if as_json:
+        sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
+        return
+    t = Table(title=f"{d['node']} (cluster {d['cluster']}) — {d['phase']}"
+              + (f", outcome {d['outcome']}" if d["outcome"] else ""))
+    for col in ("when", "phase", "what", "by"):
+        t.add_column(col)
+    for e in d["timeline"]:
+        t.add_row(short_time(e["at"]), e["phase"], escape(e["text"]), escape(e.get("by") or ""))
+    out.print(t)
+    f = Table(title=f"faults (drained: {'yes' if d['drained'] else 'no'}, ticket: {d['ticket'] or '-'})")
+    for col in ("fault", "device", "severity", "action", "×"):
+        f.add_column(col, no_wrap=True)
+    f.add_column("message")
+    for x in d["faults"]:
+        what = f"XID {x['code']}" if x["kind"] == "xid" else x["kind"] + (f" {x['code']}" if x["code"] else "")
+        f.add_row(what, x.get("device") or "", "cleared" if x.get("healthy") else x["severity"],
+                  x.get("immediate_action") or "", str(x.get("count", 1)), escape(x.get("message") or ""))
+    out.print(f)
+    for ref in d.get("runbooks", {}).values():
+        out.print(f"runbook: {escape(ref)}")
+
+
+@app.command("show")
+def show(
+    node: str = typer.Argument(..., help="The node."),
+    as_json: bool = typer.Option(False, "--json"),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """NODE's incident timeline (phases, drains, diagnostics, tickets) and its faults."""
+    _show_node(settings(config, cluster=cluster), node, cluster, as_json)
 
 
 def _duration(seconds: float | None) -> str:
@@ -24,34 +193,171 @@ def _duration(seconds: float | None) -> str:
     return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 
-def register(app: typer.Typer) -> None:
-    from fleetmend.cli.main import ClusterOpt, ConfigOpt, _run, _settings, _short_time, out
+@app.command("history")
+def history(
+    node: str = typer.Argument(..., help="The node."),
+    as_json: bool = typer.Option(False, "--json", help="A JSON array, newest incident first."),
+    limit: int = typer.Option(100, "--limit", help="Most recent incidents listed."),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Every incident of NODE, open and closed, in every cluster (unless --cluster): opened, closed,
+    fault classes, outcome, ticket, time drained. Kept as long as the namespace retention."""
+    s = settings(config)
+    rows = run(node_history(s, node, cluster, limit))
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2, default=str) + "\n")
+        return
+    if not rows:
+        out.print(f"no incidents of {escape(node)} in {'cluster ' + cluster if cluster else 'any cluster'} "
+                  f"(closed ones are kept {s.temporal_retention_days} days: temporal_retention_days)")
+        return
+    t = Table(title=f"incidents of {node} ({len(rows)})")
+    for col in ("cluster", "opened", "closed", "outcome", "fault classes", "ticket", "drained"):
+        t.add_column(col, no_wrap=col != "fault classes")
+    for r in rows:
+        outcome = r["outcome"] or (r["phase"] if r["run_status"] == "running" else "?")
+        t.add_row(escape(r["cluster"] or "?"), short_time(r["opened_at"]), short_time(r["closed_at"]) or "open",
+                  escape(outcome or ""), escape(", ".join(r["fault_classes"])), escape(r["ticket"] or ""),
+                  _duration(r["drained_s"]))
+    out.print(t)
 
-    @app.command("history")
-    def history(
-        node: str = typer.Argument(..., help="The node."),
-        as_json: bool = typer.Option(False, "--json", help="A JSON array, newest incident first."),
-        limit: int = typer.Option(100, "--limit", help="Most recent incidents listed."),
-        cluster: Optional[str] = ClusterOpt,
-        config: Optional[Path] = ConfigOpt,
-    ) -> None:
-        """Every incident of NODE, open and closed, in every cluster (unless --cluster): opened, closed,
-        fault classes, outcome, ticket, time drained. Kept as long as the namespace retention."""
-        s = _settings(config)
-        rows = _run(node_history(s, node, cluster, limit))
-        if as_json:
-            sys.stdout.write(json.dumps(rows, indent=2, default=str) + "\n")
-            return
-        if not rows:
-            out.print(f"no incidents of {escape(node)} in {'cluster ' + cluster if cluster else 'any cluster'} "
-                      f"(closed ones are kept {s.temporal_retention_days} days: temporal_retention_days)")
-            return
-        t = Table(title=f"incidents of {node} ({len(rows)})")
-        for col in ("cluster", "opened", "closed", "outcome", "fault classes", "ticket", "drained"):
-            t.add_column(col, no_wrap=col != "fault classes")
+
+async def _nodes(s: Settings, with_incidents: bool) -> tuple[list[dict[str, Any]], str | None]:
+    """Scheduler rows joined with open incidents. Returns (rows, warning or None)."""
+    from activities.scheduler import build_scheduler  # lazy: the adapters' libraries (see common)
+
+    nc = None
+    try:
+        js = None
+        if s.scheduler.value == "standalone":
+            nc = await connect_nats(s, name="fleetmend-cli")
+            js = nc.jetstream()
+        sched = build_scheduler(s, js=js)
+        rows = [asdict(r) for r in await sched.list_nodes()]
+    finally:
+        if nc is not None:
+            await nc.close()
+    warning = None
+    if with_incidents:
+        try:
+            incidents = {i["node"]: i for i in await list_incidents(s, 1000) if i["status"] == "running"}
+        except FleetmendError as e:
+            incidents, warning = {}, f"incidents not shown: {e}"
+        seen = set()
         for r in rows:
-            outcome = r["outcome"] or (r["phase"] if r["run_status"] == "running" else "?")
-            t.add_row(escape(r["cluster"] or "?"), _short_time(r["opened_at"]), _short_time(r["closed_at"]) or "open",
-                      escape(outcome or ""), escape(", ".join(r["fault_classes"])), escape(r["ticket"] or ""),
-                      _duration(r["drained_s"]))
-        out.print(t)
+            inc = incidents.get(r["name"])
+            seen.add(r["name"])
+            r["phase"] = inc["phase"] if inc else None
+            r["incident_id"] = r.get("incident_id") or (inc["workflow_id"] if inc else None)
+        for node, inc in sorted(incidents.items()):
+            if node not in seen:  # an open incident on a node the scheduler lists as in service
+                rows.append({"name": node, "state": "in_service", "reason": "", "owner": None,
+                             "incident_id": inc["workflow_id"], "phase": inc["phase"]})
+    return rows, warning
+
+
+@app.command("nodes")
+def nodes(
+    as_json: bool = typer.Option(False, "--json"),
+    incidents: bool = typer.Option(True, "--incidents/--no-incidents",
+                                   help="Join open incidents from Temporal (phase)."),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Nodes as the scheduler sees them: state, who drained them (fleetmend or an operator), incident."""
+    s = settings(config, cluster=cluster)
+    rows, warning = run(_nodes(s, incidents))
+    if warning:
+        err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2, default=str) + "\n")
+        return
+    if not rows:
+        out.print(f"no nodes drained or in incidents (scheduler {s.scheduler.value}, cluster {s.cluster})")
+        return
+    t = Table(title=f"nodes ({s.scheduler.value}, cluster {s.cluster})")
+    for col in ("node", "state", "drained by", "phase", "incident", "reason"):
+        t.add_column(col, no_wrap=col != "reason")
+    for r in rows:
+        t.add_row(escape(r["name"]), r["state"], r.get("owner") or "", r.get("phase") or "",
+                  escape(r.get("incident_id") or ""), escape(r.get("reason") or ""))
+    out.print(t)
+
+
+async def send_command(s: Settings, node: str, update: str, cmd: Any, cluster: str | None = None) -> dict[str, Any]:
+    """Send the `RemediationApi` update `update` to `node`'s open incident: in `cluster`, else the one
+    cluster where it has one open.
+
+    Returns:
+        {command, node, cluster, workflow_id, by, result} (what `--json` prints).
+    Raises:
+        FleetmendError: no open incident, the workflow refused the update, or Temporal failed.
+    """
+    from temporalio.client import WorkflowUpdateFailedError  # lazy: temporalio (see common)
+    from temporalio.service import RPCError
+
+    client = await connect_temporal(s)
+    cl = cluster or await open_cluster(client, node, s.cluster)
+    wid = subjects.workflow_id(cl, node)
+    handle = client.get_workflow_handle(wid)
+    try:
+        result = await handle.execute_update(update, cmd, result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise FleetmendError(f"{node}: {refusal(e)}") from e
+    except RPCError as e:
+        if "not found" in str(e).lower() or "already completed" in str(e).lower():
+            raise FleetmendError(f"no open incident for node {node} in cluster {cl}") from e
+        raise FleetmendError(f"{wid}: {e}") from e
+    return {"command": update, "node": node, "cluster": cl, "workflow_id": wid, "by": cmd.by, "result": result}
+
+
+def _done(res: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(res, default=str) + "\n")
+    else:
+        out.print(f"{res['node']} ({res['cluster']}): {res['result']}")
+
+
+@app.command()
+def repaired(
+    node: str,
+    ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id."),
+    note: str = typer.Option("", "--note", help="What was done."),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Mark NODE repaired: diagnostics re-run, and the node returns to service if they pass."""
+    from fleetmend.messages import RemediationApi, RepairedCommand  # lazy: temporalio.common (see common)
+
+    s = settings(config, cluster=cluster)
+    _done(run(send_command(s, node, RemediationApi.MARK_REPAIRED, RepairedCommand(by=who(), ticket=ticket, note=note),
+                           cluster)), as_json)
+
+
+@app.command()
+def retest(node: str, as_json: bool = JsonOpt, cluster: Optional[str] = ClusterOpt,
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Force NODE's verification diagnostics to run now."""
+    from fleetmend.messages import RemediationApi, RetestCommand  # lazy: temporalio.common (see common)
+
+    s = settings(config, cluster=cluster)
+    _done(run(send_command(s, node, RemediationApi.FORCE_RETEST, RetestCommand(by=who()), cluster)), as_json)
+
+
+@app.command()
+def abort(
+    node: str,
+    note: str = typer.Option("", "--note", help="Why."),
+    undrain: bool = typer.Option(False, "--undrain", help="Also undrain the node if fleetmend drained it."),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Close NODE's incident now (automation stops; the drain stays unless --undrain)."""
+    from fleetmend.messages import AbortCommand, RemediationApi  # lazy: temporalio.common (see common)
+
+    s = settings(config, cluster=cluster)
+    _done(run(send_command(s, node, RemediationApi.ABORT, AbortCommand(by=who(), note=note, undrain=undrain),
+                           cluster)), as_json)

@@ -16,8 +16,14 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
+from fleetmend import subjects
+from fleetmend.catalog.runbooks import runbook_ref
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
+from fleetmend.infra.connect import connect_temporal
+
+# temporalio and fleetmend.messages are imported inside the functions that ask Temporal: `fleetmend --help`
+# need not load them (see fleetmend.cli.common).
 
 _SAFE = re.compile(r"^[^'\"\\\s]+$")
 
@@ -31,7 +37,9 @@ def _quoted(what: str, value: str) -> str:
 
 def node_query(node: str, cluster: str | None = None, running: bool = False) -> str:
     """The visibility query for `node`'s incidents (in `cluster`, or every cluster when None)."""
-    q = f"WorkflowType='NodeRemediation' AND FleetNode={_quoted('node', node)}"
+    from fleetmend.messages import RemediationApi
+
+    q = f"WorkflowType='{RemediationApi.WORKFLOW}' AND FleetNode={_quoted('node', node)}"
     if cluster:
         q += f" AND FleetCluster={_quoted('cluster', cluster)}"
     if running:
@@ -56,8 +64,6 @@ def status_dict(st: Any) -> dict[str, Any]:
                                           "count", "fault_class", "immediate_action", "drain", "healthy",
                                           "observed_at")}
                    for f in d.get("faults", [])]
-    from fleetmend.catalog.runbooks import runbook_ref
-
     classes = [d.get("fault_class")] + [f["fault_class"] for f in d["faults"] if f.get("drain")]
     d["runbooks"] = {fc: runbook_ref(fc) for fc in dict.fromkeys(c for c in classes if c)}
     return d
@@ -112,8 +118,7 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
     """
     from temporalio.service import RPCError
 
-    from fleetmend import subjects
-    from fleetmend.infra.connect import connect_temporal
+    from fleetmend.messages import IncidentStatus, RemediationApi
 
     client = await connect_temporal(s)
     latest: dict[str, Any] = {}
@@ -131,8 +136,6 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
     if latest:
         return [await read_incident(client, wf) for _, wf in sorted(latest.items())]
     # Visibility lags a start: ask the workflow id of the configured cluster directly.
-    from fleetmend.messages import IncidentStatus, RemediationApi
-
     cl = cluster or s.cluster
     wid = subjects.workflow_id(cl, node)
     try:
@@ -154,10 +157,11 @@ async def open_cluster(client: Any, node: str, default: str) -> str:
     Raises:
         FleetmendError: open incidents in several other clusters (names them: pick one with --cluster).
     """
-    clusters = set()
+    clusters: set[str] = set()
     async for wf in client.list_workflows(node_query(node, running=True), limit=20):
-        clusters.add(_attrs(wf).get("FleetCluster"))
-    clusters.discard(None)
+        cl = _attrs(wf).get("FleetCluster")
+        if cl is not None:
+            clusters.add(cl)
     if default in clusters:
         return default
     if len(clusters) > 1:
@@ -177,8 +181,6 @@ async def node_history(s: Settings, node: str, cluster: str | None, limit: int) 
         FleetmendError: Temporal unreachable or the query refused.
     """
     from temporalio.service import RPCError
-
-    from fleetmend.infra.connect import connect_temporal
 
     client = await connect_temporal(s)
     runs = []

@@ -1,0 +1,315 @@
+"""The cluster's FleetGuard (`fleetguard/<cluster>`): `fleetmend breaker status | reset | release NODE` and
+the global `fleetmend pause | resume`; why a queued node waits for its drain permit (`permit_waits`, which
+`fleetmend status` shows).
+
+Every command is a `GuardApi` query or update; the updates carry who sent them for the guard's audit log.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from fleetmend import subjects
+from fleetmend.cli.common import ClusterOpt, ConfigOpt, JsonOpt, out, refusal, run, settings, who
+from fleetmend.config import Settings
+from fleetmend.errors import FleetmendError
+from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.policy import load_topology
+
+app = typer.Typer(no_args_is_help=True, help="The cluster's drain breaker (FleetGuard).")
+"""`fleetmend breaker ...`."""
+commands = typer.Typer()
+"""`fleetmend pause` and `fleetmend resume` (top-level: added to the root app without a group name)."""
+
+
+# temporalio and fleetmend.messages (GuardApi) are imported inside the functions and commands that talk to
+# Temporal: `fleetmend --help` need not load them (see fleetmend.cli.common).
+
+# ------------------------------------------------------------------ talking to FleetGuard
+
+async def permit_waits(client: Any, cluster: str) -> dict[str, str]:
+    """node → why its permit request is queued, for every queued node of `cluster`'s FleetGuard.
+
+    Args:
+        client: a connected `temporalio.client.Client` (the project's data converter).
+        cluster: the cluster name.
+    Returns:
+        {} when the guard does not exist yet (no permit was ever requested).
+    Raises:
+        temporalio.service.RPCError: Temporal unreachable or the query failed for another reason.
+    """
+    from temporalio.service import RPCError
+
+    from fleetmend.messages import GuardApi
+
+    handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+    try:
+        st = await handle.query(GuardApi.STATUS)
+    except RPCError as e:
+        if "not found" in str(e).lower():
+            return {}
+        raise
+    queue = st["queue"] if isinstance(st, dict) else st.queue
+    return {q["node"]: q.get("waiting") or "" for q in queue}
+
+
+async def annotate_waits(client: Any, cluster: str, rows: list[dict[str, Any]]) -> None:
+    """Add `waiting` (why its permit waits) to each running `awaiting_permit` row of `fleetmend status`.
+    A node the guard does not know says so (its incident asks again every `policy.permit_rerequest_s`)."""
+    try:
+        waits = await permit_waits(client, cluster)
+    except Exception as e:  # noqa: BLE001 - the table still shows without the reasons
+        waits, missing = {}, f"FleetGuard unreadable: {e}"
+    else:
+        missing = "not queued at FleetGuard yet (the incident asks again)"
+    for r in rows:
+        if r["phase"] == "awaiting_permit" and r["status"] == "running":
+            r["waiting"] = waits.get(r["node"]) or missing
+
+
+async def _guard_handle(settings: Settings, *, start: bool) -> Any:
+    """The cluster's FleetGuard handle; `start`: start the guard first when it does not exist yet."""
+    from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
+
+    client = await connect_temporal(settings)
+    wid = subjects.fleetguard_workflow_id(settings.cluster)
+    if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
+        policy = GuardPolicy.from_settings(settings.policy, len(load_topology(settings.policy.topology_file)))
+        await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
+                                    task_queue=guard_task_queue(settings.task_queue), start_signal=GuardApi.ENSURE)
+    return client.get_workflow_handle(wid)
+
+
+async def _guard_status(settings: Settings) -> dict[str, Any]:
+    from temporalio.service import RPCError
+
+    from fleetmend.messages import GuardApi, GuardStatus
+
+    handle = await _guard_handle(settings, start=False)
+    try:
+        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
+    except RPCError as e:
+        if "not found" in str(e).lower():
+            raise FleetmendError(f"no FleetGuard for cluster {settings.cluster} yet: no drain permit has been "
+                                 "requested (it starts with the first drain-worthy fault, or `fleetmend pause`)") from e
+        raise FleetmendError(f"could not read FleetGuard of {settings.cluster}: {e}; is `fleetmend worker` running?") \
+            from e
+    return dict(st.__dict__)
+
+
+async def _guard_update(settings: Settings, update: str, by: str, note: str) -> str:
+    """Send the `GuardApi` update `update` (RESET_BREAKER, PAUSE, RESUME). Returns the guard's answer."""
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from fleetmend.messages import GuardCommand
+
+    handle = await _guard_handle(settings, start=True)
+    try:
+        return await handle.execute_update(update, GuardCommand(by=by, note=note), result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {refusal(e)}") from e
+    except RPCError as e:
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {e}; is `fleetmend worker` running?") from e
+
+
+async def _pool_status(s: Settings) -> dict[str, Any] | None:
+    """The cluster's permit pool as stored (`fleetmend.infra.permit_pool`), or None before FleetGuard wrote it."""
+    from fleetmend.infra.permit_pool import PermitPool  # lazy: nats
+
+    nc = await connect_nats(s, name="fleetmend-cli")
+    try:
+        st = await (await PermitPool.open(nc.jetstream())).read(s.cluster)
+    finally:
+        await close_nats(nc)
+    return asdict(st) if st is not None else None
+
+
+async def _running_incident(client: Any, cluster: str, node: str) -> str | None:
+    """`node`'s incident workflow id in `cluster` when it still runs, else None."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    wid = subjects.workflow_id(cluster, node)
+    try:
+        desc = await client.get_workflow_handle(wid).describe()
+    except RPCError:
+        return None  # never opened, or gone with the namespace's retention
+    return wid if desc.status == WorkflowExecutionStatus.RUNNING else None
+
+
+async def _only_queued(client: Any, cluster: str, node: str) -> bool:
+    """Whether `node` waits in `cluster`'s FleetGuard queue (a queued node holds no permit). False when the
+    guard cannot be read: the caller's refusal then stands as it is."""
+    try:
+        return node in await permit_waits(client, cluster)
+    except Exception:  # noqa: BLE001 - unreadable: not known to be only queued
+        return False
+
+
+async def release_permit(settings: Settings, node: str, by: str, note: str, force: bool = False) -> str:
+    """Free `node`'s permit (`GuardApi.RELEASE_PERMIT`). Refused while `node`'s incident still runs (its
+    drain is in force: freeing its permit lets one more node drain than the budget allows) unless `force`.
+
+    Raises:
+        FleetmendError: the incident still runs (without `force`), the guard refused, or Temporal failed.
+    """
+    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.service import RPCError
+
+    from fleetmend.messages import GuardApi, PermitReleaseCommand
+
+    client = await connect_temporal(settings)
+    running = None if force else await _running_incident(client, settings.cluster, node)
+    if running and await _only_queued(client, settings.cluster, node):
+        raise FleetmendError(
+            f"{node} holds no permit: it is queued for one, and its incident {running} still runs. Withdrawing "
+            f"the request only sends {node} to the back of the queue when the incident asks again (every "
+            f"policy.permit_rerequest_s). Stop it with `fleetmend abort {node}`, or add --force")
+    if running:
+        raise FleetmendError(
+            f"{node}'s incident {running} still runs and its permit counts its drain; releasing it would let "
+            f"one more node drain than the budget allows. End the incident (`fleetmend abort {node} "
+            f"[--undrain]`, which frees the permit), or add --force if the permit is wrong anyway")
+    handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(settings.cluster))
+    try:
+        return await handle.execute_update(GuardApi.RELEASE_PERMIT, PermitReleaseCommand(by=by, node=node, note=note),
+                                           result_type=str)
+    except WorkflowUpdateFailedError as e:
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {refusal(e)}") from e
+    except RPCError as e:
+        if "not found" in str(e).lower() or "already completed" in str(e).lower():
+            raise FleetmendError(f"no running FleetGuard for cluster {settings.cluster}: no permit is held") from e
+        raise FleetmendError(f"FleetGuard {settings.cluster}: {e}; is `fleetmend worker` running?") from e
+
+
+# ------------------------------------------------------------------ commands
+def _guard_done(s: Settings, update: str, result: str, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps({"command": update, "cluster": s.cluster, "by": who(), "result": result}) + "\n")
+    else:
+        out.print(result)
+
+
+def _send(config: Optional[Path], cluster: Optional[str], name: str, note: str, as_json: bool) -> None:
+    """Send FleetGuard update `name` (a `GuardApi` name) and print its answer."""
+    s = settings(config, cluster=cluster)
+    _guard_done(s, name, run(_guard_update(s, name, who(), note)), as_json)
+
+
+@app.command("status")
+def breaker_status(
+    as_json: bool = typer.Option(False, "--json"),
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Permits held, the queue, the breaker and infrastructure incidents of the cluster."""
+    s = settings(config, cluster=cluster)
+    d = run(_guard_status(s))
+    if s.policy.fast_drain:
+        d["pool"] = run(_pool_status(s))
+    if as_json:
+        sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
+        return
+    state = "TRIPPED" if d["breaker_tripped"] else "closed" + ("" if d["paused"] or d["observe_only"]
+                                                               else " (drains allowed)")
+    out.print(f"FleetGuard {d['cluster']}: breaker {state}"
+              + (f"; PAUSED by {d['paused_by']}: no drains" if d["paused"] else "")
+              + ("; observe-only" if d["observe_only"] else ""))
+    if d["breaker_tripped"]:
+        out.print(f"  tripped at {d['breaker_tripped_at']}: {escape(d['breaker_reason'] or '')}")
+        out.print("  reset with: fleetmend breaker reset --note '…'")
+    out.print(f"permits held {len(d['held'])}/{d['budget']} (known nodes {d['known_nodes']}), "
+              f"queued {len(d['queue'])}")
+    t = Table(title="permits and queue")
+    for col in ("node", "state", "severity", "fault", "rack", "since"):
+        t.add_column(col, no_wrap=True)
+    for h in d["held"]:
+        t.add_row(h["node"], "held", h["severity"], h["fault_class"], h.get("rack") or "", h["granted_at"])
+    for q in d["queue"]:
+        t.add_row(q["node"], "queued", q["severity"], q["fault_class"], q.get("rack") or "", q["requested_at"])
+    if d["held"] or d["queue"]:
+        out.print(t)
+    pool = d.get("pool")
+    if pool is not None:
+        held = {h["node"] for h in d["held"]}
+        router_only = sorted(n for n, h in pool["holders"].items() if h["by"] == "router" and n not in held)
+        out.print(f"permit pool: {len(pool['holders'])}/{pool['budget']} slots held, "
+                  f"{pool['rack_cap']} per rack, "
+                  + ("open" if pool["open"] else f"closed ({escape(pool['why'])})")
+                  + (f"; router drains not adopted yet: {', '.join(router_only)}" if router_only else ""))
+    elif s.policy.fast_drain:
+        out.print("permit pool: not published yet (FleetGuard writes it when it starts)")
+    for inc in d["infra_incidents"]:
+        out.print(f"infrastructure incident {inc['domain']} ({'closed' if inc.get('closed_at') else 'open'}): "
+                  f"{len(inc['nodes'])} nodes, ticket {inc.get('ticket') or '-'}")
+
+
+@app.command("reset")
+def breaker_reset(
+    note: str = typer.Option("", "--note", help="Why it is safe to resume."),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Reset a tripped breaker: queued drains resume, highest severity first."""
+    from fleetmend.messages import GuardApi
+
+    _send(config, cluster, GuardApi.RESET_BREAKER, note, as_json)
+
+
+@app.command("release")
+def breaker_release(
+    node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free."),
+    note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
+    force: bool = typer.Option(False, "--force", help="Release even while NODE's incident still runs."),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Free NODE's drain permit by hand (a permit held by an incident that no longer runs): audited with
+    who you are. Refused while NODE's incident still runs (--force overrides). FleetGuard also does this
+    by itself every `policy.permit_reconcile_s`."""
+    from fleetmend.messages import GuardApi
+
+    s = settings(config, cluster=cluster)
+    result = run(release_permit(s, node, who(), note, force))
+    if as_json:
+        sys.stdout.write(json.dumps({"command": GuardApi.RELEASE_PERMIT, "node": node, "cluster": s.cluster,
+                                     "by": who(), "result": result}) + "\n")
+        return
+    out.print(result)
+
+
+@commands.command()
+def pause(
+    note: str = typer.Option("", "--note", help="Why."),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """Global pause: faults are still classified and recorded; no node is drained until `resume`."""
+    from fleetmend.messages import GuardApi
+
+    _send(config, cluster, GuardApi.PAUSE, note, as_json)
+
+
+@commands.command()
+def resume(
+    note: str = typer.Option("", "--note"),
+    as_json: bool = JsonOpt,
+    cluster: Optional[str] = ClusterOpt,
+    config: Optional[Path] = ConfigOpt,
+) -> None:
+    """End a global pause; queued drains proceed within the budget."""
+    from fleetmend.messages import GuardApi
+
+    _send(config, cluster, GuardApi.RESUME, note, as_json)
