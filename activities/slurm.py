@@ -170,7 +170,7 @@ class SlurmScheduler:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env)
                 try:
-                    out, err = await proc.communicate()
+                    out, errout = await proc.communicate()
                 except asyncio.CancelledError:
                     if proc.returncode is None:
                         proc.kill()
@@ -182,7 +182,7 @@ class SlurmScheduler:
                 f"is slurmctld reachable? ({self._where()})") from err
         except FileNotFoundError as err:
             raise SchedulerError(f"{argv[0]} not found; set slurm.scontrol/slurm.sinfo or install slurm-client") from err
-        return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+        return proc.returncode or 0, out.decode(errors="replace"), errout.decode(errors="replace")
 
     @staticmethod
     def _one_node(node: str) -> None:

@@ -1,12 +1,15 @@
 """The house's floors, drawn from the code itself (every `import` in every module, lazy ones too).
 
-| floor | modules | may import (project) | may import (third party) |
+| floor | modules | may import (project) | third party |
 |---|---|---|---|
-| contract | top-level modules of `fleetmend/`, `fleetmend.messages.*`, `fleetmend.catalog.*` | the contract | pydantic, pydantic-settings, `temporalio.common`, `temporalio.exceptions` |
+| contract | top-level modules of `fleetmend/`, `fleetmend.messages.*`, `fleetmend.catalog.*` | the contract | pydantic (1) |
 | plumbing | `fleetmend.infra.*` | contract, plumbing | anything |
 | adapters | `activities.*` | contract, plumbing, activities | anything |
 | workflows | `workflows.*` | contract | `temporalio` |
-| processes | `agents.*`, `fleetmend.{router,analyzer,worker,cli,dev}` | anything below; only `cli` and `dev` import another process (to start it) | anything |
+| processes | `agents.*`, `fleetmend.{router,analyzer,worker,cli,dev}` | anything below (2) | anything |
+
+(1) pydantic, pydantic-settings, `temporalio.common`, `temporalio.exceptions`.
+(2) Only `cli` and `dev` import another process (to start it).
 
 Besides: no import cycle; no `importlib.import_module`/`__import__` of a project module, except the
 agent's probe table (`agents.probes.PROBES`, data this test reads: its targets are edges of the graph).

@@ -109,7 +109,7 @@ async def _read_deadletters(s: Settings, limit: int) -> list[dict[str, Any]]:
         for seq in range(first, last + 1):
             try:
                 m = await js.get_msg(subjects.DEADLETTER_STREAM, seq)
-                rec = json.loads(m.data)
+                rec = json.loads(m.data or b"")
             except (NotFoundError, ValueError):
                 continue  # removed by age or limits since the stream_info; or not a record of ours
             rows.append(rec if isinstance(rec, dict) else {"reason": "unreadable record", "at": ""})
@@ -139,7 +139,7 @@ async def deadletter_line(settings: Settings, timeout_s: float = 3.0) -> str:
                 first = max(info.state.first_seq, info.state.last_seq - REASONS_SCANNED + 1)
                 for seq in range(first, info.state.last_seq + 1) if total else ():
                     try:
-                        rec = json.loads((await js.get_msg(subjects.DEADLETTER_STREAM, seq)).data)
+                        rec = json.loads((await js.get_msg(subjects.DEADLETTER_STREAM, seq)).data or b"")
                     except Exception:  # noqa: BLE001 - removed by age, or not ours
                         continue
                     reasons[deadletter_reason(str(rec.get("reason", "?")))] += 1
