@@ -1,7 +1,8 @@
 """A real 4-node Slurm cluster on this one host, for the scheduler adapter tests.
 
 `slurm_cluster` (session scope) writes a slurm.conf in a temp dir (4 nodes `node[1-4]`, all
-`NodeHostname=localhost`, every port picked free at runtime), makes sure munged answers, starts
+`NodeHostname=localhost`, every port picked free at runtime), makes sure munged answers (one it starts
+itself is stopped with the cluster, so a test run leaves no daemon behind), starts
 `slurmctld -D -i` and four `slurmd -D -N nodeN` as child processes (foreground, so teardown is by
 PID), and waits until every node is `idle`.
 
@@ -108,14 +109,27 @@ def munge_works() -> bool:
         return False
 
 
-def ensure_munged() -> None:
-    """Start munged (as the munge user) unless one already answers. Needs root.
+def require_slurm() -> None:
+    """Skip the calling test where Slurm cannot run here (binaries missing, not root); fail it in CI."""
+    missing = [b for b in _BINARIES if shutil.which(b) is None]
+    if missing:
+        _unavailable(f"Slurm/munge binaries missing: {', '.join(missing)}")
+    if os.geteuid() != 0:
+        _unavailable("the test cluster needs root (munged, SlurmdUser=root)")
 
+
+def ensure_munged() -> subprocess.Popen | None:
+    """Start munged (as the munge user, in the foreground, as a child of this process) unless one
+    already answers. Needs root.
+
+    Returns:
+        The munged process this call started (stop it with the cluster), or None when one already
+        answered (someone else's: left alone).
     Raises:
         RuntimeError: munged did not answer within 10 s.
     """
     if munge_works():
-        return
+        return None
     key = Path("/etc/munge/munge.key")
     if not key.exists():
         if shutil.which("mungekey"):
@@ -128,14 +142,16 @@ def ensure_munged() -> None:
     run.mkdir(parents=True, exist_ok=True)
     shutil.chown(run, "munge", "munge")
     run.chmod(0o755)
-    # Not check=True: a concurrent session may have started munged a moment ago (then this one
-    # exits non-zero on the taken socket); what matters is that a credential round-trips below.
-    subprocess.run(["runuser", "-u", "munge", "--", "munged"], timeout=10)
+    # A concurrent session may have started munged a moment ago (then this one exits at once on the taken
+    # socket); what matters is that a credential round-trips below.
+    proc = subprocess.Popen(["runuser", "-u", "munge", "--", "munged", "--foreground"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_session_dying_with_parent)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if munge_works():
-            return
+            return proc if proc.poll() is None else None
         time.sleep(0.1)
+    proc.kill()
     raise RuntimeError("munged started but `munge -n | unmunge` still fails after 10 s; see /var/log/munge/")
 
 
@@ -220,8 +236,9 @@ def start_cluster(root: Path, nodes: list[str] = NODES) -> SlurmCluster:
     ports.update({n: servers.free_port() for n in nodes})
     conf = write_slurm_conf(root, ports, nodes)
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    ensure_munged()
-    cluster = SlurmCluster(root=root, conf=conf, nodes=list(nodes), env=env)
+    munged = ensure_munged()
+    # stop() ends the daemons in reverse order: munged, when this call started it, goes last
+    cluster = SlurmCluster(root=root, conf=conf, nodes=list(nodes), env=env, procs=[munged] if munged else [])
 
     def spawn(name: str, argv: list[str]) -> None:
         log = open(root / "log" / f"{name}.stdout", "ab")
@@ -253,11 +270,7 @@ def start_cluster(root: Path, nodes: list[str] = NODES) -> SlurmCluster:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
     """A real 4-node Slurm cluster on localhost (see module docstring). Yields `SlurmCluster`."""
-    missing = [b for b in _BINARIES if shutil.which(b) is None]
-    if missing:
-        _unavailable(f"Slurm/munge binaries missing: {', '.join(missing)}")
-    if os.geteuid() != 0:
-        _unavailable("the test cluster needs root (munged, SlurmdUser=root)")
+    require_slurm()
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     cluster.stop()

@@ -126,10 +126,9 @@ async def test_eks_node_name_end_to_end_standalone(nats_server, temporal_server,
 
 @pytest.mark.slurm
 async def test_dotted_slurm_node_name_end_to_end(nats_server, temporal_server, tmp_path: Path, unique: str):
-    from tests.fixtures_slurm import start_cluster
+    from tests.fixtures_slurm import require_slurm, start_cluster
 
-    if os.geteuid() != 0:
-        pytest.skip("the Slurm test cluster needs root")
+    require_slurm()
     sl = await asyncio.to_thread(start_cluster, tmp_path / "slurm", SLURM)
     try:
         cluster = f"sl{unique}"
