@@ -242,16 +242,18 @@ async def test_a_job_message_speaks_for_its_one_known_node_only() -> None:
     for n in ["n0", "n1", dotted]:
         a.add(_sample(n, T0 + 1))
     reasons = []
-    for rows in ([[0, "n0", 1, 1.0, T0 + 2], [1, "n1", 1, 1.0, T0 + 2]],  # speaks for another node
-                 [[0, "victim", 1, 1.0, T0 + 2]],  # a node with no perf sample: made up
+    for rows in ([[0, "n0", 1, 1.0, T0 + 2], [1, "n1", 1, 1.0, T0 + 2]],  # speaks for another node too
                  [[r, "n0", 1, 1.0, T0 + 2] for r in range(9)],  # more ranks than the node has GPUs
-                 [[0, "n0", 1, math.nan, T0 + 2]], [[0, "n0", 1, -1.0, T0 + 2]],
-                 [[0, "ip-10-0-1-3-ec2-internal", 1, 1.0, T0 + 2]]):  # the old client's mangled name
+                 [[0, "n0", 1, math.nan, T0 + 2]], [[0, "n0", 1, -1.0, T0 + 2]]):
         await a._on_job_msg(job_msg("j1", rows))
         reasons.append(js.published[-1][1]["reason"])
-    assert a.rejected == 6 and a.job_steps == 0, reasons
-    assert "names 2 nodes" in reasons[0] and "unknown node" in reasons[1] and "9 ranks" in reasons[2]
+    assert a.rejected == 4 and a.job_steps == 0, reasons
+    assert "names 2 nodes" in reasons[0] and "9 ranks" in reasons[1] and "finite" in reasons[2]
+    for rows in ([[0, "victim", 1, 1.0, T0 + 2]],  # a node with no perf sample: made up
+                 [[0, "ip-10-0-1-3-ec2-internal", 1, 1.0, T0 + 2]]):  # the old client's mangled name
+        await a._on_job_msg(job_msg("j1", rows))
+    assert a.jobs.dropped["unknown_node"] == 2 and a.rejected == 4 and a.job_steps == 0
     await a._on_job_msg(job_msg("j1", [[2, dotted, 1, 1.0, T0 + 2], [3, dotted, 1, 1.1, T0 + 3]]))
-    assert a.job_steps == 2 and a.rejected == 6
+    assert a.job_steps == 2 and a.rejected == 4
     assert {k for w in a.jobs.open.values() for k in w} == {f"{dotted}/2", f"{dotted}/3"}
     assert a.comparator.open[a.comparator.window_of(T0)][dotted].jobs == {"j1"}

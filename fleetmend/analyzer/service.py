@@ -171,9 +171,10 @@ class Analyzer:
 
     async def _on_job_msg(self, msg: Any) -> None:
         """One batch of step times (`fleetmend.jobs`). A message speaks for one node only: every row
-        must name the same node, a node this analyzer has perf samples from (a made-up name is
-        refused), under its real name (`subjects.check_node_name`, no re-encoding), with at most
-        `max(1, its GPU count)` distinct ranks; anything else is dead-lettered whole with the reason.
+        must name the same node, under its real name (`subjects.check_node_name`, no re-encoding),
+        with at most `max(1, its GPU count)` distinct ranks, else it is dead-lettered whole with the
+        reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
+        (`jobs.dropped["unknown_node"]`, logged once a minute).
         Accepted rows feed the ranks' comparator and tell the node comparator which job the node ran
         (its work-dependent metrics are then compared with that job's other nodes)."""
         now = self.clock()
@@ -199,11 +200,14 @@ class Analyzer:
             if len(nodes) > 1:
                 raise ValueError(f"one job message names {len(nodes)} nodes ({', '.join(sorted(nodes)[:4])}): "
                                  "a node reports for its own ranks only")
-            if rows:
+            known = self.nodes.get(rows[0][1]) if rows else None
+            if rows and known is None:
+                # a made-up name, or a node whose first perf sample this replica has not read yet (the
+                # two streams replay side by side after a restart): dropped and counted, not dead-lettered
+                self.jobs.dropped["unknown_node"] += len(rows)
+                return
+            if rows and known is not None:
                 node = rows[0][1]
-                known = self.nodes.get(node)
-                if known is None:
-                    raise ValueError(f"node {node!r} has sent no perf sample to this analyzer (unknown node)")
                 ranks = {r for r, _, _, _ in rows}
                 if len(ranks) > max(1, known[1]):
                     raise ValueError(f"node {node!r} reports {len(ranks)} ranks of job {job} but has "
