@@ -257,3 +257,11 @@ async def test_a_job_message_speaks_for_its_one_known_node_only() -> None:
     assert a.job_steps == 2 and a.rejected == 4
     assert {k for w in a.jobs.open.values() for k in w} == {f"{dotted}/2", f"{dotted}/3"}
     assert a.comparator.open[a.comparator.window_of(T0)][dotted].jobs == {"j1"}
+    # one rank per message does not get round the cap: at most its 8 GPUs' ranks of a job per window
+    for r in range(9):
+        await a._on_job_msg(job_msg("j2", [[r, "n1", 1, 1.0, T0 + 2]]))
+    assert a.rejected == 5 and "9 ranks of job j2 in one window" in js.published[-1][1]["reason"]
+    assert {k for w in a.jobs.open.values() for k in w if k.startswith("n1/")} == {f"n1/{r}" for r in range(8)}
+    for job in ("j3", "j4", "j5", "j6"):  # nor do many jobs at once
+        await a._on_job_msg(job_msg(job, [[0, "n1", 1, 1.0, T0 + 2]]))
+    assert a.rejected == 6 and "more than 4 jobs" in js.published[-1][1]["reason"]

@@ -49,10 +49,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
 from fleetmend import subjects
-from fleetmend.analyzer.core import Comparator, WindowResult, finding_event
+from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, Comparator, WindowResult, finding_event
 from fleetmend.analyzer.metrics import MetricSpec, derive
 from fleetmend.config import Settings
-from fleetmend.events import Component
+from fleetmend.events import MAX_CLOCK_SKEW_S, Component
 from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_perf_stream
@@ -140,6 +140,9 @@ class Analyzer:
         report job steps (bounded: forgotten `KNOWN_NODE_TTL_S` after their last sample)."""
         self._dropped_logged: dict[str, int] = {}
         self._dropped_at = -1e18
+        self._claims: dict[tuple[int, str], dict[str, set[int]]] = {}
+        """(window, node) → job → ranks the node reported in that window: one node speaks for at most
+        its GPU count of ranks per job and `MAX_JOBS_PER_WINDOW` jobs (pruned as windows close)."""
         self._small_logged: dict[tuple[str, str], float] = {}
         self._sub: Any = None
         self._job_sub: Any = None
@@ -172,8 +175,9 @@ class Analyzer:
     async def _on_job_msg(self, msg: Any) -> None:
         """One batch of step times (`fleetmend.jobs`). A message speaks for one node only: every row
         must name the same node, under its real name (`subjects.check_node_name`, no re-encoding),
-        with at most `max(1, its GPU count)` distinct ranks, else it is dead-lettered whole with the
-        reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
+        with at most `max(1, its GPU count)` distinct ranks of the job in a window (across messages)
+        and steps of at most `MAX_JOBS_PER_WINDOW` jobs in a window, else it is dead-lettered whole
+        with the reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
         (`jobs.dropped["unknown_node"]`, logged once a minute).
         Accepted rows feed the ranks' comparator and tell the node comparator which job the node ran
         (its work-dependent metrics are then compared with that job's other nodes)."""
@@ -206,21 +210,41 @@ class Analyzer:
                 # two streams replay side by side after a restart): dropped and counted, not dead-lettered
                 self.jobs.dropped["unknown_node"] += len(rows)
                 return
-            if rows and known is not None:
-                node = rows[0][1]
-                ranks = {r for r, _, _, _ in rows}
-                if len(ranks) > max(1, known[1]):
-                    raise ValueError(f"node {node!r} reports {len(ranks)} ranks of job {job} but has "
-                                     f"{known[1]} GPUs")
+            claims = self._check_claims(job, rows, known[1], now) if rows and known is not None else {}
         except (ValueError, TypeError, UnicodeDecodeError, OverflowError) as err:
             self.rejected += 1
             await self._deadletter(msg, f"invalid job timing message: {str(err)[:300]}")
             return
+        for key, ranks in claims.items():
+            self._claims.setdefault(key, {}).setdefault(job, set()).update(ranks)
         for rank, node, sec, at in rows:
             if self.jobs.add(f"{node}/{rank}", f"job:{job}", at, {"job_step_seconds": (sec, f"rank:{rank}")},
                              now=now):
                 self.comparator.note_job(node, job, at, now=now)
                 self.job_steps += 1
+
+    def _check_claims(self, job: str, rows: list[tuple[int, str, float, float]], gpus: int,
+                      now: float) -> dict[tuple[int, str], set[int]]:
+        """The (window, node) → ranks this message adds, after checking that, with what the node
+        already reported in those windows (other messages included), it speaks for at most
+        `max(1, gpus)` ranks of `job` and at most `MAX_JOBS_PER_WINDOW` jobs. Rows outside the
+        windows that can still be judged are left out (the comparator drops them). Raises ValueError."""
+        cfg = self.cfg
+        lo, hi = now - cfg.window_s - cfg.grace_s - MAX_CLOCK_SKEW_S, now + MAX_CLOCK_SKEW_S
+        node = rows[0][1]
+        out: dict[tuple[int, str], set[int]] = {}
+        for rank, _, _, at in rows:
+            if lo <= at <= hi:
+                out.setdefault((self.jobs.window_of(at), node), set()).add(rank)
+        cap = max(1, gpus)
+        for key, ranks in out.items():
+            seen = self._claims.get(key, {})
+            if len(seen.get(job, set()) | ranks) > cap:
+                raise ValueError(f"node {node!r} reports {len(seen.get(job, set()) | ranks)} ranks of job {job} "
+                                 f"in one window but has {gpus} GPUs")
+            if len(set(seen) | {job}) > MAX_JOBS_PER_WINDOW:
+                raise ValueError(f"node {node!r} reports steps of more than {MAX_JOBS_PER_WINDOW} jobs in one window")
+        return out
 
     async def _on_msg(self, msg: Any) -> None:
         reason = None
@@ -329,6 +353,8 @@ class Analyzer:
             await self.save_state()
         for w in self.jobs.due(now):
             res = self.jobs.close_window(w)
+            for key in [k for k in self._claims if k[0] <= w]:
+                del self._claims[key]
             if not active:
                 continue
             for f in res.findings:
