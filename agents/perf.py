@@ -39,9 +39,10 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
+from pydantic import BaseModel, ValidationError
 
 from agents.nvml import (
     E_GPU_IS_LOST,
@@ -59,6 +60,8 @@ from agents.nvml import (
 from agents.sysfs import _int, _read, parse_rate
 from fleetmend import __version__
 from fleetmend.telemetry import GpuPerf, HardwareClass, HostPerf, PerfSample, PortPerf
+
+P = TypeVar("P", bound=BaseModel)
 
 # nvml.h values (checked against pynvml in tests)
 CLOCK_SM = 1  # NVML_CLOCK_SM
@@ -129,6 +132,7 @@ class PerfSampler:
         self._last_mono: float | None = None
         self._cpu_dirs: list[Path] | None = None
         self._log = structlog.get_logger("fleetmend.agent.perf").bind(cluster=cluster, node=node)
+        self._refused: set[str] = set()  # fields already logged by _part
 
     # ------------------------------------------------------------------ NVML lifecycle
 
@@ -193,6 +197,21 @@ class PerfSampler:
             self._log.debug("perf_gpu_lost", gpu=g.index, error=str(err))
             return None  # the NVML probe reports gpu_fallen_off_bus
 
+    def _part(self, model: type[P], fields: dict[str, Any]) -> P:
+        """`model(**fields)`, leaving out any reading the contract refuses (out of range, not finite: a
+        driver sentinel such as 0xFFFFFFFF): that reading is unknown for this sample, logged once per
+        model and field, and every other reading of the sample still goes out. The analyzer refuses a
+        whole sample with such a value, so it must never leave the node."""
+        try:
+            return model(**fields)
+        except ValidationError as err:
+            bad = {str(e["loc"][0]) for e in err.errors() if e.get("loc")}
+            for name in sorted(bad - self._refused):
+                self._log.warning("perf_reading_refused", part=model.__name__, field=name,
+                                  value=repr(fields.get(name))[:80])
+            self._refused |= bad
+            return model(**{k: v for k, v in fields.items() if k not in bad})
+
     def _gpu_reads(self, g: _Gpu, interval: float) -> GpuPerf:
         nv = self.nvml
         r: dict[str, Any] = {"index": g.index}
@@ -220,7 +239,7 @@ class PerfSampler:
         ecc = self._read(g, "ecc_corrected", nv.nvmlDeviceGetTotalEccErrors, ERR_CORRECTED, VOLATILE)
         r["ecc_corrected_delta"] = _delta(g.prev, "ecc_corrected", None if ecc is None else int(ecc))
         r.update(self._nvlink(g))
-        return GpuPerf(**r)
+        return self._part(GpuPerf, r)
 
     def _event_frac(self, g: _Gpu, interval: float) -> dict[str, float]:
         nv = self.nvml
@@ -304,16 +323,16 @@ class PerfSampler:
                                  "width": rate[1] if rate else None}
             for field, counter in IB_COUNTERS.items():
                 r[field] = _delta(self._prev, (name, counter), _int(_read(port_dir / "counters" / counter)))
-            ports.append(PortPerf(**r))
+            ports.append(self._part(PortPerf, r))
         net = self.root / "sys" / "class" / "net"
         for d in sorted(net.iterdir()) if net.is_dir() else []:
             if not (d / "device").exists() or _int(_read(d / "type")) == ARPHRD_INFINIBAND:
                 continue
             speed = _int(_read(d / "speed"))
-            ports.append(PortPerf(
+            ports.append(self._part(PortPerf, dict(
                 name=d.name, kind="nic", rate_gbps=speed / 1000 if speed and speed > 0 else None,
                 link_downed_delta=_delta(self._prev, (d.name, "carrier_down"), _int(_read(d / "carrier_down_count"))),
-                rcv_errors_delta=_delta(self._prev, (d.name, "rx_errors"), _int(_read(d / "statistics" / "rx_errors")))))
+                rcv_errors_delta=_delta(self._prev, (d.name, "rx_errors"), _int(_read(d / "statistics" / "rx_errors"))))))
         return ports, (",".join(sorted(set(models))) or None)
 
     def _host(self) -> HostPerf:
@@ -339,9 +358,10 @@ class PerfSampler:
                 n = _int(_read(d / "cpufreq" / "base_frequency")) or _int(_read(d / "cpufreq" / "cpuinfo_max_freq"))
                 if n:
                     nominal.append(n)
-        return HostPerf(cpus=len(self._cpu_dirs) or None, cpu_throttle_delta=throttle if seen_throttle else None,
-                        cpu_freq_mhz=round(sum(cur) / len(cur) / 1000, 1) if cur else None,
-                        cpu_freq_nominal_mhz=round(sum(nominal) / len(nominal) / 1000, 1) if nominal else None)
+        return self._part(HostPerf, dict(
+            cpus=len(self._cpu_dirs) or None, cpu_throttle_delta=throttle if seen_throttle else None,
+            cpu_freq_mhz=round(sum(cur) / len(cur) / 1000, 1) if cur else None,
+            cpu_freq_nominal_mhz=round(sum(nominal) / len(nominal) / 1000, 1) if nominal else None))
 
     def _cpu_model(self) -> str | None:
         if "cpu_model" not in self._hw:

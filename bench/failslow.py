@@ -1,17 +1,22 @@
 """Fail-slow detection at fleet scale: time to detect, false positives, the analyzer's CPU and memory.
 
     .venv/bin/python bench/failslow.py [--nodes 10000] [--slow 5] [--slowdown 0.05] [--hours 24]
+                                       [--workloads compute|mixed] [--class-wide]
                                        [--process-seconds 240] [--process-interval 15]
 
 Part 1, simulated day (no servers): `fleetmend.dev.perfsim.PerfFleet` draws `--nodes` noisy healthy
 nodes and `--slow` degraded ones (patterns in turn: clocks, power brake, PCIe x8, IB symbol errors,
 thermal; each `--slowdown` slower), one sample per node a minute for `--hours`, degradation from the
-second hour on. The analyzer's comparator (`fleetmend.analyzer.core.Comparator`, default settings:
-5-min windows, 3 in a row) judges every window. The metrics go in through `PerfFleet.derived` (the
-numbers `metrics.derive` gives for the same samples, without building 14 million pydantic objects);
-the per-sample cost of decoding and deriving is measured in part 2. Prints per slowed node the
-minutes from degradation to the fail_slow finding, every finding on a healthy node (false
-positives; target 0), and the comparator's CPU seconds per simulated hour.
+second hour on; nodes run jobs of 16 (`--workloads compute`, or `mixed`: compute-bound at the power
+cap, memory-bound, communication-bound with ~10x the IB wait, as in issue 28), and each busy node
+says which job it runs, as its job's step times would. The analyzer's comparator
+(`fleetmend.analyzer.core.Comparator`, default settings: 5-min windows, 3 in a row) judges every
+window. The metrics go in through `PerfFleet.derived` (the numbers `metrics.derive` gives for the
+same samples, without building 14 million pydantic objects); the per-sample cost of decoding and
+deriving is measured in part 2. Prints per slowed node the minutes from degradation to the
+fail_slow finding, every finding on a healthy node (false positives; target 0), and the
+comparator's CPU seconds per simulated hour. `--class-wide` judges every metric across the hardware
+class, the rule before issue 28 (for contrast: the mixed fleet's false positives).
 
 Part 2, the real process: nats-server (temp dir, free port) and `fleetmend analyzer` as a child
 process (window 60 s, grace 10 s); this process publishes the samples of `--nodes` nodes every
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import resource
 import shutil
@@ -41,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import machine  # noqa: E402
 from fleetmend.analyzer.core import Comparator  # noqa: E402
 from fleetmend.config import AnalyzerSettings  # noqa: E402
-from fleetmend.dev.perfsim import HW, PerfFleet  # noqa: E402
+from fleetmend.dev.perfsim import HW, MIXED, PerfFleet  # noqa: E402
 
 T0 = 1_800_000_000.0
 
@@ -54,12 +60,16 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: int) -> list[str]:
+def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: int, workloads: str = "compute",
+                  class_wide: bool = False) -> list[str]:
     cfg = AnalyzerSettings()
     slow_from = T0 + 3600
-    fleet = PerfFleet(nodes, slow_nodes=slow, slowdown=slowdown, seed=seed, slow_from=slow_from)
+    fleet = PerfFleet(nodes, slow_nodes=slow, slowdown=slowdown, seed=seed, slow_from=slow_from,
+                      workloads=MIXED if workloads == "mixed" else ("compute",))
     names = fleet.names
     comp = Comparator(cfg)
+    if class_wide:
+        comp.specs = {m: dataclasses.replace(s, work_dependent=False) for m, s in comp.specs.items()}
     rss0 = _rss_mib()
     rss_peak = rss0
     gen_cpu = an_cpu = 0.0
@@ -73,9 +83,12 @@ def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: in
         c0 = time.process_time()
         batch = [fleet.derived(i, t) for i in range(nodes)]
         c1 = time.process_time()
-        add = comp.add
+        add, note, job_of = comp.add, comp.note_job, fleet.job_of
         for i in range(nodes):
-            add(names[i], key, t, batch[i])
+            add(names[i], key, t, batch[i], t)
+            job = job_of(i)
+            if job is not None:
+                note(names[i], job, t, t)
         del batch
         due = comp.due(t)
         if due:
@@ -94,14 +107,16 @@ def simulated_day(nodes: int, slow: int, slowdown: float, hours: float, seed: in
         if step and step % 360 == 0:
             print(f"  … {step / 60:.0f} simulated h, {time.monotonic() - wall0:.0f} s", flush=True)
     lines = [f"simulated {hours:g} h of {nodes} nodes (one sample a minute), {slow} slowed by {slowdown:.0%} from "
-             f"hour 1; comparator: window {cfg.window_s:g} s × {cfg.windows}, mad_k {cfg.mad_k:g}, "
+             f"hour 1, workloads {workloads}{' (judged class-wide: the rule before issue 28)' if class_wide else ''}; "
+             f"comparator: window {cfg.window_s:g} s × {cfg.windows}, mad_k {cfg.mad_k:g}, "
              f"min group {cfg.min_group_size}; {windows} windows judged",
              f"{'node':<12} {'pattern':<12} {'detected after':>15}  metric"]
     for node, pattern in sorted(fleet.slow.items(), key=lambda x: x[1]):
         d = detected.get(node)
         lines.append(f"{node:<12} {pattern:<12} {(f'{d[0]:.0f} min' if d else 'NOT DETECTED'):>15}  "
                      f"{d[1] if d else '-'}")
-    lines.append(f"false positives over {hours:g} h: {len(false_pos)}"
+    fp_nodes = len({n for n, _, _ in false_pos})
+    lines.append(f"false positives over {hours:g} h: {len(false_pos)} on {fp_nodes} healthy nodes"
                  + (" " + ", ".join(f"{n} {m} at h {h:.1f}" for n, m, h in false_pos[:10]) if false_pos else ""))
     lines.append(f"comparator CPU {an_cpu:.1f} s for {hours:g} simulated h = {an_cpu / hours:.2f} s per hour "
                  f"= {100 * an_cpu / (hours * 3600):.3f} % of one core in real time "
@@ -193,12 +208,14 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=0.05)
     ap.add_argument("--hours", type=float, default=24.0, help="0 skips part 1")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--workloads", choices=("compute", "mixed"), default="compute")
+    ap.add_argument("--class-wide", action="store_true", help="judge every metric across the class (the old rule)")
     ap.add_argument("--process-seconds", type=float, default=240.0, help="0 skips part 2")
     ap.add_argument("--process-interval", type=float, default=15.0)
     a = ap.parse_args()
     print(machine(), flush=True)
     if a.hours > 0:
-        out = simulated_day(a.nodes, a.slow, a.slowdown, a.hours, a.seed)
+        out = simulated_day(a.nodes, a.slow, a.slowdown, a.hours, a.seed, a.workloads, a.class_wide)
         print("\n".join(out), flush=True)
     if a.process_seconds > 0:
         out2 = asyncio.run(real_process(a.nodes, a.slow, a.slowdown, a.process_seconds, a.process_interval, a.seed))

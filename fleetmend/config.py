@@ -412,7 +412,8 @@ class StreamSettings(_Section):
     """Nats-Msg-Id dedupe window of the fault stream (seconds)."""
 class AnalyzerSettings(_Section):
     """The fail-slow analyzer (`fleetmend analyzer`, fleetmend/analyzer/): compares each node with its
-    peers of the same hardware class, window by window, and reports a node that stays an outlier."""
+    peers of the same hardware class (the hardware's own metrics) or of the same job (metrics that
+    depend on the work), window by window, and reports a node that stays an outlier."""
 
     window_s: float = Field(default=300.0, gt=0)
     """One judgement per window: the node's value is the median of its samples in it, so one spiky
@@ -451,8 +452,13 @@ class AnalyzerSettings(_Section):
     job_min_ranks: int = Field(default=4, ge=2)
     """A job's step times are compared across ranks only with at least this many ranks reporting."""
     job_slow_ratio: float = Field(default=1.05, gt=1)
-    """A rank whose median step time over a window is this much above the job's median (and beyond
-    `mad_k` MADs) is slow in that window; `windows` slow windows in a row → fail_slow on its node."""
+    """A rank whose median step time over a window, divided by its own offset (`job_baseline_windows`),
+    is this much above the job's median so divided (and beyond `mad_k` MADs) is slow in that window;
+    `windows` slow windows in a row → fail_slow on its node."""
+    job_baseline_windows: int = Field(default=3, ge=1)
+    """A rank's own offset against its job's median is learnt over its first this many windows in the
+    job and removed from then on: ranks may be uneven by design (rank 0 10 % slower), so a rank is slow
+    only against its own start in the job; one slow from the start is not found from step times."""
 
 
 class WorkerSettings(_Section):

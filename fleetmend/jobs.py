@@ -10,8 +10,10 @@ that a daemon thread sends in batches, one NATS core `PUB` per job per batch, on
 reconnects with a backoff and the oldest records are dropped once the queue is full (counted in
 `JobReporter.dropped`); the job never notices.
 
-Wire format (JSON, one message per batch): `{"v": 1, "cluster": C, "job": J, "steps": [[rank, node,
-step, seconds, unix_time], ...]}`.
+Wire format (JSON, one message per job and node per batch): `{"v": 1, "cluster": C, "job": J,
+"steps": [[rank, node, step, seconds, unix_time], ...]}`; every row of one message names the same node
+(the analyzer refuses a message that speaks for several nodes, or for a node it has no perf samples
+from), under the node's real name.
 
 Configuration: arguments, else `FLEETMEND_NATS_URL` (`nats://[user:password@]host:port`; a token as
 `nats://token@host:port`) and `FLEETMEND_CLUSTER`. NKey and TLS authentication need the nats-py
@@ -38,6 +40,16 @@ MAX_QUEUE = 20_000
 """Records held while NATS is away; the oldest go first beyond this."""
 CONNECT_TIMEOUT_S = 2.0
 BACKOFF_MAX_S = 60.0
+
+
+def node_name(value: str) -> str:
+    """The node name as it is (the analyzer checks it with `fleetmend.subjects.check_node_name`): it
+    travels in the JSON body, never in a subject, so it is not re-encoded (`ip-10-0-1-3.ec2.internal`
+    stays that, not a token that names no node). Raises ValueError for an empty or overlong name."""
+    name = str(value).strip()
+    if not name or len(name) > 253:
+        raise ValueError(f"invalid node name {name[:40]!r}")
+    return name
 
 
 def token(value: str) -> str:
@@ -74,7 +86,7 @@ class JobReporter:
         """Queue one record (returns at once); `at`: unix time the step ended (default now). Bad values
         are dropped and counted, never raised."""
         try:
-            rec = (token(job), int(rank), token(node), int(step), float(seconds),
+            rec = (token(job), int(rank), node_name(node), int(step), float(seconds),
                    round(time.time() if at is None else float(at), 3))
         except (TypeError, ValueError):
             self.dropped += 1
@@ -180,11 +192,11 @@ class JobReporter:
             self._sock = self._connect()
             if self._sock is None:
                 return False
-        by_job: dict[str, list] = {}
+        by_job: dict[tuple[str, str], list] = {}  # one message per job and node: it speaks for that node only
         for job, rank, node, step, seconds, at in batch:
-            by_job.setdefault(job, []).append([rank, node, step, seconds, at])
+            by_job.setdefault((job, node), []).append([rank, node, step, seconds, at])
         out = b""
-        for job, steps in by_job.items():
+        for (job, _node), steps in by_job.items():
             payload = json.dumps({"v": 1, "cluster": self.cluster, "job": job, "steps": steps},
                                  separators=(",", ":")).encode()
             out += f"PUB fleet.{self.cluster}.job.{job} {len(payload)}\r\n".encode() + payload + b"\r\n"

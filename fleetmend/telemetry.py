@@ -26,6 +26,7 @@ Imports only stdlib and pydantic (the contract never imports nats/temporalio).
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -44,61 +45,74 @@ CLOCK_EVENT_REASONS = ("hw_slowdown", "hw_thermal", "sw_thermal", "power_brake",
 fraction of the interval the GPU's clocks were held down for that reason."""
 
 
+MAX_COUNT = 2**53
+"""Largest counter delta accepted (exact in a float; a real counter moves far less in an interval)."""
+
+Frac = Annotated[float, Field(ge=0.0, le=1.0)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+MHz = Annotated[float, Field(ge=0.0, le=100_000.0)]
+
+
 class _Part(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    """Every reading is checked at decode: a value that is not finite (NaN, ±inf) or physically
+    impossible (a negative counter delta, a fraction above 1, a utilisation above 100 %) fails the
+    whole sample with a `ValidationError` naming the field; the analyzer dead-letters it with that
+    reason, so it never reaches a median."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
 
 class GpuPerf(_Part):
     """One GPU's sample. See module docstring for units; None = not readable on this GPU/driver."""
 
-    index: int
-    util_pct: float | None = None
-    sm_clock_mhz: float | None = None
-    sm_clock_max_mhz: float | None = None
-    event_frac: dict[str, float] = Field(default_factory=dict)
+    index: int = Field(ge=0, le=1024)
+    util_pct: float | None = Field(default=None, ge=0.0, le=100.0)
+    sm_clock_mhz: MHz | None = None
+    sm_clock_max_mhz: MHz | None = None
+    event_frac: dict[str, Frac] = Field(default_factory=dict)
     """Reason (`CLOCK_EVENT_REASONS`) → fraction 0..1 of the interval. From NVML's cumulative
     counters where the driver has them (field values NVML_FI_DEV_CLOCKS_EVENT_REASON_*, ns;
     nvmlDeviceGetViolationStatus for power/thermal), else 1.0/0.0 from the instantaneous mask
     (nvmlDeviceGetCurrentClocksEventReasons) at sampling time."""
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    temperature_c: float | None = None
-    pcie_gen: int | None = None
-    pcie_gen_max: int | None = None
-    pcie_width: int | None = None
-    pcie_width_max: int | None = None
-    pcie_replay_delta: int | None = None
-    nvlink_up: int | None = None
-    nvlink_total: int | None = None
-    nvlink_crc_delta: int | None = None
-    nvlink_replay_delta: int | None = None
-    nvlink_recovery_delta: int | None = None
-    ecc_corrected_delta: int | None = None
+    power_w: float | None = Field(default=None, ge=0.0, le=100_000.0)
+    power_limit_w: float | None = Field(default=None, ge=0.0, le=100_000.0)
+    temperature_c: float | None = Field(default=None, ge=-40.0, le=150.0)
+    pcie_gen: int | None = Field(default=None, ge=0, le=64)
+    pcie_gen_max: int | None = Field(default=None, ge=0, le=64)
+    pcie_width: int | None = Field(default=None, ge=0, le=64)
+    pcie_width_max: int | None = Field(default=None, ge=0, le=64)
+    pcie_replay_delta: Count | None = None
+    nvlink_up: int | None = Field(default=None, ge=0, le=1024)
+    nvlink_total: int | None = Field(default=None, ge=0, le=1024)
+    nvlink_crc_delta: Count | None = None
+    nvlink_replay_delta: Count | None = None
+    nvlink_recovery_delta: Count | None = None
+    ecc_corrected_delta: Count | None = None
 
 
 class PortPerf(_Part):
     """One IB/RoCE port (`kind="ib"`, name `<hca>/<port>`) or Ethernet netdev (`kind="nic"`)."""
 
-    name: str
-    kind: str = "ib"
-    rate_gbps: float | None = None
-    width: int | None = None
+    name: str = Field(max_length=256)
+    kind: str = Field(default="ib", max_length=16)
+    rate_gbps: float | None = Field(default=None, ge=0.0, le=100_000.0)
+    width: int | None = Field(default=None, ge=0, le=64)
     """Lanes (the `4X` of `400 Gb/sec (4X NDR)`)."""
-    symbol_error_delta: int | None = None
-    link_downed_delta: int | None = None
-    link_error_recovery_delta: int | None = None
-    xmit_wait_delta: int | None = None
+    symbol_error_delta: Count | None = None
+    link_downed_delta: Count | None = None
+    link_error_recovery_delta: Count | None = None
+    xmit_wait_delta: Count | None = None
     """`port_xmit_wait`: ticks the port had data to send but no credits (congestion/back-pressure)."""
-    rcv_errors_delta: int | None = None
+    rcv_errors_delta: Count | None = None
 
 
 class HostPerf(_Part):
-    cpus: int | None = None
-    cpu_throttle_delta: int | None = None
+    cpus: int | None = Field(default=None, ge=0, le=1_000_000)
+    cpu_throttle_delta: Count | None = None
     """Sum over CPUs of core_throttle_count + package_throttle_count increases (thermal throttling)."""
-    cpu_freq_mhz: float | None = None
+    cpu_freq_mhz: MHz | None = None
     """Mean current frequency (cpufreq scaling_cur_freq) over CPUs."""
-    cpu_freq_nominal_mhz: float | None = None
+    cpu_freq_nominal_mhz: MHz | None = None
     """Mean nominal frequency (cpufreq base_frequency, else cpuinfo_max_freq)."""
 
 
@@ -106,7 +120,7 @@ class HardwareClass(_Part):
     """What a node is compared by: nodes with equal `key` are peers."""
 
     gpu_model: str | None = None
-    gpu_count: int = 0
+    gpu_count: int = Field(default=0, ge=0, le=1024)
     driver: str | None = None
     hca_model: str | None = None
     cpu_model: str | None = None
@@ -133,17 +147,17 @@ class PerfSample(BaseModel):
     Raises (on parse): `pydantic.ValidationError`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
 
     schema_version: int = PERF_SCHEMA_VERSION
     cluster: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
     node: str = Field(min_length=1, max_length=253)
     """Any node name `fleetmend.subjects.check_node_name` accepts (dots included)."""
     at: datetime = Field(default_factory=utcnow)
-    interval_s: float = Field(gt=0)
+    interval_s: float = Field(gt=0, le=86400.0)
     hw: HardwareClass = Field(default_factory=HardwareClass)
-    gpus: list[GpuPerf] = Field(default_factory=list)
-    ports: list[PortPerf] = Field(default_factory=list)
+    gpus: list[GpuPerf] = Field(default_factory=list, max_length=1024)
+    ports: list[PortPerf] = Field(default_factory=list, max_length=1024)
     host: HostPerf = Field(default_factory=HostPerf)
     agent_version: str = "unknown"
 

@@ -74,15 +74,29 @@ async def test_batches_arrive_and_a_slow_rank_becomes_fail_slow(nats_server, nc,
     await a.start()
     assert await a.lease()
     faults = await nc.subscribe(subjects.fault_subject(cluster, "n4"))
-    # job 99: 8 ranks on 8 nodes, one step every 10 s each; rank 4 (on n4) 10 % slower
+    # a node reports steps only once the analyzer knows it (its agent's perf samples)
+    from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample
+
+    for n in range(8):
+        smp = PerfSample(cluster=cluster, node=f"n{n}", at=datetime.fromtimestamp(start + 1, timezone.utc),
+                         interval_s=60, hw=HardwareClass(gpu_model="NVIDIA H200", gpu_count=8, driver="570"),
+                         gpus=[GpuPerf(index=0, util_pct=95)])
+        await nc.publish(subjects.perf_subject(cluster, f"n{n}"), smp.to_json_bytes())
+    await nc.flush()
+    await assert_eventually(lambda: a.samples >= 8, timeout_s=10, what="analyzer read the perf samples")
+    clock.t = start + 200  # the steps below are at most one clock skew ahead of the analyzer's clock
+    # job 99: 8 ranks on 8 nodes, one step every 10 s each. Rank 0 is 10 % slower by design for the
+    # job's whole life (never slow: its own offset, learnt over the first 3 windows); rank 4 (on n4)
+    # becomes 10 % slower after those 3 windows
     rep = JobReporter(nats_server.url, cluster, batch_s=0.05)
-    for step in range(18):  # three windows of 60 s
+    for step in range(36):  # six windows of 60 s
         for rank in range(8):
-            sec = 2.0 * (1.10 if rank == 4 else 1.0) + 0.01 * ((step + rank) % 3)
+            slow = rank == 0 or (rank == 4 and step >= 18)
+            sec = 2.0 * (1.10 if slow else 1.0) + 0.01 * ((step + rank) % 3)
             rep.report("99", rank, f"n{rank}", step, sec, at=start + step * 10 + 1)
     assert await asyncio.to_thread(rep.flush, 10) is True
-    await assert_eventually(lambda: a.job_steps >= 18 * 8, timeout_s=10, what="analyzer read the job steps")
-    clock.t = start + 180 + 10
+    await assert_eventually(lambda: a.job_steps >= 36 * 8, timeout_s=10, what="analyzer read the job steps")
+    clock.t = start + 360 + 10
     await a.tick()
     ev = FaultEvent.from_json_bytes((await faults.next_msg(timeout=5)).data)
     assert ev.kind == "fail_slow" and ev.node == "n4"

@@ -164,6 +164,22 @@ def test_counter_reset_gives_no_delta(tmp_path: Path) -> None:
     assert s.sample(now_mono=120.0).ports[0].symbol_error_delta == 2
 
 
+def test_a_reading_the_contract_refuses_is_left_out_not_the_sample(tmp_path: Path) -> None:
+    """A driver sentinel (temperature 0xFFFFFFFF, a clock above any GPU's) would fail the whole sample at
+    the analyzer; the sampler leaves that reading out and keeps the rest, and the loop never dies."""
+    gpus = [PerfGpu(0), PerfGpu(1)]
+    gpus[1].temp = 0xFFFFFFFF
+    gpus[1].sm = 4_294_967_295
+    s = PerfSampler(perf_standin(gpus), tmp_path, cluster="c", node="n")
+    s.sample(now_mono=0.0)
+    got = s.sample(now_mono=60.0)
+    g0, g1 = got.gpus
+    assert g1.temperature_c is None and g1.sm_clock_mhz is None
+    assert g1.power_w == 650.0 and g1.sm_clock_max_mhz == 1980.0  # the other readings still go out
+    assert g0.temperature_c is not None and g0.sm_clock_mhz == 1980.0
+    PerfSample.from_json_bytes(got.model_dump_json().encode())  # what leaves the node decodes at the analyzer
+
+
 def test_gpu_lost_is_left_out_and_no_nvml_is_a_cpu_node(tmp_path: Path) -> None:
     gpus = [PerfGpu(0), PerfGpu(1)]
     s = PerfSampler(perf_standin(gpus), tmp_path, cluster="c", node="n")

@@ -1,31 +1,56 @@
 """The fail-slow comparator: windows of per-node metrics → peer statistics → persistent outliers.
 
-Pure computation (no NATS, no clock): `add(node, group, t, metrics)` files a sample's metrics into
-the window `floor(t / window_s)`; `close_window(w)` judges that window and returns `Finding`s. The
-service (`fleetmend.analyzer.service`) feeds it samples from the perf stream and closes windows by
-the wall clock; the benchmark feeds it simulated days in seconds.
+Pure computation (no NATS, no clock): `add(node, group, t, metrics, now=...)` files a sample's metrics
+into the window `floor(t / window_s)`; `note_job(node, job, t)` says the node ran `job` then;
+`close_window(w)` judges that window and returns `Finding`s. The service
+(`fleetmend.analyzer.service`) feeds it samples from the perf stream and closes windows by the wall
+clock; the benchmark feeds it simulated days in seconds.
 
-Rule, per window, hardware group (`HardwareClass.key`) and metric (`metrics.MetricSpec`):
+Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 
 1. A node's value is the median of its samples of that metric in the window (at least
    `min_samples_per_window` of them): one spike cannot move it. Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
-2. Fewer than `min_group_size` nodes with a value: the group is too small to compare; it is
-   reported (`WindowResult.small_groups`) and nobody in it is judged.
-3. Peer median m and scaled MAD s = 1.4826·median(|x − m|) (a robust σ: up to half the group may be
+2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
+   A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
+   under load, IB wait, CPU frequency) is compared only among the nodes of one job within the
+   hardware group, group `<hardware key> job:<job>`. A node whose job is unknown in the window (no
+   `note_job`, or more than one job) is **not judged** on work-dependent metrics: the analyzer rather
+   misses a finding than drains a healthy node because its work differs from its neighbours'.
+   Those skipped judgements are counted (`WindowResult.no_job`).
+3. Fewer than `min_group_size` nodes with a value: the group is too small to compare; it is
+   reported (`WindowResult.small_groups`; job groups only counted, `small_job_groups`) and nobody in
+   it is judged.
+4. Peer median m and scaled MAD s = 1.4826·median(|x − m|) (a robust σ: up to half the group may be
    outliers without moving either). The node is an outlier when its gap in the bad direction exceeds
    max(`mad_k`·s, min_rel·|m|, min_abs).
-4. Outlier windows count up per node and metric; a judged window that is not an outlier resets the
-   count; a window without a judgement (idle, no data) leaves it. `windows` in a row → a `Finding`,
-   unless the same node and metric was reported less than `reopen_after_s` ago.
+5. Own baseline (`MetricSpec.baseline_windows` = b > 0; the step times of a job's ranks). A member's
+   ratio to the group median over its first b judged windows in that group is its own offset (rank
+   0 of a job may be 10 % slower by design); it is not judged until the offset is known, and from
+   then on its value divided by its offset is judged against the others' (rule 4). A member
+   consistently slower through the group's whole life is therefore never slow; one that becomes
+   slower later is. Offsets are forgotten `baseline_ttl_s` after their member was last seen.
+6. Outlier windows count up per node and metric; a judged window that is not an outlier resets the
+   count; a window without a judgement (idle, no data, no job) leaves it. `windows` in a row → a
+   `Finding`, unless the same node and metric was reported less than `reopen_after_s` ago.
 
-State (`to_state`/`from_state`, JSON-ready) is the counts, their evidence and the report times; the
-open windows are rebuilt from the perf stream after a restart.
+Nothing one node sends can poison a median or the memory: a value that is not finite or outside
+its metric's physical range (`MetricSpec.lo`..`hi`) is dropped; with `now` given, a sample dated more
+than `max_skew_s` after `now` (`fleetmend.events.MAX_CLOCK_SKEW_S`) or older than the windows still
+open can be (`window_s + grace_s + max_skew_s` before `now`) is dropped, so at most
+`(window_s + grace_s + 2·max_skew_s) / window_s + 2` windows are open whatever timestamps arrive; a
+node files at most `max_samples_per_window` samples into one window. Every drop is counted by reason
+in `dropped`. One node gives one value per group, so it weighs as one member of any median.
+
+State (`to_state`/`from_state`, JSON-ready) is the counts, their evidence, the report times and the
+baselines; the open windows are rebuilt from the perf stream after a restart.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -33,7 +58,7 @@ from typing import Any
 from fleetmend import __version__
 from fleetmend.analyzer.metrics import SPECS, Derived, MetricSpec, device_of, specs_for
 from fleetmend.config import AnalyzerSettings
-from fleetmend.events import FaultEvent, Severity, Source
+from fleetmend.events import MAX_CLOCK_SKEW_S, FaultEvent, Severity, Source
 
 MAD_SCALE = 1.4826
 """MAD × 1.4826 estimates σ of normally distributed data (consistency constant)."""
@@ -59,13 +84,16 @@ class Finding:
     window_s: float
     values: list[float] = field(default_factory=list)
     """The node's value in each window of the streak, oldest first."""
+    baseline: float | None = None
+    """Rule 5: the member's own offset against its group (value and peer_median are in its units)."""
 
     def evidence(self) -> dict[str, Any]:
         return {"metric": self.metric, "value": round(self.value, 6), "peer_median": round(self.peer_median, 6),
                 "ratio": None if self.ratio is None else round(self.ratio, 4), "windows": self.windows,
                 "window_s": self.window_s, "group": self.group, "group_size": self.group_size,
                 "device": self.where, "threshold": round(self.threshold, 6), "mad": round(self.mad, 6),
-                "window_values": ",".join(f"{v:.4g}" for v in self.values)}
+                "window_values": ",".join(f"{v:.4g}" for v in self.values),
+                **({} if self.baseline is None else {"baseline_ratio": round(self.baseline, 4)})}
 
 
 @dataclass
@@ -85,15 +113,32 @@ class WindowResult:
     """(node, metric) pairs outlying in this window (before persistence)."""
     findings: list[Finding] = field(default_factory=list)
     small_groups: list[SmallGroup] = field(default_factory=list)
+    small_job_groups: int = 0
+    """(job, metric) groups of a work-dependent metric with fewer than `min_group_size` nodes."""
+    no_job: int = 0
+    """(node, metric) values of work-dependent metrics not judged: the node's job is unknown."""
+
+
+MAX_SAMPLES_PER_WINDOW = 600
+"""Samples one node may file into one window (an agent at 1 s samples over a 10 min window); more are
+dropped (`dropped["flood"]`): one chatty node cannot grow the analyzer's memory."""
+MAX_JOBS_PER_WINDOW = 4
+"""Distinct jobs remembered per node and window; a node with more than one is not judged on
+work-dependent metrics anyway."""
+BASELINE_TTL_S = 3600.0
+"""A member's own offset (rule 5) is forgotten this long after it was last judged (the job ended or
+moved): a job id reused later starts a new baseline."""
 
 
 class _NodeWindow:
-    __slots__ = ("group", "values", "where")
+    __slots__ = ("group", "values", "where", "jobs", "n")
 
     def __init__(self, group: str) -> None:
         self.group = group
         self.values: dict[str, list[float]] = {}
         self.where: dict[str, str] = {}
+        self.jobs: set[str] = set()
+        self.n = 0
 
 
 class Comparator:
@@ -101,11 +146,13 @@ class Comparator:
 
     Args:
         cfg: `AnalyzerSettings` (window_s, windows, min_samples_per_window, min_group_size, mad_k,
-            reopen_after_s, min_ratio_sm_clock).
+            reopen_after_s, min_ratio_sm_clock, grace_s).
+        max_skew_s: how far a sample's time may be ahead of `now` (`events.MAX_CLOCK_SKEW_S`).
     """
 
-    def __init__(self, cfg: AnalyzerSettings) -> None:
+    def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S) -> None:
         self.cfg = cfg
+        self.max_skew_s = max_skew_s
         self.specs: dict[str, MetricSpec] = specs_for(cfg.min_ratio_sm_clock)
         self.open: dict[int, dict[str, _NodeWindow]] = {}
         self.last_closed: int = -1
@@ -113,17 +160,45 @@ class Comparator:
         """node → metric → [count, [values], where]."""
         self.reported: dict[str, dict[str, float]] = {}
         """node → metric → epoch seconds of the last report."""
-        self.late = 0
+        self.baselines: dict[str, dict[str, list[Any]]] = {}
+        """group → member → [offset or None, [ratios so far], epoch seconds last judged] (rule 5)."""
+        self.dropped: Counter[str] = Counter()
+        """Reason → samples or values dropped at the door: `late` (window judged), `future`, `stale`,
+        `flood`, `non_finite:<metric>`, `out_of_range:<metric>`."""
+
+    @property
+    def late(self) -> int:
+        return self.dropped["late"]
 
     def window_of(self, t: float) -> int:
         return int(t // self.cfg.window_s)
 
-    def add(self, node: str, group: str, t: float, metrics: Derived) -> bool:
-        """File one sample's metrics (taken at epoch `t`). Returns False when its window is already
-        judged (a late sample; counted in `late`)."""
+    def _admit(self, t: float, now: float | None) -> int | None:
+        """The window of time `t`, or None (counted in `dropped`) when it cannot be filed."""
+        if not math.isfinite(t):
+            self.dropped["non_finite:time"] += 1
+            return None
+        if now is not None:
+            if t > now + self.max_skew_s:
+                self.dropped["future"] += 1
+                return None
+            if t < now - self.cfg.window_s - self.cfg.grace_s - self.max_skew_s:
+                self.dropped["stale"] += 1
+                return None
         w = int(t // self.cfg.window_s)
         if w <= self.last_closed:
-            self.late += 1
+            self.dropped["late"] += 1
+            return None
+        return w
+
+    def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None) -> bool:
+        """File one sample's metrics (taken at epoch `t`; `now`: the receiver's clock, which bounds
+        the windows that can open). Returns False when the sample is dropped: its window is already
+        judged (late), it is dated beyond the clock skew ahead of `now` (future) or before any window
+        still open (stale), or its node filled the window (flood); each counted in `dropped`. Values
+        that are not finite or outside their metric's range are dropped one by one (counted)."""
+        w = self._admit(t, now)
+        if w is None:
             return False
         win = self.open.get(w)
         if win is None:
@@ -131,16 +206,43 @@ class Comparator:
         nw = win.get(node)
         if nw is None:
             nw = win[node] = _NodeWindow(group)
+        elif nw.n >= MAX_SAMPLES_PER_WINDOW:
+            self.dropped["flood"] += 1
+            return False
         else:
             nw.group = group
-        values, where = nw.values, nw.where
+        nw.n += 1
+        values, where, specs = nw.values, nw.where, self.specs
         for m, (v, wh) in metrics.items():
+            spec = specs.get(m)
+            if not math.isfinite(v):
+                self.dropped[f"non_finite:{m}"] += 1
+                continue
+            if spec is not None and not spec.lo <= v <= spec.hi:
+                self.dropped[f"out_of_range:{m}"] += 1
+                continue
             lst = values.get(m)
             if lst is None:
                 values[m] = [v]
             else:
                 lst.append(v)
             where[m] = wh
+        return True
+
+    def note_job(self, node: str, job: str, t: float, now: float | None = None) -> bool:
+        """Record that `node` ran `job` at epoch `t` (it reported a step time then): in that window its
+        work-dependent metrics are compared with the other nodes of `job`. Same time rules as `add`."""
+        w = self._admit(t, now)
+        if w is None:
+            return False
+        win = self.open.get(w)
+        if win is None:
+            win = self.open[w] = {}
+        nw = win.get(node)
+        if nw is None:
+            nw = win[node] = _NodeWindow("")
+        if len(nw.jobs) < MAX_JOBS_PER_WINDOW:
+            nw.jobs.add(job)
         return True
 
     def due(self, now: float) -> list[int]:
@@ -155,22 +257,38 @@ class Comparator:
             del self.open[old]
         nodes = self.open.pop(w, {})
         self.last_closed = max(self.last_closed, w)
-        res = WindowResult(window=w, nodes=len(nodes))
+        res = WindowResult(window=w, nodes=sum(1 for nw in nodes.values() if nw.values))
         groups: dict[tuple[str, str], list[tuple[str, float, str]]] = {}
         min_n = cfg.min_samples_per_window
+        specs = self.specs
         for node, nw in nodes.items():
+            job = next(iter(nw.jobs)) if len(nw.jobs) == 1 else None
             for m, vals in nw.values.items():
                 if len(vals) < min_n:
                     continue
-                groups.setdefault((nw.group, m), []).append((node, median(vals), nw.where[m]))
+                spec = specs.get(m)
+                if spec is None:
+                    continue
+                if spec.work_dependent:
+                    if job is None:
+                        res.no_job += 1
+                        continue
+                    key = f"{nw.group} job:{job}"
+                else:
+                    key = nw.group
+                groups.setdefault((key, m), []).append((node, median(vals), nw.where[m]))
         end = (w + 1) * cfg.window_s
         for (group, m), items in groups.items():
+            spec = specs[m]
+            scale: dict[str, float] = {}
+            if spec.baseline_windows > 0:
+                items, scale = self._with_baselines(group, items, spec.baseline_windows, end)
             n = len(items)
             if n < cfg.min_group_size:
-                res.small_groups.append(SmallGroup(group, m, n))
-                continue
-            spec = self.specs.get(m)
-            if spec is None:
+                if spec.work_dependent and " job:" in group:
+                    res.small_job_groups += 1
+                elif spec.baseline_windows <= 0 or n:
+                    res.small_groups.append(SmallGroup(group, m, n))
                 continue
             vals = sorted(v for _, v, _ in items)
             med = median(vals)
@@ -188,13 +306,14 @@ class Comparator:
                             del self.streaks[node]
                     continue
                 res.outliers += 1
+                b = scale.get(node, 1.0)
                 if per_node is None:
                     per_node = self.streaks[node] = {}
                 st = per_node.get(m)
                 if st is None:
                     st = per_node[m] = [0, [], wh]
                 st[0] += 1
-                st[1] = (st[1] + [v])[-cfg.windows:]
+                st[1] = (st[1] + [v * b])[-cfg.windows:]
                 st[2] = wh
                 if st[0] < cfg.windows:
                     continue
@@ -203,22 +322,61 @@ class Comparator:
                     continue
                 self.reported.setdefault(node, {})[m] = end
                 res.findings.append(Finding(
-                    node=node, metric=m, value=v, peer_median=med, ratio=(v / med) if med else None,
-                    windows=st[0], group=group, group_size=n, where=wh, threshold=thr, mad=mad,
-                    window_end=end, window_s=cfg.window_s, values=list(st[1])))
+                    node=node, metric=m, value=v * b, peer_median=med * b, ratio=(v / med) if med else None,
+                    windows=st[0], group=group, group_size=n, where=wh, threshold=thr * b, mad=mad * b,
+                    window_end=end, window_s=cfg.window_s, values=list(st[1]),
+                    baseline=scale.get(node)))
+        self._forget_baselines(end)
         return res
+
+    def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
+                        end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
+        """Rule 5: learn each member's offset against the group median over its first `need` windows;
+        return the members whose offset is known, their values divided by it, and the offsets."""
+        med = median(v for _, v, _ in items)
+        base = self.baselines.setdefault(group, {})
+        out: list[tuple[str, float, str]] = []
+        scale: dict[str, float] = {}
+        for member, v, wh in items:
+            b = base.get(member)
+            if b is None:
+                b = base[member] = [None, [], end]
+            b[2] = end
+            if b[0] is None:
+                if med > 0:
+                    b[1].append(v / med)
+                if len(b[1]) >= need:
+                    b[0], b[1] = median(b[1]), []
+                continue
+            off = float(b[0])
+            if off > 0:
+                out.append((member, v / off, wh))
+                scale[member] = off
+        return out, scale
+
+    def _forget_baselines(self, t: float) -> None:
+        keep = t - BASELINE_TTL_S
+        for group in list(self.baselines):
+            members = {k: b for k, b in self.baselines[group].items() if b[2] >= keep}
+            if members:
+                self.baselines[group] = members
+            else:
+                del self.baselines[group]
 
     # ------------------------------------------------------------------ state
 
     def to_state(self) -> dict[str, Any]:
-        """JSON-ready state: last judged window, streaks with evidence, report times."""
+        """JSON-ready state: last judged window, streaks with evidence, report times, baselines."""
         return {"version": 1, "last_closed": self.last_closed, "window_s": self.cfg.window_s,
-                "streaks": self.streaks, "reported": self.reported}
+                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Adopt a state written by `to_state` (a restart, or a standby taking over). A state written
-        with a different `window_s` keeps the report times only (its window numbers mean other times)."""
+        with a different `window_s` keeps the report times and baselines only (its window numbers mean
+        other times)."""
         self.reported = {n: {m: float(t) for m, t in ms.items()} for n, ms in state.get("reported", {}).items()}
+        self.baselines = {g: {k: [None if b[0] is None else float(b[0]), [float(x) for x in b[1]], float(b[2])]
+                              for k, b in ms.items()} for g, ms in state.get("baselines", {}).items()}
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
             return
         self.last_closed = max(self.last_closed, int(state.get("last_closed", -1)))

@@ -1,36 +1,52 @@
 """What the analyzer judges: per-node scalar metrics derived from a `PerfSample`, each with the
-direction that is bad, whether it depends on load, and the floors below which a gap to the peer
-median is never called an outlier (whatever the MAD says: a group whose healthy nodes all read
-exactly 0 has a MAD of 0).
+direction that is bad, whether it depends on load, **whether it depends on the work the node runs**,
+the values it can physically take, and the floors below which a gap to the peer median is never
+called an outlier (whatever the MAD says: a group whose healthy nodes all read exactly 0 has a MAD of 0).
 
 A node's metric is its worst device (the slowest GPU, the noisiest port): one bad GPU slows the
 whole synchronous job. Rates are per minute of the sample's interval.
 
-| metric | bad | load | floor | why the floor |
-|---|---|---|---|---|
-| sm_clock_ratio | low | busy | `analyzer.min_ratio_sm_clock` (3 %) relative | healthy boost clocks of one model spread ~1 % |
-| power_brake_frac | high | any | 0.05 of the interval | an external power-brake signal is never normal |
-| hw_slowdown_frac | high | any | 0.05 | HW slowdown (power/thermal emergency) is never normal |
-| thermal_frac | high | busy | 0.05 | a busy GPU may briefly touch its thermal limit |
-| power_cap_frac | high | busy | 0.15 | heavy kernels sit at the software power cap by design |
-| temperature_c | high | busy | 8 °C | inlet and position spread a few °C across a rack |
-| pcie_width_ratio | low | any | 0.2 | x16 → x8 is 0.5; widths are discrete |
-| pcie_gen_ratio | low | busy | 0.2 | an idle GPU drops to Gen1 on purpose |
-| pcie_replay_per_min | high | any | 5 /min | a few replays a minute is link noise |
-| nvlink_errors_per_min | high | any | 10 /min | CRC/replay are retried in hardware; a rate matters |
-| nvlink_down | high | any | 0.5 links | a missing link is already a fault (nvlink_down) |
-| ecc_corrected_per_min | high | any | 1 /min | single-bit errors are corrected; a rate predicts trouble |
-| ib_symbol_errors_per_min | high | any | 1 /min | physical-layer errors, BER well below 1e-12 when healthy |
-| ib_link_recovery_per_min | high | any | 0.2 /min | link retrains stall every job on the port |
-| ib_rcv_errors_per_min | high | any | 1 /min | malformed packets received |
-| ib_xmit_wait_per_min | high | busy | 2× median and 1e6 ticks/min | congestion spreads widely; only a big gap counts |
-| port_rate_gbps | low | any | 0.2 relative | a port trained at half rate |
-| cpu_throttle_per_min | high | any | 1 /min | thermal throttling of a healthy CPU is rare |
-| cpu_freq_ratio | low | busy | 0.1 relative | idle cores clock down on purpose |
+**Like with like** (`MetricSpec.work_dependent`). A *work-dependent* metric (`work` below) reads
+what the job asks of the hardware as much as the hardware itself: a compute-bound job sits at the
+software power cap and runs hot at lower boost clocks, a communication-bound job fills the IB
+port's send queue, an idle node does neither. Such a metric is compared only among the nodes of one
+job (the nodes that reported that job's step times in the window, `fleetmend.jobs`) of one
+hardware class; a node whose job is unknown (no step times, or several jobs in one window) is not
+judged on it at all. A *hardware-own* metric (`hw`) reads a property or an error rate that healthy
+hardware keeps whatever it runs (a link's trained width against its maximum, links down, error
+counters, external power brake, HW slowdown, thermal slowdown of a busy GPU) and is judged across
+the hardware class, as before.
+
+| metric | bad | load | kind | floor | why this kind / why the floor |
+|---|---|---|---|---|---|
+| sm_clock_ratio | low | busy | work | `min_ratio_sm_clock` (3 %) rel. | clocks follow the power the kernels draw / ~1 % spread |
+| power_brake_frac | high | any | hw | 0.05 of the interval | an external brake signal; no job asks for it / never normal |
+| hw_slowdown_frac | high | any | hw | 0.05 | a power/thermal emergency under any work / never normal |
+| thermal_frac | high | busy | hw | 0.05 | healthy cooling holds any job off it / brief touches happen |
+| power_cap_frac | high | busy | work | 0.15 | heavy kernels sit at the SW power cap by design: it measures the job |
+| temperature_c | high | busy | work | 8 °C | heat follows the power drawn / inlet and position spread a few °C |
+| pcie_width_ratio | low | any | hw | 0.2 | the trained width against max ignores traffic / x16 → x8 is 0.5 |
+| pcie_gen_ratio | low | busy | hw | 0.2 | a busy link runs at max gen under any work / idle drops to Gen1 |
+| pcie_replay_per_min | high | any | hw | 5 /min | link errors, not load / a few a minute is link noise |
+| nvlink_errors_per_min | high | any | hw | 10 /min | CRC/replay/recovery are link errors / retried in hardware |
+| nvlink_down | high | any | hw | 0.5 links | links up against present ignores the job / already a fault |
+| ecc_corrected_per_min | high | any | hw | 1 /min | memory errors, not load / a rate predicts trouble |
+| ib_symbol_errors_per_min | high | any | hw | 1 /min | physical-layer errors / BER well below 1e-12 when healthy |
+| ib_link_recovery_per_min | high | any | hw | 0.2 /min | retrains are no traffic pattern / they stall every job |
+| ib_rcv_errors_per_min | high | any | hw | 1 /min | malformed packets are errors, not load |
+| ib_xmit_wait_per_min | high | busy | work | 2× median, 1e6 /min | follows the job's traffic (comm-bound ~10×) / big gaps |
+| port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate |
+| cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
+| cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
+
+Every value also has a physical range (`MetricSpec.lo`..`hi`: fractions 0..1, ratios 0..1.1, rates
+and counts ≥ 0, temperature −40..150 °C); the comparator drops a value outside it, or one that is
+not finite, before any median sees it (counted by reason, `Comparator.dropped`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from statistics import median
 
@@ -45,6 +61,13 @@ class MetricSpec:
     name: stable metric name (evidence `metric`); bad: "low" or "high"; busy_only: judged only on
     busy samples compared with busy peers; min_rel: smallest gap relative to the peer median;
     min_abs: smallest absolute gap; component: `Component` of the fail_slow event; label: readable.
+    work_dependent: the value depends on the work the node runs, so it is compared only among the
+    nodes of one job (see module docstring); False: the hardware's own, judged across the class.
+    why: one line, why it is work-dependent or the hardware's own (the table above).
+    lo, hi: the physically possible values; anything outside (or not finite) is dropped.
+    baseline_windows: > 0: each member is first measured against the group for this many judged
+    windows, and from then on judged with that offset removed (a job's rank 0 slower by design is
+    not slow; `Comparator`).
     """
 
     name: str
@@ -54,30 +77,59 @@ class MetricSpec:
     min_abs: float
     component: Component
     label: str
+    work_dependent: bool = False
+    why: str = ""
+    lo: float = 0.0
+    hi: float = math.inf
+    baseline_windows: int = 0
+
+
+WORK = True
+HW_OWN = False
 
 
 def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
     S = MetricSpec
+    G, P, N, IB, C = Component.GPU, Component.PCIE, Component.NVLINK, Component.IB, Component.CPU
     rows = [
-        S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, Component.GPU, "SM clock / max"),
-        S("power_brake_frac", "high", False, 0.0, 0.05, Component.GPU, "time in HW power brake"),
-        S("hw_slowdown_frac", "high", False, 0.0, 0.05, Component.GPU, "time in HW slowdown"),
-        S("thermal_frac", "high", True, 0.0, 0.05, Component.GPU, "time in thermal slowdown"),
-        S("power_cap_frac", "high", True, 0.0, 0.15, Component.GPU, "time at the SW power cap"),
-        S("temperature_c", "high", True, 0.0, 8.0, Component.GPU, "GPU temperature °C"),
-        S("pcie_width_ratio", "low", False, 0.0, 0.2, Component.PCIE, "PCIe width / max"),
-        S("pcie_gen_ratio", "low", True, 0.0, 0.2, Component.PCIE, "PCIe generation / max"),
-        S("pcie_replay_per_min", "high", False, 0.0, 5.0, Component.PCIE, "PCIe replays /min"),
-        S("nvlink_errors_per_min", "high", False, 0.0, 10.0, Component.NVLINK, "NVLink CRC/replay/recovery /min"),
-        S("nvlink_down", "high", False, 0.0, 0.5, Component.NVLINK, "NVLinks down"),
-        S("ecc_corrected_per_min", "high", False, 0.0, 1.0, Component.GPU, "corrected ECC errors /min"),
-        S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, Component.IB, "IB symbol errors /min"),
-        S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, Component.IB, "IB link recoveries+downs /min"),
-        S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, Component.IB, "IB receive errors /min"),
-        S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, Component.IB, "IB port_xmit_wait ticks /min"),
-        S("port_rate_gbps", "low", False, 0.2, 0.0, Component.IB, "port rate Gb/s"),
-        S("cpu_throttle_per_min", "high", False, 0.0, 1.0, Component.CPU, "CPU thermal throttles /min"),
-        S("cpu_freq_ratio", "low", True, 0.1, 0.0, Component.CPU, "CPU frequency / nominal"),
+        S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max", WORK,
+          "boost clocks under load follow the power the job's kernels draw", hi=1.1),
+        S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
+          "an external power-brake signal is never asked for by a job", hi=1.0),
+        S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
+          "HW slowdown is a power/thermal emergency under any work", hi=1.0),
+        S("thermal_frac", "high", True, 0.0, 0.05, G, "time in thermal slowdown", HW_OWN,
+          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0),
+        S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
+          "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
+        S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
+          "heat follows the power the job draws", lo=-40.0, hi=150.0),
+        S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
+          "the width a link trained at does not depend on traffic", hi=1.0),
+        S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
+          "a busy GPU's link runs at its maximum generation under any work", hi=1.0),
+        S("pcie_replay_per_min", "high", False, 0.0, 5.0, P, "PCIe replays /min", HW_OWN,
+          "replays are link errors, not load"),
+        S("nvlink_errors_per_min", "high", False, 0.0, 10.0, N, "NVLink CRC/replay/recovery /min", HW_OWN,
+          "CRC/replay/recovery are link errors, not load"),
+        S("nvlink_down", "high", False, 0.0, 0.5, N, "NVLinks down", HW_OWN,
+          "links up against links present does not depend on the job"),
+        S("ecc_corrected_per_min", "high", False, 0.0, 1.0, G, "corrected ECC errors /min", HW_OWN,
+          "memory errors, not load"),
+        S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, IB, "IB symbol errors /min", HW_OWN,
+          "physical-layer errors, not traffic"),
+        S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, IB, "IB link recoveries+downs /min", HW_OWN,
+          "link retrains are no traffic pattern"),
+        S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, IB, "IB receive errors /min", HW_OWN,
+          "malformed packets are errors, not load"),
+        S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
+          "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
+        S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
+          "the rate a port trained at does not depend on traffic", hi=1e5),
+        S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
+          "a healthy, cooled CPU rarely throttles under any load"),
+        S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
+          "turbo frequency depends on how many cores the job keeps busy", hi=4.0),
     ]
     return {r.name: r for r in rows}
 

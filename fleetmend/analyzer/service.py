@@ -14,11 +14,19 @@
   JetStream (Nats-Msg-Id = event id), so it takes the normal pipeline: router → NodeRemediation →
   FleetGuard budget → diagnostics → ticket.
 - Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.*`) go through a second comparator whose
-  groups are jobs and whose members are ranks: a rank persistently slower than the job's other
-  ranks becomes fail_slow on its node, saying whether that node's hardware telemetry agrees.
-- A sample that is not a valid `PerfSample` (or names another node than its subject) is written to
-  `fleet.deadletter` with the reason and skipped; a group too small to compare is logged (once an
-  hour per group and metric) and counted in `fleetmend_analyzer_small_groups`.
+  groups are jobs and whose members are ranks, each judged with its own offset in the job removed
+  (`job_comparator`): a rank persistently slower than that becomes fail_slow on its node, saying
+  whether that node's hardware telemetry agrees. The same rows tell the node comparator which job
+  each node ran (`Comparator.note_job`): work-dependent metrics are compared among a job's nodes
+  only, and not at all for a node whose job is unknown.
+- A sample that is not a valid `PerfSample` (a non-finite or impossible reading included, or one
+  that names another node than its subject) is written to `fleet.deadletter` with the reason and
+  skipped; so is a job message that speaks for more than one node, for a node that sent no perf
+  sample, or for more ranks than the node has GPUs. Samples and steps dated beyond the clock skew
+  ahead of this replica's clock, or before any open window, are dropped and counted
+  (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`). A group too small to
+  compare is logged (once an hour per group and metric) and counted in
+  `fleetmend_analyzer_small_groups`.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import socket
 import time
@@ -40,10 +49,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
 from fleetmend import subjects
-from fleetmend.analyzer.core import Comparator, WindowResult, finding_event
+from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, Comparator, WindowResult, finding_event
 from fleetmend.analyzer.metrics import MetricSpec, derive
 from fleetmend.config import Settings
-from fleetmend.events import Component
+from fleetmend.events import MAX_CLOCK_SKEW_S, Component
 from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_perf_stream
@@ -53,18 +62,31 @@ from fleetmend.telemetry import PerfSample
 log = structlog.get_logger("fleetmend.analyzer")
 
 SMALL_GROUP_LOG_EVERY_S = 3600.0
+DROPPED_LOG_EVERY_S = 60.0
 MAX_SAMPLE_BYTES = 256 * 1024
+MAX_STEP_SECONDS = 86400.0
+"""A step time above a day is not a step time."""
+KNOWN_NODE_TTL_S = 3600.0
+"""A node is known (may report job steps) for this long after its last perf sample."""
 
 
-JOB_SPEC = MetricSpec("job_step_seconds", "high", False, 0.05, 0.0, Component.GPU, "step time s")
-"""A rank's step time: higher is worse, judged against the other ranks of its job."""
+JOB_SPEC = MetricSpec("job_step_seconds", "high", False, 0.05, 0.0, Component.GPU, "step time s",
+                      why="a rank's step time, judged against the other ranks of its own job only",
+                      lo=0.0, hi=MAX_STEP_SECONDS, baseline_windows=3)
+"""A rank's step time: higher is worse, judged against the other ranks of its job, with the rank's
+own offset (learnt over its first `job_baseline_windows` windows in the job) removed."""
 
 
 def job_comparator(cfg: Any) -> Comparator:
     """A `Comparator` of job step times: groups are jobs, keys `<node>/<rank>`, at least
-    `job_min_ranks` ranks, a rank `job_slow_ratio` above the job's median (and beyond `mad_k` MADs)."""
+    `job_min_ranks` ranks. A rank's offset against the job's median is learnt over its first
+    `job_baseline_windows` windows in the job (a rank slower by design, e.g. rank 0 doing the
+    logging, keeps its offset for the job's life and is never slow for it); from then on a rank whose
+    step time, divided by its offset, is `job_slow_ratio` above the job's median so divided (and
+    beyond `mad_k` MADs) is slow in that window."""
     c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}))
-    c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1)}
+    c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1,
+                                                         baseline_windows=cfg.job_baseline_windows)}
     return c
 
 
@@ -113,6 +135,14 @@ class Analyzer:
         self.published: list[str] = []
         """event ids of fail_slow events published by this replica (tests, logs)."""
         self.small_groups: dict[tuple[str, str], int] = {}
+        self.nodes: dict[str, tuple[float, int]] = {}
+        """node → (analyzer clock at its last valid perf sample, its GPU count): the nodes that may
+        report job steps (bounded: forgotten `KNOWN_NODE_TTL_S` after their last sample)."""
+        self._dropped_logged: dict[str, int] = {}
+        self._dropped_at = -1e18
+        self._claims: dict[tuple[int, str], dict[str, set[int]]] = {}
+        """(window, node) → job → ranks the node reported in that window: one node speaks for at most
+        its GPU count of ranks per job and `MAX_JOBS_PER_WINDOW` jobs (pruned as windows close)."""
         self._small_logged: dict[tuple[str, str], float] = {}
         self._sub: Any = None
         self._job_sub: Any = None
@@ -143,20 +173,78 @@ class Analyzer:
         return sub
 
     async def _on_job_msg(self, msg: Any) -> None:
+        """One batch of step times (`fleetmend.jobs`). A message speaks for one node only: every row
+        must name the same node, under its real name (`subjects.check_node_name`, no re-encoding),
+        with at most `max(1, its GPU count)` distinct ranks of the job in a window (across messages)
+        and steps of at most `MAX_JOBS_PER_WINDOW` jobs in a window, else it is dead-lettered whole
+        with the reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
+        (`jobs.dropped["unknown_node"]`, logged once a minute).
+        Accepted rows feed the ranks' comparator and tell the node comparator which job the node ran
+        (its work-dependent metrics are then compared with that job's other nodes)."""
+        now = self.clock()
         try:
+            if len(msg.data) > MAX_SAMPLE_BYTES:
+                raise ValueError(f"job message of {len(msg.data)} bytes exceeds {MAX_SAMPLE_BYTES}")
             data = json.loads(msg.data)
             if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("steps"), list):
                 raise ValueError("expected {\"v\": 1, \"job\": ..., \"steps\": [[rank, node, step, seconds, time], ...]}")
             job = subjects.job_subject(self.cluster, str(data.get("job"))).rsplit(".", 1)[1]
-            rows = [(int(r), subjects.fault_subject(self.cluster, str(n)).rsplit(".", 1)[1], float(sec), float(at))
-                    for r, n, _step, sec, at in data["steps"]]
-        except (ValueError, TypeError, UnicodeDecodeError) as err:
+            rows = []
+            for row in data["steps"]:
+                if not isinstance(row, list) or len(row) != 5:
+                    raise ValueError(f"a step row is [rank, node, step, seconds, time], got {str(row)[:80]}")
+                r, n, _step, sec, at = row
+                rank, node, sec, at = int(r), subjects.check_node_name(str(n)), float(sec), float(at)
+                if not (math.isfinite(sec) and math.isfinite(at)):
+                    raise ValueError(f"rank {rank}: step time and time must be finite numbers")
+                if not 0 < sec <= MAX_STEP_SECONDS or rank < 0:
+                    raise ValueError(f"rank {rank}: step time {sec} outside (0, {MAX_STEP_SECONDS:g}] s or rank < 0")
+                rows.append((rank, node, sec, at))
+            nodes = {node for _, node, _, _ in rows}
+            if len(nodes) > 1:
+                raise ValueError(f"one job message names {len(nodes)} nodes ({', '.join(sorted(nodes)[:4])}): "
+                                 "a node reports for its own ranks only")
+            known = self.nodes.get(rows[0][1]) if rows else None
+            if rows and known is None:
+                # a made-up name, or a node whose first perf sample this replica has not read yet (the
+                # two streams replay side by side after a restart): dropped and counted, not dead-lettered
+                self.jobs.dropped["unknown_node"] += len(rows)
+                return
+            claims = self._check_claims(job, rows, known[1], now) if rows and known is not None else {}
+        except (ValueError, TypeError, UnicodeDecodeError, OverflowError) as err:
             self.rejected += 1
             await self._deadletter(msg, f"invalid job timing message: {str(err)[:300]}")
             return
+        for key, ranks in claims.items():
+            self._claims.setdefault(key, {}).setdefault(job, set()).update(ranks)
         for rank, node, sec, at in rows:
-            self.jobs.add(f"{node}/{rank}", f"job:{job}", at, {"job_step_seconds": (sec, f"rank:{rank}")})
-            self.job_steps += 1
+            if self.jobs.add(f"{node}/{rank}", f"job:{job}", at, {"job_step_seconds": (sec, f"rank:{rank}")},
+                             now=now):
+                self.comparator.note_job(node, job, at, now=now)
+                self.job_steps += 1
+
+    def _check_claims(self, job: str, rows: list[tuple[int, str, float, float]], gpus: int,
+                      now: float) -> dict[tuple[int, str], set[int]]:
+        """The (window, node) → ranks this message adds, after checking that, with what the node
+        already reported in those windows (other messages included), it speaks for at most
+        `max(1, gpus)` ranks of `job` and at most `MAX_JOBS_PER_WINDOW` jobs. Rows outside the
+        windows that can still be judged are left out (the comparator drops them). Raises ValueError."""
+        cfg = self.cfg
+        lo, hi = now - cfg.window_s - cfg.grace_s - MAX_CLOCK_SKEW_S, now + MAX_CLOCK_SKEW_S
+        node = rows[0][1]
+        out: dict[tuple[int, str], set[int]] = {}
+        for rank, _, _, at in rows:
+            if lo <= at <= hi:
+                out.setdefault((self.jobs.window_of(at), node), set()).add(rank)
+        cap = max(1, gpus)
+        for key, ranks in out.items():
+            seen = self._claims.get(key, {})
+            if len(seen.get(job, set()) | ranks) > cap:
+                raise ValueError(f"node {node!r} reports {len(seen.get(job, set()) | ranks)} ranks of job {job} "
+                                 f"in one window but has {gpus} GPUs")
+            if len(set(seen) | {job}) > MAX_JOBS_PER_WINDOW:
+                raise ValueError(f"node {node!r} reports steps of more than {MAX_JOBS_PER_WINDOW} jobs in one window")
+        return out
 
     async def _on_msg(self, msg: Any) -> None:
         reason = None
@@ -176,10 +264,14 @@ class Analyzer:
         self.add(sample)
 
     def add(self, sample: PerfSample) -> bool:
-        """File one sample into its window. Returns False for a late one (window already judged)."""
+        """File one sample into its window. Returns False when it is dropped (late, dated beyond the
+        allowed clock skew ahead of this analyzer's clock, older than any open window, or its node
+        filled the window; `Comparator.dropped` counts why, `tick` logs it)."""
+        now = self.clock()
         _busy, derived = derive(sample, self.cfg.busy_util_pct)
         self.samples += 1
-        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived)
+        self.nodes[sample.node] = (now, sample.hw.gpu_count)
+        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now)
 
     async def _deadletter(self, msg: Any, reason: str) -> None:
         record = {"reason": reason, "subject": msg.subject, "at": datetime.now(timezone.utc).isoformat(),
@@ -237,6 +329,7 @@ class Analyzer:
         active = await self.lease()
         results = []
         now = self.clock()
+        self._log_dropped(now)
         for w in self.comparator.due(now):
             res = self.comparator.close_window(w)
             results.append(res)
@@ -245,7 +338,8 @@ class Analyzer:
             self._log.info("window_judged", window_end=datetime.fromtimestamp((w + 1) * self.cfg.window_s,
                                                                               timezone.utc).isoformat(),
                            nodes=res.nodes, judged=res.judged, outliers=res.outliers, findings=len(res.findings),
-                           small_groups=len(res.small_groups), active=active)
+                           small_groups=len(res.small_groups), small_job_groups=res.small_job_groups,
+                           no_job=res.no_job, active=active)
             if not active:
                 continue
             for f in res.findings:
@@ -259,6 +353,8 @@ class Analyzer:
             await self.save_state()
         for w in self.jobs.due(now):
             res = self.jobs.close_window(w)
+            for key in [k for k in self._claims if k[0] <= w]:
+                del self._claims[key]
             if not active:
                 continue
             for f in res.findings:
@@ -280,10 +376,29 @@ class Analyzer:
         job = f.group.removeprefix("job:")
         agrees = f"; hardware telemetry agrees ({', '.join(hw)})" if hw else "; hardware telemetry shows nothing"
         return ev.model_copy(update={
-            "message": (f"fail-slow: rank {rank} of job {job} on {node}: median step {f.value:.4g} s vs the job's "
-                        f"median {f.peer_median:.4g} s (ratio {f.ratio:.3f}) in {f.windows} consecutive "
-                        f"{f.window_s:g} s windows among {f.group_size} ranks{agrees}"),
+            "message": (f"fail-slow: rank {rank} of job {job} on {node}: median step {f.value:.4g} s vs "
+                        f"{f.peer_median:.4g} s expected (the job's median at this rank's own offset "
+                        f"x{f.baseline if f.baseline is not None else 1.0:.3f}, ratio {f.ratio:.3f}) in {f.windows} "
+                        f"consecutive {f.window_s:g} s windows among {f.group_size} ranks{agrees}"),
             "attrs": {**ev.attrs, "job": job, "rank": int(rank), "hardware_agrees": ",".join(hw)}})
+
+    def _log_dropped(self, now: float) -> None:
+        """Once a minute at most: what was dropped at the door since the last line (by reason), and
+        forget nodes silent for `KNOWN_NODE_TTL_S`."""
+        if now - self._dropped_at < DROPPED_LOG_EVERY_S:
+            return
+        self._dropped_at = now
+        total = {f"perf.{k}": v for k, v in self.comparator.dropped.items()}
+        total.update({f"job.{k}": v for k, v in self.jobs.dropped.items()})
+        new = {k: v - self._dropped_logged.get(k, 0) for k, v in total.items() if v > self._dropped_logged.get(k, 0)}
+        if new:
+            self._log.warning("analyzer_input_dropped", dropped=new,
+                              hint="late/stale/future: the sender's clock or delivery; non_finite/out_of_range: "
+                                   "impossible values; flood: too many samples from one node")
+        self._dropped_logged = total
+        gone = now - KNOWN_NODE_TTL_S
+        for node in [n for n, (t, _) in self.nodes.items() if t < gone]:
+            del self.nodes[node]
 
     def _report_small(self, res: WindowResult, now: float) -> None:
         for g in res.small_groups:

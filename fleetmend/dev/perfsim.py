@@ -3,14 +3,21 @@ and bench/failslow.py.
 
 Healthy nodes (8 GPUs of one model, one NDR HCA) follow what peers of one hardware class look like:
 
-- jobs: a node is busy (GPUs ~95 % utilized) or idle (~0 %), switching on average every 90 min,
-  about 85 % of the time busy;
+- jobs: nodes are grouped into jobs of `job_nodes` consecutive nodes; a job's nodes are busy (GPUs
+  ~95 % utilized) or idle (~0 %) together, switching on average every 90 min, about 85 % of the
+  time busy; each busy spell is a new job id (`job_of`) of one workload kind, drawn from `workloads`:
+  `compute` (the default; time at the SW power cap 10-50 % per job, as heavy kernels do),
+  `compute-light` (power cap 5-30 %), `memory` (lower power: no power cap, GPUs 6 °C cooler, full
+  boost clocks) or `comm` (communication-bound: ~10x the IB `port_xmit_wait`, no power cap);
+  `("compute-light", "memory", "comm")` is the mixed fleet of issue 28, where comparing all busy
+  nodes with each other flags most healthy ones;
 - SM clock of a busy GPU: a per-GPU constant (silicon and cooling spread, σ 0.5 % of max) plus
   per-sample noise (σ 0.4 %), and 1 % of samples dip to ~85 % for that minute (a transient power
-  excursion); idle GPUs sit at their idle clocks;
+  excursion), compute-bound jobs clock 1.5 % lower; idle GPUs sit at their idle clocks;
 - clocks-event reasons: 0 most of the time; 0.2 % of samples show a burst of power brake (5-30 % of
   the minute), 1 % a short thermal slowdown on busy GPUs; time at the SW power cap depends on the job
-  (per node and job, 10-50 %);
+  (per job, ±3 % per node, ±5 % per sample);
+- IB `port_xmit_wait` of a busy node: ~2e5 ticks/min (comm jobs ~2.5e6), ±25 % per node, ±10 % per sample;
 - temperature: per GPU 55-68 °C busy, 30-38 °C idle, ±1.5 °C noise;
 - IB: symbol errors 0 with the odd single count (1 % of samples), PCIe replays likewise (2 %).
 
@@ -22,7 +29,10 @@ Degraded nodes (`slow_nodes`, slowed by `slowdown` F, default 0.05) take one pat
     ib            the HCA port's symbol errors rising (5 /min plus 2 /min per hour)
     thermal       one GPU's cooling failed: +12 °C, thermal slowdown 2F of the time, clocks F lower
 
-Everything is drawn from one seeded `random.Random` per node, so a run is reproducible.
+Everything is drawn from one seeded `random.Random` per node (and one per job), so a run is
+reproducible. `run_perf_sim` also publishes, for every busy node, one step time per interval on its
+job's subject (`fleetmend.jobs` wire format; a node reports its own rank only), so the analyzer knows
+which nodes share a job.
 `sample()` builds the `PerfSample` an agent would publish; `derived()` returns the analyzer's
 metrics for the same draw without building the sample (the benchmark's fast path).
 """
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -48,10 +59,25 @@ _TABLE_RNG = random.Random(20240601)
 _NORM = [_TABLE_RNG.gauss(0.0, 1.0) for _ in range(1 << 16)] + [0.0] * 64
 """N(0, 1) table the noise is read from (64 spare entries so an offset near the end stays in range)."""
 PATTERNS = ("clocks", "power_brake", "pcie", "ib", "thermal")
+WORKLOADS = ("compute", "compute-light", "memory", "comm")
+MIXED = ("compute-light", "memory", "comm")
 GPUS = 8
 SM_MAX = 1980.0
 HW = HardwareClass(gpu_model="NVIDIA H200", gpu_count=GPUS, driver="570.124.06", hca_model="MT4129",
                    cpu_model="Intel(R) Xeon(R) Platinum 8480+")
+
+
+@dataclass
+class _Job:
+    idx: int
+    rng: random.Random
+    busy: bool
+    kind: str = "compute"
+    power_cap: float = 0.0
+    t: float = float("-inf")
+    """Time of the last state update (the first node drawn at a new time updates its job)."""
+    spell: int = 0
+    """Busy spells so far: each is a new job id."""
 
 
 @dataclass
@@ -60,10 +86,16 @@ class _Node:
     rng: random.Random
     gpu_base: list[float]
     gpu_temp: list[float]
-    busy: bool
-    power_cap: float
+    job: _Job
+    rank: int
+    cap_offset: float
+    wait_base: float
     pattern: str | None = None
     sym_total: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.job.busy
 
 
 @dataclass
@@ -78,6 +110,8 @@ class PerfFleet:
         cluster, node_prefix: names (`<prefix>-00042`).
         slow_from: epoch seconds when the degradation starts (None: from the start).
         busy_fraction: long-run share of busy nodes.
+        job_nodes: nodes per job (consecutive names; the last job may be smaller).
+        workloads: the kinds a job's busy spell is drawn from (`WORKLOADS`; `MIXED`).
     """
 
     nodes: int
@@ -89,7 +123,10 @@ class PerfFleet:
     slow_from: float | None = None
     busy_fraction: float = 0.85
     job_minutes: float = 90.0
+    job_nodes: int = 16
+    workloads: tuple[str, ...] = ("compute",)
     fleet: list[_Node] = field(default_factory=list, init=False)
+    jobs: list[_Job] = field(default_factory=list, init=False)
     slow: dict[str, str] = field(default_factory=dict, init=False)
     """node name → pattern."""
 
@@ -98,14 +135,24 @@ class PerfFleet:
             raise ValueError(f"slow_nodes must be within 0..{self.nodes}, got {self.slow_nodes}")
         if not 0 < self.slowdown < 0.5:
             raise ValueError(f"slowdown must be within (0, 0.5), got {self.slowdown}")
+        if self.job_nodes < 1:
+            raise ValueError(f"job_nodes must be >= 1, got {self.job_nodes}")
+        bad = [w for w in self.workloads if w not in WORKLOADS]
+        if bad or not self.workloads:
+            raise ValueError(f"workloads must be among {WORKLOADS}, got {self.workloads}")
         master = random.Random(self.seed)
         for i in range(self.nodes):
             r = random.Random(master.getrandbits(64))
+            if i % self.job_nodes == 0:
+                jr = random.Random(r.getrandbits(64))
+                job = _Job(idx=len(self.jobs), rng=jr, busy=jr.random() < self.busy_fraction)
+                self._new_spell(job)
+                self.jobs.append(job)
             self.fleet.append(_Node(
                 name=f"{self.node_prefix}-{i:05d}", rng=r,
                 gpu_base=[min(1.0, r.gauss(0.985, 0.005)) for _ in range(GPUS)],
-                gpu_temp=[r.uniform(55, 68) for _ in range(GPUS)], busy=r.random() < self.busy_fraction,
-                power_cap=r.uniform(0.1, 0.5)))
+                gpu_temp=[r.uniform(55, 68) for _ in range(GPUS)], job=self.jobs[-1], rank=i % self.job_nodes,
+                cap_offset=r.uniform(-0.03, 0.03), wait_base=r.uniform(0.8, 1.25)))
         for k, idx in enumerate(master.sample(range(self.nodes), self.slow_nodes)):
             n = self.fleet[idx]
             n.pattern = PATTERNS[k % len(PATTERNS)]
@@ -115,6 +162,39 @@ class PerfFleet:
     def names(self) -> list[str]:
         return [n.name for n in self.fleet]
 
+    def _new_spell(self, job: _Job) -> None:
+        r = job.rng
+        job.spell += 1
+        job.kind = self.workloads[int(r.random() * len(self.workloads))]
+        job.power_cap = {"compute": r.uniform(0.1, 0.5), "compute-light": r.uniform(0.05, 0.3)}.get(job.kind, 0.0)
+
+    def job_of(self, i: int) -> str | None:
+        """The job id node `i` ran in its latest draw (`sample`/`derived`), None when idle."""
+        n = self.fleet[i]
+        if not n.job.busy:
+            return None
+        return f"{self.node_prefix}-j{n.job.idx}-{n.job.spell}"
+
+    def step_seconds(self, i: int, t: float) -> float:
+        """Node `i`'s step time at `t` (its latest draw): 1 s ±1 %, `slowdown` slower while a pattern
+        that slows the GPU (clocks, power brake, thermal) is active."""
+        n = self.fleet[i]
+        slow = n.pattern in ("clocks", "power_brake", "thermal") and (self.slow_from is None or t >= self.slow_from)
+        return (1 + self.slowdown if slow else 1.0) * (1 + 0.01 * _NORM[n.rng.getrandbits(16)])
+
+    def _job_step(self, n: _Node, t: float, interval_s: float) -> None:
+        """Advance `n`'s job to time `t` once (busy ↔ idle with p = interval / mean duration)."""
+        job = n.job
+        if t <= job.t:
+            return
+        job.t = t
+        mean_busy = self.job_minutes * 60
+        mean_idle = mean_busy * (1 - self.busy_fraction) / self.busy_fraction
+        if job.rng.random() < interval_s / (mean_busy if job.busy else mean_idle):
+            job.busy = not job.busy
+            if job.busy:
+                self._new_spell(job)
+
     def _draw(self, n: _Node, t: float, interval_s: float) -> dict:
         """One interval of node `n` ending at epoch `t`: per-GPU readings and port/host counters.
 
@@ -123,12 +203,11 @@ class PerfFleet:
         read from a random offset per sample (cheap enough for 10,000 nodes over simulated days)."""
         r = n.rng
         rand = r.random
-        # job changes: leave the current state with p = interval / mean duration of that state
-        mean_busy = self.job_minutes * 60
-        mean_idle = mean_busy * (1 - self.busy_fraction) / self.busy_fraction
-        if rand() < interval_s / (mean_busy if n.busy else mean_idle):
-            n.busy = not n.busy
-            n.power_cap = r.uniform(0.1, 0.5)
+        self._job_step(n, t, interval_s)
+        kind = n.job.kind
+        clock_off = -0.015 if kind in ("compute", "compute-light") else 0.0
+        temp_off = -6.0 if kind == "memory" else 0.0
+        power_cap = max(0.0, n.job.power_cap + n.cap_offset) if n.job.power_cap > 0 else 0.0
         slow = n.pattern if (n.pattern and (self.slow_from is None or t >= self.slow_from)) else None
         f = self.slowdown
         k = r.getrandbits(16)
@@ -146,13 +225,13 @@ class PerfFleet:
                 replay = 1
             if busy:
                 util = min(100.0, 95 + 3 * N[j])
-                ratio = n.gpu_base[i] + 0.004 * N[j + 1]
+                ratio = n.gpu_base[i] + clock_off + 0.004 * N[j + 1]
                 if 0.002 <= u < 0.012:
                     ratio = 0.8 + 0.1 * ((u - 0.002) / 0.01)
                 elif 0.012 <= u < 0.022:
                     thermal = 0.02 + 0.18 * ((u - 0.012) / 0.01)
-                temp = n.gpu_temp[i] + 1.5 * N[j + 2]
-                cap = min(1.0, max(0.0, n.power_cap + 0.05 * N[j + 3]))
+                temp = n.gpu_temp[i] + temp_off + 1.5 * N[j + 2]
+                cap = min(1.0, max(0.0, power_cap + 0.05 * N[j + 3])) if power_cap > 0 else 0.0
             else:
                 util = max(0.0, 1 + N[j])
                 ratio = 345.0 / SM_MAX
@@ -178,7 +257,12 @@ class PerfFleet:
             hours = 0.0 if self.slow_from is None else max(0.0, (t - self.slow_from) / 3600)
             sym = max(0, sym + int((5 + 2 * hours) * interval_s / 60 + N[(k + 40) & _MASK]))
         n.sym_total += sym
-        return {"gpus": gpus, "sym": sym}
+        wait = 0
+        if busy:
+            wait = int((2.5e6 if kind == "comm" else 2e5) * n.wait_base * (1 + 0.3 * N[(k + 41) & _MASK] / 3)
+                       * interval_s / 60)
+            wait = max(0, wait)
+        return {"gpus": gpus, "sym": sym, "wait": wait}
 
     def sample(self, i: int, t: float, interval_s: float = 60.0) -> PerfSample:
         """Node `i`'s `PerfSample` for the interval ending at epoch `t`."""
@@ -195,7 +279,7 @@ class PerfFleet:
                 pcie_replay_delta=replay, nvlink_up=18, nvlink_total=18, nvlink_crc_delta=0, nvlink_replay_delta=0,
                 nvlink_recovery_delta=0, ecc_corrected_delta=0))
         port = PortPerf(name="mlx5_0/1", kind="ib", rate_gbps=400.0, width=4, symbol_error_delta=d["sym"],
-                        link_downed_delta=0, link_error_recovery_delta=0, xmit_wait_delta=0, rcv_errors_delta=0)
+                        link_downed_delta=0, link_error_recovery_delta=0, xmit_wait_delta=d["wait"], rcv_errors_delta=0)
         return PerfSample(cluster=self.cluster, node=n.name, at=datetime.fromtimestamp(t, timezone.utc),
                           interval_s=interval_s, hw=HW, gpus=gpus, ports=[port],
                           host=HostPerf(cpus=224, cpu_throttle_delta=0, cpu_freq_mhz=2000.0, cpu_freq_nominal_mhz=2000.0),
@@ -249,7 +333,7 @@ class PerfFleet:
                 out["power_cap_frac"] = (round(cap, 4), f"gpu:{kp}")
                 out["temperature_c"] = (round(temp, 1), f"gpu:{kT}")
                 out["pcie_gen_ratio"] = (1.0, f"gpu:{kc}")
-            out["ib_xmit_wait_per_min"] = (0.0, "port:mlx5_0/1")
+            out["ib_xmit_wait_per_min"] = (d["wait"] * per_min, "port:mlx5_0/1")
             out["cpu_freq_ratio"] = (1.0, "host")
         out["ib_symbol_errors_per_min"] = (d["sym"] * per_min, "port:mlx5_0/1")
         out["ib_link_recovery_per_min"] = (0.0, "port:mlx5_0/1")
@@ -276,8 +360,14 @@ async def run_perf_sim(settings: Any, fleet: PerfFleet, duration_s: float, inter
         while not stop.is_set() and loop.time() < t_end:
             start = loop.time()
             for i in range(len(fleet.fleet)):
-                s = fleet.sample(i, time.time(), interval_s)
+                now = time.time()
+                s = fleet.sample(i, now, interval_s)
                 await nc.publish(subjects.perf_subject(fleet.cluster, s.node), s.to_json_bytes())
+                job = fleet.job_of(i)
+                if job is not None:  # the node's own rank only, as a job's ranks report for themselves
+                    row = [fleet.fleet[i].rank, s.node, int(now // interval_s), fleet.step_seconds(i, now), now]
+                    await nc.publish(subjects.job_subject(fleet.cluster, job),
+                                     json.dumps({"v": 1, "cluster": fleet.cluster, "job": job, "steps": [row]}).encode())
                 sent += 1
                 if (i + 1) % batch == 0:
                     delay = start + interval_s * (i + 1) / len(fleet.fleet) - loop.time()
