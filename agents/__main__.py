@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from fleetmend.config import load_settings
-from fleetmend.errors import ConfigError
+from fleetmend.errors import CatalogError, ConfigError
 
 
 def lean_imports(nats_url: str) -> None:
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
         return asyncio.run(run_agent(settings, kmsg_file=args.kmsg_file, once=args.once,
                                      inject_file=args.inject_file, kmsg=not args.no_kmsg,
                                      hardware=args.hardware))
+    except CatalogError as err:  # the operator's catalog_overrides: a configuration error, one line
+        print(f"fleetmend agent: invalid catalog_overrides: {err}", file=sys.stderr)
+        return 2
     except OSError as err:  # metrics port taken, state dir not writable: say so, no traceback
         print(f"fleetmend agent: {err}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from fleetmend.errors import ConfigError
 from fleetmend.subjects import check_node_name
@@ -750,6 +750,9 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return Settings(**data)
+    except SettingsError as err:  # an environment value that is not valid JSON for a list/dict setting
+        cause = f": {err.__cause__}" if err.__cause__ else ""
+        raise ConfigError(f"invalid configuration: {err}{cause}") from err
     except ValidationError as err:
         where = f" in {path}" if path else ""
         n = err.error_count()

@@ -22,6 +22,7 @@ from typing import Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetmend.config import Settings, load_settings
 from fleetmend.errors import ConfigError, FleetmendError
@@ -46,7 +47,7 @@ def settings(config: Optional[Path] = None, **overrides: Any) -> Settings:
     try:
         return load_settings(config, **overrides)
     except ConfigError as e:
-        err.print(f"[red]{e}[/red]")
+        err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from e
 
 
@@ -55,7 +56,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(coro)
     except FleetmendError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(1) from e
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fleetmend.cli.common import err, out
@@ -39,7 +40,7 @@ def generate(
     try:
         cs = generate_credentials(out_dir, cluster, sorted(set(names)))
     except ConfigError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from e
     if as_json:
         sys.stdout.write(json.dumps({"cluster": cluster, "out": str(out_dir), "accounts_conf": str(cs.accounts_conf),

@@ -103,7 +103,7 @@ def inject(
     try:
         event = build_injected_event(s, node, xid=xid, kind=kind, severity=severity, bus_id=bus_id, by=who())
     except FleetmendError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from e
     except ValueError as e:  # pydantic: a bad node name or bus id
         text = "; ".join(f"--{'-'.join(str(p) for p in x['loc']).replace('pci_bus_id', 'bus-id')}: "

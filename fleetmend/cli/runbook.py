@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from fleetmend.catalog import load_catalog
 from fleetmend.catalog.runbooks import fault_classes, render
@@ -42,7 +43,7 @@ def runbook(
     try:
         text = render(fault_class, catalog)
     except KeyError as e:
-        err.print(f"[red]error:[/red] {e.args[0]}")
+        err.print(f"[red]error:[/red] {escape(str(e.args[0]))}")
         raise typer.Exit(1) from e
     if as_json:
         sys.stdout.write(json.dumps({"fault_class": fault_class, "markdown": text}) + "\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fleetmend.cli.common import err, out, run, settings
@@ -73,7 +74,7 @@ def _perf(nodes: int, cluster: str, duration: float, seed: int, slow_nodes: int,
     try:
         fleet = PerfFleet(nodes, slow_nodes=slow_nodes, slowdown=slowdown, seed=seed, cluster=cluster)
     except ValueError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from e
     slow = sorted(fleet.slow)
     if not as_json:

@@ -66,7 +66,7 @@ def sweep(
     try:
         names = asyncio.run(_named_nodes(s, nodes or [], nodelist, job))
     except (ValueError, SchedulerError) as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from e
     if not names:
         err.print("[red]error:[/red] name the nodes: NODE…, --nodelist 'gpu[01-64]' or --job JOBID")
