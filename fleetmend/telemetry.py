@@ -50,6 +50,10 @@ MAX_COUNT = 2**53
 
 Frac = Annotated[float, Field(ge=0.0, le=1.0)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+TEMPERATURE_MIN_C, TEMPERATURE_MAX_C = -40.0, 150.0
+"""A GPU's possible temperatures; the analyzer's `temperature_c` metric uses the same bounds."""
+RATE_MAX_GBPS = 100_000.0
+"""Above any port's rate; the analyzer's `port_rate_gbps` metric uses the same bound."""
 MHz = Annotated[float, Field(ge=0.0, le=100_000.0)]
 
 
@@ -76,7 +80,7 @@ class GpuPerf(_Part):
     (nvmlDeviceGetCurrentClocksEventReasons) at sampling time."""
     power_w: float | None = Field(default=None, ge=0.0, le=100_000.0)
     power_limit_w: float | None = Field(default=None, ge=0.0, le=100_000.0)
-    temperature_c: float | None = Field(default=None, ge=-40.0, le=150.0)
+    temperature_c: float | None = Field(default=None, ge=TEMPERATURE_MIN_C, le=TEMPERATURE_MAX_C)
     pcie_gen: int | None = Field(default=None, ge=0, le=64)
     pcie_gen_max: int | None = Field(default=None, ge=0, le=64)
     pcie_width: int | None = Field(default=None, ge=0, le=64)
@@ -95,7 +99,7 @@ class PortPerf(_Part):
 
     name: str = Field(max_length=256)
     kind: str = Field(default="ib", max_length=16)
-    rate_gbps: float | None = Field(default=None, ge=0.0, le=100_000.0)
+    rate_gbps: float | None = Field(default=None, ge=0.0, le=RATE_MAX_GBPS)
     width: int | None = Field(default=None, ge=0, le=64)
     """Lanes (the `4X` of `400 Gb/sec (4X NDR)`)."""
     symbol_error_delta: Count | None = None

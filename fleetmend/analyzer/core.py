@@ -191,6 +191,17 @@ class Comparator:
             return None
         return w
 
+    def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow, bool]:
+        """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made now."""
+        win = self.open.get(w)
+        if win is None:
+            win = self.open[w] = {}
+        nw = win.get(node)
+        if nw is None:
+            nw = win[node] = _NodeWindow(group)
+            return nw, True
+        return nw, False
+
     def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None) -> bool:
         """File one sample's metrics (taken at epoch `t`; `now`: the receiver's clock, which bounds
         the windows that can open). Returns False when the sample is dropped: its window is already
@@ -200,16 +211,11 @@ class Comparator:
         w = self._admit(t, now)
         if w is None:
             return False
-        win = self.open.get(w)
-        if win is None:
-            win = self.open[w] = {}
-        nw = win.get(node)
-        if nw is None:
-            nw = win[node] = _NodeWindow(group)
-        elif nw.n >= MAX_SAMPLES_PER_WINDOW:
-            self.dropped["flood"] += 1
-            return False
-        else:
+        nw, new = self._node_window(w, node, group)
+        if not new:
+            if nw.n >= MAX_SAMPLES_PER_WINDOW:
+                self.dropped["flood"] += 1
+                return False
             nw.group = group
         nw.n += 1
         values, where, specs = nw.values, nw.where, self.specs
@@ -235,12 +241,7 @@ class Comparator:
         w = self._admit(t, now)
         if w is None:
             return False
-        win = self.open.get(w)
-        if win is None:
-            win = self.open[w] = {}
-        nw = win.get(node)
-        if nw is None:
-            nw = win[node] = _NodeWindow("")
+        nw, _ = self._node_window(w, node, "")
         if len(nw.jobs) < MAX_JOBS_PER_WINDOW:
             nw.jobs.add(job)
         return True

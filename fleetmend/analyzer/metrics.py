@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from fleetmend.events import Component, Device
-from fleetmend.telemetry import PerfSample
+from fleetmend.telemetry import RATE_MAX_GBPS, TEMPERATURE_MAX_C, TEMPERATURE_MIN_C, PerfSample
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
           "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
         S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
-          "heat follows the power the job draws", lo=-40.0, hi=150.0),
+          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C),
         S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
           "the width a link trained at does not depend on traffic", hi=1.0),
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
@@ -125,7 +125,7 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
           "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
-          "the rate a port trained at does not depend on traffic", hi=1e5),
+          "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
           "a healthy, cooled CPU rarely throttles under any load"),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
