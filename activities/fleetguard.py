@@ -1,30 +1,34 @@
-"""Drain permits: NodeRemediation → FleetGuard (the guard starts on first use).
+"""Drain permits: NodeRemediation → FleetGuard (the guard starts on first use), and FleetGuard → the
+permit pool (`fleetmend.infra.permit_pool`).
 
-A workflow cannot signal- or update-with-start another workflow, so these activities do it with the
-worker's client: `decide_drain_permit` (update-with-start; the guard's decision is the result),
-`request_drain_permit` (signal-with-start; incidents started before the update path),
-`release_drain_permit`, and the guard's own `running_incidents` (reconciliation). The worker loads
-the topology file once and attaches each node's failure domains to its request;
-the file itself never enters workflow history (bounded payloads for big clusters).
+A workflow cannot signal-with-start another workflow, so these activities do it with the worker's
+client: `request_drain_permit` (the incident's one way to ask: signal-with-start of the guard with a
+`request_permits` list of one; the answer comes back as a `permit` signal), `release_drain_permit`
+(the pool slot, then the guard's `release` signal), and the guard's own `sync_permit_pool` (its one
+write to the pool: settings, slots to free, slots to take for the nodes it grants), `running_incidents`
+and `reconcile_pool` (no cordon outlives its incident). The worker loads the topology file once and
+attaches each node's failure domains to its request; the file itself never enters workflow history
+(bounded payloads for big clusters).
 """
 
 from __future__ import annotations
 
-import asyncio
+import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from typing import Any
 
 from nats.js import JetStreamContext
 from temporalio import activity
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecution, WorkflowExecutionStatus
-from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.quarantine import PoolGate
 from fleetmend import subjects
+from fleetmend.catalog import Catalog, load_catalog
 from fleetmend.config import Settings
-from fleetmend.events import Severity
+from fleetmend.events import FaultEvent, Severity
+from fleetmend.infra.incidents import start_incident
 from fleetmend.infra.permit_pool import BY_ROUTER
 from fleetmend.messages import (
     KEY_CLUSTER,
@@ -33,25 +37,27 @@ from fleetmend.messages import (
     KEY_PHASE,
     KEY_SEVERITY,
     Activity,
+    FaultBatch,
     GuardApi,
     GuardInput,
     GuardPolicy,
-    PermitDecision,
+    IncidentInput,
+    IncidentPolicy,
     PermitRelease,
     PermitRequest,
     Phase,
+    PoolReconcile,
+    PoolReconciled,
     PoolSync,
     PoolSynced,
     RemediationApi,
+    RoutedFault,
     RunningIncident,
     RunningIncidents,
+    for_workflow,
     guard_task_queue,
 )
 from fleetmend.policy import Topology, load_topology
-
-UPDATES_IN_FLIGHT = 4
-"""`decide_permit` updates one worker has in flight at once (Temporal refuses more than 10 per workflow
-by default; a few worker replicas stay under it)."""
 
 
 def guard_policy(settings: Settings, topology: Topology | None = None) -> GuardPolicy:
@@ -61,30 +67,34 @@ def guard_policy(settings: Settings, topology: Topology | None = None) -> GuardP
 
 class FleetGuardActivities:
     """Args: client (temporalio Client), task_queue the guard runs on (`messages.guard_task_queue` of the
-    cluster's queue in a real worker), policy (`GuardPolicy`), topology (`Topology`, node → rack/leaf/PDU).
+    cluster's queue), policy (`GuardPolicy`), gate (`activities.quarantine.PoolGate`: the permit pool),
+    topology (`Topology`, node → rack/leaf/PDU); incident_task_queue, incident_policy and catalog: how
+    `reconcile_pool` opens the incident of a drained node that never got one (the cluster's queue, the
+    incidents' policy, the catalog that classifies its fault)."""
 
-    `decide_drain_permit` is run by NodeRemediation as a *local* activity: the decision reaches the
-    incident in the workflow task that asked for it (no activity task, no second workflow task)."""
-
-    def __init__(self, client: Client, task_queue: str, policy: GuardPolicy,
-                 topology: Topology | None = None, gate: PoolGate | None = None) -> None:
+    def __init__(self, client: Client, task_queue: str, policy: GuardPolicy, gate: PoolGate,
+                 topology: Topology | None = None, *, incident_task_queue: str | None = None,
+                 incident_policy: IncidentPolicy | None = None, catalog: Catalog | None = None) -> None:
         self._client = client
         self._task_queue = task_queue
         self._policy = policy
         self._topology = topology or Topology()
-        self._in_flight = asyncio.Semaphore(UPDATES_IN_FLIGHT)
         self.gate = gate
-        """`activities.quarantine.PoolGate` (`policy.fast_drain`); None: no permit pool."""
+        self._incident_tq = incident_task_queue or task_queue.removesuffix("-guard")
+        self._incident_policy = incident_policy or IncidentPolicy()
+        self._catalog = catalog
 
     @classmethod
-    def from_settings(cls, client: Client, settings: Settings, task_queue: str | None = None,
-                      js: JetStreamContext | None = None) -> FleetGuardActivities:
-        """`task_queue`: the guard's own queue; default `guard_task_queue(settings.task_queue)`. `js`:
-        JetStream, for the permit pool (`policy.fast_drain`); without it there is no pool."""
+    def from_settings(cls, client: Client, settings: Settings, js: JetStreamContext,
+                      task_queue: str | None = None) -> FleetGuardActivities:
+        """`task_queue`: the cluster's queue (default `settings.task_queue`); the guard runs on its
+        `guard_task_queue`. `js`: JetStream, for the permit pool."""
         topo = load_topology(settings.policy.topology_file)
-        gate = PoolGate(js, topo, settings.policy.fast_drain) if js is not None else None
-        return cls(client, task_queue or guard_task_queue(settings.task_queue), guard_policy(settings, topo), topo,
-                   gate=gate)
+        tq = task_queue or settings.task_queue
+        return cls(client, guard_task_queue(tq), guard_policy(settings, topo), PoolGate(js, topo), topo,
+                   incident_task_queue=tq,
+                   incident_policy=IncidentPolicy.from_settings(settings.policy, settings.notify.any),
+                   catalog=load_catalog(settings.catalog_overrides))
 
     async def _signal_with_start(self, cluster: str, signal: str, arg: Any) -> None:
         await self._client.start_workflow(
@@ -95,39 +105,14 @@ class FleetGuardActivities:
 
     @activity.defn(name=Activity.REQUEST_DRAIN_PERMIT)
     async def request_drain_permit(self, req: PermitRequest) -> None:
-        """Queue `req` at the cluster's FleetGuard; the decision comes back as a `permit` signal."""
+        """Queue `req` at the cluster's FleetGuard (`request_permits`, a list of one), with the node's
+        failure domains and whether the router already drained it under a pool slot (`preclaimed`: the
+        guard adopts it). The decision comes back as a `permit` signal. Idempotent: the guard keeps a
+        queued node's place and grants a holder again."""
         dom = self._topology.domain(req.node)
-        full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
-        await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMIT, full)
-
-    @activity.defn(name=Activity.DECIDE_DRAIN_PERMIT)
-    async def decide_drain_permit(self, req: PermitRequest) -> PermitDecision:
-        """Ask the cluster's FleetGuard for a permit by update-with-start and return its decision:
-        granted, denied, or `queued` (the grant follows as a `permit` signal). Idempotent.
-
-        Temporal admits only a few updates in flight per workflow (`history.maxInFlightUpdates`, 10 by
-        default; more are refused with RESOURCE_EXHAUSTED). So at most `UPDATES_IN_FLIGHT` go out from
-        this worker at once; past that (a storm), or when the server refuses one, the request goes by
-        signal-with-start instead and returns `queued`: the guard takes all such signals in one workflow
-        task and signals every answer together."""
-        dom = self._topology.domain(req.node)
-        full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy)
-        if not self._in_flight.locked():
-            async with self._in_flight:
-                start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-                    GuardApi.WORKFLOW, GuardInput(cluster=req.cluster, policy=self._policy),
-                    id=subjects.fleetguard_workflow_id(req.cluster), task_queue=self._task_queue,
-                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                    static_summary=f"FleetGuard {req.cluster}: drain budget and breaker")
-                try:
-                    return await self._client.execute_update_with_start_workflow(
-                        GuardApi.DECIDE_PERMIT, full, start_workflow_operation=start, result_type=PermitDecision)
-                except RPCError as err:
-                    if err.status != RPCStatusCode.RESOURCE_EXHAUSTED:
-                        raise
-        await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMIT, full)
-        return PermitDecision(granted=False, queued=True, reason="asked by signal (the guard is busy); "
-                                                               "its answer follows as a signal")
+        preclaimed = await self.gate.drained_by_router(req.cluster, req.node)
+        full = replace(req, rack=dom.rack, domains=dom.keys(), policy=self._policy, preclaimed=preclaimed)
+        await self._signal_with_start(req.cluster, GuardApi.REQUEST_PERMITS, [full])
 
     @activity.defn(name=Activity.RUNNING_INCIDENTS)
     async def running_incidents(self, q: RunningIncidents) -> list[RunningIncident]:
@@ -174,26 +159,99 @@ class FleetGuardActivities:
 
     @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)
     async def release_drain_permit(self, rel: PermitRelease) -> None:
-        """Give a permit back (or withdraw a queued request), and its permit pool slot. Idempotent."""
-        if self.gate is not None:
-            await self.gate.release(rel.cluster, rel.node)
+        """Give a permit back (or withdraw a queued request): its permit pool slot, then the guard's
+        `release` (lemon history, the queue served). Idempotent."""
+        await self.gate.release(rel.cluster, rel.node)
         await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)
 
     @activity.defn(name=Activity.SYNC_PERMIT_POOL)
     async def sync_permit_pool(self, sync: PoolSync) -> PoolSynced:
-        """FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool.PermitPool.publish`):
-        budget, rack cap, open/why, closed domains; `held` added when the pool is new; `drop` freed.
+        """FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool.PermitPool.publish`),
+        one compare-and-set: budget, rack cap, open/why, closed domains; `held` added when the pool is
+        new; `drop` freed; then `claims` take their slots in order while there is room.
 
         Returns:
-            `PoolSynced`: slots held, and the router's holders the guard does not hold.
+            `PoolSynced`: slots held, the router's holders the guard does not hold, the claims granted
+            and refused (with why).
         Raises:
             PoolBusyError: the key kept changing (retried)."""
-        if self.gate is None:
-            raise ApplicationError("this worker was built without JetStream, so it cannot reach the permit pool "
-                                   "(FleetGuardActivities.from_settings(js=...))", type="NoPermitPool")
         pool = await self.gate.pool()
-        state = await pool.publish(sync.cluster, budget=sync.budget, rack_cap=sync.rack_cap, open=sync.open,
-                                   why=sync.why, closed_domains=sync.closed_domains, held=sync.held, drop=sync.drop)
+        state, claims = await pool.publish(
+            sync.cluster, budget=sync.budget, rack_cap=sync.rack_cap, open=sync.open, why=sync.why,
+            closed_domains=sync.closed_domains, held=sync.held, drop=sync.drop,
+            claims=[(c.node, c.rack) for c in sync.claims])
         return PoolSynced(holders=len(state.holders),
                           router_only=sorted(n for n, h in state.holders.items()
-                                             if h.by == BY_ROUTER and n not in sync.held))
+                                             if h.by == BY_ROUTER and n not in sync.held),
+                          granted=[c.node for c, got in zip(sync.claims, claims, strict=True) if got.ok],
+                          refused={c.node: got.reason for c, got in zip(sync.claims, claims, strict=True)
+                                   if not got.ok})
+
+    @activity.defn(name=Activity.RECONCILE_POOL)
+    async def reconcile_pool(self, q: PoolReconcile) -> PoolReconciled:
+        """Every pool holder older than `q.grace_s` must have a running incident.
+
+        - No incident at all (the router drained the node, then Temporal stayed away past its deliveries,
+          or the router died between the cordon and the signal-with-start): one is started now with the
+          fault the router drained for (`Holder.fault`, classified by the catalog); it asks for its
+          permit `preclaimed` and adopts the drain. A holder without a recorded fault is reported
+          stranded.
+        - An incident that is no longer running (terminated, reset, timed out): stranded, still counted
+          (its node is still cordoned) until `fleetmend breaker release NODE` returns it to service.
+
+        Returns:
+            `PoolReconciled`. Raises: RPCError (Temporal away: retried), PoolBusyError."""
+        state = await (await self.gate.pool()).read(q.cluster)
+        if state is None:
+            return PoolReconciled(holders=0)
+        out = PoolReconciled(holders=len(state.holders))
+        cutoff = time.time() - q.grace_s
+        for i, (node, holder) in enumerate(sorted(state.holders.items())):
+            if holder.at > cutoff:
+                continue
+            if i % 50 == 0:
+                activity.heartbeat(i)
+            try:
+                desc = await self._client.get_workflow_handle(subjects.workflow_id(q.cluster, node)).describe()
+            except RPCError as err:
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                desc = None
+            if desc is not None and desc.status == WorkflowExecutionStatus.RUNNING:
+                continue
+            if desc is not None:
+                status = desc.status.name.lower() if desc.status is not None else "closed"
+                out.stranded[node] = (f"drained under a permit, but its incident is {status}: still counted; "
+                                      f"`fleetmend breaker release {node}` returns it to service")
+                continue
+            if holder.fault is None or self._catalog is None:
+                out.stranded[node] = "drained under a permit and no incident was ever opened (no fault recorded)"
+                continue
+            await self._open_incident(q.cluster, node, holder.fault)
+            out.given.append(node)
+        return out
+
+    async def _open_incident(self, cluster: str, node: str, fault: dict[str, Any]) -> None:
+        """Start `node`'s incident with the fault the router drained it for."""
+        assert self._catalog is not None
+        ev = FaultEvent.model_validate({**fault, "cluster": cluster, "node": node,
+                                        "attrs": {"opened_by": "fleetguard reconciliation: drained by the router, "
+                                                               "its incident had never started"}})
+        stamped = ev if ev.verdict is not None else self._catalog.stamp(ev)
+        batch = FaultBatch(faults=[RoutedFault(event=for_workflow(stamped, None))],
+                           routed_at=datetime.now(timezone.utc))
+        await start_incident(self._client, self._incident_tq,
+                             IncidentInput(cluster=cluster, node=node, policy=self._incident_policy), batch)
+        activity.logger.warning("reconcile_pool: %s/%s was drained with no incident; opened one", cluster, node)
+
+
+def fault_summary(ev: FaultEvent) -> dict[str, Any]:
+    """What the router records with its pool slot (`Holder.fault`): the event without its raw text and
+    attributes, enough to open the incident later (`FleetGuardActivities.reconcile_pool`)."""
+    d = ev.model_dump(mode="json", include={"event_id", "component", "device", "kind", "code", "severity",
+                                            "message", "observed_at", "source", "verdict"})
+    d["message"] = d["message"][:200]
+    return d
+
+
+__all__ = ["FleetGuardActivities", "fault_summary", "guard_policy"]

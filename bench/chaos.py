@@ -20,8 +20,13 @@ with a ticket) and prints a table. Exit status 1 when any claim fails:
 - no incident was drained twice (KV bucket history: one fleetmend drain write per node and incident);
 - no incident was ticketed twice (local ticket store: one ticket per incident id);
 - every node with a drain-worthy fault is drained and ticketed;
-- an incident terminated while it holds a drain permit gets it back through FleetGuard's
-  reconciliation (audited) within 30 s.
+- an incident terminated while it holds a drain permit leaves its node drained and counted: FleetGuard
+  lists it as stranded within 30 s, the pool keeps its slot, and `fleetmend breaker release NODE` returns
+  it to service and frees the slot;
+- a burst of `BURST_NODES` fatal faults under a budget of 5 more drains, with the router killed -9 a
+  moment into it and the worker right after: at no instant more nodes drained than the budget (replayed
+  from the drain records, deletes included), no node drained twice, no node left drained without a
+  running incident, and the pool's holders are exactly the drained nodes.
 
 After quiescence, two more rows: poison messages (JSON nested 50k deep, an observed_at that overflows
 UTC, not UTF-8, not an object) published on a live node's subject must all become dead letters while
@@ -71,7 +76,10 @@ SPOOL_TMPFS_SIZE = "4m"
 filesystem (ENOSPC). Without root the phase is reported as skipped."""
 SPOOL_PHASE_FAULTS = 6
 SPOOL_PHASE_S = 45.0
-"""A terminated incident's drain permit is back within this (the worker reconciles every 2 s here)."""
+BURST_NODES = 40
+BURST_BUDGET = 5
+"""The burst phase's budget: this many drains beyond those in force when it starts."""
+BURST_QUIESCE_S = 120.0
 STABLE_PHASES = frozenset({"triage", "awaiting_permit", "awaiting_repair", "closed"})
 """Phases an incident rests in without more input; anything else (draining, diagnosing, ...) is in flight."""
 FOLLOW_POLL_S = 0.2
@@ -417,33 +425,138 @@ class Chaos:
         ]
         return rows, failures
 
-    async def terminated_incident(self, client: Any) -> tuple[list[tuple[str, Any]], list[str]]:
-        """Terminate (as an operator would) one incident that holds a drain permit: FleetGuard's
-        reconciliation must give the permit back within `TERMINATED_PERMIT_S`, with an audit note."""
+    async def terminated_incident(self, client: Any, nc: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+        """Terminate (as an operator would) one incident that holds a drain permit: its node stays drained,
+        so FleetGuard must keep counting it (stranded, within `TERMINATED_PERMIT_S`; its pool slot kept)
+        until `fleetmend breaker release NODE` returns it to service and frees the slot."""
+        from fleetmend.infra.permit_pool import PermitPool
         from fleetmend.messages import GuardApi
 
+        row = "terminated incident: still counted, then released by hand"
         guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(self.cluster))
         try:
             st = await guard.query(GuardApi.STATUS)
         except Exception as err:  # noqa: BLE001 - no guard: nothing was drained
-            return [("terminated incident: permit back", f"skipped (no FleetGuard: {err})")], []
+            return [(row, f"skipped (no FleetGuard: {err})")], []
         held = [h["node"] for h in st["held"]]
         if not held:
-            return [("terminated incident: permit back", "skipped (no permit held)")], []
+            return [(row, "skipped (no permit held)")], []
         node = held[0]
+        pool = await PermitPool.open(nc.jetstream())
         await client.get_workflow_handle(subjects.workflow_id(self.cluster, node)).terminate(
             reason="chaos: an operator terminates an incident that holds a drain permit")
         t0 = time.monotonic()
         while time.monotonic() - t0 < TERMINATED_PERMIT_S:
             st = await guard.query(GuardApi.STATUS)
-            if node not in {h["node"] for h in st["held"]}:
-                audited = any(f"{node}: permit released by reconciliation" in line for line in st["log"])
-                return [("terminated incident: permit back", f"{node} after {time.monotonic() - t0:.1f} s"
-                         f"{', audited' if audited else ', NOT in the audit log'}")], \
-                    ([] if audited else [f"{node}: permit released without an audit note"])
+            if node in st.get("stranded", {}):
+                break
             await asyncio.sleep(0.5)
-        return [("terminated incident: permit back", f"{node}: still held after {TERMINATED_PERMIT_S:.0f} s")], \
-            [f"{node}: the permit of a terminated incident was not given back within {TERMINATED_PERMIT_S:.0f} s"]
+        else:
+            return [(row, f"{node}: not listed as stranded after {TERMINATED_PERMIT_S:.0f} s")], \
+                [f"{node}: a terminated incident's drained node was not counted as stranded"]
+        found = time.monotonic() - t0
+        state = await pool.read(self.cluster)
+        if state is None or node not in state.holders:
+            return [(row, f"{node}: slot freed while still drained")], [f"{node}: stranded node's slot freed"]
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "breaker", "release",
+                                                     node, "--note", "chaos: checked by hand"],
+                                    capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60)
+        state = await pool.read(self.cluster)
+        drained = await kv_drained_now(nc.jetstream(), self.cluster)
+        failures = []
+        if r.returncode != 0:
+            failures.append(f"breaker release {node} failed: {r.stdout.strip()} {r.stderr.strip()[-300:]}")
+        if state is not None and node in state.holders:
+            failures.append(f"{node}: slot still held after breaker release")
+        if node in drained:
+            failures.append(f"{node}: still drained after breaker release")
+        return [(row, f"{node} stranded after {found:.1f} s, slot kept; released: "
+                      f"{'undrained, slot freed' if not failures else 'FAILED'}")], failures
+
+    async def burst_under_budget(self, client: Any, nc: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+        """`BURST_NODES` fatal XID 79 at once under a budget of `BURST_BUDGET` more drains; the router is
+        killed -9 0.5 s in and the worker 2 s in, each restarted a second later."""
+        from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+        from fleetmend.infra.permit_pool import PermitPool
+        from workflows.remediation import NodeRemediation
+
+        js = nc.jetstream()
+        pool = await PermitPool.open(js)
+        state = await pool.read(self.cluster)
+        before = set(state.holders) if state is not None else set()
+        budget = len(before) + BURST_BUDGET
+        for name in ("router", "worker"):  # the same processes, now under a real budget
+            p = self.procs[name]
+            p._chaos_down = True  # type: ignore[attr-defined]
+            p.env = {**p.env, "FLEETMEND_POLICY__MAX_DRAINED_NODES": str(budget)}
+            p.kill()
+            await self._start(name)
+            p._chaos_down = False  # type: ignore[attr-defined]
+        await asyncio.sleep(3.0)  # the guard takes the new budget with the next request
+        first_seq = await kv_last_seq(js)
+        nodes = [f"burst{i:02d}" for i in range(BURST_NODES)]
+        for node in nodes:
+            ev = FaultEvent(cluster=self.cluster, node=node, component=Component.GPU, kind="xid", code=79,
+                            severity=Severity.FATAL, source=Source.INJECT, device=Device(pci_bus_id="0000:3b:00.0"),
+                            message="chaos burst", raw="NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', "
+                                                       "name=<unknown>, GPU has fallen off the bus.")
+            await js.publish(subjects.fault_subject(self.cluster, node), ev.to_json_bytes(),
+                             headers={"Nats-Msg-Id": ev.event_id})
+        kills = []
+        for name, at in (("router", 0.5), ("worker", 2.0)):
+            await asyncio.sleep(at - (kills[-1][1] if kills else 0.0))
+            p = self.procs[name]
+            p._chaos_down = True  # type: ignore[attr-defined]
+            p.kill()
+            await asyncio.sleep(1.0)
+            await self._start(name)
+            p._chaos_down = False  # type: ignore[attr-defined]
+            kills.append((name, at))
+        deadline = time.monotonic() + BURST_QUIESCE_S
+        phases: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            phases = {}
+            for node in nodes:
+                h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(self.cluster, node))
+                try:
+                    async with asyncio.timeout(10):
+                        phases[node] = (await h.query(NodeRemediation.status)).phase
+                except Exception:  # noqa: BLE001 - not started yet
+                    phases[node] = "-"
+            if all(p in ("awaiting_repair", "awaiting_permit") for p in phases.values()):
+                break
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(3.0)  # anything still to over-drain would show now
+        timeline = await kv_drain_timeline(js, self.cluster, after_seq=first_seq)
+        start_drained = await kv_drained_now(js, self.cluster, upto_seq=first_seq)
+        peak, twice = replay_drain_timeline(start_drained, timeline)
+        drained = await kv_drained_now(js, self.cluster)
+        state = await pool.read(self.cluster)
+        holders = set(state.holders) if state is not None else set()
+        no_incident = []
+        for node in sorted(drained & set(nodes)):
+            d = await client.get_workflow_handle(subjects.workflow_id(self.cluster, node)).describe()
+            if d.status is None or d.status.name != "RUNNING":
+                no_incident.append(node)
+        failures = []
+        stuck = sorted(n for n, p in phases.items() if p not in ("awaiting_repair", "awaiting_permit"))
+        if stuck:
+            failures.append(f"burst: not drained nor waiting for a permit after {BURST_QUIESCE_S:.0f} s: "
+                            f"{ {n: phases[n] for n in stuck[:10]} }")
+        if peak > budget:
+            failures.append(f"burst: {peak} nodes drained at once under a budget of {budget}")
+        if twice:
+            failures.append(f"burst: drained twice: {twice}")
+        if no_incident:
+            failures.append(f"burst: drained without a running incident: {no_incident}")
+        if holders != {n for n in drained}:
+            failures.append(f"burst: pool holders and drained nodes disagree: pool only {sorted(holders - drained)}, "
+                            f"drained only {sorted(drained - holders)}")
+        n_drained = sum(1 for p in phases.values() if p == "awaiting_repair")
+        return [("burst under budget (router, worker kill -9 mid-burst)",
+                 f"{BURST_NODES} faults: {n_drained} drained, {sum(1 for p in phases.values() if p == 'awaiting_permit')}"
+                 f" waiting; most drained at once {peak} / budget {budget}; drained twice {len(twice)}; "
+                 f"drained without incident {len(no_incident)}; pool == drained: {holders == drained}")], failures
 
     async def poison(self, nc: Any) -> tuple[list[tuple[str, Any]], list[str]]:
         """Publish messages no agent should ever send (JSON nested 50k deep, an observed_at that
@@ -590,11 +703,9 @@ class Chaos:
             await sup
             await nc.close()
             rows, failures = self.verdict(obs, quiesced)
-            more, failed = await self.terminated_incident(client)
-            rows += more
-            failures += failed
             nc = await nats.connect(self.nats_url)
-            for phase in (self.poison(nc), self.full_spool(client)):
+            for phase in (self.terminated_incident(client, nc), self.burst_under_budget(client, nc), self.poison(nc),
+                          self.full_spool(client)):
                 more, failed = await phase
                 rows += more
                 failures += failed
@@ -631,6 +742,67 @@ async def kv_drain_writes(js: Any) -> dict[str, list[dict[str, Any]]]:
         key = m.subject.split(".", 2)[2]  # $KV.<bucket>.<cluster>.<node token>
         out[subjects.parse_drain_kv_key(key)[1]].append(json.loads(m.data))
     return dict(out)
+
+
+async def kv_last_seq(js: Any) -> int:
+    """The drain bucket stream's last sequence (0: no stream yet)."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        return (await js.stream_info(f"KV_{subjects.DRAIN_KV_BUCKET}")).state.last_seq
+    except NotFoundError:
+        return 0
+
+
+async def kv_drain_timeline(js: Any, cluster: str, after_seq: int = 0,
+                            upto_seq: int | None = None) -> list[tuple[str, bool]]:
+    """(node, drained by fleetmend?) of every write to `cluster`'s keys in the drain bucket with a
+    sequence in (`after_seq`, `upto_seq`], in order (deletes included: a delete is the node back in service)."""
+    from nats.js.errors import NotFoundError
+
+    stream = f"KV_{subjects.DRAIN_KV_BUCKET}"
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError:
+        return []
+    last = info.state.last_seq if upto_seq is None else min(upto_seq, info.state.last_seq)
+    out = []
+    for seq in range(max(after_seq + 1, info.state.first_seq), last + 1):
+        try:
+            m = await js.get_msg(stream, seq)
+        except NotFoundError:
+            continue
+        c, node = subjects.parse_drain_kv_key(m.subject.split(".", 2)[2])
+        if c != cluster:
+            continue
+        op = (m.headers or {}).get("KV-Operation")
+        on = op not in ("DEL", "PURGE") and bool(m.data) and json.loads(m.data).get("owner") == "fleetmend"
+        out.append((node, on))
+    return out
+
+
+async def kv_drained_now(js: Any, cluster: str, upto_seq: int | None = None) -> set[str]:
+    """`cluster`'s nodes drained by fleetmend as of `upto_seq` (None: now), from the drain bucket's writes."""
+    drained: set[str] = set()
+    for node, on in await kv_drain_timeline(js, cluster, upto_seq=upto_seq):
+        (drained.add if on else drained.discard)(node)
+    return drained
+
+
+def replay_drain_timeline(start: set[str], timeline: list[tuple[str, bool]]) -> tuple[int, list[str]]:
+    """From the drained set at the start and the writes after it: (most drained at once, nodes that went
+    from in service to drained more than once)."""
+    drained = set(start)
+    peak = len(drained)
+    ons: Counter = Counter()
+    for node, on in timeline:
+        if on and node not in drained:
+            ons[node] += 1
+            drained.add(node)
+        elif not on:
+            drained.discard(node)
+        peak = max(peak, len(drained))
+    return peak, sorted(n for n, c in ons.items() if c > 1)
 
 
 def print_table(rows: list[tuple[str, Any]], failures: list[str], *, seed: int,

@@ -104,13 +104,12 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:
         topo = st.root / f"topology-{cluster}.toml"
         topo.write_text("".join(f'[node.{n}]\nrack = "{r}"\n' for n, r in rack_of.items()))
     known = a.nodes + count
-    policy = {"observe_only": observe, "cluster_nodes": known, "fast_drain": a.fast_drain}
+    policy = {"observe_only": observe, "cluster_nodes": known}
     if topo is not None:
         policy["topology_file"] = str(topo)
     s = st.settings(cluster=cluster, scheduler="standalone", task_queue=f"tq-{cluster}", policy=policy)
     env = {"FLEETMEND_POLICY__CLUSTER_NODES": str(known),
-           "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": OPEN, "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": OPEN,
-           "FLEETMEND_POLICY__FAST_DRAIN": "true" if a.fast_drain else "false"}
+           "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": OPEN, "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": OPEN}
     if topo is not None:
         env["FLEETMEND_POLICY__TOPOLOGY_FILE"] = str(topo)
     if burst:
@@ -153,6 +152,7 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:
                         fault_rate_per_s=a.background, state_dir=st.root / "sim")
     sim_task = asyncio.create_task(run_sim(s, sim_cfg, stop=stop))
     await asyncio.sleep(2)  # the fleet heartbeating
+    hb = await _heartbeat_window(nc, cluster, router.pid, a) if a.hb_window > 0 else None
     meter = CpuMeter({"router": router.pid, "worker": worker.pid, "temporal": st.procs[1].pid})
     spy = None
     if a.profile:  # py-spy (PyPI) samples the worker for the measured window
@@ -230,7 +230,28 @@ async def measure(st, mode: str, a: argparse.Namespace) -> dict:
     worker.stop()
     return {"mode": mode, "lat": lat, "missing": missing, "count": count, "cpu": cpu,
             "send_s": t_sent - t_first, "window": window, "peak": peak, "peak_rack": peak_rack,
-            "worst_rack": worst_rack, "guard": guard, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records)}
+            "worst_rack": worst_rack, "guard": guard, "budget": budget, "rack_cap": rack_cap, "drain_records": len(records),
+            "hb": hb}
+
+
+async def _heartbeat_window(nc, cluster: str, router_pid: int, a: argparse.Namespace) -> dict:
+    """The router tracking the simulated fleet's heartbeats alone, for `--hb-window` s before the measured
+    faults: heartbeats/s seen by a NATS subscriber of the same subjects (the simulator's achieved rate,
+    against NODES / 10 s), and the router's CPU (% of one core) and RSS."""
+    seen = 0
+
+    async def count(_msg) -> None:
+        nonlocal seen
+        seen += 1
+
+    sub = await nc.subscribe(f"fleet.{cluster}.hb.*", cb=count)
+    meter = CpuMeter({"router": router_pid})
+    t0 = time.monotonic()
+    await asyncio.sleep(a.hb_window)
+    took = time.monotonic() - t0
+    cpu, rss = meter.read()["router"]
+    await sub.unsubscribe()
+    return {"rate": seen / took, "target": a.nodes / 10.0, "cpu": cpu, "rss": rss, "window_s": took}
 
 
 async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],
@@ -366,7 +387,7 @@ async def raw_drain_rate(st, n: int) -> tuple[float, float]:
 
 
 async def raw_pool_rate(st, n: int) -> float:
-    """The raw limit of the fast path's permit pool here: `n` claims (64 in flight, as the router's node
+    """The raw limit of the permit pool here: `n` claims (64 in flight, as the router's node
     senders make them) against one cluster's pool with room for all, timed to the last; claims/s."""
     import nats
 
@@ -394,11 +415,11 @@ async def raw_pool_rate(st, n: int) -> float:
 async def main(a: argparse.Namespace) -> int:
     async with stack() as st:
         raw = await raw_drain_rate(st, a.raw_drains) if a.raw_drains else None
-        raw_pool = await raw_pool_rate(st, a.raw_drains) if a.raw_drains and a.fast_drain else None
+        raw_pool = await raw_pool_rate(st, a.raw_drains) if a.raw_drains else None
         results = [await measure(st, m, a) for m in a.modes.split(",")]
     rows = [("machine", machine()), ("simulated nodes (heartbeat 10 s each)", f"{a.nodes:,}"),
-            ("permit path", "router fast path under the permit pool (policy.fast_drain)" if a.fast_drain
-             else "incident → FleetGuard → drain activity"),
+            ("permit path", "the default: a fault that must drain now is cordoned by the router under a permit "
+                            "pool slot; the rest wait at FleetGuard"),
             ("background fault lines/s", f"{a.background}")]
     if raw is not None:
         rows.append(("raw limit: signal-with-start + one activity (the least a drain takes), /s",
@@ -437,6 +458,11 @@ async def main(a: argparse.Namespace) -> int:
                          + (f": {', '.join(w['neither'][:10])}" if w["neither"] else "")))
         if r["guard"]:
             rows.append((f"{m}: FleetGuard history", r["guard"]))
+        if r.get("hb"):
+            h = r["hb"]
+            rows.append((f"{m}: router tracking heartbeats alone ({h['window_s']:.0f} s)",
+                         f"{h['rate']:,.0f} heartbeats/s seen of {h['target']:,.0f}/s wanted (the simulator's rate); "
+                         f"router {h['cpu']:.0f} % of a core, RSS {h['rss']:.0f} MiB"))
         rows.append((f"{m}: CPU % router / worker / temporal",
                      " / ".join(f"{r['cpu'][k][0]:.0f}" for k in ("router", "worker", "temporal"))))
     rows.append(("NVSentinel reference (1,500 nodes)", "p50 0.37 s, p90 0.48 s"))
@@ -460,8 +486,8 @@ if __name__ == "__main__":
     ap.add_argument("--modes", default="observe-only,real-drain", help="observe-only, real-drain, burst")
     ap.add_argument("--raw-drains", type=int, default=0, metavar="N",
                     help="first measure the raw limit: N signal-with-starts of a one-activity workflow")
-    ap.add_argument("--fast-drain", action="store_true",
-                    help="policy.fast_drain: the router drains under a permit pool slot (fleetmend.infra.permit_pool)")
+    ap.add_argument("--hb-window", type=float, default=10.0,
+                    help="seconds of heartbeats alone before the measured faults (router CPU and memory); 0: none")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the worker into DIR; report the FleetGuard's task rate")
     a = ap.parse_args()
     sys.exit(asyncio.run(main(a)))

@@ -548,18 +548,13 @@ class PolicySettings(_Section):
     """An incident still waiting for its drain permit asks FleetGuard again this often (a guard that
     was terminated or reset rebuilds its queue; the request is idempotent)."""
     permit_reconcile_s: float = Field(default=60.0, gt=0)
-    """FleetGuard checks this often that every node holding or queued for a permit still has a
-    running incident, and releases (with an audit note) those that do not."""
-    fast_drain: bool = False
-    """Storm path (`fleetmend.infra.permit_pool`): the router cordons a node at once when the catalog says its fault
-    drains *now* (no history rule, no debounce) and a slot is free in the cluster's permit pool, a
-    compare-and-set semaphore in JetStream KV that FleetGuard sizes, opens and closes (breaker, pause,
-    observe-only, infrastructure incidents); the incident adopts the drain. Every drain under a permit
-    then takes its slot there, so the budget and the rack cap hold across both paths. Needs the router
-    to reach the scheduler (its `scheduler` settings and credentials; on Kubernetes the router's drain
-    includes the pod evictions, up to `kubernetes.evict_timeout_s`, which delays that node's incident
-    start, not other nodes'). Every process must read the same value. Off: every drain goes through
-    the incident and FleetGuard first (about 40 drains/s at most on the 2-core dev server)."""
+    """FleetGuard checks this often that every node holding a slot of the permit pool, or queued for
+    one, still has a running incident. A queued request whose incident is gone is withdrawn; a slot
+    held longer than this whose incident never started (the router drained the node, then Temporal
+    stayed away past its deliveries, or the router died between cordon and signal) gets its incident;
+    a slot whose incident was terminated or reset keeps counting against the budget (the node is still
+    cordoned) until `fleetmend breaker release NODE` returns it to service. So a cordon outlives its
+    incident by at most about twice this."""
     reboot_command: list[str] = Field(default_factory=list)
     """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
     default) = dry run: the agent answers what it would do and reboots nothing, so `dev up` never

@@ -48,7 +48,7 @@ from pathlib import Path
 from fleetmend.catalog import History, Recovery, Urgency
 from fleetmend.config import policy_default
 from fleetmend.errors import ConfigError
-from fleetmend.events import Severity
+from fleetmend.events import MAX_CLOCK_SKEW_S, Severity, Verdict
 
 # ------------------------------------------------------------------ failure domains
 
@@ -130,26 +130,52 @@ def drain_budget(known_nodes: int, max_drained_nodes: int, max_drained_percent: 
 
 @dataclass
 class FaultView:
-    """What a rule needs to know about one recorded fault (the workflow builds these)."""
+    """What a rule needs to know about one recorded fault (the workflow builds these from its
+    `FaultRecord`s): the event's identity and occurrence times, and its `Verdict` whole (the catalog's
+    severity, drain, urgency, recovery, history rule, clearable; read through the properties)."""
 
     kind: str
     code: int | None
     device: str | None
-    severity: Severity
-    drain: bool
-    immediate_action: str
-    fault_class: str
+    verdict: Verdict
     times: list[datetime]
     """Occurrences (observed_at), oldest first; at least one."""
-    recovery: Recovery = Recovery.DIAGNOSE
-    urgency: Urgency = Urgency.NOW
-    history: History | None = None
-    """The catalog row's history rule."""
     cleared: bool = False
-    clearable: bool = False
     message: str = ""
     arrived_at: datetime | None = None
     """When the incident first saw it (debounce runs from here; `times[0]` when unknown)."""
+
+    @property
+    def severity(self) -> Severity:
+        return Severity(self.verdict.severity)
+
+    @property
+    def drain(self) -> bool:
+        return self.verdict.drain
+
+    @property
+    def immediate_action(self) -> str:
+        return self.verdict.immediate_action
+
+    @property
+    def fault_class(self) -> str:
+        return self.verdict.fault_class
+
+    @property
+    def recovery(self) -> Recovery:
+        return self.verdict.recovery
+
+    @property
+    def urgency(self) -> Urgency:
+        return self.verdict.urgency
+
+    @property
+    def history(self) -> History | None:
+        return self.verdict.history
+
+    @property
+    def clearable(self) -> bool:
+        return self.verdict.clearable
 
 
 @dataclass
@@ -160,10 +186,10 @@ class RuleSettings:
     app_xid_window_s: float = policy_default("app_xid_window_s")
     sbe_events_per_window: int = policy_default("sbe_events_per_window")
     sbe_window_s: float = policy_default("sbe_window_s")
-    max_future_s: float | None = None
+    max_future_s: float | None = MAX_CLOCK_SKEW_S
     """Two-sided windows: an occurrence counts only between `now - window` and `now + max_future_s`
-    (the agents' allowed clock skew, `fleetmend.events.MAX_CLOCK_SKEW_S`). None: no upper bound
-    (incidents started before two-sided windows keep deciding as they did)."""
+    (the agents' allowed clock skew, `fleetmend.events.MAX_CLOCK_SKEW_S`): three XID 13 dated years
+    ahead are not "recent". None: no upper bound."""
 
 
 @dataclass

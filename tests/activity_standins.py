@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from temporalio import activity
 
-from activities.quarantine import DrainWithPermitActivities
+from activities.quarantine import PooledDrainActivities
 from fleetmend import subjects
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult, RecoveryReport, RecoveryResult
 from fleetmend.messages import (
@@ -105,12 +105,6 @@ def stand_ins(calls: Calls) -> list:
         await activity.client().get_workflow_handle(subjects.workflow_id(req.cluster, req.node)).signal(
             "permit", PermitDecision(granted=True, reason="stand-in guard", lemon=calls.lemon))
 
-    @activity.defn(name="decide_drain_permit")
-    async def decide_drain_permit(req: PermitRequest) -> PermitDecision:
-        """A FleetGuard that always grants at once (tests/test_fleetguard.py runs the real one)."""
-        calls.permits.append(req)
-        return PermitDecision(granted=True, reason="stand-in guard", lemon=calls.lemon)
-
     @activity.defn(name="release_drain_permit")
     async def release_drain_permit(rel: PermitRelease) -> None:
         calls.releases.append(rel)
@@ -137,21 +131,29 @@ def stand_ins(calls: Calls) -> list:
         calls.notifications.append(n)
         return NotifyResult(sent=["stand-in"])
 
-    # the real composition (activities/quarantine.py) over the stand-in guard and drain
-    quarantine = DrainWithPermitActivities(decide_drain_permit, drain_node)
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            decide_drain_permit, release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify,
-            quarantine.drain_with_permit]
+            release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify]
 
 
-GUARD_ACTIVITIES = ("request_drain_permit", "decide_drain_permit", "release_drain_permit", "running_incidents",
-                    "drain_with_permit")
-"""The permit activities a test replaces with the real ones (`guard_activities`) to run the real FleetGuard."""
+GUARD_ACTIVITIES = ("request_drain_permit", "release_drain_permit", "running_incidents", "drain_node")
+"""The activities a test replaces with the real ones (`guard_activities`) to run the real FleetGuard."""
 
 
 def guard_activities(guard, calls: Calls | None = None) -> list:
-    """The real guard's activities, and `drain_with_permit` over it and the stand-in drain (recording
+    """The real guard's activities (`activities.fleetguard.FleetGuardActivities` over the real permit pool),
+    and `drain_node` as the worker builds it: the node's pool slot, then the stand-in drain (recording
     into `calls`; a fresh `Calls` when none is given)."""
-    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, _drain_stand_in(calls or Calls()))
-    return [guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
-            guard.running_incidents, quarantine.drain_with_permit]
+    drain = PooledDrainActivities(_drain_stand_in(calls or Calls()), guard.gate)
+    return [guard.request_drain_permit, guard.release_drain_permit, guard.running_incidents,
+            guard.sync_permit_pool, guard.reconcile_pool, drain.drain_node]
+
+
+def real_guard(client, task_queue: str, policy, js, topology=None):
+    """The real `FleetGuardActivities` over the real permit pool (JetStream `js`), its guard and the
+    incidents on one `task_queue` (the tests' single worker)."""
+    from activities.fleetguard import FleetGuardActivities
+    from activities.quarantine import PoolGate
+    from fleetmend.catalog import default_catalog
+
+    return FleetGuardActivities(client, task_queue, policy, PoolGate(js, topology), topology,
+                                incident_task_queue=task_queue, catalog=default_catalog())

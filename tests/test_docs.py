@@ -111,7 +111,7 @@ def test_every_metric_says_who_sets_it() -> None:
 
 def test_configuration_page_lists_every_setting() -> None:
     text = (DOCS / "configuration.md").read_text()
-    for key, env in (("policy.fast_drain", "FLEETMEND_POLICY__FAST_DRAIN"), ("agent.nvml.enabled",
+    for key, env in (("policy.permit_reconcile_s", "FLEETMEND_POLICY__PERMIT_RECONCILE_S"), ("agent.nvml.enabled",
                      "FLEETMEND_AGENT__NVML__ENABLED"), ("nats_url", "FLEETMEND_NATS_URL")):
         assert f"| `{key}` | `{env}` |" in text
     assert "|  |\n" not in text, "a setting without a docstring in fleetmend/config.py"

@@ -17,13 +17,12 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.dev import servers
 from fleetmend.infra.converter import data_converter
 from fleetmend.messages import AbortCommand, GuardCommand, GuardPolicy, RepairedCommand
 from fleetmend.policy import FailureDomain, Topology
-from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, start
 from workflows.fleetguard import FleetGuard
@@ -71,12 +70,12 @@ def max_drained_at_once(log: list[tuple[str, str]]) -> int:
 class Guarded:
     """A worker running NodeRemediation + FleetGuard with the real permit activities."""
 
-    def __init__(self, env: WorkflowEnvironment, policy: GuardPolicy, topology: Topology | None = None) -> None:
+    def __init__(self, env: WorkflowEnvironment, nc, policy: GuardPolicy, topology: Topology | None = None) -> None:
         self.env, self.client = env, env.client
         self.calls = Calls()
         self.tq = f"fg-{uuid.uuid4().hex[:8]}"
         self.cluster = f"c{uuid.uuid4().hex[:8]}"
-        guard = FleetGuardActivities(self.client, self.tq, policy, topology)
+        guard = real_guard(self.client, self.tq, policy, nc.jetstream(), topology)
         acts = [a for a in stand_ins(self.calls)
                 if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(self.client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
@@ -105,11 +104,11 @@ class Guarded:
         return {n: st.phase for n, st in zip(names, sts, strict=True)}
 
 
-async def test_storm_budget_breaker_and_severity_order(tenv):
+async def test_storm_budget_breaker_and_severity_order(tenv, nc):
     """30 of 100 nodes fault within a minute; budget 10 %; breaker at more than 20 distinct nodes."""
     policy = GuardPolicy(max_drained_nodes=100, max_drained_percent=10.0, max_drained_per_rack=100,
                          cluster_nodes=100, breaker_distinct_nodes=20, breaker_window_s=300)
-    async with Guarded(tenv, policy) as g:
+    async with Guarded(tenv, nc, policy) as g:
         nodes = [f"n{i:03d}" for i in range(30)]
         severity = {n: ("degraded" if i % 3 == 0 else "fatal") for i, n in enumerate(nodes)}
         for n in nodes:  # one after another, as a storm arrives: request order is arrival order
@@ -149,7 +148,9 @@ async def test_storm_budget_breaker_and_severity_order(tenv):
         assert sorted(n for op, n in g.calls.log if op == "drain")[10:] == sorted(nodes)[10:]
         # The guard's grant order (its `permit` signals in its history): grants of one workflow task are
         # signalled together, so their drains may start in any order among themselves.
-        after_reset = await _granted_in_order(g)  # the first ten were granted in their update's result
+        granted = await _granted_in_order(g)
+        assert sorted(granted[:10]) == nodes[:10], "the first ten (before the breaker) granted first"
+        after_reset = granted[10:]
         assert sorted(after_reset) == sorted(nodes[10:])
         sev = [severity[n] for n in after_reset]
         assert sev == sorted(sev, key=lambda s: s != "fatal"), f"fatal first, then degraded: {sev}"
@@ -206,11 +207,11 @@ async def _all_phase(g: Guarded, names: list[str], phase: str) -> bool:
     return set(phases.values()) == {phase}
 
 
-async def test_failure_domain_becomes_one_infrastructure_incident(tenv):
+async def test_failure_domain_becomes_one_infrastructure_incident(tenv, nc):
     topo = Topology({n: FailureDomain(rack="r1", leaf="leaf-a", pdu=f"pdu-{n}") for n in ("a", "b", "c", "d")})
     policy = GuardPolicy(max_drained_nodes=10, max_drained_percent=100.0, max_drained_per_rack=2,
                          domain_incident_nodes=3, domain_window_s=300, breaker_distinct_nodes=50)
-    async with Guarded(tenv, policy, topo) as g:
+    async with Guarded(tenv, nc, policy, topo) as g:
         for n in ("a", "b", "c", "d"):
             await start(g.client, g.tq, g.cluster, n, [fault(g.cluster, n, 79, drain=True)])
             await assert_eventually(lambda n=n: _incident_settled(g, n), what=f"{n} decided")
@@ -235,10 +236,10 @@ async def _incident_settled(g: Guarded, node: str) -> bool:
     return st.phase in ("awaiting_repair", "closed")
 
 
-async def test_pause_holds_drains_and_resume_grants(tenv):
-    async with Guarded(tenv, GuardPolicy(cluster_nodes=100)) as g:
+async def test_pause_holds_drains_and_resume_grants(tenv, nc):
+    async with Guarded(tenv, nc, GuardPolicy(cluster_nodes=100)) as g:
         await g.client.start_workflow(FleetGuard.run, _guard_input(g), id=subjects.fleetguard_workflow_id(g.cluster),
-                                      task_queue=g.tq, start_signal="ensure")
+                                      task_queue=g.tq, start_signal="request_permits", start_signal_args=[[]])
         msg = await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="bob@ops", note="maintenance"))
         assert "no node will be drained" in msg
 
@@ -263,12 +264,12 @@ def _guard_input(g: Guarded):
     return GuardInput(cluster=g.cluster, policy=GuardPolicy(cluster_nodes=100))
 
 
-async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv):
-    async with Guarded(tenv, GuardPolicy(observe_only=True)) as g:
+async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv, nc):
+    async with Guarded(tenv, nc, GuardPolicy(observe_only=True)) as g:
         await start(g.client, g.tq, g.cluster, "o1", [fault(g.cluster, "o1", 79, drain=True)])
         st = await assert_eventually(lambda: _closed(g, "o1"), what="o1 closed")
         assert st.outcome == "observed" and g.calls.drains == []
-    async with Guarded(tenv, GuardPolicy(max_drained_nodes=1)) as g:
+    async with Guarded(tenv, nc, GuardPolicy(max_drained_nodes=1)) as g:
         await start(g.client, g.tq, g.cluster, "h1", [fault(g.cluster, "h1", 79, drain=True)])
         await assert_eventually(lambda: _all_phase(g, ["h1"], "awaiting_repair"), what="h1 holds the one permit")
         await start(g.client, g.tq, g.cluster, "q1", [fault(g.cluster, "q1", 79, drain=True)])
@@ -288,8 +289,8 @@ async def _closed(g: Guarded, node: str):
     return st if st.phase == "closed" else None
 
 
-async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv):
-    async with Guarded(tenv, GuardPolicy(lemon_repairs=2, cluster_nodes=100)) as g:
+async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv, nc):
+    async with Guarded(tenv, nc, GuardPolicy(lemon_repairs=2, cluster_nodes=100)) as g:
         for round_ in range(3):
             await start(g.client, g.tq, g.cluster, "lem", [fault(g.cluster, "lem", 79, drain=True)])
             await assert_eventually(lambda: _all_phase(g, ["lem"], "awaiting_repair"), what=f"round {round_}")
@@ -304,20 +305,20 @@ async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv):
         assert g.calls.tickets[-1].evidence["lemon"] == st.lemon
 
 
-async def test_guard_continues_as_new_and_keeps_its_state(tenv):
+async def test_guard_continues_as_new_and_keeps_its_state(tenv, nc):
     from fleetmend.messages import GuardInput, PermitRelease, PermitRequest
 
-    async with Guarded(tenv, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000)) as g:
+    async with Guarded(tenv, nc, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000)) as g:
         policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100)
         await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy,
                                                                  max_history_events=40),
                                       id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq,
-                                      start_signal="ensure")
+                                      start_signal="request_permits", start_signal_args=[[]])
         await g.guard().execute_update(FleetGuard.pause, GuardCommand(by="ops@ci"))
         # 30 nodes request (no NodeRemediation: decisions go to absent workflows and are withdrawn)
         for i in range(30):
-            await g.guard().signal(FleetGuard.request_permit, PermitRequest(
-                cluster=g.cluster, node=f"z{i:02d}", severity="fatal", fault_class="xid79", policy=policy))
+            await g.guard().signal(FleetGuard.request_permits, [PermitRequest(
+                cluster=g.cluster, node=f"z{i:02d}", severity="fatal", fault_class="xid79", policy=policy)])
         for i in range(0, 30, 2):
             await g.guard().signal(FleetGuard.release, PermitRelease(cluster=g.cluster, node=f"z{i:02d}",
                                                                      outcome="aborted"))
@@ -327,19 +328,18 @@ async def test_guard_continues_as_new_and_keeps_its_state(tenv):
         assert st.paused and sorted(q["node"] for q in st.queue) == [f"z{i:02d}" for i in range(1, 30, 2)]
 
 
-async def test_no_answer_is_lost_when_the_guard_continues_as_new(tenv):
-    """Requests that come by signal (the update path is full) are answered from inside another request's
-    update; a guard that continued-as-new right then used to drop those answers, and their incidents
-    waited for the next re-request (`permit_rerequest_s`, 120 s by default) before draining."""
+async def test_no_answer_is_lost_when_the_guard_continues_as_new(tenv, nc):
+    """A guard that continues-as-new while grants of its last pool write are still to be signalled sends
+    them first: no incident waits for its next re-request (`permit_rerequest_s`, 120 s by default)."""
     from fleetmend.messages import GuardInput
 
     policy = GuardPolicy(breaker_distinct_nodes=1000, domain_incident_nodes=1000, cluster_nodes=1000,
                          max_drained_nodes=1000, max_drained_percent=100, max_drained_per_rack=1000)
-    async with Guarded(tenv, policy) as g:
+    async with Guarded(tenv, nc, policy) as g:
         await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy,
                                                                  max_history_events=30),
                                       id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq,
-                                      start_signal="ensure")
+                                      start_signal="request_permits", start_signal_args=[[]])
         nodes = [f"s{i:02d}" for i in range(40)]
         await asyncio.gather(*(start(g.client, g.tq, g.cluster, n, [fault(g.cluster, n, 79, drain=True)],
                                      permit_rerequest_s=3600) for n in nodes))

@@ -186,22 +186,21 @@ async def test_an_incident_notifies_drain_ticket_and_return_once_each(hooks, tem
     assert len(hooks.to("/slack")) == 3
 
 
-async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, unique) -> None:
+async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, nc, unique) -> None:
     """The elected poller's check against a real FleetGuard whose breaker tripped: one notification,
     however many polls (and pollers) see it."""
     from temporalio.worker import Worker
 
-    from activities.fleetguard import FleetGuardActivities
     from activities.notify import notify_breaker
     from fleetmend.messages import GuardPolicy
-    from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
+    from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
     from tests.conftest import assert_eventually
     from tests.test_workflow import fault, phase_is, start
     from workflows.fleetguard import FleetGuard
     from workflows.remediation import NodeRemediation
 
     calls, tq, cluster = Calls(), f"tq-{unique}", f"b{unique}"
-    guard = FleetGuardActivities(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
+    guard = real_guard(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100), nc.jetstream())
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     notifier = Notifier(channels(hooks))
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],

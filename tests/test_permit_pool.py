@@ -1,10 +1,11 @@
-"""The drain-permit pool (`fleetmend.infra.permit_pool`, `policy.fast_drain`) on a real NATS server, and the router's
-fast path through real NATS, Temporal and the standalone scheduler.
+"""The drain-permit pool (`fleetmend.infra.permit_pool`) on a real NATS server, and the router's drains of
+faults that must drain now through real NATS, Temporal and the standalone scheduler.
 
 - Racing claims from several connections (router replicas, workers) never put more holders in the pool
   than its budget, or more in one rack than its cap; a holder is granted again, a released slot frees.
 - A closed pool (breaker, pause, observe-only) refuses the router, not a FleetGuard grant; a domain
-  with an open infrastructure incident refuses the router; no pool yet refuses the router only.
+  with an open infrastructure incident refuses the router; no pool yet refuses every claim; the guard's
+  write takes its queue heads' slots in order while there is room.
 - End to end: the router starts its cluster's FleetGuard, which publishes the pool before the first
   fault; a fault that must drain now is drained by the router and its incident adopts it (the guard's
   log says so); an XID 13 (a history rule) is left to its incident; a burst on more nodes than the
@@ -78,7 +79,7 @@ async def test_a_closed_pool_refuses_the_router_not_the_guard(nats_server, uniqu
         pool = await PermitPool.open(nc.jetstream())
         none_yet = await pool.claim(cluster, "a", None, by=BY_ROUTER)
         assert not none_yet.ok and "no permit pool yet" in none_yet.reason
-        assert (await pool.claim(cluster, "a", None, by=BY_GUARD)).ok  # the guard alone decides
+        assert not (await pool.claim(cluster, "a", None, by=BY_GUARD)).ok  # no budget known: nobody drains
         assert await pool.read(cluster) is None  # …and nothing was recorded
 
         # the pool's first write carries the guard's holders; later writes never bring a given-back slot back
@@ -94,9 +95,18 @@ async def test_a_closed_pool_refuses_the_router_not_the_guard(nats_server, uniqu
 
         infra = await pool.claim(cluster, "c", "r7", by=BY_ROUTER, domains=["rack:r7"])
         assert not infra.ok and "rack:r7" in infra.reason
-        assert (await pool.claim(cluster, "c", "r8", by=BY_ROUTER, domains=["rack:r8"])).ok
-        state = await pool.publish(cluster, budget=3, rack_cap=3, open=True, drop=["b"])
+        fault = {"kind": "xid", "code": 79}
+        assert (await pool.claim(cluster, "c", "r8", by=BY_ROUTER, domains=["rack:r8"], fault=fault)).ok
+        state, _ = await pool.publish(cluster, budget=3, rack_cap=3, open=True, drop=["b"])
         assert sorted(state.holders) == ["c"] and state.holders["c"].by == BY_ROUTER
+        assert state.holders["c"].fault == fault  # what reconciliation opens its incident with
+
+        # the guard's grants: its queue heads in order, while the budget and each rack cap leave room
+        state, got = await pool.publish(cluster, budget=3, rack_cap=1, open=True,
+                                        claims=[("d", "r8"), ("e", "r9"), ("f", "r10"), ("g", None)])
+        assert [c.ok for c in got] == [False, True, True, False]  # c holds rack r8's one slot
+        assert got[0].reason.startswith("rack r8: 1/1") and got[3].reason.startswith("budget: 3/3")
+        assert sorted(state.holders) == ["c", "e", "f"] and state.holders["e"].by == BY_GUARD
     finally:
         await nc.close()
 
@@ -113,12 +123,12 @@ def _replay(records: list[tuple[str, bool]]) -> int:
 async def _fast_stack(cluster: str, budget: int, nats_server, temporal_server, tmp_path: Path,
                       unique: str):
     """(settings, NATS, JetStream, Temporal client, the standalone scheduler's drain bucket) for
-    `fast_drain` on a 100-node cluster with `budget` drain slots, no breaker or failure domain in the
+    a 100-node cluster with `budget` drain slots, no breaker or failure domain in the
     way, no debounce. The bucket is the scheduler's own (other tests share it)."""
     s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address,
                       state_dir=tmp_path / "state", scheduler="standalone", task_queue=f"tq-{unique}",
                       log_format="json",
-                      policy={"fast_drain": True, "max_drained_nodes": budget, "max_drained_percent": 100,
+                      policy={"max_drained_nodes": budget, "max_drained_percent": 100,
                               "cluster_nodes": 100, "breaker_distinct_nodes": 1000,
                               "domain_incident_nodes": 1000, "debounce_s": 0})
     nc = await connect_nats(s, name=f"test-{cluster}")
@@ -168,7 +178,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         # 2. the router drains n1 at once; its incident adopts it
         await fail("n1")
         await assert_eventually(lambda: drained("n1"), timeout_s=30, what="n1 drained")
-        assert router.stats.fast_drains == 2 and router.stats.fast_refused == 0
+        assert router.stats.drained_now == 2 and router.stats.drain_now_refused == 0
         st = await assert_eventually(
             lambda: _when(guard_status(), lambda g: any(h["node"] == "n1" for h in g.held)), timeout_s=60,
             what="n1 adopted")
@@ -177,7 +187,7 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         # 3. an XID 13 (history rule) is not the router's to drain
         await fail("n9", xid=13)
         await asyncio.sleep(2)
-        assert not await drained("n9") and router.stats.fast_drains == 2
+        assert not await drained("n9") and router.stats.drained_now == 2
 
         # 4. a burst on five more nodes: the router takes the last slot for one of them; the others go to
         # the guard (queued, or granted and waiting for a slot); never more than 3 drained at once
@@ -190,10 +200,10 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         queued = (await guard_status()).queue
         assert queued and all(q["waiting"].startswith("budget: ") and "/3 permits held" in q["waiting"] for q in queued)
         assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
-        assert router.stats.fast_drains == 3 and router.stats.fast_refused >= 4
-        env = {**env_of(s), "FLEETMEND_POLICY__FAST_DRAIN": "true"}
-        out = (await cli(env, "breaker", "status")).stdout
-        assert "permit pool: 3/3 slots held, 2 per rack, open" in " ".join(out.split())
+        assert router.stats.drained_now == 3 and router.stats.drain_now_refused >= 4
+        env = env_of(s)
+        out = " ".join((await cli(env, "breaker", "status")).stdout.split())
+        assert "permits held 3/3 (known nodes 100, 2 per rack)" in out and "permit pool open" in out, out
 
         # 5. pause: the pool closes and the router drains nothing more, even with a slot free
         await guard.execute_update(GuardApi.PAUSE, GuardCommand(by="test", note="maintenance"), result_type=str)
@@ -201,12 +211,12 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
                                 what="pool closed")
         out = " ".join((await cli(env, "breaker", "status")).stdout.split())
         assert "breaker closed; PAUSED by test: no drains" in out and "drains allowed" not in out, out
-        refused = router.stats.fast_refused
+        refused = router.stats.drain_now_refused
         await cli(env, "abort", "n0", "--undrain", "--note", "test frees a slot")
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: "n0" not in p.holders), timeout_s=90,
                                 what="n0's slot given back")
         await fail("c0")
-        await assert_eventually(lambda: _true(router.stats.fast_refused > refused), timeout_s=30,
+        await assert_eventually(lambda: _true(router.stats.drain_now_refused > refused), timeout_s=30,
                                 what="router refused by the closed pool")
         assert not await drained("c0")
         await guard.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
@@ -237,27 +247,44 @@ async def _true(v: bool):
     return v or None
 
 
+async def _decisions(handle) -> dict[str, object]:
+    """node → the last `PermitDecision` the guard signalled it (from the guard's history)."""
+    from temporalio.api.enums.v1 import EventType
+
+    from fleetmend.infra.converter import data_converter
+    from fleetmend.messages import PermitDecision
+
+    out = {}
+    for ev in (await handle.fetch_history()).events:
+        if ev.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            a = ev.signal_external_workflow_execution_initiated_event_attributes
+            (decision,) = await data_converter.decode(a.input.payloads, [PermitDecision])
+            out[a.workflow_execution.workflow_id.rsplit("/", 1)[-1]] = decision
+    return out
+
+
 async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, temporal_server, unique: str) -> None:
-    """FleetGuard with `fast_drain` on the dev server: a preclaimed request is adopted whatever the pause,
-    breaker or budget say, carries its lemon verdict, and counts toward the breaker, whose trip closes
-    the pool; a request that is not preclaimed still queues."""
+    """FleetGuard on the dev server: a preclaimed request is adopted whatever the pause, breaker or budget
+    say, carries its lemon verdict, and counts toward the breaker, whose trip closes the pool; a request
+    that is not preclaimed still queues, and so does one the router forwarded."""
+    from dataclasses import replace
+
     from temporalio.worker import Worker
 
-    from activities.fleetguard import FleetGuardActivities
-    from activities.quarantine import PoolGate
     from fleetmend.events import Severity
-    from fleetmend.messages import GuardInput, GuardPolicy, Outcome, PermitDecision, PermitRelease, PermitRequest
+    from fleetmend.messages import GuardInput, GuardPolicy, Outcome, PermitRelease, PermitRequest
     from fleetmend.worker import workflow_runner
+    from tests.activity_standins import real_guard
     from workflows.fleetguard import FleetGuard
 
     cluster = f"ga{unique}"
     s = load_settings(None, cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address)
     nc = await connect_nats(s, name="guard-adopts")
     client = await connect_temporal(s)
-    policy = GuardPolicy(fast_drain=True, max_drained_nodes=2, max_drained_percent=100, cluster_nodes=100,
+    policy = GuardPolicy(max_drained_nodes=2, max_drained_percent=100, cluster_nodes=100,
                          breaker_distinct_nodes=2, lemon_repairs=1)
     tq = f"ga-{unique}"
-    acts = FleetGuardActivities(client, tq, policy, gate=PoolGate(nc.jetstream(), None, True))
+    acts = real_guard(client, tq, policy, nc.jetstream())
     pool = await PermitPool.open(nc.jetstream())
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
 
@@ -265,11 +292,14 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
         return PermitRequest(cluster=cluster, node=node, severity=Severity.FATAL, fault_class="xid79",
                              policy=policy, preclaimed=preclaimed)
 
+    async def status(pred):
+        return await _when(handle.query(GuardApi.STATUS, result_type=GuardStatus), pred)
+
     async with Worker(client, task_queue=tq, workflows=[FleetGuard], workflow_runner=workflow_runner(),
-                      activities=[acts.running_incidents, acts.sync_permit_pool]):
+                      activities=[acts.running_incidents, acts.sync_permit_pool, acts.reconcile_pool]):
         await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=policy),
                                     id=subjects.fleetguard_workflow_id(cluster), task_queue=tq,
-                                    start_signal=GuardApi.ENSURE)
+                                    start_signal=GuardApi.REQUEST_PERMITS, start_signal_args=[[]])
         state = await assert_eventually(lambda: pool.read(cluster), timeout_s=30, what="pool published")
         assert (state.budget, state.rack_cap, state.open) == (2, 2, True)
         # `lem` went back to service once after an xid79 repair: the next xid79 makes it a lemon
@@ -279,35 +309,29 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "paused" in p.why),
                                 timeout_s=30, what="pause closes the pool")
 
-        lem = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("lem"), result_type=PermitDecision)
-        assert lem.granted and lem.reason.startswith("adopted") and lem.lemon and "RMA" in lem.lemon
-        a = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("a"), result_type=PermitDecision)
-        assert a.granted and a.lemon is None
-        b = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("b"), result_type=PermitDecision)
-        assert b.granted  # over the budget of 2: the pool, not the guard, held the budget when b was drained
-        c = await handle.execute_update(GuardApi.DECIDE_PERMIT, req("c", preclaimed=False), result_type=PermitDecision)
-        assert c.queued and not c.granted
-        # a request the router forwarded (`request_permits`) queues like an incident's own, and its
-        # policy (the router's settings) does not replace the guard's
-        from dataclasses import replace
-
+        await handle.signal(GuardApi.REQUEST_PERMITS, [req("lem"), req("a"), req("b"), req("c", preclaimed=False)])
+        # a request the router forwarded queues like an incident's own, and its policy (the router's
+        # settings) does not replace the guard's
         fwd = replace(req("d", preclaimed=False), forwarded=True, reason="router: xid79 must drain now",
                       policy=replace(policy, max_drained_nodes=99))
         await handle.signal(GuardApi.REQUEST_PERMITS, [fwd])
-        st = await assert_eventually(
-            lambda: _when(handle.query(GuardApi.STATUS, result_type=GuardStatus), lambda g: len(g.queue) == 2),
-            timeout_s=30, what="the forwarded request queued")
+        st = await assert_eventually(lambda: status(lambda g: len(g.queue) == 2), timeout_s=30,
+                                     what="c and the forwarded d queued")
+        # adopted over the budget of 2: the pool, not the guard, held the budget when b was drained
         assert st.breaker_tripped and sorted(h["node"] for h in st.held) == ["a", "b", "lem"]
         assert [q["node"] for q in st.queue] == ["c", "d"] and st.budget == 2
         assert st.queue[1]["reason"] == "router: xid79 must drain now"
+        dec = await assert_eventually(lambda: _when(_decisions(handle), lambda d: {"lem", "a", "b"} <= set(d)),
+                                      timeout_s=30, what="the adoptions signalled")
+        assert dec["lem"].granted and dec["lem"].reason.startswith("adopted") and "RMA" in dec["lem"].lemon
+        assert dec["a"].granted and dec["a"].lemon is None and "c" not in dec
         await handle.execute_update(GuardApi.RESUME, GuardCommand(by="test"), result_type=str)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open and "breaker" in p.why),
                                 timeout_s=30, what="the breaker keeps the pool closed after resume")
         from tests.test_policy_replay import RECORD, _write
 
-        if RECORD:  # the replay baseline of patch permit-pool (tests/test_policy_replay.py)
+        if RECORD:  # a replay baseline: adoptions, pause, breaker, a forwarded request
             _write("fleetguard_pool", await handle.fetch_history())
-            _write("fleetguard_pool_forwarded", await handle.fetch_history())  # with `request_permits`
         await handle.terminate("test done")
     await nc.close()
 
@@ -328,7 +352,7 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
     tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.guard.run())]
     pool = await PermitPool.open(js)
     guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
-    env = {**env_of(s), "FLEETMEND_POLICY__FAST_DRAIN": "true"}
+    env = env_of(s)
     nodes = [f"n{i}" for i in range(4)]
     main_runs = False
 
@@ -356,11 +380,11 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
                    for e in q), q
         assert all(e["reason"].startswith("router: xid79 must drain now; no permit pool slot (budget")
                    for e in q), q
-        assert router.stats.forwarded == 3 and router.stats.fast_drains == 1
+        assert router.stats.forwarded == 3 and router.stats.drained_now == 1
         from temporalio.api.sdk.v1 import WorkflowMetadata
 
         md = await guard.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)  # the Temporal UI's
-        assert "queued: 3" in md.current_details and "permit pool (policy.fast_drain)" in md.current_details
+        assert "queued: 3" in md.current_details and "permit pool: 1/1 slots held" in md.current_details
         # what the operator sees, before any incident ran a workflow task (no worker on their queue)
         rows = await assert_eventually(
             lambda: _when(cli(env, "status", "--json", "--cluster", cluster),
@@ -380,7 +404,7 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
             h = client.get_workflow_handle(subjects.workflow_id(cluster, n))
             await assert_eventually(
                 lambda h=h: _when(h.query(NodeRemediation.status),
-                                  lambda i: any("drain permit queued by FleetGuard" in t["text"] for t in i.timeline)),
+                                  lambda i: any("waiting for a drain permit" in t["text"] for t in i.timeline)),
                 timeout_s=90, what=f"{n}'s incident asked for itself")
         st = await assert_eventually(
             lambda: _when(guard.query(GuardApi.STATUS, result_type=GuardStatus),

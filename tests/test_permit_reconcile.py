@@ -1,20 +1,21 @@
-"""Drain permits survive what operators do to workflows: a terminated incident gives its permit back
-(reconciliation), a terminated FleetGuard is rebuilt from the running incidents, and `breaker
-release NODE` frees a permit by hand. Real Temporal dev server (visibility included); the guard and
-its activities are the real ones, scheduler/tickets/diagnostics the recording stand-ins."""
+"""Drain permits survive what operators do to workflows: a terminated incident's drained node keeps
+counting against the budget (it is still cordoned) until `breaker release NODE` returns it, a terminated
+FleetGuard is rebuilt from the running incidents, and a waiting incident asks again. Real Temporal dev
+server (visibility included) and NATS (the permit pool); the guard and its activities are the real
+ones, scheduler/tickets/diagnostics the recording stand-ins."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.worker import Worker
 
-from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.messages import AbortCommand, GuardPolicy, PermitReleaseCommand
-from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, start
 from workflows.fleetguard import FleetGuard
@@ -25,11 +26,11 @@ ONE_AT_A_TIME = dict(max_drained_nodes=1, max_drained_percent=100.0, max_drained
 
 
 class Fleet:
-    def __init__(self, client, policy: GuardPolicy) -> None:
+    def __init__(self, client, nc, policy: GuardPolicy) -> None:
         self.client, self.calls = client, Calls()
         self.tq = f"pr-{uuid.uuid4().hex[:8]}"
         self.cluster = f"r{uuid.uuid4().hex[:8]}"
-        guard = FleetGuardActivities(client, self.tq, policy)
+        guard = real_guard(client, self.tq, policy, nc.jetstream())
         acts = [a for a in stand_ins(self.calls) if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
                              activities=acts + guard_activities(guard, self.calls))
@@ -76,26 +77,34 @@ async def _guard(f: Fleet, pred):
     return st if pred(st) else None
 
 
-async def test_terminated_incident_gives_its_permit_back(temporal_client) -> None:
-    """Terminating the incident that holds the only permit: the guard's reconciliation releases it (audit
-    note) and the queued node drains. Before: the permit leaked and nothing else ever drained."""
-    async with Fleet(temporal_client, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=1.0)) as f:
+async def test_terminated_incident_keeps_counting_until_released(temporal_client, nc) -> None:
+    """Terminating the incident that holds the only permit leaves its node cordoned: reconciliation lists
+    it as stranded and it keeps counting, so the queued node does not drain (before: the permit was
+    released, and 2 nodes were drained under a budget of 1). A human's `release_permit` frees it."""
+    async with Fleet(temporal_client, nc, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=1.0)) as f:
         a = await f.incident("a")
         await assert_eventually(lambda: f.drained("a"), what="a drained")
         await f.incident("b")
         await _held_and_queued(f, "a", "b")
         await a.terminate(reason="operator terminated the workflow")
-        await assert_eventually(lambda: f.drained("b"), timeout_s=30, what="b drained after a's permit came back")
+        st = await assert_eventually(lambda: _guard(f, lambda s: "a" in s.stranded), timeout_s=30,
+                                     what="a listed as stranded")
+        assert "terminated" in st.stranded["a"] and st.pool_holders == 1, st
+        assert [q["node"] for q in st.queue] == ["b"] and not f.drained("b")
+        assert any("a: STRANDED" in line for line in st.log), st.log
+        await asyncio.sleep(2.5)  # two more reconciliations: still counted, b still waits
+        assert not f.drained("b")
+        await f.guard().execute_update(FleetGuard.release_permit, PermitReleaseCommand(by="tester@ci", node="a"))
+        await assert_eventually(lambda: f.drained("b"), timeout_s=30, what="b drained once a was released")
         st = await f.status()
-        assert [h["node"] for h in st.held] == ["b"]
-        assert any("a: permit released by reconciliation" in line for line in st.log), st.log
+        assert [h["node"] for h in st.held] == ["b"] and "a" not in st.stranded
 
 
-async def test_new_guard_rebuilds_its_queue_from_running_incidents(temporal_client) -> None:
+async def test_new_guard_rebuilds_its_queue_from_running_incidents(temporal_client, nc) -> None:
     """Terminating the FleetGuard loses its queue; the next guard (started by the holder's release)
     rebuilds held and queued nodes from the running incidents, so the queued node drains once the holder
     is done. The incident's own re-request is set far off here: only the rebuild can save it."""
-    async with Fleet(temporal_client, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
+    async with Fleet(temporal_client, nc, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
         a = await f.incident("a", permit_rerequest_s=3600.0)
         await assert_eventually(lambda: f.drained("a"), what="a drained")
         await f.incident("b", permit_rerequest_s=3600.0)
@@ -107,10 +116,10 @@ async def test_new_guard_rebuilds_its_queue_from_running_incidents(temporal_clie
         assert any("rebuilt from the running incidents" in line for line in st.log), st.log
 
 
-async def test_waiting_incident_asks_again(temporal_client) -> None:
+async def test_waiting_incident_asks_again(temporal_client, nc) -> None:
     """An incident waiting for a permit asks again every `permit_rerequest_s`: a guard terminated while it
     waited is started anew by that request (and rebuilt) — no holder has to act."""
-    async with Fleet(temporal_client, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
+    async with Fleet(temporal_client, nc, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
         a = await f.incident("a", permit_rerequest_s=2.0)
         await assert_eventually(lambda: f.drained("a"), what="a drained")
         await f.incident("b", permit_rerequest_s=2.0)
@@ -126,18 +135,17 @@ async def test_waiting_incident_asks_again(temporal_client) -> None:
         await assert_eventually(lambda: f.drained("b"), timeout_s=30, what="b drained")
 
 
-async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_server, temporal_server,
+async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nc, nats_server, temporal_server,
                                                      tmp_path) -> None:
     """`fleetmend status` shows why the queued node waits; `fleetmend breaker release NODE` frees the held
     permit (audited with who ran it) and the queued node drains; `release_permit` without `by` is refused."""
-    import asyncio
     import json
 
     from typer.testing import CliRunner
 
     from fleetmend.cli.app import app
 
-    async with Fleet(temporal_client, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
+    async with Fleet(temporal_client, nc, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=3600.0)) as f:
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_TASK_QUEUE": f.tq, "FLEETMEND_STATE_DIR": str(tmp_path),
                "FLEETMEND_LOG_FORMAT": "json", "USER": "alice"}
@@ -174,4 +182,48 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nats_serv
         st = await f.status()
         assert any("a: permit released by " in line and ": leaked" in line for line in st.log), st.log
         r = await asyncio.to_thread(cli, "breaker", "release", "zz")
-        assert r.exit_code == 0 and "nothing released" in r.output, r.output
+        assert r.exit_code == 0 and "zz holds no permit here" in " ".join(r.output.split()), r.output
+
+
+async def test_a_drain_whose_incident_never_started_gets_one(temporal_client, nc) -> None:
+    """The router drained a node under a pool slot, then its incident never started (Temporal away past
+    the router's deliveries, or the router killed between the cordon and the signal-with-start): FleetGuard's
+    reconciliation finds the slot, opens the node's incident with the fault the slot recorded, and the
+    incident adopts the drain (diagnoses, files its ticket). The slot keeps counting all along."""
+    from activities.fleetguard import fault_summary
+    from fleetmend.catalog import default_catalog
+    from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
+    from fleetmend.messages import GuardApi, GuardInput
+    from tests.test_router import xid_event
+
+    async with Fleet(temporal_client, nc, GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=1.0)) as f:
+        policy = GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=1.0)
+        await f.client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=f.cluster, policy=policy),
+                                      id=subjects.fleetguard_workflow_id(f.cluster), task_queue=f.tq,
+                                      start_signal=GuardApi.REQUEST_PERMITS, start_signal_args=[[]])
+        pool = await PermitPool.open(nc.jetstream())
+        await assert_eventually(lambda: pool.read(f.cluster), what="the guard published the pool")
+        ev = default_catalog().stamp(xid_event(f.cluster, "orphan", 79))
+        claim = await pool.claim(f.cluster, "orphan", None, by=BY_ROUTER, fault=fault_summary(ev))
+        assert claim.ok and claim.new
+        h = f.client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(f.cluster, "orphan"))
+        st = await assert_eventually(lambda: _phase(h, "awaiting_repair"), timeout_s=60,
+                                     what="the orphan drain's incident opened and adopted it")
+        assert st.fault_class == "xid79" and st.drained and st.ticket
+        assert [x["event_id"] for x in st.faults] == [ev.event_id]  # the router's own event, once
+        g = await f.status()
+        assert any("orphan: drained by the router but its incident never started; opened it" in line
+                   for line in g.log), g.log
+        assert [x["node"] for x in g.held] == ["orphan"] and g.pool_holders == 1
+        await f.incident("b")
+        await assert_eventually(lambda: _guard(f, lambda s: [q["node"] for q in s.queue] == ["b"]),
+                                what="b waits: the orphan's slot still counts")
+        assert not f.drained("b")
+
+
+async def _phase(h, phase: str):
+    try:
+        st = await h.query(NodeRemediation.status)
+    except Exception:
+        return None
+    return st if st.phase == phase else None

@@ -10,11 +10,10 @@ import pytest
 from temporalio.worker import Worker
 from typer.testing import CliRunner
 
-from activities.fleetguard import FleetGuardActivities
 from fleetmend import subjects
 from fleetmend.cli.app import app
 from fleetmend.messages import GuardPolicy, guard_task_queue
-from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
 from tests.test_workflow import fault, phase_is, start
 from workflows.fleetguard import FleetGuard
@@ -66,12 +65,12 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):
     assert "pydantic" not in name.output and "validation error" not in name.output
 
 
-async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client):
+async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, nc):
     cluster, tq = cli_env["FLEETMEND_CLUSTER"], cli_env["FLEETMEND_TASK_QUEUE"]
     calls = Calls()
     # as in a real worker, the guard runs on its own queue (the CLI starts it there)
     gtq = guard_task_queue(tq)
-    guard = FleetGuardActivities(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100))
+    guard = real_guard(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100), nc.jetstream())
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
                       activities=acts + guard_activities(guard, calls)), \

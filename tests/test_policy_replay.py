@@ -1,11 +1,12 @@
 """Replay recorded `NodeRemediation` and `FleetGuard` histories against today's workflow code.
 
-`tests/histories/*.json` are the baseline recorded from real runs on the Temporal dev server with
-the code of the 0.x versioning reset (every earlier patch folded in). A change to a workflow's
-command sequence must keep them replaying: guard it with `workflow.patched(<id>)` (ids listed in
-the workflow's module docstring) and add a history recorded *before* the change (add a scenario
-below, run `FLEETMEND_RECORD_HISTORIES=1 pytest tests/test_policy_replay.py -k record` on the old
-code; existing files are never overwritten).
+`tests/histories/*.json` are the 0.2 baseline, recorded once from real runs on the Temporal dev server
+and NATS with the code that folded every earlier patch and made the permit pool the one drain path
+(nothing was deployed before it). A change to a workflow's command sequence must keep them replaying:
+guard it with `workflow.patched(<id>)` (ids listed in the workflow's module docstring) and add a
+history recorded *before* the change (add a scenario below, run `FLEETMEND_RECORD_HISTORIES=1 pytest
+tests/test_policy_replay.py tests/test_permit_pool.py -k "record or adopts"` on the old code; existing
+files are never overwritten).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from temporalio.worker import Replayer, Worker
 
 from fleetmend.infra.converter import data_converter
 from fleetmend.messages import AbortCommand, FaultBatch, GuardCommand, GuardPolicy, RepairedCommand
-from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, stand_ins
+from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
 from workflows.fleetguard import FleetGuard
 from workflows.remediation import NodeRemediation
@@ -31,17 +32,10 @@ RECORD = os.environ.get("FLEETMEND_RECORD_HISTORIES") == "1"
 BASELINE = {
     "remediation_fatal_returned", "remediation_app_fault_recorded", "remediation_abort_in_triage",
     "remediation_reset_returned", "remediation_abort_awaiting_repair", "remediation_flap_ends_down",
-    "remediation_second_batch_in_triage", "fleetguard_breaker", "fleetguard_pause",
-    "remediation_future_app_xid_drained",  # before patch two-sided-windows
-    "remediation_many_pending_faults",  # before patch bounded-pending
-    "remediation_lemon_returned_before_notify",  # before patch notify
-    "remediation_fatal_returned_fold1", "remediation_lemon_returned_fold1",  # a run that records fold-1
-    "remediation_fatal_returned_dwp", "remediation_lemon_returned_dwp",  # drained with the permit
-    "remediation_storm_bytes",  # before patch run-bytes
-    "fleetguard_pool",  # with patch permit-pool: adoptions, pause, breaker (tests/test_permit_pool.py records it)
-    "fleetguard_pool_forwarded",  # the same with a `request_permits` signal (router forwarding)
-    "remediation_abort_while_diagnosing",  # before patch abort-stops-recovery
-    "fleetguard_reask_after_reset",  # before patch reask-not-a-fault
+    "remediation_second_batch_in_triage", "remediation_future_app_xid_recorded", "remediation_many_pending_faults",
+    "remediation_lemon_returned", "remediation_storm_bytes", "remediation_abort_while_diagnosing",
+    "fleetguard_breaker", "fleetguard_pause", "fleetguard_reask_after_reset",
+    "fleetguard_pool",  # adoptions, pause, breaker, a forwarded request (tests/test_permit_pool.py records it)
 }
 
 
@@ -69,7 +63,7 @@ def _write(name: str, history) -> None:
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_histories(temporal_client) -> None:
+async def test_record_histories(temporal_client, nc) -> None:
     from fleetmend.diagnostics import RecoveryResult
     from tests.test_policy_workflow import _flap, ev
     from tests.test_workflow import fault, phase_is, start
@@ -122,8 +116,7 @@ async def test_record_histories(temporal_client) -> None:
                                                                          severity="degraded")]))
         await assert_eventually(lambda: phase_is(h7, "closed"))
 
-        # Three XID 13 on one GPU dated three years ahead (recorded before two-sided history windows:
-        # the one-sided window counted them as "3 within an hour" and drained).
+        # Three XID 13 on one GPU dated three years ahead: not "recent", recorded only.
         from datetime import timedelta
 
         from fleetmend.events import utcnow
@@ -139,7 +132,7 @@ async def test_record_histories(temporal_client) -> None:
             await h8.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test"))
         await assert_eventually(lambda: phase_is(h8, "closed"))
 
-        # 250 distinct conditions in one signal (recorded before the workflow bounded its waiting faults).
+        # 250 distinct conditions in one signal (the workflow bounds its waiting faults).
         many = [dataclasses.replace(fault(cluster, f"many-{sfx}", 13, drain=False, severity="degraded"))
                 for _ in range(250)]
         many = [dataclasses.replace(f, event=f.event.model_copy(update={"device": f.event.device.model_copy(
@@ -148,8 +141,7 @@ async def test_record_histories(temporal_client) -> None:
         await assert_eventually(lambda: phase_is(h9, "closed"), timeout_s=60)
 
 
-        # A lemon node (the guard says so): straight to an RMA ticket, repaired, returned (recorded
-        # before patch notify: drain, lemon, ticket and return send no notification).
+        # A lemon node (the guard says so): straight to an RMA ticket, repaired, returned.
         calls.lemon = f"lemon: lem-{sfx} back with xid79 after 2 repairs"
         h10 = await start(client, tq, cluster, f"lem-{sfx}", [fault(cluster, f"lem-{sfx}", 79, drain=True)])
         await assert_eventually(lambda: phase_is(h10, "awaiting_repair"))
@@ -157,34 +149,30 @@ async def test_record_histories(temporal_client) -> None:
         await h10.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci", ticket="RMA-9"))
         await assert_eventually(lambda: phase_is(h10, "closed"))
 
-        for name, h in (("remediation_lemon_returned_before_notify", h10), ("remediation_fatal_returned", h1),
-                        ("remediation_lemon_returned_fold1", h10), ("remediation_fatal_returned_fold1", h1),
-                        ("remediation_lemon_returned_dwp", h10), ("remediation_fatal_returned_dwp", h1),
+        for name, h in (("remediation_lemon_returned", h10), ("remediation_fatal_returned", h1),
                         ("remediation_app_fault_recorded", h2),
                         ("remediation_abort_in_triage", h3), ("remediation_reset_returned", h4),
                         ("remediation_abort_awaiting_repair", h5), ("remediation_flap_ends_down", h6),
-                        ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_drained", h8),
+                        ("remediation_second_batch_in_triage", h7), ("remediation_future_app_xid_recorded", h8),
                         ("remediation_many_pending_faults", h9)):
             await h.result()
             _write(name, await h.fetch_history())
-    await _record_guard(client)
-    await _record_guard_pause(client)
+    await _record_guard(client, nc.jetstream())
+    await _record_guard_pause(client, nc.jetstream())
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
-async def test_record_reask_after_reset(temporal_client) -> None:
-    """Queued nodes asking again after a breaker reset (recorded before patch reask-not-a-fault: the
-    re-asks counted as new faults and tripped the breaker again)."""
+async def test_record_reask_after_reset(temporal_client, nc) -> None:
+    """Queued nodes asking again after a breaker reset (a re-ask is not a new fault)."""
     from tests.test_breaker_reask import reask_after_reset
 
-    history, _reset, _st = await reask_after_reset(temporal_client)
+    history, _reset, _st = await reask_after_reset(temporal_client, nc.jetstream())
     _write("fleetguard_reask_after_reset", history)
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
 async def test_record_abort_while_diagnosing(temporal_client) -> None:
-    """An abort that arrives while the initial diagnostics run (recorded before patch
-    abort-stops-recovery: the incident still rebooted the node before it closed)."""
+    """An abort that arrives while the initial diagnostics run (no reboot after it)."""
     from tests.test_workflow import abort_while_diagnosing
 
     h, _st = await abort_while_diagnosing(temporal_client, Calls())
@@ -194,8 +182,7 @@ async def test_record_abort_while_diagnosing(temporal_client) -> None:
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
 async def test_record_storm_bytes(temporal_client) -> None:
-    """A record-only incident absorbing ~2.7 × `MAX_RUN_BYTES` of faults in one run (recorded before
-    patch run-bytes: the run did not continue as new by bytes)."""
+    """A record-only incident absorbing ~2.7 × `MAX_RUN_BYTES` of faults (it continues as new by bytes)."""
     from tests.test_workflow_run_bytes import send_storm
 
     calls, tq = Calls(), f"recs-{uuid.uuid4().hex[:8]}"
@@ -210,13 +197,12 @@ async def _phase_in(h, phases: tuple[str, ...]):
     return st if st.phase in phases else None
 
 
-async def _record_guard(client) -> None:
-    from activities.fleetguard import FleetGuardActivities
+async def _record_guard(client, js) -> None:
     from fleetmend import subjects
     from tests.test_workflow import fault, phase_is, start
 
     calls, tq, cluster = Calls(), f"recg-{uuid.uuid4().hex[:8]}", f"recg{uuid.uuid4().hex[:6]}"
-    guard = FleetGuardActivities(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2))
+    guard = real_guard(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2), js)
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
                       activities=acts + guard_activities(guard, calls)):
@@ -237,14 +223,13 @@ async def _record_guard(client) -> None:
         _write("fleetguard_breaker", await gh.fetch_history())
 
 
-async def _record_guard_pause(client) -> None:
+async def _record_guard_pause(client, js) -> None:
     """A pause and a resume by hand while a node holds a permit."""
-    from activities.fleetguard import FleetGuardActivities
     from fleetmend import subjects
     from tests.test_workflow import fault, phase_is, start
 
     calls, tq, cluster = Calls(), f"recp-{uuid.uuid4().hex[:8]}", f"recp{uuid.uuid4().hex[:6]}"
-    guard = FleetGuardActivities(client, tq, GuardPolicy(cluster_nodes=100))
+    guard = real_guard(client, tq, GuardPolicy(cluster_nodes=100), js)
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
                       activities=acts + guard_activities(guard, calls)):

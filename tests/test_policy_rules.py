@@ -9,6 +9,7 @@ import pytest
 
 from fleetmend.catalog import Recovery, Urgency, default_catalog
 from fleetmend.errors import ConfigError
+from fleetmend.events import Verdict
 from fleetmend.policy import (
     FaultView,
     RuleSettings,
@@ -21,6 +22,15 @@ NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 GPU = "0000:3b:00.0"
 
 
+def fv(*, kind: str, code: int | None, device: str | None, times: list[datetime], severity: str, drain: bool,
+       immediate_action: str, fault_class: str, clearable: bool = False, arrived_at: datetime | None = None,
+       **verdict) -> FaultView:
+    """A `FaultView` as the workflow builds it: the event's identity, times, and its `Verdict`."""
+    return FaultView(kind=kind, code=code, device=device, times=times, arrived_at=arrived_at,
+                     verdict=Verdict(severity=severity, drain=drain, immediate_action=immediate_action,
+                                     fault_class=fault_class, clearable=clearable, **verdict))
+
+
 def row(kind: str, code: int | None = None) -> dict:
     """The catalog row's urgency, recovery and history rule (what the workflow's records carry)."""
     r = default_catalog().xid(code) if kind == "xid" else default_catalog().kind(kind)
@@ -29,7 +39,7 @@ def row(kind: str, code: int | None = None) -> dict:
 
 def xid(code: int, *, times: int = 1, drain: bool = False, action: str = "RESTART_APP", sev: str = "degraded",
         device: str = GPU, spread_s: float = 60.0) -> FaultView:
-    return FaultView(kind="xid", code=code, device=device, severity=sev, drain=drain, immediate_action=action,
+    return fv(kind="xid", code=code, device=device, severity=sev, drain=drain, immediate_action=action,
                      fault_class=f"xid{code}", times=[NOW - timedelta(seconds=spread_s * i) for i in range(times)][::-1],
                      **row("xid", code))
 
@@ -70,7 +80,7 @@ def test_xid48_with_63_drains_and_resets():
 def test_pending_remap_or_rising_sbe_rate_drain_when_idle():
     remap = decide([xid(63, action="IGNORE")], NOW, RuleSettings())
     assert remap.drain and remap.urgency is Urgency.WHEN_IDLE and remap.recovery is Recovery.RESET_GPU
-    sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
+    sbe = fv(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
                     immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
                     times=[NOW - timedelta(seconds=30 * i) for i in range(12)][::-1], **row("ecc_sbe_volatile"))
     d = decide([sbe], NOW, RuleSettings(sbe_events_per_window=10, sbe_window_s=3600))
@@ -86,7 +96,7 @@ def test_when_idle_yields_to_a_fault_that_needs_draining_now():
 
 
 def test_debounce_waits_for_a_clearable_fault_and_a_cleared_one_never_drains():
-    link = FaultView(kind="ib_port_down", code=None, device="mlx5_0", severity="fatal", drain=True,
+    link = fv(kind="ib_port_down", code=None, device="mlx5_0", severity="fatal", drain=True,
                      immediate_action="DRAIN_DIAGNOSE", fault_class="ib_port_down", times=[NOW], clearable=True,
                      **row("ib_port_down"),
                      arrived_at=NOW - timedelta(seconds=10))
@@ -99,7 +109,7 @@ def test_debounce_waits_for_a_clearable_fault_and_a_cleared_one_never_drains():
 
 
 def test_rma_action_wins():
-    d = decide([FaultView(kind="row_remap_failure", code=None, device=GPU, severity="fatal", drain=True,
+    d = decide([fv(kind="row_remap_failure", code=None, device=GPU, severity="fatal", drain=True,
                           immediate_action="RMA", fault_class="row_remap_failure", times=[NOW],
                           **row("row_remap_failure"))], NOW, RuleSettings())
     assert d.drain and d.recovery is Recovery.RMA
@@ -155,8 +165,8 @@ def test_history_windows_are_two_sided():
     ahead = xid(13, times=1)
     ahead.times = [NOW + timedelta(days=3 * 365, seconds=i) for i in range(3)]
     assert not decide([ahead], NOW, two_sided).drain
-    assert decide([ahead], NOW, RuleSettings()).drain, "the one-sided window (pre-patch incidents) counted them"
-    sbe = FaultView(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
+    assert decide([ahead], NOW, RuleSettings(max_future_s=None)).drain, "a one-sided window counts them"
+    sbe = fv(kind="ecc_sbe_volatile", code=None, device=GPU, severity="info", drain=False,
                     immediate_action="IGNORE", fault_class="ecc_sbe_volatile",
                     times=[NOW + timedelta(days=400, seconds=i) for i in range(20)], **row("ecc_sbe_volatile"))
     assert not decide([sbe], NOW, two_sided).drain

@@ -247,7 +247,7 @@ async def test_router_and_worker_credentials_do_their_jobs(secured, unique):
         for role, c in (("router-lag", router), ("incident-poller", worker)):
             assert await KvLease(await lease_bucket(c.jetstream()), lease_key(role, unique), role).tick()
 
-        # policy.fast_drain: the guard's worker writes the permit pool; the router claims a slot and drains
+        # the guard's worker writes the permit pool; the router claims a slot and drains (a fault that must drain now)
         from fleetmend.infra.permit_pool import PermitPool
 
         await (await PermitPool.open(worker.jetstream())).publish(f"pp{unique}", budget=2, rack_cap=2, open=True)

@@ -1,82 +1,53 @@
-"""`FleetGuard`: one per cluster (id `fleetguard/<cluster>`), the blast-radius budget and the breaker.
+"""`FleetGuard`: one per cluster (id `fleetguard/<cluster>`), on its own task queue
+(`messages.guard_task_queue`): who may drain next, the breaker, failure domains and lemons. The budget
+itself is the cluster's permit pool (`fleetmend.infra.permit_pool`, JetStream KV compare-and-set): every
+drain under a permit holds a slot there, and the guard sizes, opens and closes it.
 
-NodeRemediation asks for a drain permit through the `request_drain_permit` activity (signal-with-start
-of this workflow, so the guard exists the first time anyone needs it); the guard answers later with a
-`permit` signal to the node's workflow (`PermitDecision`: granted, or denied with the reason). A node
-gives its permit back (`release_drain_permit` → `release` signal) when it returns to service, its
-incident closes, or it is aborted — also while still queued.
+The permit path, top to bottom:
 
-Decisions, in order, for each request (all recorded in the guard's history and `status`):
+1. A fault the catalog says must drain *now* is cordoned by the router under a pool slot before any
+   workflow exists (`fleetmend.router`). Refused a slot (budget, rack cap, closed pool or domain), the
+   node's incident starts in `awaiting_permit` and the router forwards its request here
+   (`request_permits`, a burst's nodes in a few signals), so the guard queues it at once.
+2. Every incident that decides to drain asks here one way: the `request_drain_permit` activity,
+   signal-with-start of `request_permits` with a list of one (again every `permit_rerequest_s` while it
+   waits; a re-ask keeps its place). A node the router already drained asks `preclaimed` and is adopted.
+3. The guard decides, in order (each decision in its log and `status`):
+   observe-only → denied (the incident records and closes; the pool stays closed, so nothing drains);
+   failure domain: `domain_incident_nodes` distinct nodes under one rack/leaf/PDU within
+   `domain_window_s` → one infrastructure incident (ticket, a human paged), its nodes denied while it is
+   open and the domain closed in the pool (it closes `domain_window_s` after its last fault, or on
+   `reset_breaker`); breaker: drain-worthy faults from MORE than `breaker_distinct_nodes` distinct nodes
+   within `breaker_window_s` trip it, and while tripped (or paused) nothing is granted, the pool is
+   closed and requests queue; only a human resets it (`reset_breaker`, `by` in the history).
+   Otherwise the request queues, served highest severity first, then oldest.
+4. Granting is one write to the pool (`sync_permit_pool`): the guard's settings (budget
+   `drain_budget(known, N, P%)`, `max_drained_per_rack`, open or why not, closed domains), the slots to
+   free, and a slot for each queue head in order while the budget and its rack cap leave room. The
+   nodes that got one are granted (`permit` signals, all of one pass together); the others wait with
+   the pool's reason. So the guard never counts the budget itself, and router drains it has not heard of
+   are counted by the same compare-and-set. The incident's `drain_node` finds its slot held and cordons.
+5. A permit comes back with its slot (`release_drain_permit`: return to service, close, abort): the
+   `release` signal then serves the queue and records returns for the lemon rule (`returns`, per node,
+   pruned to `lemon_window_s`; a grant carries `lemon` when the node's fault came back after
+   `lemon_repairs` repairs).
 
-1. observe-only (policy) → denied "observe-only": the incident records and closes, nothing drains.
-2. failure domain: `domain_incident_nodes` distinct nodes under one rack/leaf/PDU within
-   `domain_window_s` → one infrastructure incident (ticket `file_ticket`, pages a human); its nodes'
-   requests are denied "infrastructure incident …" while it is open (it closes `domain_window_s` after
-   its last fault, or on `reset_breaker`). Nodes granted before the threshold keep their drain; the
-   per-rack cap bounds them.
-3. breaker: drain-worthy faults from MORE than `breaker_distinct_nodes` distinct nodes within
-   `breaker_window_s` trip it; while tripped (or paused) nothing is granted and requests queue. Only a
-   human resets it (`reset_breaker` update, `fleetmend breaker reset`), with `by` in the history.
-4. budget: at most `drain_budget(known, N, P%)` permits held, at most `max_drained_per_rack` per rack.
-   The queue is served highest severity first, then oldest.
-
-Node history for the lemon rule lives here (`returns`: fault class and time of each return to
-service, per node, pruned to `lemon_window_s`), because the guard outlives every incident; a grant
-carries `lemon` (the reason) when the node's fault came back after `lemon_repairs` repairs.
+No cordon outlives its incident: while anyone holds or waits, every `permit_reconcile_s` the guard
+withdraws queued requests whose incident is gone (`running_incidents`) and checks the pool's holders
+(`reconcile_pool`): a drained node whose incident never started gets one (it adopts the drain); a node
+whose incident was terminated or reset stays counted (it is still cordoned), listed as stranded, until
+a human returns it (`fleetmend breaker release NODE`: undrain, then `release_permit` frees the slot).
+A guard that starts without carried state (first use, or after it was terminated) rebuilds its holders
+and queue from the running incidents first, answering no request before that.
 
 Search attributes: `FleetCluster`, `FleetPhase` (`guarding`, `breaker_tripped`, `paused`). The current
-details say why. History stays bounded: continue-as-new past `GuardInput.max_history_events`, carrying the state.
+details say why. History stays bounded: continue-as-new past `GuardInput.max_history_events`, carrying
+the state. All messages and the carried state are defined in `fleetmend.messages`.
 
-All messages and the carried state are defined in `fleetmend.messages`.
-
-Fast path (the permit path under a storm): an incident asks with the `decide_drain_permit` activity,
-an update-with-start of this workflow (`decide_permit`) that decides in the guard's next workflow task
-and returns the decision as the activity's result: granted, denied, or `queued` with the reason it
-waits (budget, rack cap, breaker, pause). Only a queued request is answered later by a `permit`
-signal, and every answer of one workflow task goes out at once. The older `request_permit` signal
-still works (histories and incidents started before).
-
-Reconciliation: while it holds or queues anyone, the guard checks every `permit_reconcile_s` that each
-such node still has a running incident (`running_incidents` activity, which describes each one) and
-releases the others with an audit note (an incident terminated or reset never gives its permit back).
-A guard that starts without carried state (first use, or after it was terminated) rebuilds its
-permits and queue from the running incidents first, answering no request before that. An operator
-frees a permit by hand with the `release_permit` update (`fleetmend breaker release NODE`, `by`
-recorded).
-
-Versioning: the histories in tests/histories/ are the baseline recorded before any patch; every change
-to the command order goes behind `workflow.patched(<id>)`, listed here:
-`answers-at-once`: the answers of one workflow task are signalled together (before: one at a time,
-  one workflow task each).
-`reconcile`: the rebuild at start and the reconciliation timer.
-Both are guarded by the baseline histories fleetguard_breaker.json and fleetguard_pause.json (recorded
-before them; without the patch guards they fail to replay with TMPRL1100).
-`answers-before-can`: answers that update handlers left for other nodes while the guard waited to
-  continue-as-new are signalled first (before: the run continued-as-new and those incidents waited for
-  their next re-request, `permit_rerequest_s`). Reached only when such answers are pending, so the
-  baseline histories replay unchanged.
-`permit-pool`: with `policy.fast_drain`, the guard writes its budget, rack cap, open/closed and the
-  domains of open infrastructure incidents to the cluster's permit pool (`sync_permit_pool` activity,
-  `fleetmend.infra.permit_pool`) once per run and on every change, and frees the pool slots of permits it
-  releases (reconciliation, `breaker release`). Reached only with `fast_drain`, so the recorded
-  histories (all without it) replay unchanged.
-`reask-not-a-fault`: a queued node asking again (its incident's re-request every
-  `permit_rerequest_s`, or its own request after the router forwarded it) keeps its place and is not
-  counted again toward the breaker or the failure domains (an entry rebuilt from a running incident
-  is counted at its incident's first request: `Queued.counted`) (before: each re-ask was a fresh fault, so
-  with more queued nodes than `breaker_distinct_nodes` a `breaker reset` tripped again within one
-  re-request period, with no new fault). History: fleetguard_reask_after_reset.json.
-
-Permit pool (`policy.fast_drain`): the router drains a node whose fault must drain now as soon as it
-holds a slot in the pool; its incident then asks with `preclaimed` and the guard *adopts* it as held,
-whatever the breaker, pause or budget say (the node is drained already, and the pool held the budget
-and the rack cap when it was taken). Adopted requests still count toward the breaker and the failure
-domains, which close the pool for the next ones.
-A node that must drain now and finds no slot (budget, rack cap, breaker, pause, a closed domain) is
-*forwarded*: the router sends its request here (`request_permits`, one signal for a burst's nodes)
-as soon as its incident has started, so the guard queues it, with the reason it waits, before the
-incident's first workflow task runs. The incident's own request later keeps that queue place. A new
-signal handler only: no command changes, the recorded histories replay unchanged.
+Versioning: the histories in tests/histories/fleetguard_*.json are the 0.2 baseline, recorded once with
+this code (every earlier patch folded in; nothing was deployed). Every later change to the command order
+goes behind `workflow.patched(<id>)`, listed here with a history recorded before it:
+(none yet)
 """
 
 from __future__ import annotations
@@ -108,6 +79,9 @@ with workflow.unsafe.imports_passed_through():
         PermitReleaseCommand,
         PermitRequest,
         Phase,
+        PoolClaim,
+        PoolReconcile,
+        PoolReconciled,
         PoolSync,
         PoolSynced,
         Queued,
@@ -120,17 +94,18 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleetmend.policy import drain_budget
 
-PATCH_ANSWERS_AT_ONCE = "answers-at-once"
-PATCH_RECONCILE = "reconcile"
-PATCH_ANSWERS_BEFORE_CAN = "answers-before-can"
-PATCH_PERMIT_POOL = "permit-pool"
-PATCH_REASK_NOT_A_FAULT = "reask-not-a-fault"
 HOLDING_PHASES = frozenset({Phase.DRAINING, Phase.DIAGNOSING, Phase.RECOVERING, Phase.AWAITING_REPAIR,
                             Phase.VERIFYING, Phase.RETURNING})
-"""Incident phases that hold a drain permit (a rebuilt guard counts them against the budget)."""
+"""Incident phases that hold a drain permit (a rebuilt guard counts them)."""
 RECONCILE_TIMEOUT = timedelta(minutes=2)
 RECONCILE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
                               maximum_attempts=0)
+POOL_TIMEOUT = timedelta(seconds=30)
+POOL_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=10),
+                         maximum_attempts=0)
+"""The pool write is the grant: retried quickly and forever (NATS away: nothing is granted meanwhile)."""
+MAX_CLAIMS = 1_000
+"""Queue heads offered to the pool in one write (a queue of thousands behind a budget of tens)."""
 
 MAX_RETURNS_PER_NODE = 10
 MAX_INFRA_KEPT = 20
@@ -204,82 +179,55 @@ class FleetGuard:
         self._dirty = False
         self._published_phase: GuardPhase | None = None
         self._ready = inp.carried is not None
-        """False until a new guard has rebuilt its permits from the running incidents (`run`): requests
-        that start the guard (update-with-start) run before `run` and must wait for it."""
+        """False until a new guard has rebuilt its holders from the running incidents (`run`)."""
         self._reconcile_due = False
-        self._pool_synced = False
         self._pool_task: asyncio.Task[None] | None = None
         """The pool write in flight (`_start_pool_sync`): the main loop never waits for it."""
-        """This run has written the permit pool once (`permit-pool`)."""
-        self._router_only: list[str] = []
+        self._pool_synced = False
+        """This run has written the pool once (a new run writes its settings again)."""
+        self._claims_due = True
+        """The queue heads may find room: something changed since the last write refused them all."""
+        self._refused: dict[str, str] = {}
+        """node → why the pool refused its slot in the last write (derived, never carried)."""
         self._recent_ix = RecentIndex()
         self._seen_set: set[str] = set()
         """`GuardState.seen_nodes` as a set (derived; rebuilt when the list grew elsewhere)."""
 
     # ---------------------------------------------------------------- messages
-    @workflow.signal(name=GuardApi.REQUEST_PERMIT)
-    def request_permit(self, req: PermitRequest) -> None:
-        self._inbox.append(req)
-
     @workflow.signal(name=GuardApi.REQUEST_PERMITS)
     def request_permits(self, reqs: list[PermitRequest]) -> None:
-        """Requests the router forwarded in one signal (`PermitRequest.forwarded`, `policy.fast_drain`):
-        nodes that must drain now and found no slot in the permit pool, queued here before their
-        incidents ask. Handled like `request_permit`, in arrival order."""
+        """Permit requests in arrival order: an incident's own (a list of one), or the router's for the
+        nodes of a burst it found no pool slot for (`PermitRequest.forwarded`). An empty list only
+        starts the guard (it publishes the pool)."""
         self._inbox.extend(reqs)
-
-    @workflow.update(name=GuardApi.DECIDE_PERMIT)
-    async def decide_permit(self, req: PermitRequest) -> PermitDecision:
-        """Decide `req` now: granted, denied (observe-only, infrastructure incident) or `queued` with the
-        reason it waits; a queued request is answered later by a `permit` signal. Idempotent: a node
-        that holds its permit is granted again, a queued one keeps its place."""
-        if not self._ready:
-            await workflow.wait_condition(lambda: self._ready)
-        self._process()  # earlier requests and releases first, in arrival order
-        self._request(req, workflow.now())
-        self._grant_queue()
         self._dirty = True
-        mine = [d for n, d in self._answers if n == req.node]
-        if mine:
-            self._answers = [(n, d) for n, d in self._answers if n != req.node]
-            return mine[-1]
-        q = next((q for q in self._state.queue if q.node == req.node), None)
-        return PermitDecision(granted=False, queued=True, reason=self._waiting(q) if q else "queued")
+
+    @workflow.signal(name=GuardApi.RELEASE)
+    def release(self, rel: PermitRelease) -> None:
+        self._inbox.append(rel)
 
     @workflow.update(name=GuardApi.RELEASE_PERMIT)
     async def release_permit(self, cmd: PermitReleaseCommand) -> str:
-        """Free `cmd.node`'s permit (or withdraw its queued request) by hand; audited with `by`."""
+        """Free `cmd.node`'s permit and pool slot (or withdraw its queued request) by hand; audited with
+        `by`. The CLI returns the node to service first (`fleetmend breaker release`)."""
         s = self._state
         held = any(h.node == cmd.node for h in s.held)
         queued = any(q.node == cmd.node for q in s.queue)
-        if s.policy.fast_drain:  # its pool slot too, known to the guard or not (a router drain never adopted)
-            s.pool_drop.append(cmd.node)
-            self._dirty = True
-        if not (held or queued):
-            if s.policy.fast_drain:
-                self._log(f"{cmd.node}: permit pool slot freed by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
-                return f"{cmd.node} holds no permit here and is not queued; its permit pool slot (if any) is freed"
-            return f"{cmd.node} holds no permit and is not queued in {s.cluster}: nothing released"
+        s.pool_drop.append(cmd.node)  # its pool slot, known to the guard or not (a router drain never adopted)
+        s.stranded.pop(cmd.node, None)
         s.held = [h for h in s.held if h.node != cmd.node]
         s.queue = [q for q in s.queue if q.node != cmd.node]
-        what = "permit released" if held else "queued request withdrawn"
+        self._claims_due = self._dirty = True
+        what = "permit released" if held else "queued request withdrawn" if queued else "permit pool slot freed"
         self._log(f"{cmd.node}: {what} by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
-        self._dirty = True
-        return f"{cmd.node}: {what}; {len(s.held)}/{self._budget()} permits held, {len(s.queue)} queued"
+        return (f"{cmd.node}: {what}; {len(s.queue)} queued" if held or queued else
+                f"{cmd.node} holds no permit here and is not queued; its permit pool slot (if any) is freed")
 
     @release_permit.validator
     def _v_release_permit(self, cmd: PermitReleaseCommand) -> None:
         _require_by(cmd)
         if not cmd.node or not cmd.node.strip():
             raise ValueError("name the node whose permit to release")
-
-    @workflow.signal(name=GuardApi.RELEASE)
-    def release(self, rel: PermitRelease) -> None:
-        self._inbox.append(rel)
-
-    @workflow.signal(name=GuardApi.ENSURE)
-    def ensure(self) -> None:
-        """No-op: lets a CLI signal-with-start the guard before its first update."""
 
     @workflow.query(name=GuardApi.STATUS)
     def status(self) -> GuardStatus:
@@ -292,7 +240,7 @@ class FleetGuard:
             breaker_tripped_at=iso(s.breaker_tripped_at), paused=s.paused, paused_by=s.paused_by,
             observe_only=s.policy.observe_only, infra_incidents=[i.to_dict() for i in s.infra],
             recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:],
-            router_only=list(self._router_only) if s.policy.fast_drain else [])
+            router_only=list(s.router_only), pool_holders=s.pool_holders, stranded=dict(s.stranded))
 
     @workflow.update(name=GuardApi.RESET_BREAKER)
     async def reset_breaker(self, cmd: GuardCommand) -> str:
@@ -304,7 +252,7 @@ class FleetGuard:
             if inc.closed_at is None:
                 inc.closed_at = self._now()
         self._log(f"breaker reset by {cmd.by}{': ' + cmd.note if cmd.note else ''} (was: {was})")
-        self._dirty = True
+        self._claims_due = self._dirty = True
         return f"breaker reset; {len(s.queue)} queued request(s) will be served in severity order"
 
     @reset_breaker.validator
@@ -328,7 +276,7 @@ class FleetGuard:
         s = self._state
         s.paused, s.paused_by = False, None
         self._log(f"resumed by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
-        self._dirty = True
+        self._claims_due = self._dirty = True
         return f"resumed; {len(s.queue)} queued request(s)"
 
     @resume.validator
@@ -340,12 +288,10 @@ class FleetGuard:
     async def run(self, inp: GuardInput) -> None:
         self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
         self._dirty = True
-        if workflow.patched(PATCH_RECONCILE):
-            if inp.carried is None:
-                await self._rebuild()
-            self._ready = True
-            self._clock = asyncio.create_task(self._reconcile_clock())  # kept: a dropped task may be collected
+        if inp.carried is None:
+            await self._rebuild()
         self._ready = True
+        self._clock = asyncio.create_task(self._reconcile_clock())  # kept: a dropped task may be collected
         while True:
             await workflow.wait_condition(lambda: bool(self._inbox) or self._dirty or bool(self._tickets)
                                           or bool(self._answers) or self._reconcile_due)
@@ -354,27 +300,24 @@ class FleetGuard:
                 self._reconcile_due = False
                 await self._reconcile()
             self._process()
-            await self._grant()
+            await self._send()
             await self._file_tickets()
             self._publish()
-            if self._state.policy.fast_drain and workflow.patched(PATCH_PERMIT_POOL):
-                self._start_pool_sync()
+            self._start_pool_sync()
             info = workflow.info()
             if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
                     and not self._inbox:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 if self._pool_task is not None and not self._pool_task.done():
-                    await self._pool_task  # its slots to free must not be lost with this run
-                if self._answers and workflow.patched(PATCH_ANSWERS_BEFORE_CAN):
-                    # the last update handlers granted other nodes too (requests that came by signal):
-                    # send those answers first, continue-as-new on a later pass
-                    continue
+                    await self._pool_task  # its grants and slots to free must not be lost with this run
+                if self._answers:
+                    continue  # answers of the last write go out first; continue-as-new on a later pass
                 s = self._state
                 workflow.continue_as_new(GuardInput(
                     cluster=s.cluster, policy=s.policy, carried=s,
                     pending_requests=[m for m in self._inbox if isinstance(m, PermitRequest)],
                     pending_releases=[m for m in self._inbox if isinstance(m, PermitRelease)],
-                                                    max_history_events=inp.max_history_events))
+                    max_history_events=inp.max_history_events))
 
     # ---------------------------------------------------------------- decisions
     def _process(self) -> None:
@@ -391,10 +334,12 @@ class FleetGuard:
 
     def _release(self, rel: PermitRelease) -> None:
         s = self._state
-        s.pool_router.pop(rel.node, None)
         before = len(s.held) + len(s.queue)
         s.held = [h for h in s.held if h.node != rel.node]
         s.queue = [q for q in s.queue if q.node != rel.node]
+        s.stranded.pop(rel.node, None)
+        s.router_only = [n for n in s.router_only if n != rel.node]
+        self._claims_due = True  # its slot is free (the activity gave it back before signalling)
         if rel.returned and rel.fault_class:
             hist = s.returns.setdefault(rel.node, [])
             hist.append((rel.fault_class, self._now()))
@@ -408,8 +353,6 @@ class FleetGuard:
         s = self._state
         if not req.forwarded:  # the worker's policy; a router's forward keeps the guard's
             s.policy = req.policy
-        if req.pool_router is not None:  # the newest view of the router's pool slots
-            s.pool_router = dict(req.pool_router)
         if len(self._seen_set) != len(s.seen_nodes):
             self._seen_set = set(s.seen_nodes)
         if req.node not in self._seen_set:
@@ -425,8 +368,7 @@ class FleetGuard:
                                                            lemon=self._lemon(req, now))))
             return
         at = self._queued_at(req.node, queued)
-        if at is not None and s.queue[at].counted and not req.preclaimed and not s.policy.observe_only \
-                and workflow.patched(PATCH_REASK_NOT_A_FAULT):
+        if at is not None and s.queue[at].counted and not req.preclaimed and not s.policy.observe_only:
             self._requeue(at, req)  # asked again: the same place, not a new fault
             return
         s.recent.append((req.node, self._now()))
@@ -437,13 +379,12 @@ class FleetGuard:
             s.held.append(Held(node=req.node, severity=Severity(req.severity), fault_class=req.fault_class,
                                rack=req.rack, granted_at=self._now()))
             s.grants += 1
-            s.pool_router.pop(req.node, None)
-            self._router_only = [n for n in self._router_only if n != req.node]
+            s.router_only = [n for n in s.router_only if n != req.node]
             self._log(f"{req.node}: drained by the router under a permit pool slot; adopted "
-                      f"({req.severity} {req.fault_class}; {len(s.held)}/{self._budget()} held)")
+                      f"({req.severity} {req.fault_class})")
             self._answers.append((req.node, PermitDecision(
-                granted=True, reason=f"adopted: drained by the router under a permit pool slot "
-                                     f"({len(s.held)}/{self._budget()} held)", lemon=self._lemon(req, now))))
+                granted=True, reason="adopted: drained by the router under a permit pool slot",
+                lemon=self._lemon(req, now))))
             self._domain_incident(req, now)  # counts toward its domains (an incident opened closes them in the pool)
             self._check_breaker()
             return
@@ -464,8 +405,9 @@ class FleetGuard:
             s.queue.append(self._entry(req))
             if queued is not None:
                 queued.add(req.node)
-        else:  # asked again while queued (a run before patch reask-not-a-fault)
+        else:
             self._requeue(at, req)
+        self._claims_due = True
         # 3. breaker
         self._check_breaker()
 
@@ -557,11 +499,11 @@ class FleetGuard:
         return None
 
     async def _reconcile_clock(self) -> None:
-        """Every `permit_reconcile_s` while anyone holds or waits for a permit: reconcile (one timer per
-        period; an idle guard sleeps without one)."""
+        """Every `permit_reconcile_s`: reconcile. Always, even with nothing held here: the router takes
+        slots without telling the guard, and one whose incident never started is found only by reading
+        the pool (one timer and one KV read per period)."""
         s = self._state
         while True:
-            await workflow.wait_condition(lambda: bool(s.held or s.queue))
             await workflow.sleep(s.policy.permit_reconcile_s)
             self._reconcile_due = True
 
@@ -572,28 +514,34 @@ class FleetGuard:
             retry_policy=RECONCILE_RETRY, summary="which permit holders still have a running incident")
 
     async def _reconcile(self) -> None:
-        """Release the permits and queued requests of nodes whose incident is no longer running."""
+        """Queued requests whose incident is gone are withdrawn; the pool's holders are checked
+        (`reconcile_pool`): a drained node whose incident never started gets one, a drained node whose
+        incident no longer runs stays counted and is listed as stranded."""
         s = self._state
-        nodes = sorted({h.node for h in s.held} | {q.node for q in s.queue})
-        if not nodes:
-            return
-        alive = {r.node for r in await self._running(nodes)}
-        for node in nodes:
-            held = any(h.node == node for h in s.held)
-            queued = any(q.node == node for q in s.queue)
-            if node in alive or not (held or queued):
-                continue
-            s.held = [h for h in s.held if h.node != node]
-            s.queue = [q for q in s.queue if q.node != node]
-            if s.policy.fast_drain:
-                s.pool_drop.append(node)
-            self._log(f"{node}: {'permit released' if held else 'queued request withdrawn'} by reconciliation: "
-                      "its incident is not running (terminated, reset or lost)")
-            self._dirty = True
+        queued = sorted({q.node for q in s.queue})
+        if queued:
+            alive = {r.node for r in await self._running(queued)}
+            for node in queued:
+                if node not in alive and any(q.node == node for q in s.queue):
+                    s.queue = [q for q in s.queue if q.node != node]
+                    self._log(f"{node}: queued request withdrawn by reconciliation: its incident is not running")
+                    self._dirty = True
+        r: PoolReconciled = await workflow.execute_activity(
+            Activity.RECONCILE_POOL, PoolReconcile(cluster=s.cluster, grace_s=s.policy.permit_reconcile_s),
+            result_type=PoolReconciled, start_to_close_timeout=RECONCILE_TIMEOUT, retry_policy=RECONCILE_RETRY,
+            summary="every drained node has a running incident")
+        s.pool_holders = r.holders
+        for node in r.given:
+            self._log(f"{node}: drained by the router but its incident never started; opened it (it adopts the drain)")
+        for node, why in r.stranded.items():
+            if s.stranded.get(node) != why:
+                self._log(f"{node}: STRANDED: {why}")
+        s.stranded = dict(r.stranded)
+        self._dirty = True
 
     async def _rebuild(self) -> None:
-        """A guard without carried state: count the running incidents that hold a drain (their phase)
-        against the budget and queue those awaiting a permit, before answering anyone."""
+        """A guard without carried state: take the running incidents that hold a drain (their phase) as
+        holders and queue those awaiting a permit, before answering anyone."""
         s = self._state
         running = await self._running(None)
         held = queued = 0
@@ -613,56 +561,10 @@ class FleetGuard:
         if held or queued:
             self._log(f"rebuilt from the running incidents: {held} holding a drain, {queued} awaiting a permit")
 
-    async def _grant(self) -> None:
-        self._grant_queue()
-        await self._send()
-
-    def _grant_queue(self) -> None:
-        """Grant queued requests within the budget and rack caps (answers collected in `_answers`)."""
-        s = self._state
-        now = workflow.now()
-        if not (s.breaker_tripped or s.paused):
-            budget = self._budget()
-            router = self._unadopted()
-            for q in self._ordered_queue():
-                if len(s.held) + len(router) >= budget:
-                    break
-                if q.rack and self._in_rack(q.rack, router) >= s.policy.max_drained_per_rack:
-                    continue
-                s.queue.remove(q)
-                s.held.append(Held(node=q.node, severity=q.severity, fault_class=q.fault_class, rack=q.rack,
-                                   granted_at=self._now()))
-                s.grants += 1
-                lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=q.severity,
-                                                  fault_class=q.fault_class), now)
-                self._log(f"{q.node}: permit granted ({q.severity.value} {q.fault_class}; {len(s.held)}/{budget} held)")
-                self._answers.append((q.node, PermitDecision(
-                    granted=True, reason=f"permit {len(s.held)}/{budget}", lemon=lemon)))
-
-    async def _send(self) -> None:
-        """Signal the collected answers to their incidents: all in one workflow task (patched)."""
-        s = self._state
-        answers, self._answers = self._answers, []
-
-        async def deliver(node: str, decision: PermitDecision) -> None:
-            handle = workflow.get_external_workflow_handle(subjects.workflow_id(s.cluster, node))
-            try:
-                await handle.signal(RemediationApi.PERMIT, decision)
-            except Exception as err:  # noqa: BLE001 - the incident closed meanwhile: take the permit back
-                s.held = [h for h in s.held if h.node != node]
-                if s.policy.fast_drain and decision.granted:
-                    s.pool_drop.append(node)
-                self._log(f"{node}: could not deliver permit decision ({err}); permit withdrawn")
-                self._dirty = True
-
-        if answers and workflow.patched(PATCH_ANSWERS_AT_ONCE):
-            await asyncio.gather(*(deliver(n, d) for n, d in answers))
-            return
-        for node, decision in answers:
-            await deliver(node, decision)
-
+    # ---------------------------------------------------------------- the pool: settings and grants
     def _pool_view(self) -> PoolSync:
-        """What the permit pool must say now: budget, rack cap, open (or why not), closed domains."""
+        """What the pool must say now (budget, rack cap, open or why not, closed domains) and the queue
+        heads to offer it (none while the breaker is tripped, the guard paused or observe-only)."""
         s = self._state
         why = ""
         if s.policy.observe_only:
@@ -672,12 +574,14 @@ class FleetGuard:
         elif s.paused:
             why = f"paused by {s.paused_by}"
         closed = sorted({i.domain for i in s.infra if i.closed_at is None})
+        claims = [PoolClaim(node=q.node, rack=q.rack) for q in self._ordered_queue()[:MAX_CLAIMS]] \
+            if not why and s.queue and self._claims_due else []
         return PoolSync(cluster=s.cluster, budget=self._budget(), rack_cap=s.policy.max_drained_per_rack,
-                        open=not why, why=why, closed_domains=closed)
+                        open=not why, why=why, closed_domains=closed, claims=claims)
 
     def _start_pool_sync(self) -> None:
         """Write the pool in the background when it must change (`_sync_pool`). The main loop goes on
-        answering requests meanwhile: under a storm an activity round trip takes seconds, and a loop
+        taking requests meanwhile: under a storm an activity round trip takes seconds, and a loop
         waiting for it would leave signalled requests unqueued that long."""
         if (self._pool_task is None or self._pool_task.done()) and self._pool_due() is not None:
             self._pool_task = asyncio.create_task(self._pool_syncer())
@@ -687,31 +591,75 @@ class FleetGuard:
             await self._sync_pool(*due)
 
     def _pool_due(self) -> tuple[PoolSync, str] | None:
-        """(what the pool must say now, its signature), or None when the last write already said it
-        and no slot is to be freed."""
+        """(the write to make, its settings' signature), or None when the last write already said it, no
+        slot is to be freed and no queue head is to be offered."""
         s = self._state
         view = self._pool_view()
         sig = f"{view.budget}|{view.rack_cap}|{view.open}|{view.why}|{','.join(view.closed_domains)}"
-        return None if sig == s.pool_published and not s.pool_drop and self._pool_synced else (view, sig)
+        if sig == s.pool_published and not s.pool_drop and not view.claims and self._pool_synced:
+            return None
+        return view, sig
 
     async def _sync_pool(self, view: PoolSync, sig: str) -> None:
-        """Write `view` to the pool with the slots to free (`permit-pool`). The guard's own holders go
-        with it: the pool adds them only when it is new."""
+        """Write `view` with the slots to free, and grant the claims that got a slot. The guard's holders
+        go with it: the pool adds them only when it is new."""
         s = self._state
         view.held = {h.node: h.rack for h in s.held}
         view.drop, s.pool_drop = sorted(set(s.pool_drop)), []
+        self._claims_due = False  # until something changes: a request, a release, a reset (set meanwhile: again)
         r: PoolSynced = await workflow.execute_activity(
-            Activity.SYNC_PERMIT_POOL, view, result_type=PoolSynced, start_to_close_timeout=RECONCILE_TIMEOUT,
-            retry_policy=RECONCILE_RETRY, summary=f"permit pool: {view.budget} slots, "
-                                                  f"{'open' if view.open else 'closed: ' + view.why}")
+            Activity.SYNC_PERMIT_POOL, view, result_type=PoolSynced, start_to_close_timeout=POOL_TIMEOUT,
+            retry_policy=POOL_RETRY, summary=f"permit pool: {view.budget} slots, "
+                                             f"{'open' if view.open else 'closed: ' + view.why}"
+                                             + (f"; {len(view.claims)} queue head(s) offered" if view.claims else ""))
         if sig != s.pool_published:
             self._log(f"permit pool: budget {view.budget}, {view.rack_cap} per rack, "
                       f"{'open' if view.open else 'closed (' + view.why + ')'}"
                       + (f", closed domains {', '.join(view.closed_domains)}" if view.closed_domains else "")
                       + f"; {r.holders} slot(s) held")
         s.pool_published, self._pool_synced = sig, True
+        s.pool_holders = r.holders
         held = {h.node for h in s.held}
-        self._router_only = [n for n in r.router_only if n not in held]
+        s.router_only = [n for n in r.router_only if n not in held]
+        self._refused = dict(r.refused)
+        granted = set(r.granted)
+        now = workflow.now()
+        for q in [q for q in self._ordered_queue() if q.node in granted]:
+            s.queue.remove(q)
+            s.held.append(Held(node=q.node, severity=q.severity, fault_class=q.fault_class, rack=q.rack,
+                               granted_at=self._now()))
+            s.grants += 1
+            lemon = self._lemon(PermitRequest(cluster=s.cluster, node=q.node, severity=q.severity,
+                                              fault_class=q.fault_class), now)
+            self._log(f"{q.node}: permit granted ({q.severity.value} {q.fault_class}; "
+                      f"{r.holders}/{view.budget} slots held)")
+            self._answers.append((q.node, PermitDecision(granted=True, reason=f"pool slot {r.holders}/{view.budget}",
+                                                         lemon=lemon)))
+        # a slot taken for a node that left the queue while the write was in flight goes back
+        gone = granted - {h.node for h in s.held}
+        if gone:
+            s.pool_drop.extend(sorted(gone))
+        self._dirty = True
+
+    async def _send(self) -> None:
+        """Signal the collected answers to their incidents, all at once."""
+        s = self._state
+        answers, self._answers = self._answers, []
+
+        async def deliver(node: str, decision: PermitDecision) -> None:
+            handle = workflow.get_external_workflow_handle(subjects.workflow_id(s.cluster, node))
+            try:
+                await handle.signal(RemediationApi.PERMIT, decision)
+            except Exception as err:  # noqa: BLE001 - the incident closed meanwhile: take the permit back
+                if decision.granted and not decision.reason.startswith("adopted"):
+                    s.held = [h for h in s.held if h.node != node]
+                    s.pool_drop.append(node)  # granted, never drained: its slot goes back
+                self._log(f"{node}: could not deliver permit decision ({err}); "
+                          + ("permit withdrawn" if decision.granted else "dropped"))
+                self._dirty = True
+
+        if answers:
+            await asyncio.gather(*(deliver(n, d) for n, d in answers))
 
     async def _file_tickets(self) -> None:
         incs, self._tickets = self._tickets, []
@@ -743,27 +691,13 @@ class FleetGuard:
             return f"breaker tripped at {iso(s.breaker_tripped_at)}; `fleetmend breaker reset` resumes drains"
         if s.paused:
             return f"paused by {s.paused_by}; `fleetmend resume` resumes drains"
-        budget = self._budget()
-        router = self._unadopted()
-        if len(s.held) + len(router) >= budget:
-            extra = f"; {len(router)} of them drained by the router, not adopted yet" if router else ""
-            return (f"budget: {len(s.held) + len(router)}/{budget} permits held (blast radius{extra}), "
-                    f"{len(s.queue)} queued")
-        if q.rack:
-            in_rack = self._in_rack(q.rack, router)
-            if in_rack >= s.policy.max_drained_per_rack:
-                return f"rack {q.rack}: {in_rack}/{s.policy.max_drained_per_rack} drained"
-        return "next in the queue"
-
-    def _unadopted(self) -> dict[str, str | None]:
-        """The router's pool holders (newest view) that the guard does not hold yet: drained nodes that
-        count against the budget and rack caps until their incidents ask to be adopted."""
-        s = self._state
-        held = {h.node for h in s.held}
-        return {n: r for n, r in s.pool_router.items() if n not in held}
-
-    def _in_rack(self, rack: str, router: dict[str, str | None]) -> int:
-        return sum(1 for h in self._state.held if h.rack == rack) + sum(1 for r in router.values() if r == rack)
+        refused = self._refused.get(q.node)
+        if refused is None and s.pool_holders >= self._budget():  # not offered yet, and no room
+            refused = f"budget: {s.pool_holders}/{self._budget()} permits held"
+        if refused is None:
+            return "next in the queue"
+        extra = f", {len(s.router_only)} of them drained by the router, not adopted yet" if s.router_only else ""
+        return f"{refused} (blast radius{extra}); {len(s.queue)} queued"
 
     def _ordered_queue(self) -> list[Queued]:
         return sorted(self._state.queue, key=lambda q: (-q.severity.rank, q.requested_at))
@@ -784,7 +718,14 @@ class FleetGuard:
             workflow.upsert_search_attributes([KEY_CLUSTER.value_set(s.cluster), KEY_PHASE.value_set(phase.value)])
             self._published_phase = phase
         lines = [f"**FleetGuard {s.cluster}** — `{phase.value}`", "",
-                 f"permits held: {len(s.held)}/{self._budget()} (known nodes {self._known()}); queued: {len(s.queue)}"]
+                 f"permit pool: {s.pool_holders}/{self._budget()} slots held (known nodes {self._known()}); "
+                 f"queued: {len(s.queue)}"]
+        if s.router_only:
+            ro = s.router_only
+            lines.append(f"router drains not adopted yet: {len(ro)} ({', '.join(ro[:10])}{' …' if len(ro) > 10 else ''})")
+        if s.stranded:
+            lines.append(f"stranded (drained, incident gone; still counted): {', '.join(sorted(s.stranded)[:10])}; "
+                         "`fleetmend breaker release NODE`")
         if s.breaker_tripped:
             lines.append(f"breaker tripped at {iso(s.breaker_tripped_at)}: {s.breaker_reason}")
             lines.append("reset: `fleetmend breaker reset`")
@@ -793,11 +734,6 @@ class FleetGuard:
         open_inc = [i for i in s.infra if i.closed_at is None]
         if open_inc:
             lines.append("infrastructure incidents: " + ", ".join(f"{i.domain} ({i.ticket})" for i in open_inc))
-        if s.policy.fast_drain:  # details are metadata, not commands: no patch
-            ro = self._router_only
-            lines.append(f"permit pool (policy.fast_drain): {len(ro)} router drain(s) not adopted yet"
-                         + (f" ({', '.join(ro[:10])}{' …' if len(ro) > 10 else ''})" if ro else "")
-                         + "; `fleetmend breaker status` shows the pool")
         workflow.set_current_details("\n".join(lines))
 
     def _log(self, text: str) -> None:
@@ -815,7 +751,6 @@ class FleetGuard:
         if self._s is None:
             self._s = GuardState(cluster=workflow.info().workflow_id.split("/")[-1])
         return self._s
-
 
 
 def _require_by(cmd: GuardCommand | PermitReleaseCommand) -> None:

@@ -24,50 +24,15 @@ that fired; `awaiting_permit` asks the cluster's FleetGuard for a drain permit a
 verification chosen from the original fault before filing a ticket; a lemon node (FleetGuard's
 per-node history) goes to RMA at once. Every close gives the permit back.
 
-Versioning: running incidents keep their command sequence. The histories in tests/histories/ are
-the baseline recorded with this code (0.x reset: no patches yet); every later change to the command
-order goes behind `workflow.patched(<id>)` with a history recorded before the change, listed here:
+Versioning: running incidents keep their command sequence. The histories in
+tests/histories/remediation_*.json are the 0.2 baseline, recorded once with this code (every earlier
+patch folded in; nothing was deployed). Every later change to the command order goes behind
+`workflow.patched(<id>)` with a history recorded before the change, listed here:
 
 ==========================  =====================================================================
 patch id                    what changed
 ==========================  =====================================================================
-two-sided-windows           history rules count an occurrence only up to `MAX_CLOCK_SKEW_S` after
-                            now (before: no upper bound; three XID 13 dated years ahead drained).
-                            History: remediation_future_app_xid_drained.json
-permit-decide               awaiting_permit asks with `decide_drain_permit` (update-with-start of
-                            FleetGuard; granted/denied come back as its result, only a queued
-                            request waits for the `permit` signal) and asks again every
-                            `permit_rerequest_s` while it waits (before: `request_drain_permit`
-                            signal-with-start, then wait for the signal, never asking again).
-                            Histories: remediation_fatal_returned.json and the other baselines
-bounded-pending             more than `MAX_PENDING_FAULTS` faults waiting: the signal handler merges
-                            repeats and keeps text only for drain-worthy ones (byte budget).
-                            History: remediation_many_pending_faults.json
-notify                      a `notify` activity (webhook, Slack, PagerDuty) on drain, ticket filed,
-                            lemon node and return to service, awaited before the run ends.
-                            History: remediation_lemon_returned_before_notify.json
-fold-1                      a run started with this code records this one marker in place of
-                            every patch above (each patch cost a marker and a search-attribute
-                            upsert per new incident: `_patched`), and upserts search attributes
-                            once per workflow task, when the run yields (before: at each change,
-                            four upserts in a new incident's first task).
-                            Histories: every one above (recorded before it)
-drain-with-permit           the guard is asked with `drain_with_permit`, which on a grant drains the
-                            node in the same activity; `drain_node` runs only after a grant that
-                            came later as a `permit` signal (before: `decide_drain_permit`, then a
-                            workflow task, then `drain_node`).
-                            Histories: remediation_fatal_returned_fold1.json,
-                            remediation_lemon_returned_fold1.json
-run-bytes                   a run also continues-as-new once its history grew by `MAX_RUN_BYTES`
-                            since the run started (signal payloads absorbed), not only past
-                            `MAX_HISTORY_EVENTS` events (before: a storm's run absorbed ~0.5 MiB
-                            of faults in ~100 events and the worker held all of it per cached run).
-                            History: remediation_storm_bytes.json
-abort-stops-recovery        an abort stops the recovery plan: no GPU reset or reboot starts once an
-                            abort arrived, and none is verified after one (before: an abort during
-                            the initial diagnostics was acted on only after the plan had run, so the
-                            node was rebooted after the operator said stop).
-                            History: remediation_abort_while_diagnosing.json
+(none yet)
 ==========================  =====================================================================
 """
 
@@ -121,8 +86,6 @@ with workflow.unsafe.imports_passed_through():
         Occurrence,
         Outcome,
         PermitDecision,
-        PermitDrainRequest,
-        PermitDrainResult,
         PermitRelease,
         PermitRequest,
         Phase,
@@ -141,27 +104,6 @@ with workflow.unsafe.imports_passed_through():
         iso,
     )
     from fleetmend.policy import Decision, FaultView, RuleSettings, decide
-
-PATCH_TWO_SIDED_WINDOWS = "two-sided-windows"
-PATCH_PERMIT_DECIDE = "permit-decide"
-PATCH_BOUNDED_PENDING = "bounded-pending"
-PATCH_NOTIFY = "notify"
-PATCH_FOLD_1 = "fold-1"
-PATCH_DRAIN_WITH_PERMIT = "drain-with-permit"
-PATCH_RUN_BYTES = "run-bytes"
-PATCH_ABORT_STOPS_RECOVERY = "abort-stops-recovery"
-
-
-def _patched(patch_id: str) -> bool:
-    """`workflow.patched(patch_id)`, answered by the one marker `fold-1` in a run started with this code.
-
-    Every `workflow.patched()` call records a marker, and the SDK core upserts the `TemporalChangeVersion`
-    search attribute with it: a history event and a visibility write on the server per patch, five in
-    each new incident before this fold. A run that records `fold-1` takes every patch listed above it as
-    applied without recording their markers. Deterministic: the SDK remembers a patch's answer for the
-    rest of the run, so a run started before this code answers `fold-1` False (it is absent from its
-    history) and asks each patch as before."""
-    return workflow.patched(PATCH_FOLD_1) or workflow.patched(patch_id)
 
 NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coefficient=2.0,
                            maximum_interval=timedelta(minutes=2), maximum_attempts=10)
@@ -208,9 +150,7 @@ class NodeRemediation:
         self._abort: AbortCommand | None = None
         self._policy = IncidentPolicy()
         self._sa_last: tuple[object, ...] | None = None
-        self._sa_flush_due = False  # an upsert is queued for the end of this workflow task (patch fold-1)
-        self._last_queue_note: str | None = None
-        self._early_drain: DrainResult | None = None  # drained with the grant (patch drain-with-permit)
+        self._sa_flush_due = False  # an upsert is queued for the end of this workflow task
         self._notifications: list = []
         self._run_bytes0 = 0  # history size in bytes when this run started (start event + carried state)
 
@@ -218,7 +158,7 @@ class NodeRemediation:
     @workflow.signal(name=RemediationApi.FAULTS)
     def faults(self, batch: FaultBatch) -> None:
         self._pending.extend(batch.faults)
-        if len(self._pending) > MAX_PENDING_FAULTS and _patched(PATCH_BOUNDED_PENDING):
+        if len(self._pending) > MAX_PENDING_FAULTS:
             self._bound_pending()
 
     def _bound_pending(self) -> None:
@@ -410,16 +350,13 @@ class NodeRemediation:
 
     def _decide(self) -> Decision:
         s, p = self._state, self._policy
-        views = [FaultView(kind=f.kind, code=f.code, device=f.device, severity=f.severity, drain=f.drain,
-                           immediate_action=f.immediate_action, fault_class=f.fault_class,
-                           times=list(f.times or [f.observed_at]), recovery=f.recovery, urgency=f.urgency,
-                           history=f.history,
-                           cleared=self._cleared(f), clearable=f.clearable, message=f.message,
+        views = [FaultView(kind=f.kind, code=f.code, device=f.device, verdict=f.verdict,
+                           times=list(f.times or [f.observed_at]), cleared=self._cleared(f), message=f.message,
                            arrived_at=f.arrived_at)
                  for f in s.faults if not f.healthy]
         rules = RuleSettings(app_xid_repeats=p.app_xid_repeats, app_xid_window_s=p.app_xid_window_s,
                              sbe_events_per_window=p.sbe_events_per_window, sbe_window_s=p.sbe_window_s,
-                             max_future_s=MAX_CLOCK_SKEW_S if _patched(PATCH_TWO_SIDED_WINDOWS) else None)
+                             max_future_s=MAX_CLOCK_SKEW_S)
         return decide(views, workflow.now(), rules, debounce_s=p.debounce_s)
 
     def _note_decisions(self, d: Decision) -> None:
@@ -431,8 +368,10 @@ class NodeRemediation:
                 self._note(f"rule: {reason}")
 
     async def _await_permit(self) -> bool:
-        """Ask FleetGuard for a drain permit and wait for its answer. Returns True when granted; on a
-        denial the incident is closed (observe-only, infrastructure incident), on abort it returns False."""
+        """Ask FleetGuard for a drain permit (`request_drain_permit`) and wait for its `permit` signal,
+        asking again every `permit_rerequest_s` (idempotent: a queued node keeps its place; a guard that
+        was terminated or reset learns of it again). Returns True when granted; on a denial the incident
+        is closed (observe-only, infrastructure incident); on abort it returns False."""
         s = self._state
         if s.permit_held:
             return True
@@ -440,26 +379,17 @@ class NodeRemediation:
             s.permit_requested, s.permit_requested_at = True, self._now()
         req = PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
                             reason="; ".join(s.decisions[-3:]), requested_at=s.permit_requested_at)
-        decide = _patched(PATCH_PERMIT_DECIDE)
-        if decide:
-            await self._decide_permit(req)
-        else:
-            await workflow.execute_activity(
-                Activity.REQUEST_DRAIN_PERMIT, req, start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=ACTIVITY_RETRY, summary=f"drain permit for {s.node}")
-            self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
-                       "blast-radius budget decides; `fleetmend breaker status` shows permits held and the queue")
+        await self._ask_permit(req)
+        self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
+                   "blast-radius budget decides; `fleetmend breaker status` shows the pool and the queue")
         while True:
-            if not decide:
-                await workflow.wait_condition(lambda: s.permit is not None or self._abort is not None
-                                              or bool(self._pending))
-            elif s.permit is None and self._abort is None and not self._pending:
+            if s.permit is None and self._abort is None and not self._pending:
                 try:
                     await workflow.wait_condition(
                         lambda: s.permit is not None or self._abort is not None or bool(self._pending),
                         timeout=timedelta(seconds=self._policy.permit_rerequest_s))
                 except asyncio.TimeoutError:  # a guard terminated or reset lost us: ask again (idempotent)
-                    await self._decide_permit(req)
+                    await self._ask_permit(req)
                     continue
             self._absorb()
             if self._abort is not None:
@@ -486,50 +416,21 @@ class NodeRemediation:
             self._close(Outcome.DENIED)
         return False
 
-    async def _decide_permit(self, req: PermitRequest) -> None:
-        """One round with the guard: a decision is kept in `permit`; a queued answer is noted (once per
-        distinct reason) and the grant awaited as a signal. With patch drain-with-permit the round is
-        `drain_with_permit`, which on a grant has also drained the node (kept for `_drain`)."""
-        s = self._state
-        if workflow.patched(PATCH_DRAIN_WITH_PERMIT):
-            r: PermitDrainResult = await workflow.execute_activity(
-                Activity.DRAIN_WITH_PERMIT, PermitDrainRequest(permit=req, drain=self._drain_request()),
-                result_type=PermitDrainResult, start_to_close_timeout=DRAIN_TIMEOUT,
-                heartbeat_timeout=DRAIN_HEARTBEAT, retry_policy=ACTIVITY_RETRY,
-                summary=f"drain permit for {s.node}, and the drain when granted")
-            d = r.decision
-            if r.drain is not None:  # granted and drained: the state now, the timeline in _drain
-                self._early_drain = r.drain
-                self._drain_state(r.drain)
-        else:
-            d = await workflow.execute_activity(
-                Activity.DECIDE_DRAIN_PERMIT, req, result_type=PermitDecision,
-                start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
-                summary=f"drain permit for {s.node}")
-        if not d.queued:
-            # a `permit` signal that came first wins (same guard, same answer), unless this grant has
-            # already drained the node: then the grant stands, so the drain is owned and given back
-            if s.permit is None or self._early_drain is not None:
-                s.permit = d
-            return
-        note = f"drain permit queued by FleetGuard ({s.severity} {s.fault_class}): {d.reason}"
-        if self._last_queue_note != note:
-            self._last_queue_note = note
-            self._note(note + "; `fleetmend breaker status` shows permits held and the queue")
+    async def _ask_permit(self, req: PermitRequest) -> None:
+        await workflow.execute_activity(
+            Activity.REQUEST_DRAIN_PERMIT, req, start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=ACTIVITY_RETRY, summary=f"drain permit for {self._state.node}")
 
     async def _drain(self) -> None:
         s = self._state
         if not await self._await_permit():
             return
         self._set_phase(Phase.DRAINING)
-        if self._early_drain is not None:  # drained by `drain_with_permit` with the grant
-            res, self._early_drain = self._early_drain, None
-        else:
-            res = await workflow.execute_activity(
-                Activity.DRAIN_NODE, self._drain_request(), result_type=DrainResult,
-                start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
-                retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
-            self._drain_state(res)
+        res: DrainResult = await workflow.execute_activity(
+            Activity.DRAIN_NODE, self._drain_request(), result_type=DrainResult,
+            start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
+            retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
+        self._drain_state(res)
         if res.operator_drained:
             self._note(f"node already drained by an operator ({res.detail}); left as is, never undrained")
         else:
@@ -644,9 +545,8 @@ class NodeRemediation:
 
     def _aborted_recovery(self, op: RecoveryOp | None) -> bool:
         """True when an abort arrived: the recovery plan stops before `op` (None: before verifying the
-        step just run). Patch abort-stops-recovery; asked only once an abort is there, so a run without
-        one records no marker."""
-        if self._abort is None or not workflow.patched(PATCH_ABORT_STOPS_RECOVERY):
+        step just run), so no GPU reset or reboot starts after the operator said stop."""
+        if self._abort is None:
             return False
         self._recovery_note(f"{op.value} not started: the incident was aborted" if op is not None
                             else "not verified: the incident was aborted")
@@ -787,7 +687,7 @@ class NodeRemediation:
     # ---------------------------------------------------------------- helpers
     def _notify(self, event: NotifyEvent, summary: str) -> None:
         """Start the `notify` activity (never awaited here: a slow channel does not hold the incident)."""
-        if not self._policy.notify or not _patched(PATCH_NOTIFY):
+        if not self._policy.notify:
             return
         s = self._state
         n = Notification(event=event, cluster=s.cluster, node=s.node, summary=summary,
@@ -897,12 +797,10 @@ class NodeRemediation:
                 same.last_seq = s.arrivals
                 continue
             s.faults.append(FaultRecord(
-                event_id=ev.event_id, kind=ev.kind, code=ev.code, severity=Severity(v.severity),
-                component=ev.component, device=key.device, healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message,
-                observed_at=ev.observed_at, fault_class=v.fault_class, immediate_action=v.immediate_action,
-                drain=v.drain, source=v.source, count=len(new_times), times=new_times[-MAX_TIMES_KEPT:],
-                arrived_at=self._now(), clearable=v.clearable, last_seq=s.arrivals, stream_seq=rf.stream_seq,
-                urgency=v.urgency, recovery=v.recovery, verify=list(v.verify), history=v.history))
+                event_id=ev.event_id, kind=ev.kind, code=ev.code, component=ev.component, device=key.device,
+                healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message, observed_at=ev.observed_at, verdict=v,
+                count=len(new_times), times=new_times[-MAX_TIMES_KEPT:], arrived_at=self._now(),
+                last_seq=s.arrivals, stream_seq=rf.stream_seq))
             if not ev.healthy:
                 s.severity = Severity.worst(s.severity, v.severity)
             if s.fault_class is None and not ev.healthy:
@@ -925,8 +823,7 @@ class NodeRemediation:
     def _maybe_continue_as_new(self) -> None:
         info = workflow.info()
         if (info.get_current_history_length() > MAX_HISTORY_EVENTS or info.is_continue_as_new_suggested()
-                or (info.get_current_history_size() - self._run_bytes0 > MAX_RUN_BYTES
-                    and workflow.patched(PATCH_RUN_BYTES))):
+                or info.get_current_history_size() - self._run_bytes0 > MAX_RUN_BYTES):
             s = self._state
             self._note(f"continuing as new (history {info.get_current_history_length()} events, "
                        f"{info.get_current_history_size() // 1024} KiB)")
@@ -989,15 +886,12 @@ class NodeRemediation:
         the state; only a change is written."""
         if self._sa_values() == self._sa_last:
             return
-        if workflow.patched(PATCH_FOLD_1):
-            # One upsert for all the changes of this workflow task, sent when the run next yields: each
-            # upsert is a history event and a visibility write on the server, and a new incident used to
-            # make four in its first task (faults, awaiting_permit, draining, drained).
-            if not self._sa_flush_due:
-                self._sa_flush_due = True
-                asyncio.get_running_loop().call_soon(self._flush_search_attributes)
-            return
-        self._flush_search_attributes()
+        # One upsert for all the changes of this workflow task, sent when the run next yields: each
+        # upsert is a history event and a visibility write on the server (a new incident changes four
+        # in its first task: faults, awaiting_permit, draining, drained).
+        if not self._sa_flush_due:
+            self._sa_flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_search_attributes)
 
     def _flush_search_attributes(self) -> None:
         """Send the search attributes if they changed since the last upsert (also the queued upsert's

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -84,7 +85,8 @@ async def _guard_handle(settings: Settings, *, start: bool) -> Any:
     if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
         policy = GuardPolicy.from_settings(settings.policy, len(load_topology(settings.policy.topology_file)))
         await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
-                                    task_queue=guard_task_queue(settings.task_queue), start_signal=GuardApi.ENSURE)
+                                    task_queue=guard_task_queue(settings.task_queue),
+                                    start_signal=GuardApi.REQUEST_PERMITS, start_signal_args=[[]])
     return client.get_workflow_handle(wid)
 
 
@@ -155,12 +157,45 @@ async def _only_queued(client: Any, cluster: str, node: str) -> bool:
         return False
 
 
-async def release_permit(settings: Settings, node: str, by: str, note: str, force: bool = False) -> str:
-    """Free `node`'s permit (`GuardApi.RELEASE_PERMIT`). Refused while `node`'s incident still runs (its
-    drain is in force: freeing its permit lets one more node drain than the budget allows) unless `force`.
+async def _undrain_for_release(settings: Settings, node: str) -> str:
+    """Return `node` to service if fleetmend drained it (the scheduler's record names the incident the
+    drain belongs to); an operator's drain, or none, is left as it is. Returns what was done.
 
     Raises:
-        FleetmendError: the incident still runs (without `force`), the guard refused, or Temporal failed.
+        FleetmendError: the scheduler adapter failed (nothing is released then)."""
+    from activities.scheduler import build_scheduler  # lazy: the adapters' libraries (see common)
+    from fleetmend.messages import OWNER_FLEETMEND
+
+    nc = None
+    try:
+        js = None
+        if settings.scheduler.value == "standalone":
+            nc = await connect_nats(settings, name="fleetmend-cli")
+            js = nc.jetstream()
+        sched = build_scheduler(settings, js=js)
+        info = next((n for n in await sched.list_nodes() if n.name == node), None)
+        if info is None or info.owner != OWNER_FLEETMEND or not info.incident_id:
+            return "not drained by fleetmend" if info is None or info.owner is None else \
+                f"drained by the {info.owner}: left as is"
+        res = await sched.undrain(node, info.incident_id)
+    except Exception as e:
+        raise FleetmendError(f"{node}: could not return it to service first ({e}); its permit is kept") from e
+    finally:
+        if nc is not None:
+            await close_nats(nc)
+    if not res.resumed and not res.operator_drained:
+        raise FleetmendError(f"{node}: not returned to service ({res.detail}); its permit is kept")
+    return f"returned to service ({res.detail})" if res.resumed else f"left as is ({res.detail})"
+
+
+async def release_permit(settings: Settings, node: str, by: str, note: str, force: bool = False) -> str:
+    """Return `node` to service if fleetmend drained it, then free its permit and pool slot
+    (`GuardApi.RELEASE_PERMIT`), so no cordon outlives its count. Refused while `node`'s incident still
+    runs (its drain is in force: the incident returns it) unless `force`.
+
+    Raises:
+        FleetmendError: the incident still runs (without `force`), the undrain failed, the guard refused,
+            or Temporal failed.
     """
     from temporalio.client import WorkflowUpdateFailedError
     from temporalio.service import RPCError
@@ -179,10 +214,13 @@ async def release_permit(settings: Settings, node: str, by: str, note: str, forc
             f"{node}'s incident {running} still runs and its permit counts its drain; releasing it would let "
             f"one more node drain than the budget allows. End the incident (`fleetmend abort {node} "
             f"[--undrain]`, which frees the permit), or add --force if the permit is wrong anyway")
+    undrained = await _undrain_for_release(settings, node)
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(settings.cluster))
     try:
-        return await handle.execute_update(GuardApi.RELEASE_PERMIT, PermitReleaseCommand(by=by, node=node, note=note),
-                                           result_type=str)
+        answer = await handle.execute_update(GuardApi.RELEASE_PERMIT,
+                                             PermitReleaseCommand(by=by, node=node, note=f"{note} ({undrained})"
+                                                                  if note else undrained), result_type=str)
+        return f"{node}: {undrained}. {answer}"
     except WorkflowUpdateFailedError as e:
         raise FleetmendError(f"FleetGuard {settings.cluster}: {refusal(e)}") from e
     except RPCError as e:
@@ -214,8 +252,7 @@ def breaker_status(
     """Permits held, the queue, the breaker and infrastructure incidents of the cluster."""
     s = settings(config, cluster=cluster)
     d = run(_guard_status(s))
-    if s.policy.fast_drain:
-        d["pool"] = run(_pool_status(s))
+    d["pool"] = run(_pool_status(s))
     if as_json:
         sys.stdout.write(json.dumps(d, default=str, indent=2) + "\n")
         return
@@ -227,27 +264,34 @@ def breaker_status(
     if d["breaker_tripped"]:
         out.print(f"  tripped at {d['breaker_tripped_at']}: {escape(d['breaker_reason'] or '')}")
         out.print("  reset with: fleetmend breaker reset --note '…'")
-    out.print(f"permits held {len(d['held'])}/{d['budget']} (known nodes {d['known_nodes']}), "
-              f"queued {len(d['queue'])}")
+    pool = d.get("pool")
+    holders: dict[str, Any] = pool["holders"] if pool is not None else {}
+    if pool is not None:  # the budget is the pool: every drain under a permit holds a slot there
+        out.print(f"permits held {len(holders)}/{pool['budget']} (known nodes {d['known_nodes']}, "
+                  f"{pool['rack_cap']} per rack), queued {len(d['queue'])}; permit pool "
+                  + ("open" if pool["open"] else f"closed ({escape(pool['why'])})"))
+    else:
+        out.print(f"permits held 0/{d['budget']} (known nodes {d['known_nodes']}), queued {len(d['queue'])}; "
+                  "permit pool not published yet (FleetGuard writes it when it starts)")
+    held = {h["node"]: h for h in d["held"]}
+    stranded = d.get("stranded") or {}
     t = Table(title="permits and queue")
     for col in ("node", "state", "severity", "fault", "rack", "since"):
         t.add_column(col, no_wrap=True)
-    for h in d["held"]:
-        t.add_row(h["node"], "held", h["severity"], h["fault_class"], h.get("rack") or "", h["granted_at"])
+    for node in sorted(holders):
+        slot, h = holders[node], held.get(node)
+        state = "stranded" if node in stranded else "held" if h else "drained by router, not adopted yet"
+        since = h["granted_at"] if h else datetime.fromtimestamp(slot.get("at") or 0, timezone.utc).isoformat(
+            timespec="seconds")
+        fault = (slot.get("fault") or {}).get("verdict") or {}
+        t.add_row(node, state, h["severity"] if h else str((slot.get("fault") or {}).get("severity") or ""),
+                  h["fault_class"] if h else str(fault.get("fault_class") or ""), slot.get("rack") or "", since)
     for q in d["queue"]:
         t.add_row(q["node"], "queued", q["severity"], q["fault_class"], q.get("rack") or "", q["requested_at"])
-    if d["held"] or d["queue"]:
+    if holders or d["queue"]:
         out.print(t)
-    pool = d.get("pool")
-    if pool is not None:
-        held = {h["node"] for h in d["held"]}
-        router_only = sorted(n for n, h in pool["holders"].items() if h["by"] == "router" and n not in held)
-        out.print(f"permit pool: {len(pool['holders'])}/{pool['budget']} slots held, "
-                  f"{pool['rack_cap']} per rack, "
-                  + ("open" if pool["open"] else f"closed ({escape(pool['why'])})")
-                  + (f"; router drains not adopted yet: {', '.join(router_only)}" if router_only else ""))
-    elif s.policy.fast_drain:
-        out.print("permit pool: not published yet (FleetGuard writes it when it starts)")
+    for node, why in sorted(stranded.items()):
+        out.print(f"stranded: {node}: {escape(why)}")
     for inc in d["infra_incidents"]:
         out.print(f"infrastructure incident {inc['domain']} ({'closed' if inc.get('closed_at') else 'open'}): "
                   f"{len(inc['nodes'])} nodes, ticket {inc.get('ticket') or '-'}")
@@ -275,9 +319,9 @@ def breaker_release(
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
 ) -> None:
-    """Free NODE's drain permit by hand (a permit held by an incident that no longer runs): audited with
-    who you are. Refused while NODE's incident still runs (--force overrides). FleetGuard also does this
-    by itself every `policy.permit_reconcile_s`."""
+    """Return NODE to service (a drain fleetmend made) and free its drain permit and pool slot by hand: for
+    a node whose incident no longer runs (terminated, reset: `breaker status` lists it as stranded).
+    Audited with who you are. Refused while NODE's incident still runs (--force overrides)."""
     from fleetmend.messages import GuardApi
 
     s = settings(config, cluster=cluster)

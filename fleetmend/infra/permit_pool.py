@@ -1,36 +1,37 @@
-"""The drain-permit pool: the blast-radius budget as a compare-and-set semaphore in JetStream KV.
+"""The drain-permit pool: the blast-radius budget, as a compare-and-set semaphore in JetStream KV.
 
-Why it exists (bench/RESULTS.md, "Quarantine latency, storm path"): a drain that has to go through
-Temporal first (signal-with-start of the incident, then the guard's decision, then the drain activity) cannot
-run faster than the dev server starts one-activity workflows (39.5/s measured), so 50 failing nodes a
-second queue for seconds before a single cordon. With `policy.fast_drain`, the router cordons a node
-whose fault the catalog says must drain *now* as soon as it holds a slot here, and signals Temporal
-afterwards; the incident then adopts the drain (FleetGuard `preclaimed`).
+Every drain fleetmend makes under a permit holds one slot here, whichever stage made it, and gives it
+back with the permit; nothing else counts drains. So the budget and the rack cap hold across any number
+of router replicas and workers, and `fleetmend breaker status` reads the truth.
+
+- The router takes a slot (`by="router"`) for a node whose fault the catalog says must drain *now*
+  (drain, urgency now, no history rule, no debounce), right before it cordons the node and before the
+  incident exists: Temporal is off that path, so a storm's first drains do not wait for workflow starts
+  (bench/RESULTS.md, "Quarantine latency"). Its incident later asks FleetGuard `preclaimed` and is adopted.
+- FleetGuard takes the slots (`by="guard"`) of the queued nodes it grants, in its queue order, in the
+  same write that publishes its settings (`publish(claims=...)`); the incident's `drain_node` then finds
+  its slot held and cordons. A drain that finds no slot (a human freed it meanwhile) takes one again or
+  waits (`activities.quarantine.PoolGate`).
+- FleetGuard owns everything else and writes it (`publish`, from its `sync_permit_pool` activity):
+  the budget and rack cap it computes, `open` (false while the breaker is tripped, the guard paused or
+  the policy observe-only, with `why`), and the failure domains with an open infrastructure incident.
+  The router claims only from an open pool and never for a node in a closed domain.
+- A holder leaves when its incident gives the permit back (`release`: return to service, close,
+  abort), or by hand (`fleetmend breaker release NODE`, which returns the node to service first).
+  A holder whose incident is terminated or reset stays: its node is still cordoned, so it still counts.
 
 One key per cluster in bucket `subjects.PERMIT_KV_BUCKET`, a JSON document (`PoolState`):
 
     {"budget": 20, "rack_cap": 2, "open": true, "why": "",
      "closed_domains": ["rack:r07"],
-     "holders": {"gpu-001": {"rack": "r01", "by": "router", "at": 1764547200.0}}}
+     "holders": {"gpu-001": {"rack": "r01", "by": "router", "at": 1764547200.0,
+                             "fault": {"kind": "xid", "code": 79, ...}}}}
 
-- `holders` is every node drained under a permit in that cluster, whichever path took it: the router
-  (`by="router"`) or an incident granted by FleetGuard (`by="guard"`, claimed by the drain activity
-  right before its cordon). Every claim is a compare-and-set on the key's revision, so the budget and
-  the rack cap hold across any number of router replicas and workers: at no instant are there more
-  holders than `budget`, or more in one rack than `rack_cap`.
-- FleetGuard owns everything else and writes it (`publish`, from its `sync_permit_pool` activity):
-  the budget and rack cap it computes, `open` (false while the breaker is tripped, the guard paused or
-  the policy observe-only, with `why`), the failure domains with an open infrastructure incident, and
-  the holders it granted before the pool existed. The router claims only from an open pool and never
-  for a node in a closed domain; a claim for a guard grant ignores `open` (the guard already decided)
-  but never the budget.
-- A holder leaves when its incident gives the permit back (`release`: return to service, close,
-  abort), or when FleetGuard drops it (reconciliation found no running incident, or an operator's
-  `fleetmend breaker release NODE`).
+`fault` (router holders only) is the fault the router drained for, so that FleetGuard can open the
+node's incident when it never started (`activities.fleetguard.FleetGuardActivities.reconcile_pool`).
 
-No key (the guard has not published yet): the router claims nothing, so the guard alone decides, as
-without the pool; a guard-path claim then passes without a record, and the guard's first `publish`
-writes its holders.
+No key (the guard has not published yet): the router claims nothing and sends the node to FleetGuard,
+which publishes the pool when it starts.
 """
 
 from __future__ import annotations
@@ -52,9 +53,6 @@ log = structlog.get_logger("fleetmend.infra.permit_pool")
 
 BY_ROUTER = "router"
 BY_GUARD = "guard"
-MAX_ROUTER_VIEW = 1_000
-"""Router holders sent with one permit request (`PermitRequest.pool_router`; a budget of thousands
-would otherwise bloat it)."""
 CAS_ATTEMPTS = 64
 """Compare-and-set rounds before a claim gives up (`PoolBusyError`); each round is one KV read and one
 conditional write, and only a writer that lost to another's write tries again."""
@@ -73,6 +71,9 @@ class Holder:
     by: str = BY_ROUTER
     at: float = 0.0
     """Unix time of the claim (seconds)."""
+    fault: dict[str, Any] | None = None
+    """Router holders: the fault drained for (`FaultEvent` fields kind, code, component, device, severity,
+    fault_class, event_id, observed_at, source, message), so an incident that never started can be opened."""
 
 
 @dataclass
@@ -87,11 +88,9 @@ class PoolState:
     def in_rack(self, rack: str | None) -> int:
         return sum(1 for h in self.holders.values() if rack and h.rack == rack)
 
-    def router_holders(self, but: str | None = None) -> dict[str, str | None]:
-        """The router's holders but `but`, node → rack, at most `MAX_ROUTER_VIEW`: what a permit request
-        carries as `pool_router` (the worker's `PoolGate.router_view`, the router's forwards)."""
-        held = {n: h.rack for n, h in self.holders.items() if h.by == BY_ROUTER and n != but}
-        return dict(list(held.items())[:MAX_ROUTER_VIEW])
+    def router_holders(self) -> dict[str, str | None]:
+        """The router's holders, node → rack."""
+        return {n: h.rack for n, h in self.holders.items() if h.by == BY_ROUTER}
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -133,7 +132,7 @@ class PermitPool:
 
     def __init__(self, kv: Any) -> None:
         self.kv = kv
-        self._waiting: dict[str, list[tuple[str, str | None, str, list[str], asyncio.Future]]] = {}
+        self._waiting: dict[str, list[tuple[str, str | None, str, list[str], dict | None, asyncio.Future]]] = {}
         self._committers: dict[str, asyncio.Task[None]] = {}
 
     @classmethod
@@ -180,12 +179,12 @@ class PermitPool:
         return (await self._get(cluster))[0]
 
     async def claim(self, cluster: str, node: str, rack: str | None, *, by: str = BY_ROUTER,
-                    domains: list[str] | None = None) -> Claim:
+                    domains: list[str] | None = None, fault: dict[str, Any] | None = None) -> Claim:
         """Take a drain slot for `node` (idempotent: a holder is granted again).
 
-        `by=BY_ROUTER` (the fast path) needs an open pool and none of `domains` closed; `by=BY_GUARD`
-        (a FleetGuard grant) only needs room. Both need fewer than `budget` holders and fewer than
-        `rack_cap` in the node's rack.
+        `by=BY_ROUTER` (a fault that must drain now) needs an open pool and none of `domains` closed, and
+        records `fault`; `by=BY_GUARD` (a FleetGuard grant) only needs room. Both need fewer than `budget`
+        holders and fewer than `rack_cap` in the node's rack.
 
         Claims made in this process while one is being written are decided together, in arrival order,
         and written with one compare-and-set (group commit): a storm's claims do not race each other
@@ -197,7 +196,7 @@ class PermitPool:
             PoolBusyError: lost the compare-and-set `CAS_ATTEMPTS` times in a row.
         """
         fut: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(cluster, []).append((node, rack, by, list(domains or []), fut))
+        self._waiting.setdefault(cluster, []).append((node, rack, by, list(domains or []), fault, fut))
         if cluster not in self._committers:
             self._committers[cluster] = asyncio.create_task(self._commit(cluster))
         return await asyncio.shield(fut)
@@ -208,7 +207,7 @@ class PermitPool:
             while self._waiting.get(cluster):
                 batch = self._waiting.pop(cluster)
                 try:
-                    results = await self._claim_batch(cluster, [(n, r, b, d) for n, r, b, d, _f in batch])
+                    results = await self._claim_batch(cluster, [(n, r, b, d, f) for n, r, b, d, f, _fut in batch])
                 except Exception as err:  # noqa: BLE001 - every claim of the batch gets it
                     for *_x, fut in batch:
                         if not fut.done():
@@ -220,19 +219,19 @@ class PermitPool:
         finally:
             self._committers.pop(cluster, None)
 
-    async def _claim_batch(self, cluster: str, reqs: list[tuple[str, str | None, str, list[str]]]) -> list[Claim]:
+    async def _claim_batch(self, cluster: str,
+                           reqs: list[tuple[str, str | None, str, list[str], dict | None]]) -> list[Claim]:
         def change(state: PoolState | None) -> tuple[PoolState | None, list[Claim]]:
             if state is None:
-                return None, [Claim(True, "no permit pool yet: FleetGuard's grant stands alone") if by == BY_GUARD
-                              else Claim(False, "no permit pool yet (FleetGuard has not published one)")
-                              for _n, _r, by, _d in reqs]
+                return None, [Claim(False, "no permit pool yet (FleetGuard has not published one)") for _ in reqs]
             out = [self._decide(state, *req) for req in reqs]
             return (state if any(c.new for c in out) else None), out
 
         return await self._cas(cluster, change)
 
     @staticmethod
-    def _decide(state: PoolState, node: str, rack: str | None, by: str, domains: list[str]) -> Claim:
+    def _decide(state: PoolState, node: str, rack: str | None, by: str, domains: list[str],
+                fault: dict | None = None) -> Claim:
         """One claim against `state` (added to it when granted and new)."""
         held = len(state.holders)
         if node in state.holders:
@@ -249,7 +248,7 @@ class PermitPool:
         if rack and state.in_rack(rack) >= state.rack_cap:
             return Claim(False, f"rack {rack}: {state.in_rack(rack)}/{state.rack_cap} drained", holders=held,
                          budget=state.budget)
-        state.holders[node] = Holder(rack=rack, by=by, at=time.time())
+        state.holders[node] = Holder(rack=rack, by=by, at=time.time(), fault=fault if by == BY_ROUTER else None)
         return Claim(True, f"permit {held + 1}/{state.budget} ({by})", new=True, holders=held + 1,
                      budget=state.budget, by=by)
 
@@ -267,19 +266,20 @@ class PermitPool:
         return await self._cas(cluster, change)
 
     async def publish(self, cluster: str, *, budget: int, rack_cap: int, open: bool, why: str = "",
-                      closed_domains: list[str] | None = None,
-                      held: dict[str, str | None] | None = None, drop: list[str] | None = None) -> PoolState:
-        """FleetGuard's write: budget, rack cap, open/why and closed domains replace what was there;
-        `held` (node → rack: the guard's own permit holders) become holders when the pool is new (the
-        drains in force when it was turned on; later grants take their slot in the drain activity, and a
-        slot given back must not come back from a stale list); `drop` are removed. Router claims
-        already in the pool stay (they are drained nodes).
+                      closed_domains: list[str] | None = None, held: dict[str, str | None] | None = None,
+                      drop: list[str] | None = None,
+                      claims: list[tuple[str, str | None]] | None = None) -> tuple[PoolState, list[Claim]]:
+        """FleetGuard's write, one compare-and-set: budget, rack cap, open/why and closed domains replace
+        what was there; `held` (node → rack: the guard's permit holders) become holders when the pool is
+        new (a guard that rebuilt its holders from the running incidents); `drop` are removed; then each
+        of `claims` (node, rack), in order, takes a slot while the budget and its rack cap leave room
+        (`by="guard"`, whatever `open` says: the guard decided). Router holders stay (drained nodes).
 
         Returns:
-            the pool as written.
+            (the pool as written, one `Claim` per entry of `claims`).
         Raises:
             PoolBusyError: as `claim`."""
-        def change(state: PoolState | None) -> tuple[PoolState, PoolState]:
+        def change(state: PoolState | None) -> tuple[PoolState, tuple[PoolState, list[Claim]]]:
             fresh = state is None
             state = state or PoolState()
             state.budget, state.rack_cap, state.open, state.why = budget, rack_cap, open, why
@@ -289,7 +289,8 @@ class PermitPool:
                 state.holders.setdefault(node, Holder(rack=rack, by=BY_GUARD, at=now))
             for node in drop or []:
                 state.holders.pop(node, None)
-            return state, state
+            out = [self._decide(state, node, rack, BY_GUARD, []) for node, rack in claims or []]
+            return state, (state, out)
 
         return await self._cas(cluster, change)
 

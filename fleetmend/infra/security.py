@@ -17,8 +17,8 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                          ($JS.ACK.<fault stream>.<durable>.>), fleet.deadletter, fleet.*.fault.*
                          (`agent_silent` events for nodes whose heartbeats stopped), the lease
                          bucket (`$KV.<lease bucket>.>` and its API calls: the elected publisher of
-                         the consumer-lag gauge), the permit pool bucket and the drain bucket (the fast
-                         path of `policy.fast_drain`: a slot, then the standalone scheduler's drain)
+                         the consumer-lag gauge), the permit pool bucket and the drain bucket (a fault
+                         that must drain now: a pool slot, then the standalone scheduler's drain)
                subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
                          _INBOX_router.> (its own inbox prefix)
     worker     publish   fleet.*.diag.* (diagnostics, recovery and sweep benchmark requests), fleet.*.fault.*

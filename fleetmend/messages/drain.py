@@ -8,8 +8,6 @@ that are strings in its own module table, where they may be missing.
 from dataclasses import dataclass
 from datetime import datetime
 
-from fleetmend.messages.guard import PermitDecision, PermitRequest
-
 OWNER_FLEETMEND = "fleetmend"
 OWNER_OPERATOR = "operator"
 
@@ -44,21 +42,6 @@ class DrainResult:
     """The scheduler's current drain reason (without Slurm's `[user@time]` suffix)."""
     raw_state: str = ""
     """The scheduler's own state text, e.g. Slurm `ALLOCATED+DRAIN`."""
-
-
-@dataclass
-class PermitDrainRequest:
-    """`Activity.DRAIN_WITH_PERMIT`: ask `permit`'s guard; when it grants, issue `drain`."""
-
-    permit: PermitRequest
-    drain: DrainRequest
-
-
-@dataclass
-class PermitDrainResult:
-    decision: PermitDecision
-    drain: DrainResult | None = None
-    """The drain issued on the grant; None when the decision is not a grant (queued or denied)."""
 
 
 @dataclass

@@ -44,7 +44,6 @@ class GuardPolicy:
     lemon_window_s: float = policy_default("lemon_window_s")
     observe_only: bool = policy_default("observe_only")
     permit_reconcile_s: float = policy_default("permit_reconcile_s")
-    fast_drain: bool = policy_default("fast_drain")
     topology_nodes: int = 0
     """Nodes the topology file lists (the worker counts them; the file itself stays out of history)."""
 
@@ -68,18 +67,15 @@ class PermitRequest:
     requested_at: datetime | None = None
     """When the incident first asked (UTC); the queue keeps its oldest."""
     preclaimed: bool = False
-    """The router already drained the node under a slot of the permit pool (`policy.fast_drain`): the
-    guard adopts it as held (it is drained; the pool kept the budget) instead of deciding."""
-    pool_router: dict[str, str | None] | None = None
-    """`policy.fast_drain`: the router's holders in the permit pool (node → rack) when the request was
-    sent; the guard counts those it has not adopted yet against the budget and the rack caps, so it does
-    not grant a slot the router already took. None: no view (no pool, or an older worker)."""
+    """The router already drained the node under a slot of the permit pool (its fault must drain now):
+    the guard adopts it as held (it is drained; the pool kept the budget and the rack cap) instead of
+    deciding. Set by the `request_drain_permit` activity from the pool."""
     forwarded: bool = False
-    """Sent by the router (`GuardApi.REQUEST_PERMITS`) for a node that must drain now and got no slot in
-    the permit pool, before its incident asks: the guard queues it at once (a burst is visible in
-    `fleetmend status` within seconds, not after every incident's first workflow task) and keeps its
-    own policy (the router's settings do not replace the worker's). The incident's own request, which
-    follows, keeps the queue place."""
+    """Sent by the router for a node that must drain now and got no slot in the permit pool, right after
+    its incident started: the guard queues it at once (a burst is visible in `fleetmend status` within
+    seconds, not after every incident's first workflow task) and keeps its own policy (the router's
+    settings do not replace the worker's). The incident's own request, which follows, keeps the queue
+    place."""
 
 
 @dataclass
@@ -213,16 +209,35 @@ class GuardState:
     run: int = 1
     pool_published: str | None = None
     """What FleetGuard last wrote to the permit pool (budget, rack cap, open, why, closed domains), so it
-    writes again only on a change (`policy.fast_drain`)."""
+    writes again only on a change."""
     pool_drop: list[str] = field(default_factory=list)
-    """Nodes whose pool slot the guard still has to free (reconciliation, `breaker release`)."""
-    pool_router: dict[str, str | None] = field(default_factory=dict)
-    """The router's pool holders (node → rack) as the newest request saw them (`PermitRequest.pool_router`)."""
+    """Nodes whose pool slot the guard still has to free (a queued request withdrawn after a grant
+    could not be delivered, `breaker release`)."""
+    pool_holders: int = 0
+    """Slots held in the pool as of the guard's last write (every path's: the guard's grants and the
+    router's drains)."""
+    router_only: list[str] = field(default_factory=list)
+    """The router's drains (pool holders) whose incidents have not asked the guard yet, as of the last
+    pool write."""
+    stranded: dict[str, str] = field(default_factory=dict)
+    """node → why: pool holders whose incident is no longer running (terminated, reset). Still drained,
+    so still counted, until `fleetmend breaker release NODE` returns the node to service."""
+
+
+@dataclass
+class PoolClaim:
+    """One slot FleetGuard takes for a queued node it is about to grant (`PoolSync.claims`)."""
+
+    node: str
+    rack: str | None = None
 
 
 @dataclass
 class PoolSync:
-    """`Activity.SYNC_PERMIT_POOL`: FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool`)."""
+    """`Activity.SYNC_PERMIT_POOL`: FleetGuard's write to its cluster's permit pool (`fleetmend.infra.permit_pool`),
+    one compare-and-set: the pool's settings, the slots to free (`drop`), then the slots to take
+    (`claims`, in the guard's queue order: severity, then age), each while the budget and its rack cap
+    leave room."""
 
     cluster: str
     budget: int
@@ -233,6 +248,7 @@ class PoolSync:
     held: dict[str, str | None] = field(default_factory=dict)
     """The guard's permit holders (node → rack), written as holders only when the pool is new."""
     drop: list[str] = field(default_factory=list)
+    claims: list[PoolClaim] = field(default_factory=list)
 
 
 @dataclass
@@ -241,6 +257,27 @@ class PoolSynced:
     router_only: list[str] = field(default_factory=list)
     """Nodes the router drained under a pool slot that the guard does not hold yet (their incidents
     have not asked; shown in the guard's status)."""
+    granted: list[str] = field(default_factory=list)
+    """Claims that hold their slot now (taken by this write, or held already)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Claims without a slot → why (budget, rack cap): they stay queued."""
+
+
+@dataclass
+class PoolReconcile:
+    """`Activity.RECONCILE_POOL`: check the pool's holders older than `grace_s` against the incidents."""
+
+    cluster: str
+    grace_s: float
+
+
+@dataclass
+class PoolReconciled:
+    holders: int
+    given: list[str] = field(default_factory=list)
+    """Drained nodes whose incident had never started: one was started for each (it adopts the drain)."""
+    stranded: dict[str, str] = field(default_factory=dict)
+    """Drained nodes whose incident is closed (terminated, reset, ...) → why: still counted."""
 
 
 GUARD_MAX_HISTORY_EVENTS = 2_000
@@ -275,5 +312,10 @@ class GuardStatus:
     recent_nodes: int
     log: list[str]
     router_only: list[str] = field(default_factory=list)
-    """`policy.fast_drain`: nodes the router drained under a permit pool slot whose incident has not asked
-    the guard yet (as of the guard's last pool write)."""
+    """Nodes the router drained under a permit pool slot whose incident has not asked the guard yet (as of
+    the guard's last pool write)."""
+    pool_holders: int = 0
+    """Slots held in the permit pool (every drain under a permit, whichever stage took it), as of the
+    guard's last pool write; `fleetmend breaker status` reads the pool itself."""
+    stranded: dict[str, str] = field(default_factory=dict)
+    """Drained nodes whose incident no longer runs (node → why): still counted against the budget."""

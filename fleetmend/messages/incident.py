@@ -19,10 +19,10 @@ from fleetmend.events import (
     Component,
     ConditionKey,
     FaultEvent,
-    History,
     Recovery,
     Severity,
     Urgency,
+    Verdict,
 )
 from fleetmend.messages.guard import PermitDecision
 from fleetmend.messages.names import Outcome, Phase, iso
@@ -131,50 +131,62 @@ class IncidentPolicy:
 
 @dataclass
 class FaultRecord:
-    """One condition recorded by an incident (repeats counted, not copied)."""
+    """One condition recorded by an incident (repeats counted, not copied), with the `Verdict` its
+    event carried: the catalog's decision, made once by the producer or the router and read here whole
+    (severity, fault class, drain, urgency, recovery, verification checks, history rule, source)."""
 
     event_id: str
     kind: str
     code: int | None
-    severity: Severity
     component: Component
     device: str | None
     healthy: bool
     raw: str
     message: str
     observed_at: datetime
-    fault_class: str
-    immediate_action: str
-    drain: bool
-    source: str
+    verdict: Verdict
     count: int = 1
     times: list[datetime] = field(default_factory=list)
     """observed_at of the most recent occurrences (bounded), for the repeat/rate rules."""
     arrived_at: datetime | None = None
     """Workflow time the first occurrence arrived (debounce runs from here)."""
-    clearable: bool = False
     last_seq: int = 0
     """Arrival order of the latest occurrence (`IncidentState.arrivals`)."""
     stream_seq: int | None = None
     """Fault-stream sequence of the first occurrence (the full `raw` text: `fleetmend show`, the NATS tools)."""
-    urgency: Urgency = Urgency.NOW
-    recovery: Recovery = Recovery.DIAGNOSE
-    verify: list[str] = field(default_factory=list)
-    history: History | None = None
-    """From the catalog row (`Verdict`): how urgently, what recovery, which checks, which history rule."""
 
     @property
     def key(self) -> ConditionKey:
         return ConditionKey(self.kind, self.code, self.device)
 
+    @property
+    def severity(self) -> Severity:
+        return Severity(self.verdict.severity)
+
+    @property
+    def fault_class(self) -> str:
+        return self.verdict.fault_class
+
+    @property
+    def drain(self) -> bool:
+        return self.verdict.drain
+
+    @property
+    def verify(self) -> list[str]:
+        return list(self.verdict.verify)
+
     def view(self) -> dict[str, Any]:
-        """JSON-safe dict (enums as strings, times ISO-8601): status and evidence."""
-        d = {k: v for k, v in self.__dict__.items() if k not in ("urgency", "recovery", "verify", "history")}
-        d["severity"], d["component"] = self.severity.value, self.component.value
-        d["observed_at"] = iso(self.observed_at)
-        d["times"] = [iso(t) for t in self.times]
-        d["arrived_at"] = iso(self.arrived_at)
-        return d
+        """JSON-safe dict (enums as strings, times ISO-8601): status and evidence. The verdict's
+        severity, fault class, NVIDIA action, drain, source and clearable are shown flat beside the
+        event's own fields."""
+        v = self.verdict
+        return {"event_id": self.event_id, "kind": self.kind, "code": self.code,
+                "severity": Severity(v.severity).value, "component": self.component.value, "device": self.device,
+                "healthy": self.healthy, "raw": self.raw, "message": self.message,
+                "observed_at": iso(self.observed_at), "fault_class": v.fault_class,
+                "immediate_action": v.immediate_action, "drain": v.drain, "source": v.source,
+                "count": self.count, "times": [iso(t) for t in self.times], "arrived_at": iso(self.arrived_at),
+                "clearable": v.clearable, "last_seq": self.last_seq, "stream_seq": self.stream_seq}
 
 
 @dataclass

@@ -23,16 +23,19 @@ class Activity:
     RESET_GPU = "reset_gpu"
     REBOOT_NODE = "reboot_node"
     REQUEST_DRAIN_PERMIT = "request_drain_permit"
-    DECIDE_DRAIN_PERMIT = "decide_drain_permit"
-    """Update-with-start of the guard: the decision is the activity's result (queued: a later signal)."""
-    DRAIN_WITH_PERMIT = "drain_with_permit"
-    """`decide_drain_permit`, and on a grant `drain_node` at once, in one activity (`PermitDrainRequest`
-    → `PermitDrainResult`): a granted drain costs the incident one activity and no second workflow task."""
+    """The incident's one way to ask for a drain permit: signal-with-start of its cluster's FleetGuard
+    (`GuardApi.REQUEST_PERMITS`); the answer comes back as a `RemediationApi.PERMIT` signal."""
+    RELEASE_DRAIN_PERMIT = "release_drain_permit"
+    """The permit back: the node's permit pool slot, then a `GuardApi.RELEASE` signal."""
     RUNNING_INCIDENTS = "running_incidents"
-    SYNC_PERMIT_POOL = "sync_permit_pool"
     """FleetGuard's reconciliation: which of these nodes (or, for none, which nodes of the cluster) have
     a running incident."""
-    RELEASE_DRAIN_PERMIT = "release_drain_permit"
+    SYNC_PERMIT_POOL = "sync_permit_pool"
+    """FleetGuard's one write to the permit pool: budget, rack cap, open/closed, closed domains, the slots
+    to free, and the slots to take for the queue heads it grants (`PoolSync` → `PoolSynced`)."""
+    RECONCILE_POOL = "reconcile_pool"
+    """FleetGuard's check of the pool's holders against the incidents (`PoolReconcile` →
+    `PoolReconciled`): a drained node whose incident never started gets one."""
     BENCH_NODE = "bench_node"
     """`Sweep`: one node's benchmark numbers (`fleetmend.messages.sweep.BenchActivityRequest` → `BenchReport`)."""
     OPEN_FAIL_SLOW = "open_fail_slow"
@@ -56,17 +59,14 @@ class GuardApi:
     """The `FleetGuard` workflow's type, signal, query and update names."""
 
     WORKFLOW = "FleetGuard"
-    REQUEST_PERMIT = "request_permit"
     REQUEST_PERMITS = "request_permits"
-    """Requests the router forwards for incidents that have not asked yet (`policy.fast_drain`), a list
-    per signal."""
+    """Permit requests, a list per signal: an incident's own (one), or the router's for the nodes of a
+    burst it found no pool slot for (many); an empty list only starts the guard."""
     RELEASE = "release"
-    ENSURE = "ensure"
     STATUS = "status"
     RESET_BREAKER = "reset_breaker"
     PAUSE = "pause"
     RESUME = "resume"
-    DECIDE_PERMIT = "decide_permit"
     RELEASE_PERMIT = "release_permit"
 
 
@@ -77,11 +77,11 @@ class SweepApi:
 
 
 def guard_task_queue(task_queue: str) -> str:
-    """The task queue FleetGuard runs on, beside the cluster's `task_queue` (`fleet` → `fleet-guard`).
+    """The one task queue FleetGuard runs on, beside the cluster's `task_queue` (`fleet` → `fleet-guard`).
 
-    The guard has workflow-task slots of its own (`fleetmend.worker`): an incident asks for its permit
-    from a local activity that holds the incident's workflow-task slot while the guard decides, so on a
-    shared queue a storm of waiting incidents could take every slot the guard needs to answer them."""
+    The guard has workflow-task slots of its own (`fleetmend.worker`): in a storm a thousand incidents'
+    first workflow tasks wait on the cluster's queue, and the guard that answers them must not wait
+    behind them."""
     return f"{task_queue}-guard"
 
 

@@ -26,18 +26,19 @@ Guarantees:
   replica hears the advisory, and the dead-letter record's `Nats-Msg-Id` (`dl-<stream>-<seq>`)
   keeps one copy.
 - Any number of router replicas share the durable consumer.
-- Fast path (`policy.fast_drain`, `fleetmend.infra.permit_pool`): before its signal-with-start, a node whose
-  fault the catalog says drains *now* (drain, urgency now, no history rule, no debounce; the catalog's
-  own verdict and the event's both) is drained here at once when it gets a slot in the cluster's
-  permit pool (compare-and-set; the budget, rack cap, breaker, pause, observe-only and open
-  infrastructure incidents are the pool's). No slot: nothing is drained here and the incident asks
-  FleetGuard as before. The fast path never holds a message back: whatever it meets (pool or scheduler
-  trouble) is logged and the event is routed as without it.
-- Forwarding (fast path): a node refused a slot has its incident started in phase `awaiting_permit`,
-  and once the signal-with-start is accepted its permit request goes to the cluster's FleetGuard
-  (`request_permits`; a burst's nodes in a few signals, `MAX_FORWARD_BATCH` each), so the guard
-  queues it with the reason it waits before the incident's first workflow task runs. A forward that
-  fails is logged: the incident asks for itself as without it.
+- Drain now (`fleetmend.infra.permit_pool`): before its signal-with-start, a node whose fault the catalog
+  says drains *now* (drain, urgency now, no history rule, no debounce; the catalog's own verdict and
+  the event's both) is cordoned here at once when it gets a slot in the cluster's permit pool
+  (compare-and-set; the budget, rack cap, breaker, pause, observe-only and open infrastructure
+  incidents are the pool's). The slot records the fault, so a drain whose incident never starts is
+  found and given one by FleetGuard (`reconcile_pool`). No slot: nothing is drained here and the
+  incident asks FleetGuard. This stage never holds a message back: whatever it meets (pool or
+  scheduler trouble) is logged and the event is routed as without it.
+- Forwarding: a node refused a slot has its incident started in phase `awaiting_permit`, and once the
+  signal-with-start is accepted its permit request goes to the cluster's FleetGuard (`request_permits`;
+  a burst's nodes in a few signals, `MAX_FORWARD_BATCH` each), so the guard queues it with the reason
+  it waits before the incident's first workflow task runs. A forward that fails is logged: the
+  incident asks for itself.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import base64
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -56,20 +57,18 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
+from activities.fleetguard import fault_summary
 from fleetmend import subjects
 from fleetmend.catalog import Urgency
 from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
 from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
 from fleetmend.infra import metrics
+from fleetmend.infra.incidents import start_incident
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
 from fleetmend.messages import (
-    KEY_CLUSTER,
-    KEY_NODE,
-    KEY_PHASE,
     MAX_SIGNAL_BYTES,
     FaultBatch,
     GuardApi,
@@ -80,7 +79,6 @@ from fleetmend.messages import (
     Occurrence,
     PermitRequest,
     Phase,
-    RemediationApi,
     RoutedFault,
     for_workflow,
     guard_task_queue,
@@ -92,7 +90,7 @@ log = structlog.get_logger("fleetmend.router")
 __all__ = ["MAX_EVENT_BYTES", "Router", "decode_event", "collapse"]
 
 ENSURE_GUARD_EVERY_S = 10.0
-"""Fast path: how often the router may signal-with-start its cluster's FleetGuard while it finds no pool."""
+"""How often the router may start its cluster's FleetGuard while it finds no pool (the guard publishes it)."""
 FORWARD_LINGER_S = 0.05
 """Forwarding: how long the first refused node waits for others of its burst to share its signal."""
 MAX_FORWARD_BATCH = 200
@@ -109,8 +107,8 @@ class RouterStats:
     signals: int = 0
     deadlettered: int = 0
     naks: int = 0
-    fast_drains: int = 0
-    fast_refused: int = 0
+    drained_now: int = 0
+    drain_now_refused: int = 0
     forwarded: int = 0
     """Permit requests forwarded to FleetGuard (accepted by Temporal)."""
     deadletter_reasons: dict[str, int] = field(default_factory=dict)
@@ -168,8 +166,9 @@ class Router:
         catalog: `fleetmend.catalog.Catalog` used to classify each event.
         filter_subject: which fault subjects to consume (default every cluster).
         durable: durable consumer name (replicas share it).
-        scheduler: the `SchedulerAdapter` of `settings.cluster` (`activities.scheduler.build_scheduler`),
-            for the fast path (`policy.fast_drain`); without one the fast path stays off (logged).
+        scheduler: the `SchedulerAdapter` of `settings.cluster` (`activities.scheduler.build_scheduler`)
+            that cordons faults which must drain now; without one (tests of routing alone) every drain
+            goes through FleetGuard.
     """
 
     def __init__(self, settings: Settings, nc, js, client, catalog, *,  # noqa: ANN001
@@ -187,11 +186,7 @@ class Router:
         self._held = 0
         self._max_unacked = max(self.s.router.max_unacked, self.s.router.fetch_batch)
         self._room = asyncio.Event()
-        self._fast = settings.policy.fast_drain and not settings.policy.observe_only
-        if self._fast and scheduler is None:
-            log.warning("fast_drain_off", why="policy.fast_drain is set but this router was given no scheduler "
-                                              "adapter; every drain goes through FleetGuard")
-            self._fast = False
+        self._fast = scheduler is not None and not settings.policy.observe_only
         self._scheduler = scheduler
         self._pool: PermitPool | None = None  # both set by _setup_fast_path, on the first fast drain
         self._topology: Topology | None = None
@@ -200,7 +195,7 @@ class Router:
         self._forwarder: asyncio.Task[None] | None = None
 
     async def _setup_fast_path(self) -> None:
-        """Permit pool and topology for the fast path (`policy.fast_drain`)."""
+        """Permit pool and topology for the drains this router makes."""
         if self._pool is None:
             self._pool = await PermitPool.open(self.js)
         if self._topology is None:
@@ -208,15 +203,15 @@ class Router:
         await self._ensure_guard()
 
     async def _ensure_guard(self) -> None:
-        """Start the cluster's FleetGuard if it is not running (signal-with-start of its no-op `ensure`),
-        so it publishes the permit pool before the first fault, not after the first incident asked.
-        At most once per `ENSURE_GUARD_EVERY_S`; failures are logged (the first incident starts it too)."""
+        """Start the cluster's FleetGuard if it is not running (signal-with-start of `request_permits` with
+        no request), so it publishes the permit pool before the first fault, not after the first incident
+        asked. At most once per `ENSURE_GUARD_EVERY_S`; failures are logged (the first incident starts it too)."""
         now = time.monotonic()
         if now - self._guard_ensured_at < ENSURE_GUARD_EVERY_S:
             return
         self._guard_ensured_at = now
         try:
-            await self._signal_guard(GuardApi.ENSURE, [])
+            await self._signal_guard(GuardApi.REQUEST_PERMITS, [[]])
         except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
@@ -247,15 +242,6 @@ class Router:
         while self._forwards:
             await asyncio.sleep(FORWARD_LINGER_S)
             batch, self._forwards = self._forwards[:MAX_FORWARD_BATCH], self._forwards[MAX_FORWARD_BATCH:]
-            try:
-                # the pool's router holders as of now, with the batch's last request (the guard keeps the
-                # newest view): the guard counts the drains it has not adopted yet before it grants. Without
-                # it a grant may find the slot taken, and its drain waits for one (`PoolGate.claim`).
-                assert self._pool is not None, "no permit pool"
-                state = await self._pool.read(self.s.cluster)
-                batch[-1] = replace(batch[-1], pool_router=state.router_holders() if state else {})
-            except Exception as err:  # noqa: BLE001 - forwarded without the view
-                log.warning("permit_pool_read_failed", cluster=self.s.cluster, error=repr(err))
             try:
                 await self._signal_guard(GuardApi.REQUEST_PERMITS, [batch])
             except Exception as err:  # noqa: BLE001 - the incidents ask for themselves
@@ -437,7 +423,7 @@ class Router:
         wid = subjects.workflow_id(cluster, node)
         bound = log.bind(workflow_id=wid, node=node, cluster=cluster, events=len(items))
         parts = split_batch(faults)
-        forward = await self._fast_drain(cluster, node, wid, items) if self._fast else None
+        forward = await self._drain_now_under_pool(cluster, node, wid, items) if self._fast else None
         phase = Phase.AWAITING_PERMIT if forward is not None else Phase.TRIAGE
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
@@ -476,9 +462,9 @@ class Router:
                 return ev, (ev.verdict or mine).fault_class
         return None
 
-    async def _fast_drain(self, cluster: str, node: str, wid: str,
+    async def _drain_now_under_pool(self, cluster: str, node: str, wid: str,
                           items: list[tuple[Any, FaultEvent, float]]) -> PermitRequest | None:
-        """The fast path: a pool slot, then the drain, for a node that must drain now. Never raises.
+        """A pool slot, then the drain, for a node that must drain now. Never raises.
 
         Returns:
             the `PermitRequest` to forward to FleetGuard when the pool refused the node a slot (its
@@ -496,15 +482,16 @@ class Router:
             pool, topology = self._pool, self._topology
             assert pool is not None and topology is not None
             dom = topology.domain(node)
-            claim = await pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys())
-        except Exception as err:  # noqa: BLE001 - the incident asks FleetGuard as without the fast path
-            bound.warning("fast_drain_pool_failed", error=repr(err))
+            claim = await pool.claim(cluster, node, dom.rack, by=BY_ROUTER, domains=dom.keys(),
+                                     fault=fault_summary(ev))
+        except Exception as err:  # noqa: BLE001 - the incident asks FleetGuard
+            bound.warning("drain_now_pool_failed", error=repr(err))
             return None
         if not claim.ok:
-            self.stats.fast_refused += 1
+            self.stats.drain_now_refused += 1
             if claim.reason.startswith("no permit pool yet"):
                 await self._ensure_guard()
-            bound.info("fast_drain_refused", reason=claim.reason)
+            bound.info("drain_now_refused", reason=claim.reason)
             return PermitRequest(
                 cluster=cluster, node=node, severity=ev.severity, fault_class=fault_class,
                 reason=f"router: {fault_class} must drain now; no permit pool slot ({claim.reason})",
@@ -517,16 +504,16 @@ class Router:
             # under a new id, which the incident's undrain must not meet.
             return None
         try:
-            res = await self._scheduler.drain(node, f"{fault_class}: router fast path, {claim.reason}",
+            res = await self._scheduler.drain(node, f"{fault_class}: must drain now, {claim.reason}",
                                               f"fast-{ev.event_id}")
         except Exception as err:  # noqa: BLE001 - not drained: free the slot, the incident asks FleetGuard
-            bound.error("fast_drain_failed", error=repr(err))
+            bound.error("drain_now_failed", error=repr(err))
             with contextlib.suppress(Exception):
                 await pool.release(cluster, node)
             return None
-        self.stats.fast_drains += 1
+        self.stats.drained_now += 1
         metrics.drain_result(cluster, self._scheduler.name, res, ev.observed_at)
-        bound.info("fast_drained", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
+        bound.info("drained_now", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
                    operator_drained=res.operator_drained, detail=res.detail)
         return None
 
@@ -547,13 +534,7 @@ class Router:
         """`phase`: the incident's `FleetPhase` if this call starts it (`awaiting_permit` when its permit
         request is forwarded); an incident already running keeps its own."""
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
-            await self.client.start_workflow(
-                RemediationApi.WORKFLOW, inp, id=wid, task_queue=self.s.task_queue,
-                start_signal=RemediationApi.FAULTS, start_signal_args=[batch],
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(KEY_NODE, node), SearchAttributePair(KEY_CLUSTER, cluster),
-                    SearchAttributePair(KEY_PHASE, phase.value)]),
-                static_summary=f"{node} ({cluster}): remediation incident")
+            await start_incident(self.client, self.s.task_queue, inp, batch, phase)
 
     async def _retry_later(self, items: list[tuple[Any, FaultEvent, float]], error: str,
                            bound) -> None:  # noqa: ANN001

@@ -20,13 +20,13 @@ log = structlog.get_logger("fleetmend.router")
 async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     """Run one router replica until `stop` is set; then drain the NATS connection.
 
-    With `policy.fast_drain` the router drains through the cluster's scheduler adapter
-    (`activities.scheduler.build_scheduler`)."""
+    The router cordons faults that must drain now through the cluster's scheduler adapter
+    (`activities.scheduler.build_scheduler`), under a slot of the permit pool."""
 
     catalog = load_catalog(settings.catalog_overrides)
     nc = await connect_nats(settings, name="fleetmend-router")
     client = await connect_temporal(settings)
-    scheduler = build_scheduler(settings, js=nc.jetstream()) if settings.policy.fast_drain else None
+    scheduler = build_scheduler(settings, js=nc.jetstream())
     router = Router(settings, nc, nc.jetstream(), client, catalog, scheduler=scheduler)
     # -- metrics (fleetmend/infra/metrics.py): /metrics port and the consumer-lag gauge
     metrics.start_http_server(settings.metrics.router_port, settings.metrics.host)

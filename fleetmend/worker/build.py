@@ -15,7 +15,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.diagnostics import DiagnosticsActivities
 from activities.fleetguard import FleetGuardActivities
 from activities.notify import Notifier, NotifyActivities, channels_from_settings
-from activities.quarantine import DrainWithPermitActivities, PooledDrainActivities
+from activities.quarantine import PooledDrainActivities
 from activities.recovery import RecoveryActivities
 from activities.scheduler import NodeEvents, SchedulerActivities, build_scheduler
 from activities.sweep import SweepActivities
@@ -50,32 +50,26 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
     tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events)
     diag = DiagnosticsActivities(nc, node_events=node_events)
     tq = task_queue or settings.task_queue
-    gtq = guard_task_queue(tq)
-    guard = FleetGuardActivities.from_settings(client, settings, task_queue=gtq, js=nc.jetstream())
-    quarantine = DrainWithPermitActivities(guard.decide_drain_permit, sched.drain_node, gate=guard.gate)
-    # policy.fast_drain: every drain under a permit takes its slot in the cluster's permit pool first
-    drain_node = PooledDrainActivities(sched.drain_node, guard.gate).drain_node \
-        if settings.policy.fast_drain and guard.gate is not None else sched.drain_node
+    guard = FleetGuardActivities.from_settings(client, settings, nc.jetstream(), task_queue=tq)
+    # every drain under a permit finds (or takes) its slot in the cluster's permit pool first
+    drain = PooledDrainActivities(sched.drain_node, guard.gate)
     recovery = RecoveryActivities(nc)
     sweep = SweepActivities(nc)
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
     main = Worker(
-        # FleetGuard stays registered here for a guard started on the cluster's queue by an older version
-        client, task_queue=tq, workflows=[NodeRemediation, FleetGuard, Sweep], workflow_runner=workflow_runner(),
-        activities=[drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
-                    tickets.poll_ticket, diag.run_diagnostics,
-                    guard.request_drain_permit, guard.decide_drain_permit, guard.release_drain_permit,
-                    guard.running_incidents, quarantine.drain_with_permit, recovery.reset_gpu, recovery.reboot_node,
-                    sweep.bench_node, sweep.open_fail_slow, notify.notify],
+        client, task_queue=tq, workflows=[NodeRemediation, Sweep], workflow_runner=workflow_runner(),
+        activities=[drain.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
+                    tickets.poll_ticket, diag.run_diagnostics, guard.request_drain_permit, guard.release_drain_permit,
+                    recovery.reset_gpu, recovery.reboot_node, sweep.bench_node, sweep.open_fail_slow, notify.notify],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
         max_cached_workflows=settings.worker.max_cached_workflows,
         max_concurrent_activities=settings.worker.max_concurrent_activities,
     )
     guard_worker = Worker(  # FleetGuard and the activities it schedules, with workflow-task slots of its own
-        client, task_queue=gtq, workflows=[FleetGuard], workflow_runner=workflow_runner(),
-        activities=[guard.running_incidents, guard.sync_permit_pool, tickets.file_ticket],
+        client, task_queue=guard_task_queue(tq), workflows=[FleetGuard], workflow_runner=workflow_runner(),
+        activities=[guard.running_incidents, guard.sync_permit_pool, guard.reconcile_pool, tickets.file_ticket],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN, max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASKS,
         max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
     )
@@ -87,7 +81,8 @@ GUARD_WORKFLOW_TASKS = 2
 for a second cluster's guard or a sweep of one that just continued-as-new."""
 GUARD_CACHED_RUNS = 16
 GUARD_ACTIVITIES = 4
-"""The guard's reconciliation (`running_incidents`) and infrastructure-incident tickets."""
+"""The guard's pool writes (`sync_permit_pool`), reconciliation (`running_incidents`, `reconcile_pool`)
+and infrastructure-incident tickets."""
 
 
 class Workers:

@@ -1,0 +1,33 @@
+"""Starting a node's incident (`NodeRemediation`) with its faults: the one signal-with-start that the router
+and FleetGuard's reconciliation (a drained node whose incident never started) both make."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+from fleetmend import subjects
+from fleetmend.messages import KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, Phase, RemediationApi
+
+
+async def start_incident(client: Any, task_queue: str, inp: IncidentInput, batch: FaultBatch,
+                         phase: Phase = Phase.TRIAGE) -> None:
+    """Signal-with-start `inp`'s node's incident (`subjects.workflow_id`) with `batch` on `task_queue`.
+
+    `phase`: the incident's `FleetPhase` search attribute if this call starts it (`awaiting_permit` for a
+    node queued for its permit, so `fleetmend status` shows it before the incident's first workflow task);
+    an incident already running keeps its own and takes `batch` as a `faults` signal.
+
+    Raises:
+        what `temporalio.client.Client.start_workflow` raises (RPCError: Temporal away or refusing)."""
+    await client.start_workflow(
+        RemediationApi.WORKFLOW, inp, id=subjects.workflow_id(inp.cluster, inp.node), task_queue=task_queue,
+        start_signal=RemediationApi.FAULTS, start_signal_args=[batch],
+        search_attributes=TypedSearchAttributes([
+            SearchAttributePair(KEY_NODE, inp.node), SearchAttributePair(KEY_CLUSTER, inp.cluster),
+            SearchAttributePair(KEY_PHASE, phase.value)]),
+        static_summary=f"{inp.node} ({inp.cluster}): remediation incident")
+
+
+__all__ = ["start_incident"]
