@@ -420,3 +420,43 @@ async def test_router_forwards_refused_nodes_to_the_guard(nats_server, temporal_
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await nc.close()
+
+
+async def test_observe_only_drains_nothing_on_any_path(nats_server, temporal_server, tmp_path: Path,
+                                                       unique: str) -> None:
+    """Observe-only: the router takes no slot and cordons nothing even with a scheduler and a must-drain-now
+    fault, the guard keeps the pool closed, and the incident closes `observed`."""
+    from workflows.remediation import NodeRemediation
+
+    cluster = f"oo{unique}"
+    s, nc, js, client, kv = await _fast_stack(cluster, 5, nats_server, temporal_server, tmp_path, unique)
+    s = s.model_copy(update={"policy": s.policy.model_copy(update={"observe_only": True})})
+    stop = asyncio.Event()
+    router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
+                    durable=f"router-{unique}", scheduler=build_scheduler(s, js=js))
+    worker = await build_worker(s, client, nc)
+    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.run())]
+    pool = await PermitPool.open(js)
+    try:
+        await js.publish(subjects.fault_subject(cluster, "n0"), xid_event(cluster, "n0", 79).to_json_bytes())
+        h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "n0"))
+        st = await assert_eventually(lambda: _when(h.query(NodeRemediation.status), lambda i: i.phase == "closed"),
+                                     timeout_s=60, what="the incident closed")
+        assert st.outcome == "observed" and not st.drained
+        assert router.stats.drained_now == 0
+        state = await pool.read(cluster)
+        assert state is None or (not state.open and not state.holders)
+        from nats.js.errors import KeyNotFoundError
+
+        try:
+            entry = await kv.get(subjects.drain_kv_key(cluster, "n0"))
+        except KeyNotFoundError:
+            entry = None
+        assert entry is None or not entry.value, "observe-only drained n0"
+    finally:
+        stop.set()
+        await worker.shutdown()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await nc.close()
