@@ -210,7 +210,8 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open), timeout_s=30,
                                 what="pool closed")
         out = " ".join((await cli(env, "breaker", "status")).stdout.split())
-        assert "breaker closed; PAUSED by test: no drains" in out and "drains allowed" not in out, out
+        assert "breaker closed; PAUSED by test at " in out and "(maintenance): no drains" in out, out
+        assert "drains allowed" not in out, out
         refused = router.stats.drain_now_refused
         await cli(env, "abort", "n0", "--undrain", "--note", "test frees a slot")
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: "n0" not in p.holders), timeout_s=90,

@@ -84,11 +84,20 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
         await assert_eventually(lambda: phase_is(h1, "awaiting_permit"))
         st = await assert_eventually(lambda: _status(cli_env, lambda s: s["queue"]), what="x1 queued")
         assert st["paused"] and [q["node"] for q in st["queue"]] == ["x1"] and calls.drains == []
+        r = await asyncio.to_thread(cli, cli_env, "breaker", "status")
+        out = " ".join(r.output.split())
+        assert "PAUSED by" in out and " at 20" in out and "(maintenance window)" in out, out  # who, when, why
+        r = await asyncio.to_thread(cli, cli_env, "pause", "--note", "again")
+        assert r.exit_code == 0 and "already paused by" in r.output and "maintenance window" in r.output, r.output
         r = await asyncio.to_thread(cli, cli_env, "resume", "--json")
         assert r.exit_code == 0, r.output
         res = json.loads(r.output)  # --json: the result as one object
         assert res["command"] == "resume" and res["cluster"] == cluster and res["by"] and res["result"]
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"), what="drained after resume")
+        r = await asyncio.to_thread(cli, cli_env, "resume")
+        assert r.exit_code == 0 and "not paused: nothing to resume" in r.output, r.output
+        r = await asyncio.to_thread(cli, cli_env, "breaker", "reset")
+        assert r.exit_code == 0 and "nothing to reset" in r.output, r.output
 
         h2 = await start(temporal_client, tq, cluster, "x2", [fault(cluster, "x2", 79, drain=True)])
         await assert_eventually(lambda: _status(cli_env, lambda s: s["breaker_tripped"]), what="tripped (2 > 1)")

@@ -212,7 +212,13 @@ async def _record_guard(client, js) -> None:
         await assert_eventually(lambda: phase_is(g2, "awaiting_permit"))
         g3 = await start(client, tq, cluster, "g3", [fault(cluster, "g3", 79, drain=True)])
         await assert_eventually(lambda: phase_is(g3, "awaiting_permit"))  # 3 nodes > 2: breaker trips
-        gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+        gh = client.get_workflow_handle_for(FleetGuard.run, subjects.fleetguard_workflow_id(cluster))
+
+        async def tripped():
+            st = await gh.query(FleetGuard.status)
+            return st if st.breaker_tripped else None
+
+        await assert_eventually(tripped, what="the breaker tripped")
         await gh.execute_update(FleetGuard.reset_breaker, GuardCommand(by="rec@ci"))
         await g1.execute_update(NodeRemediation.mark_repaired, RepairedCommand(by="rec@ci"))
         await assert_eventually(lambda: phase_is(g2, "awaiting_repair"))

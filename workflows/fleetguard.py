@@ -178,9 +178,9 @@ class FleetGuard:
         self._answers: list[tuple[str, PermitDecision]] = []
         self._dirty = False
         self._published_phase: GuardPhase | None = None
-        self._ready = inp.carried is not None
-        """False until a new guard has rebuilt its holders from the running incidents (`run`)."""
         self._reconcile_due = False
+        self._reconcile_task: asyncio.Task[None] | None = None
+        """The reconciliation in flight (`run`): like the pool write, it never holds up the main loop."""
         self._pool_task: asyncio.Task[None] | None = None
         """The pool write in flight (`_start_pool_sync`): the main loop never waits for it."""
         self._pool_synced = False
@@ -238,6 +238,7 @@ class FleetGuard:
             queue=[{**q.to_dict(), "waiting": self._waiting(q)} for q in self._ordered_queue()],
             breaker_tripped=s.breaker_tripped, breaker_reason=s.breaker_reason,
             breaker_tripped_at=iso(s.breaker_tripped_at), paused=s.paused, paused_by=s.paused_by,
+            paused_at=iso(s.paused_at), paused_note=s.paused_note,
             observe_only=s.policy.observe_only, infra_incidents=[i.to_dict() for i in s.infra],
             recent_nodes=len({n for n, _ in s.recent}), log=s.log[-30:],
             router_only=list(s.router_only), pool_holders=s.pool_holders, stranded=dict(s.stranded))
@@ -245,15 +246,21 @@ class FleetGuard:
     @workflow.update(name=GuardApi.RESET_BREAKER)
     async def reset_breaker(self, cmd: GuardCommand) -> str:
         s = self._state
+        open_inc = [i.domain for i in s.infra if i.closed_at is None]
+        if not s.breaker_tripped and not open_inc:
+            return "the breaker is not tripped and no infrastructure incident is open: nothing to reset"
         was = s.breaker_reason
         s.breaker_tripped, s.breaker_reason, s.breaker_tripped_at = False, None, None
         s.recent = []  # the storm that tripped it is acknowledged; count afresh
         for inc in s.infra:
             if inc.closed_at is None:
                 inc.closed_at = self._now()
-        self._log(f"breaker reset by {cmd.by}{': ' + cmd.note if cmd.note else ''} (was: {was})")
+        self._log(f"breaker reset by {cmd.by}{': ' + cmd.note if cmd.note else ''} (was: {was or 'not tripped'}"
+                  + (f"; closed infrastructure incidents {', '.join(open_inc)}" if open_inc else "") + ")")
         self._claims_due = self._dirty = True
-        return f"breaker reset; {len(s.queue)} queued request(s) will be served in severity order"
+        return ("breaker reset" if was else "breaker was not tripped") \
+            + (f"; infrastructure incident(s) {', '.join(open_inc)} closed" if open_inc else "") \
+            + f"; {len(s.queue)} queued request(s) will be served in severity order"
 
     @reset_breaker.validator
     def _v_reset(self, cmd: GuardCommand) -> None:
@@ -262,7 +269,10 @@ class FleetGuard:
     @workflow.update(name=GuardApi.PAUSE)
     async def pause(self, cmd: GuardCommand) -> str:
         s = self._state
-        s.paused, s.paused_by = True, cmd.by
+        if s.paused:
+            return f"already paused by {s.paused_by} at {iso(s.paused_at)}" + (f": {s.paused_note}" if s.paused_note
+                                                                               else "")
+        s.paused, s.paused_by, s.paused_at, s.paused_note = True, cmd.by, self._now(), cmd.note
         self._log(f"paused by {cmd.by}{': ' + cmd.note if cmd.note else ''}: no new drains")
         self._dirty = True
         return "paused: faults are still classified and recorded; no node will be drained"
@@ -274,7 +284,9 @@ class FleetGuard:
     @workflow.update(name=GuardApi.RESUME)
     async def resume(self, cmd: GuardCommand) -> str:
         s = self._state
-        s.paused, s.paused_by = False, None
+        if not s.paused:
+            return "not paused: nothing to resume"
+        s.paused, s.paused_by, s.paused_at, s.paused_note = False, None, None, ""
         self._log(f"resumed by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
         self._claims_due = self._dirty = True
         return f"resumed; {len(s.queue)} queued request(s)"
@@ -289,16 +301,15 @@ class FleetGuard:
         self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
         self._dirty = True
         if inp.carried is None:
-            await self._rebuild()
-        self._ready = True
+            await self._rebuild()  # before answering anyone
         self._clock = asyncio.create_task(self._reconcile_clock())  # kept: a dropped task may be collected
         while True:
             await workflow.wait_condition(lambda: bool(self._inbox) or self._dirty or bool(self._tickets)
                                           or bool(self._answers) or self._reconcile_due)
             self._dirty = False
-            if self._reconcile_due:
+            if self._reconcile_due and (self._reconcile_task is None or self._reconcile_task.done()):
                 self._reconcile_due = False
-                await self._reconcile()
+                self._reconcile_task = asyncio.create_task(self._reconcile())
             self._process()
             await self._send()
             await self._file_tickets()
@@ -308,8 +319,9 @@ class FleetGuard:
             if (info.get_current_history_length() > inp.max_history_events or info.is_continue_as_new_suggested()) \
                     and not self._inbox:
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                if self._pool_task is not None and not self._pool_task.done():
-                    await self._pool_task  # its grants and slots to free must not be lost with this run
+                for task in (self._pool_task, self._reconcile_task):
+                    if task is not None and not task.done():
+                        await task  # its grants, slots to free and findings must not be lost with this run
                 if self._answers:
                     continue  # answers of the last write go out first; continue-as-new on a later pass
                 s = self._state

@@ -259,7 +259,9 @@ def breaker_status(
     state = "TRIPPED" if d["breaker_tripped"] else "closed" + ("" if d["paused"] or d["observe_only"]
                                                                else " (drains allowed)")
     out.print(f"FleetGuard {d['cluster']}: breaker {state}"
-              + (f"; PAUSED by {d['paused_by']}: no drains" if d["paused"] else "")
+              + (f"; PAUSED by {d['paused_by']}" + (f" at {d['paused_at']}" if d.get("paused_at") else "")
+                 + (f" ({escape(d['paused_note'])})" if d.get("paused_note") else "") + ": no drains"
+                 if d["paused"] else "")
               + ("; observe-only" if d["observe_only"] else ""))
     if d["breaker_tripped"]:
         out.print(f"  tripped at {d['breaker_tripped_at']}: {escape(d['breaker_reason'] or '')}")

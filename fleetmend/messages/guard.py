@@ -199,6 +199,8 @@ class GuardState:
     breaker_trips: int = 0
     paused: bool = False
     paused_by: str | None = None
+    paused_at: datetime | None = None
+    paused_note: str = ""
     infra: list[InfraIncident] = field(default_factory=list)
     node_domains: dict[str, list[str]] = field(default_factory=dict)
     """node → its failure domains, as the requests said (topology stays out of history)."""
@@ -319,3 +321,5 @@ class GuardStatus:
     guard's last pool write; `fleetmend breaker status` reads the pool itself."""
     stranded: dict[str, str] = field(default_factory=dict)
     """Drained nodes whose incident no longer runs (node → why): still counted against the budget."""
+    paused_at: str | None = None
+    paused_note: str = ""
