@@ -45,6 +45,10 @@ ACTION_TEXT: dict[str, str] = {
     "XID_154": "The driver changed its recovery action: the printed action decides (Reset/Reboot drains).",
     "XID_154_EVAL": "Evaluate the driver's recovery action printed with the event.",
     "NONE": "The catalog assigns no action yet: recorded for review.",
+    "DIAGNOSE_IN_SERVICE": "Diagnose while the node keeps its jobs: no drain; the incident records the fault "
+                           "and its repeats.",
+    "RESET_GPU_WHEN_IDLE": "Reset the GPU when no job holds it (the pending remap or retirement is applied on "
+                           "reset): no drain.",
 }
 
 
