@@ -63,6 +63,9 @@ class Candidate:
     detail: bool = False
     priority: int = 0
     message: str = ""
+    form: str | None = None
+    """Which line of a multi-line report this is (`oom_head`: invoked / summary / selected / killed / reaped): a
+    report prints each form once, so a second line of a form already in the open record is a new one."""
 
 
 # ------------------------------------------------------------------------------------------ XID
@@ -205,11 +208,14 @@ _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active inte
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
 _NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
 _NVME_TIMEOUT = re.compile(
-    rf"nvme {_NVME_ID}: (?:I/O (?:tag )?\d+ (?:\([^)]*\) )?QID \d+ timeout|controller is down; will reset)"
+    rf"nvme {_NVME_ID}: (?:I/O (?:tag )?\d+ ?(?:\([^)]*\) )?(?:type \d+ )?(?:opcode \S+ (?:\([^)]*\) )?)?QID \d+ "
+    r"timeout|controller is down; will reset)"
 )
-"""drivers/nvme/host/pci.c nvme_timeout(): `I/O %d QID %d timeout, aborting|reset controller`, `controller is
-down; will reset: CSTS=0x%x, PCI_STATUS=0x%hx`; printed with the controller (`nvme nvme0:`) or, in older
-kernels and some paths, the PCI device (`nvme 0000:5e:00.0:`)."""
+"""drivers/nvme/host/pci.c nvme_timeout(): v4.x-v6.0 `I/O %d QID %d timeout, aborting|reset controller|disable
+controller`, `I/O %d(%s) QID %d timeout, completion polled`; v6.1+ `I/O tag %d (%04x) opcode %#x (%s) QID %d
+timeout, reset controller` / `..., aborting req_op:%s(%u) size:%u`; rdma.c/tcp.c `I/O tag %d (%04x) [type %d ]
+opcode %#x (%s) QID %d timeout`; `controller is down; will reset: CSTS=0x%x, PCI_STATUS=0x%hx`; printed with the
+controller (`nvme nvme0:`) or, in older kernels and some paths, the PCI device (`nvme 0000:5e:00.0:`)."""
 _NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
 _NVME_REMOVED = re.compile(
     rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
@@ -242,6 +248,7 @@ _OOM_KILL = re.compile(
     r"(?:Memory cgroup out of memory|Out of memory(?: \([^)]*\))?): Kill(?:ed)? process (?P<pid>\d+) \((?P<comm>[^)]*)\)"
 )
 _OOM_KILLED = re.compile(r"^Killed process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
+_OOM_REAPED = re.compile(r"^oom_reaper: reaped process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
 
 
 
@@ -448,6 +455,7 @@ _HW_PANIC = re.compile(r"(?P<mce>Fatal (?:local )?[Mm]achine check|[Mm]achine ch
 check` in 2.6.x, `Machine check from unknown source`), drivers/acpi/apei/ghes.c __ghes_panic
 (`Fatal hardware error!`)."""
 
+MCI_OVER = 1 << 62
 MCI_UC = 1 << 61
 MCI_PCC = 1 << 57
 MCI_VAL = 1 << 63
@@ -456,10 +464,12 @@ MCI_VAL = 1 << 63
 def mce_kind(status: int) -> str:
     """MCi_STATUS -> kind (Intel SDM vol. 3B 15.3.2.2, AMD APM vol. 2 9.3): VAL and UC with PCC (processor
     context corrupt) -> mce_uncorrected (fatal); UC without PCC (software recoverable: SRAO/SRAR, the
-    kernel poisons the page and kills the consumer) -> mce_recoverable; UC clear -> mce (corrected)."""
+    kernel poisons the page and kills the consumer) -> mce_recoverable; UC clear with OVER (bit 62: a
+    further error arrived before the bank was read, so they come faster than they are logged) ->
+    mce_corrected_repeated; UC clear -> mce (corrected; repeats at one `mce_addr` escalate, kinds.toml)."""
     if status & MCI_UC:
         return "mce_uncorrected" if status & MCI_PCC else "mce_recoverable"
-    return "mce"
+    return "mce_corrected_repeated" if status & MCI_OVER else "mce"
 
 
 def _mce(t: str) -> Candidate | None:
@@ -793,15 +803,26 @@ def hung_task_head(t: str) -> Candidate | None:
 
 
 def oom_head(t: str) -> Candidate | None:
+    """One OOM kill report (mm/oom_kill.c): `%s invoked oom-killer: gfp_mask=%#x(%pGg), order=%d,
+    oom_score_adj=%hd` (dump_header), the summary `oom-kill:constraint=%s,nodemask=%*pbl,...,task=%s,pid=%d,
+    uid=%d` (v4.19+), `%s: Killed process %d (%s) total-vm:%lukB, ...` (`Out of memory`, `Memory cgroup out
+    of memory`; `Kill process %d (%s) score %u or sacrifice child` before v4.19), `oom_reaper: reaped process
+    %d (%s), now anon-rss:...`: every line one kill; `form` lets the parser count the report once."""
     m = _OOM_SUMMARY.search(t)
     if m:
-        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="summary")
     m = _OOM_KILL.search(t) or _OOM_KILLED.search(t)
     if m:
-        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="killed" if "Killed" in m[0] else "selected")
+    m = _OOM_REAPED.search(t)
+    if m:
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="reaped", detail=True)
     m = _OOM_INVOKED.search(t)
     if m:
-        return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]})
+        return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]}, form="invoked")
     return None
 
 
@@ -816,6 +837,9 @@ _GHES_SECTION = re.compile(r"\[Hardware Error\]:\s+section_type: (?P<st>.+)$")
 _GHES_DEVICE = re.compile(rf"\[Hardware Error\]:\s+device_id: (?P<bdf>{_BDF_RAW})\s*$")
 
 _NVME_PCI_LINE = re.compile(rf"^nvme (?P<bdf>{_BDF_RAW}): ")
+_MCE_ADDR = re.compile(r"\[Hardware Error\]: .*?\bADDR (?P<addr>[0-9a-fA-F]+)\b")
+"""mce/core.c __print_mce: `HW_ERR "RIP%s %02x:<%016Lx> "`, then pr_cont `TSC %llx `, `ADDR %llx `, `MISC %llx `
+on one line (`[Hardware Error]: TSC 0 ADDR 3ffe5c8c0 MISC 200001c020000086`)."""
 CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task"}
 
 
@@ -825,7 +849,7 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
     Returns a dict with any of: `pid` (int; crash kinds: from `CPU: N PID: M Comm: X` or the hung-task
     `task:NAME ... pid:N` line), `aer_status`/`aer_mask`/`aer_errors` (AER status lines),
     `kind` (GHES `event severity:` -> ghes_corrected/ghes_recoverable/ghes_fatal), `ghes_section`,
-    `bdf` (GHES PCIe `device_id:`), `process`.
+    `bdf` (GHES PCIe `device_id:`), `process`, `mce_addr` (machine checks: the bank's ADDR, hex).
     """
     t = text.strip()
     out: dict[str, Attr] = {}
@@ -847,6 +871,10 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         m = _AER_BIT.match(parts[1].strip() if len(parts) == 2 else t)
         if m:
             out["aer_error"] = m["name"] + (" (First)" if m["first"] else "")
+    elif kind.startswith("mce"):
+        m = _MCE_ADDR.search(t)
+        if m:
+            out["mce_addr"] = f"0x{int(m['addr'], 16):x}"
     elif kind.startswith("nvme_"):
         m = _NVME_PCI_LINE.match(t)
         if m:

@@ -427,13 +427,15 @@ class Catalog:
                 component=event.component,
             )
         if event.healthy and not entry.healthy:
+            clearing = self.kinds.get(str(event.attrs.get("clearing_kind", "")))
             return Classification(
                 severity=Severity.INFO,
                 immediate_action=Action.IGNORE,
                 investigatory_action="(none)",
                 source=entry.source,
                 fault_class=entry.name,
-                description=f"cleared: {entry.description}",
+                description=(f"{clearing.description} (clears {entry.name})" if clearing is not None
+                             else f"cleared: {entry.description}"),
                 drain=False,
                 component=entry.component,
             )
