@@ -204,6 +204,17 @@ _BOND_SLAVE = re.compile(
     r"(?P<bond>[\w.-]+): (?:link status definitely (?P<st1>down|up) for interface (?P<if1>[\w.@-]+)|"
     r"\(slave (?P<if2>[\w.@-]+)\): link status definitely (?P<st2>down|up))"
 )
+"""drivers/net/bonding/bond_main.c bond_miimon_commit: v5.3+ slave_info(bond, slave, `link status definitely
+down, disabling slave`) / `link status definitely up, %u Mbps %s duplex`, printed `%s: (slave %s): ...`; before
+v5.3 netdev_info(bond, `link status definitely down for interface %s, disabling it`). Any bond name (not only
+`bond*`: `team0`, `mgmt`, `uplink`)."""
+_BOND_PENDING = re.compile(
+    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up) (?:again after \d+ ms )?"
+    r"for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
+)
+"""bond_main.c bond_miimon_inspect: v5.3+ slave_info(`link status down for %sinterface, disabling it in %d ms`)
+(`active `/`backup `/``), `link status up for interface, enabling it in %d ms`; before v5.3 `%s: link status down
+for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely down/up follows)."""
 _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active interface")
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
 _NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
@@ -717,6 +728,14 @@ def nic_link_head(t: str) -> Candidate | None:
 
 
 def bond_head(t: str) -> Candidate | None:
+    if "link status" in t and "ms" in t:
+        m = _BOND_PENDING.search(t)
+        if m:
+            up = m["st"] == "up"
+            return Candidate(
+                kind="bond_slave_up" if up else "bond_slave_down", dev_name=m["if1"] or m["if2"], healthy=up,
+                detail=True, attrs={"bond": m["bond"], "delay_ms": int(m["ms"])},
+            )
     m = _BOND_SLAVE.search(t)
     if m:
         up = (m["st1"] or m["st2"]) == "up"
@@ -893,3 +912,239 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         if m:
             out["bdf"] = normalize_bdf(m["bdf"])
     return out
+
+
+# ------------------------------------------------------------------------------------------ storage, filesystems
+# Formats and versions: fleetmend/catalog/source/formats.tsv (tests/test_formats.py synthesises a line from each).
+
+_DISK = r"[^\s,()]+"
+_BLK_ERR = re.compile(rf"(?:^|: )(?P<what>[A-Za-z][\w/ ]*?) error, dev (?P<dev>{_DISK}), sector (?P<sector>\d+)")
+"""block/blk-core.c: v4.18-v5.x print_req_error `%s: %s error, dev %s, sector %llu op 0x%x:(%s) flags 0x%x
+phys_seg %u prio class %u` (caller, blk_errors[].name: `I/O`, `critical medium`, `timeout`, `critical
+target`, ...), v5.16+ blk_print_req_error without the caller; v4.x-v4.17 `%s: I/O error, dev %s, sector %llu`."""
+_BUFFER_ERR = re.compile(rf"Buffer I/O error on (?:dev(?:ice)? )?(?P<dev>{_DISK}), logical block (?P<block>\d+)")
+"""fs/buffer.c buffer_io_error / end_buffer_async_write: `Buffer I/O error on dev %pg, logical block %llu%s`
+(`, async page read`, `, lost async page write`); v2.6-v3.x `Buffer I/O error on device %s, logical block %Lu`."""
+_EXT_RO = re.compile(r"(?P<fs>EXT[234]-fs) \((?P<dev>[^)]+)\): Remounting filesystem read-only")
+"""fs/ext4/super.c ext4_handle_error: ext4_msg(sb, KERN_CRIT, `Remounting filesystem read-only`), ext4_msg
+printing `EXT4-fs (%s): %pV` (sb->s_id); ext3/ext2 print the same with their prefix."""
+_EXT_ERR = re.compile(r"(?P<fs>EXT[234]-fs) (?:error|warning \(device [^)]+\): ext4_end_bio)"
+                      r"(?: \(device (?P<dev>[^)]+)\))?(?::| in )")
+"""fs/ext4/super.c __ext4_error `EXT4-fs error (device %s): %s:%d: comm %s: %pV`, __ext4_error_inode
+`EXT4-fs error (device %s): %s:%d: inode #%lu: comm %s: %pV`, __ext4_std_error `EXT4-fs error (device %s) in
+%s:%d: %s`."""
+_EXT_ABORT = re.compile(r"(?:EXT4-fs \((?P<dev>[^)]+)\): )?Aborting journal on device (?P<jdev>[^\s.]+(?:\.\S+)?)\.?$")
+"""fs/jbd2/journal.c jbd2_journal_abort / __journal_abort_soft: `Aborting journal on device %s.` (the
+journal device, e.g. `sda1-8`): the filesystem goes read-only next."""
+_XFS_SHUTDOWN = re.compile(r"XFS \((?P<dev>[^)]+)\): (?P<why>.*?)(?: \(0x[0-9a-f]+\))?(?: detected at \S+ \([^)]*\))?\.?"
+                           r"\s+Shutting down filesystem|XFS \((?P<dev2>[^)]+)\): Filesystem has been shut down")
+"""fs/xfs/xfs_fsops.c xfs_do_force_shutdown: v5.19+ `%s (0x%x) detected at %pS (%s:%d).  Shutting down
+filesystem.` (`Log I/O Error`, `Metadata I/O Error`, `Corruption of in-memory data`, `Corruption of on-disk
+metadata`), v4.x-v5.18 `Log I/O Error Detected. Shutting down filesystem`, `I/O Error Detected. Shutting down
+filesystem`, `Corruption of in-memory data detected.  Shutting down filesystem`; xfs_log.c `Filesystem has been
+shut down due to log error (0x%x).`; printed by xfs_alert with `XFS (%s): ` (mp->m_super->s_id)."""
+_XFS_ERR = re.compile(r"XFS \((?P<dev>[^)]+)\): (?:metadata I/O error|log I/O error|Metadata corruption detected|"
+                      r"xfs_log_force: error|writeback error on sector)")
+"""fs/xfs/xfs_buf.c `metadata I/O error in "%pS" at daddr 0x%llx len %d error %d`, xfs_log.c `log I/O error %d`,
+xfs_error.c `Metadata corruption detected at %pS, %s block 0x%llx`."""
+_MD_FAIL = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): Disk failure on (?P<dev>[^\s,]+), disabling device\.?")
+"""drivers/md/raid1.c raid1_error / raid10.c raid10_error: `md/raid1:%s: Disk failure on %pg, disabling
+device.` then `md/raid1:%s: Operation continuing on %d devices.`; raid5.c raid5_error `md/raid:%s: Disk failure
+on %pg, disabling device.`; before v5.18 `%s` (bdevname) for `%pg`."""
+_MD_CANNOT = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): (?:Cannot continue operation \((?P<f>\d+)/(?P<n>\d+) "
+                        r"failed\)|Operation continuing on 0 devices)")
+"""drivers/md/raid5.c raid5_error `md/raid:%s: Cannot continue operation (%d/%d failed).`: the array failed."""
+_NVME_PATH = re.compile(r"block (?P<dev>nvme\w+): no (?P<which>usable|available) path - (?P<act>requeuing|failing) I/O")
+"""drivers/nvme/host/multipath.c nvme_ns_head_submit_bio: dev_warn_ratelimited(disk_to_dev(head->disk), `no
+usable path - requeuing I/O` (a path may come back) / `no available path - failing I/O` (none will))."""
+_NFS = re.compile(r"(?P<prog>nfs|nfs4|lockd|nfsacl): server (?P<srv>\S+) (?P<st>not responding, (?:still trying|"
+                  r"timed out)|OK)$")
+"""net/sunrpc/clnt.c call_timeout / call_decode: `%s: server %s not responding, still trying`, `%s: server %s
+not responding, timed out` (soft mounts), `%s: server %s OK` (cl_program->name, cl_server)."""
+
+
+def storage_head(t: str) -> Candidate | None:
+    """Block-layer errors, filesystem errors and read-only remounts/shutdowns, md member failures, NVMe multipath
+    path loss (family `storage`: one disk's I/O error, the filesystem error and the remount are one episode)."""
+    if " error, dev " in t:
+        m = _BLK_ERR.search(t)
+        if m:
+            dev = None if m["dev"] == "?" else m["dev"]
+            return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=dev, family="storage",
+                             attrs={"block_error": m["what"].strip(), "sector": int(m["sector"])})
+    if "Buffer I/O error" in t:
+        m = _BUFFER_ERR.search(t)
+        if m:
+            return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             detail=True, attrs={"logical_block": int(m["block"])})
+    if "-fs" in t:
+        m = _EXT_RO.search(t)
+        if m:
+            return Candidate(kind="fs_read_only", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=3, attrs={"fs": m["fs"][:-3].lower()})
+        m = _EXT_ERR.search(t)
+        if m:
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=1, attrs={"fs": m["fs"][:-3].lower(), "fs_error": t[:256]})
+    if "Aborting journal" in t:
+        m = _EXT_ABORT.search(t)
+        if m:
+            dev = m["dev"] or m["jdev"].rsplit("-", 1)[0]
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=dev, family="storage",
+                             priority=2, detail=True, attrs={"journal": m["jdev"]})
+    if "XFS (" in t:
+        m = _XFS_SHUTDOWN.search(t)
+        if m:
+            return Candidate(kind="fs_read_only", component=Component.STORAGE, dev_name=m["dev"] or m["dev2"],
+                             family="storage", priority=3, attrs={"fs": "xfs", "shutdown": (m["why"] or "")[:128]})
+        m = _XFS_ERR.search(t)
+        if m:
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=1, attrs={"fs": "xfs", "fs_error": t[:256]})
+    if "md/raid" in t:
+        m = _MD_FAIL.search(t)
+        if m:
+            return Candidate(kind="md_member_failed", component=Component.STORAGE, dev_name=m["dev"],
+                             attrs={"md": m["md"], "raid_level": m["level"] or "5"})
+        m = _MD_CANNOT.search(t)
+        if m:
+            return Candidate(kind="md_array_failed", component=Component.STORAGE, dev_name=m["md"],
+                             attrs={"raid_level": m["level"] or "5"})
+    if " path - " in t:
+        m = _NVME_PATH.search(t)
+        if m:
+            failing = m["act"] == "failing"
+            return Candidate(kind="nvme_no_path" if failing else "nvme_path_requeue", component=Component.NVME,
+                             dev_name=m["dev"], family="nvme_path", priority=2 if failing else 1)
+    return None
+
+
+def nfs_head(t: str) -> Candidate | None:
+    m = _NFS.search(t)
+    if not m:
+        return None
+    ok = m["st"] == "OK"
+    return Candidate(kind="nfs_server_ok" if ok else "nfs_server_not_responding", component=Component.STORAGE,
+                     dev_name=m["srv"], healthy=ok, attrs={"rpc_program": m["prog"]})
+
+
+# ------------------------------------------------------------------------------------------ OS limits, libraries
+
+_FILE_MAX = re.compile(r"VFS: file-max limit (?P<n>\d+) reached")
+"""fs/file_table.c alloc_empty_file: pr_info(`VFS: file-max limit %lu reached`, get_max_files())."""
+_CONNTRACK = re.compile(r"nf_conntrack: (?:nf_conntrack: )?table full, dropping packet")
+"""net/netfilter/nf_conntrack_core.c __nf_conntrack_alloc: net_warn_ratelimited(`nf_conntrack: table full,
+dropping packet`) under pr_fmt `nf_conntrack: ` (v4.x+ prints the name twice)."""
+_SEGV = re.compile(r"(?P<comm>\S[^\[]*)\[(?P<pid>\d+)\]: (?:segfault at (?P<addr>[0-9a-f]+) ip [0-9a-f]+ sp [0-9a-f]+ "
+                   r"error (?P<err>[0-9a-f]+)|trap (?P<trap>[\w ]+?) ip:[0-9a-f]+ sp:[0-9a-f]+ error:[0-9a-f]+|"
+                   r"general protection fault ip:[0-9a-f]+ sp:[0-9a-f]+ error:[0-9a-f]+)"
+                   r" in (?P<lib>[^\s\[]+)\[")
+"""arch/x86/mm/fault.c show_signal_msg `%s%s[%d]: segfault at %lx ip %px sp %px error %lx`, then mm/memory.c
+print_vma_addr ` in %s[%lx+%lx]` (v6.2+: ` in %s[%lx,%lx+%lx]`); arch/x86/kernel/traps.c `%s[%d] trap %s ip:%lx
+sp:%lx error:%lx` / `%s[%d] general protection fault ip:%lx sp:%lx error:%lx` with the same ` in ` suffix."""
+GPU_LIBRARIES = ("libcuda", "libnccl", "libnvidia-", "libcudart", "libcublas", "libcudnn", "libnvrm", "libnvToolsExt",
+                 "libnvJitLink", "libnvrtc", "libcufft", "libcusparse", "libnvshmem", "libnccl-net", "libfabric",
+                 "libefa", "libmlx5", "libibverbs")
+"""A segfault inside these (NVIDIA driver/CUDA/NCCL user libraries, and the RDMA providers NCCL loads) is
+read; one inside an application's own code or libc is the application's bug and is not a node fault."""
+_CMCI = re.compile(r"(?:CPU(?P<cpu>\d+) BANK(?P<bank>\d+) )?CMCI storm (?P<st>detected|subsided)")
+"""arch/x86/kernel/cpu/mce/intel.c (v3.10-v6.7) `CMCI storm detected: switching to poll mode`, `CMCI storm
+subsided: switching to interrupt mode`; mce/threshold.c (v6.8+) `CPU%d BANK%d CMCI storm detected`, `CPU%d BANK%d
+CMCI storm subsided` (pr_fmt `mce: `)."""
+
+
+def os_limit_head(t: str) -> Candidate | None:
+    if "file-max" in t:
+        m = _FILE_MAX.search(t)
+        if m:
+            return Candidate(kind="os_file_max_reached", attrs={"file_max": int(m["n"])})
+    if "table full" in t and _CONNTRACK.search(t):
+        return Candidate(kind="conntrack_table_full", component=Component.NIC)
+    if "CMCI storm" in t:
+        m = _CMCI.search(t)
+        if m:
+            ok = m["st"] == "subsided"
+            attrs: dict[str, Attr] = {}
+            if m["cpu"] is not None:
+                attrs.update(cpu=int(m["cpu"]), bank=int(m["bank"]))
+            return Candidate(kind="cmci_storm_subsided" if ok else "cmci_storm", component=Component.CPU, healthy=ok,
+                             attrs=attrs)
+    if " in lib" in t:
+        m = _SEGV.search(t)
+        if m and m["lib"].startswith(GPU_LIBRARIES):
+            return Candidate(kind="gpu_library_segfault", component=Component.GPU, pid=int(m["pid"]),
+                             attrs={"process": m["comm"].strip()[:64], "library": m["lib"][:128],
+                                    "signal": "SIGSEGV" if m["addr"] is not None else "trap"})
+    return None
+
+
+# ------------------------------------------------------------------------------------------ EFA, GPU lost (no Xid)
+
+_EFA_TIMEOUT = re.compile(rf"efa (?P<bdf>{_BDF_RAW})(?: (?P<ib>[\w-]+))?: (?:Wait for completion \(polling\) timeout|"
+                          r"Wait for completion \(interrupt\) timeout|Failed to (?:submit|process) command)")
+"""drivers/infiniband/hw/efa/efa_com.c efa_com_wait_and_process_admin_cq_polling / _interrupts:
+ibdev_err_ratelimited(`Wait for completion (polling) timeout`), `Wait for completion (interrupt) timeout`,
+efa_com_cmd_exec `Failed to process command %s (opcode %u) comp_status %d err %d`; ibdev printk prefixes
+`efa <bdf> <ibdev>: `."""
+_NV_LOST = re.compile(rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:.*\bGPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|"
+                      r"GPU is lost, skipping)")
+"""open-gpu-kernel-modules 595.45.04: nvstatuscodes.h NV_ERR_GPU_IS_LOST `GPU lost from the bus`, printed by
+nvassert.c nvAssertOkFailed `Assertion failed: %s (0x%08X) returned from ...` as `GPU lost from the bus
+[NV_ERR_GPU_IS_LOST] (0x0000000F)`; kernel-open/nvidia/nv.c, nv-pci.c `GPU is lost, skipping %s` (NV_DEV_PRINTF
+prefix `NVRM: GPU %04x:%02x:%02x.%x: `)."""
+
+
+def efa_head(t: str) -> Candidate | None:
+    m = _EFA_TIMEOUT.search(t)
+    if not m:
+        return None
+    return Candidate(kind="efa_admin_timeout", component=Component.IB, bdf=normalize_bdf(m["bdf"]), dev_name=m["ib"])
+
+
+def gpu_is_lost_head(t: str) -> Candidate | None:
+    m = _NV_LOST.search(t)
+    if not m:
+        return None
+    return Candidate(kind="gpu_fallen_off_bus", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None, family="gpu_lost",
+                     priority=3, detail=m["bdf"] is None, attrs={"nv_status": "NV_ERR_GPU_IS_LOST"})
+
+
+# ------------------------------------------------------------------------------------------ ConnectX modules
+
+_MLX5_MODULE = re.compile(rf"mlx5_core (?P<bdf>{_BDF_RAW}):? (?:\S+: )?Port module event(?P<err>\[error\])?: "
+                          r"module (?P<mod>\d+), (?P<status>[^,]+?)(?:, (?P<error>.+?))?\s*$")
+"""drivers/net/ethernet/mellanox/mlx5/core/events.c port_module (v5.2+; en_main.c/port.c before):
+mlx5_core_info(`Port module event: module %u, %s`) (mlx5_pme_status: `Cable plugged`, `Cable unplugged`, `Cable
+error`), mlx5_core_err(`Port module event[error]: module %u, %s, %s`) (mlx5_pme_error: `Power budget exceeded`,
+`Long Range for non MLNX cable`, `Bus stuck (I2C or data shorted)`, `No EEPROM/retry timeout`, `Enforce part
+number list`, `Unknown identifier`, `High Temperature`, `Bad or shorted cable/module`, `Unknown status`)."""
+
+
+def fabric_device_head(t: str) -> Candidate | None:
+    """RDMA/fabric device faults below the port state: ConnectX port modules (cable/transceiver), the EFA
+    device's admin queue."""
+    if "efa " in t:
+        c = efa_head(t)
+        if c is not None:
+            return c
+    return mlx5_module_head(t) if "Port module event" in t else None
+
+
+def mlx5_module_head(t: str) -> Candidate | None:
+    m = _MLX5_MODULE.search(t)
+    if not m:
+        return None
+    status = m["status"].strip()
+    attrs: dict[str, Attr] = {"module": int(m["mod"]), "module_status": status[:64]}
+    if m["error"]:
+        attrs["module_error"] = m["error"].strip()[:96]
+    low = status.lower()
+    if m["err"] or "error" in low:
+        kind, healthy = "ib_module_error", False
+    elif "unplugged" in low:
+        kind, healthy = "ib_module_unplugged", False
+    elif "plugged" in low:
+        kind, healthy = "ib_module_plugged", True
+    else:
+        return None
+    return Candidate(kind=kind, component=Component.IB, bdf=normalize_bdf(m["bdf"]), healthy=healthy, attrs=attrs)

@@ -26,6 +26,11 @@ Formats and rules:
   (fatal: the HCA is dead until reset).
 - IBM Autopilot node labels (`autopilot.ibm.com/dcgm.level.3=ERR_<time>_<test>.<gpu>`,
   `autopilot.ibm.com/gpuhealth=EVICT`) → dcgm_diag_fail (fatal) for the failed DCGM test.
+- NVIDIA Fabric Manager log: `detected NVSwitch fatal error N on fid F on NVSwitch pci bus id B physical id P
+  port Q` → sxid_fatal (code N, the switch's PCI address and port; fatal for the GPUs behind it), `non-fatal`
+  → sxid_nonfatal.
+- systemd-networkd (journal/syslog): `IFNAME: Lost carrier` → nic_link_down, `Gained carrier` → its clearing
+  event (nic_link_up).
 """
 
 from __future__ import annotations
@@ -62,6 +67,49 @@ _IML_WORDS = ("CRITICAL", "CAUTION", "Critical", "Caution")
 _RAS_SECTION = re.compile(r"^(?P<name>Memory controller events|PCIe AER events|MCE (?:events|records)|Extlog|"
                           r"Memory failure events)", re.I)
 _BDF_ANY = re.compile(r"\b(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
+
+
+_FM_SWITCH = re.compile(r"detected NVSwitch (?P<sev>fatal|non-fatal) error (?P<code>\d+) on fid (?P<fid>\d+) on NVSwitch "
+                        r"pci bus id (?P<bdf>[0-9a-fA-F]{1,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]) physical id "
+                        r"(?P<phys>\d+)(?: port (?P<port>-?\d+))?")
+"""NVIDIA Fabric Manager log (/var/log/fabricmanager.log, R450+; closed source, format as printed by R535-R570 and
+quoted by the Fabric Manager User Guide 'NVSwitch errors'): `[%b %d %Y %H:%M:%S] [ERROR] [tid %d] detected NVSwitch
+fatal error %d on fid %d on NVSwitch pci bus id %s physical id %d port %d` (and `non-fatal`): the SXid, read as the
+kernel's `SXid` line is (`sxid_fatal` / `sxid_nonfatal`) with the switch's PCI address."""
+_NETWORKD = re.compile(r"systemd-networkd\[\d+\]: (?P<if>[\w.@:-]+): (?P<st>Lost|Gained) carrier\s*$", re.M)
+"""systemd src/network/networkd-link.c link_carrier_lost / link_carrier_gained: log_link_info(`Lost carrier`),
+(`Gained carrier`), journald/syslog `systemd-networkd[PID]: IFNAME: ...` (v219+)."""
+
+
+def _fabric_manager(text: str, ctx: Ctx) -> list[FaultEvent]:
+    out: list[FaultEvent] = []
+    if "detected NVSwitch" not in text:
+        return out
+    for m in _FM_SWITCH.finditer(text):
+        fatal = m["sev"] == "fatal"
+        line = _line_of(text, m.start()).strip()
+        bdf = normalize_bdf(m["bdf"])
+        out.append(ctx.event("sxid_fatal" if fatal else "sxid_nonfatal", Component.NVLINK,
+                             Severity.FATAL if fatal else Severity.DEGRADED, f"fabric manager: {line}",
+                             Source.INJECT, device=Device(pci_bus_id=bdf, port=int(m["port"]) if m["port"] else None),
+                             code=int(m["code"]), raw=line,
+                             attrs={"text_kind": "fabric-manager", "fid": int(m["fid"]),
+                                    "physical_id": int(m["phys"])}))
+    return out
+
+
+def _networkd(text: str, ctx: Ctx) -> list[FaultEvent]:
+    out: list[FaultEvent] = []
+    if "carrier" not in text:
+        return out
+    for m in _NETWORKD.finditer(text):
+        up = m["st"] == "Gained"
+        line = _line_of(text, m.start()).strip()
+        out.append(ctx.event("nic_link_up" if up else "nic_link_down", Component.NIC,
+                             Severity.INFO if up else Severity.DEGRADED, line, Source.INJECT,
+                             device=Device(name=m["if"]), raw=line, healthy=up,
+                             attrs={"text_kind": "systemd-networkd"}))
+    return out
 
 
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
@@ -103,6 +151,8 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     out += _vendor_bmc(text, ctx)
     out += _ras_mc_ctl(text, ctx)
     out += _autopilot(text, ctx)
+    out += _fabric_manager(text, ctx)
+    out += _networkd(text, ctx)
     return out
 
 
