@@ -859,6 +859,8 @@ _NVME_PCI_LINE = re.compile(rf"^nvme (?P<bdf>{_BDF_RAW}): ")
 _MCE_ADDR = re.compile(r"\[Hardware Error\]: .*?\bADDR (?P<addr>[0-9a-fA-F]+)\b")
 """mce/core.c __print_mce: `HW_ERR "RIP%s %02x:<%016Lx> "`, then pr_cont `TSC %llx `, `ADDR %llx `, `MISC %llx `
 on one line (`[Hardware Error]: TSC 0 ADDR 3ffe5c8c0 MISC 200001c020000086`)."""
+_AMD_DEV_LINE = re.compile(rf"^amdgpu (?P<bdf>{_BDF_RAW}): ")
+_AMD_PROCESS = re.compile(r"Process (?:information: process )?(?P<comm>\S*) pid (?P<pid>\d+) thread")
 CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task"}
 
 
@@ -868,7 +870,8 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
     Returns a dict with any of: `pid` (int; crash kinds: from `CPU: N PID: M Comm: X` or the hung-task
     `task:NAME ... pid:N` line), `aer_status`/`aer_mask`/`aer_errors` (AER status lines),
     `kind` (GHES `event severity:` -> ghes_corrected/ghes_recoverable/ghes_fatal), `ghes_section`,
-    `bdf` (GHES PCIe `device_id:`), `process`, `mce_addr` (machine checks: the bank's ADDR, hex).
+    `bdf` (GHES PCIe `device_id:`; amdgpu: the `amdgpu <bdf>:` line after a DRM_ERROR ring timeout), `process`,
+    `mce_addr` (machine checks: the bank's ADDR, hex).
     """
     t = text.strip()
     out: dict[str, Attr] = {}
@@ -894,6 +897,14 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         m = _MCE_ADDR.search(t)
         if m:
             out["mce_addr"] = f"0x{int(m['addr'], 16):x}"
+    elif kind.startswith("gpu_ring"):
+        m = _AMD_PROCESS.search(t)
+        if m and int(m["pid"]) > 0:
+            out["pid"] = int(m["pid"])
+            out["process"] = m["comm"]
+        m = _AMD_DEV_LINE.match(t)
+        if m:
+            out["bdf"] = normalize_bdf(m["bdf"])
     elif kind.startswith("nvme_"):
         m = _NVME_PCI_LINE.match(t)
         if m:
@@ -1148,3 +1159,45 @@ def mlx5_module_head(t: str) -> Candidate | None:
     else:
         return None
     return Candidate(kind=kind, component=Component.IB, bdf=normalize_bdf(m["bdf"]), healthy=healthy, attrs=attrs)
+
+
+# ------------------------------------------------------------------------------------------ AMD GPUs (amdgpu)
+
+_AMD_PREFIX = rf"(?:amdgpu (?P<bdf>{_BDF_RAW}): (?:amdgpu: )?|\[drm:\w+ \[amdgpu\]\] \*ERROR\* |\[drm ERROR :\w+\] )"
+_AMD_RING = re.compile(_AMD_PREFIX + r"ring (?P<ring>\S+) timeout, signaled seq=(?P<sig>\d+), emitted seq=(?P<emit>\d+)")
+"""drivers/gpu/drm/amd/amdgpu/amdgpu_job.c amdgpu_job_timedout: v6.x dev_err(adev->dev, `ring %s timeout, signaled
+seq=%u, emitted seq=%u`) (`amdgpu <bdf>: [amdgpu: ]`), before v6.1 DRM_ERROR (`[drm:amdgpu_job_timedout [amdgpu]]
+*ERROR* ring %s timeout, ...`); then `Process information: process %s pid %d thread %s pid %d` (v6.x `Process %s pid
+%d thread %s pid %d`)."""
+_AMD_RESET_FAILED = re.compile(_AMD_PREFIX + r"(?:GPU reset\(\d+\) failed|GPU Recovery Failed: -?\d+|"
+                               r"GPU reset end with ret = -\d+|ASIC reset failed with error, -?\d+)")
+"""amdgpu_device.c amdgpu_device_gpu_recover / amdgpu_device_reinit_after_reset: `GPU reset(%d) failed`, `GPU
+Recovery Failed: %d`, `GPU reset end with ret = %d` (ret < 0), `ASIC reset failed with error, %d for drm dev, %s`."""
+_AMD_RAS = re.compile(_AMD_PREFIX + r"(?:(?P<n>\d+) uncorrectable hardware errors detected in (?P<block>\S+) block|"
+                      r"uncorrectable hardware error ?\((?P<ev>\w+)\) detected!?)")
+"""amdgpu_ras.c amdgpu_ras_error_print_error_data / amdgpu_ras_log_on_err_counter: `%ld uncorrectable hardware errors
+detected in %s block`; amdgpu_ras_global_ras_isr (v5.x) `uncorrectable hardware error(ERREVENT_ATHUB_INTERRUPT)
+detected!`: the GPU's memory or fabric lost data (as a double-bit ECC error on an NVIDIA GPU)."""
+
+
+def amdgpu_head(t: str) -> Candidate | None:
+    """AMD GPU faults read into vendor-neutral kinds: ring (job) timeout, reset failure, RAS uncorrectable."""
+    if "timeout, signaled seq" in t:
+        m = _AMD_RING.search(t)
+        if m:
+            return Candidate(kind="gpu_ring_timeout", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                             family="amdgpu", priority=1,
+                             attrs={"ring": m["ring"][:32], "signaled_seq": int(m["sig"]), "emitted_seq": int(m["emit"])})
+    if "uncorrectable hardware error" in t:
+        m = _AMD_RAS.search(t)
+        if m:
+            attrs: dict[str, Attr] = {"ras_block": m["block"] or m["ev"] or ""}
+            if m["n"]:
+                attrs["error_count"] = int(m["n"])
+            return Candidate(kind="gpu_ras_uncorrectable", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                             family="amdgpu", priority=3, attrs=attrs)
+    m = _AMD_RESET_FAILED.search(t)
+    if m:
+        return Candidate(kind="gpu_reset_failed", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                         family="amdgpu", priority=2)
+    return None
