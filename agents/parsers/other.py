@@ -22,8 +22,10 @@ Formats and rules:
 - rasdaemon `ras-mc-ctl --errors` / `--summary`: memory controller events (Corrected → edac_ce,
   Uncorrected/Fatal → edac_ue), PCIe AER events (aer_corrected/aer_nonfatal/aer_fatal), MCE events
   (Corrected → mce, otherwise mce_uncorrected), one event per section, kind and device.
-- NCCL `NET/IB : Got async event : local catastrophic error` (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal
-  (fatal: the HCA is dead until reset).
+- NCCL `NET/IB : Got async event : local catastrophic error` (v2.19) / `NET/IB : mlx5_0:1 async fatal event:
+  local catastrophic error` (v2.30) (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal (fatal: the HCA is dead until reset).
+- NCCL NVLS: a `NCCL WARN` from transport/nvls.cc or naming NVLS (`Failed to bind NVLink SHARP (NVLS) Multicast
+  memory ...`) → nccl_nvls_error (nvlink, degraded: fabric manager / NVSwitch multicast is broken on the node).
 - IBM Autopilot node labels (`autopilot.ibm.com/dcgm.level.3=ERR_<time>_<test>.<gpu>`,
   `autopilot.ibm.com/gpuhealth=EVICT`) → dcgm_diag_fail (fatal) for the failed DCGM test.
 - NVIDIA Fabric Manager log: `detected NVSwitch fatal error N on fid F on NVSwitch pci bus id B physical id P
@@ -56,8 +58,17 @@ _IBV_STATE = re.compile(r"^\s*state:\s*PORT_(\w+)")
 _IB2NET = re.compile(r"^(\S+) port (\d+) ==> (\S+) \((\w+)\)")
 _SEL = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)?", re.M)
 _SEL_SHORT = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)\s*$", re.M)
-_NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?Got async event\s*:\s*local catastrophic error"
+_NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?(?:Got async event|async fatal event)\s*:\s*"
+                         r"local catastrophic error"
                          r"(?:\s*\((?P<dev2>[^)]*)\))?", re.I)
+"""NCCL src/transport/net_ib (v2.19.3 net_ib.cc `NET/IB : Got async event : %s`; v2.30.7 net_ib/common.cc
+`NET/IB : %s:%d async fatal event: %s` for IBV_EVENT_DEVICE_FATAL, ibv_event_type_str `local catastrophic error`)."""
+_NCCL_NVLS = re.compile(r"(?:\[(?P<cdev>\d+)\] )?(?P<file>\S*nvls\S*):\d+(?: \([^)]*\))? NCCL WARN (?P<msg>.*)|"
+                        r"NCCL WARN (?P<msg2>.*NVLink SHARP \(NVLS\).*|.*\bNVLS\b.*)")
+"""NCCL debug.cc ncclDebugLog (v2.30.7): `%s:%d:%d [%d] %s:%d (%s) NCCL WARN %s` (host:pid:tid [cudaDev]
+file:line (func)), before v2.2x without `(%s)`; transport/nvls.cc `Failed to bind NVLink SHARP (NVLS) Multicast memory
+of size %ld : CUDA error %d '%s'.` (the fabric manager or NVSwitches are broken), older versions' CUCHECK `Cuda
+failure '%s'` at transport/nvls.cc: a warning from the NVLS transport is an NVLS fault."""
 _AUTOPILOT = re.compile(r"autopilot\.ibm\.com/(?P<key>[\w.-]+)=(?P<val>\S+)")
 _KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)"
                      r"\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
@@ -145,6 +156,13 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
                              Source.INJECT, raw=_line_of(text, m.start()),
                              attrs={"text_kind": "nccl", "ibv_wc_status": status}))
         break
+    if "NCCL WARN" in text and ("NVLS" in text or "nvls" in text):
+        for m in _NCCL_NVLS.finditer(text):
+            msg = (m["msg"] or m["msg2"] or "").strip()
+            out.append(ctx.event("nccl_nvls_error", Component.NVLINK, Severity.DEGRADED, f"NCCL NVLS: {msg[:300]}",
+                                 Source.INJECT, raw=_line_of(text, m.start()),
+                                 attrs={"text_kind": "nccl", "cuda_device": int(m["cdev"]) if m["cdev"] else None}))
+            break
     out += _mcelog(text, ctx)
     out += _ib_tools(text, ctx)
     out += _sel(text, ctx)
