@@ -1122,11 +1122,12 @@ def gpu_is_lost_head(t: str) -> Candidate | None:
 
 # ------------------------------------------------------------------------------------------ ConnectX modules
 
-_MLX5_MODULE = re.compile(rf"mlx5_core (?P<bdf>{_BDF_RAW}):? (?:\S+: )?Port module event(?P<err>\[error\])?: "
+_MLX5_MODULE = re.compile(rf"mlx5_core (?P<bdf>{_BDF_RAW}):? (?:\w+:\d+:\(pid \d+\): )?Port module event(?P<err>\[error\])?: "
                           r"module (?P<mod>\d+), (?P<status>[^,]+?)(?:, (?P<error>.+?))?\s*$")
 """drivers/net/ethernet/mellanox/mlx5/core/events.c port_module (v5.2+; en_main.c/port.c before):
 mlx5_core_info(`Port module event: module %u, %s`) (mlx5_pme_status: `Cable plugged`, `Cable unplugged`, `Cable
-error`), mlx5_core_err(`Port module event[error]: module %u, %s, %s`) (mlx5_pme_error: `Power budget exceeded`,
+error`), mlx5_core_err(`Port module event[error]: module %u, %s, %s`; mlx5_core_err prefixes `%s:%d:(pid %d): `,
+function, line and pid) (mlx5_pme_error: `Power budget exceeded`,
 `Long Range for non MLNX cable`, `Bus stuck (I2C or data shorted)`, `No EEPROM/retry timeout`, `Enforce part
 number list`, `Unknown identifier`, `High Temperature`, `Bad or shorted cable/module`, `Unknown status`)."""
 
