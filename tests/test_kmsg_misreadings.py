@@ -110,3 +110,25 @@ def test_dmesg_human_stamps_are_not_kernel_time() -> None:
     assert [("kernel_time" in e.attrs, e.attrs.get("collector_time")) for e in evs] == [
         (False, "Dec 1 10:30"), (False, "Dec 1 10:30 +0.000123s")]
     assert events("[  372.968431] nvme nvme0: I/O 12 QID 3 timeout, aborting\n")[0].attrs["kernel_time"] == "372.968431"
+
+
+def test_healthy_lines_of_the_new_families_stay_silent() -> None:
+    """Mounts, remount options, a healthy array, a plugged cable, a VM's absent floppy: no event (or only a
+    clearing one)."""
+    healthy = (
+        "[    2.1] EXT4-fs (nvme0n1p2): mounted filesystem with ordered data mode. Quota mode: none.\n"
+        "[    2.2] EXT4-fs (nvme0n1p2): re-mounted. Opts: errors=remount-ro. Quota mode: none.\n"
+        "[    2.3] XFS (sdb1): Mounting V5 Filesystem\n"
+        "[    2.4] XFS (sdb1): Ending clean mount\n"
+        "[    2.5] md/raid1:md0: active with 2 out of 2 mirrors\n"
+        "[    2.6] blk_update_request: I/O error, dev fd0, sector 0 op 0x0:(READ) flags 0x0 phys_seg 1 prio class 0\n"
+        "[    2.7] Buffer I/O error on dev fd0, logical block 0, async page read\n"
+        "[    2.8] I/O error, dev sr0, sector 0 op 0x0:(READ) flags 0x80700 phys_seg 1 prio class 0\n"
+        "[    2.9] bond0: (slave eno1): Enslaving as a backup interface with an up link\n"
+        "[    3.0] amdgpu 0000:03:00.0: amdgpu: GPU reset(2) succeeded!\n"
+        "[    3.1] amdgpu 0000:03:00.0: amdgpu: GPU reset end with ret = 0\n"
+        "[    3.2] bash[2345]: segfault at 0 ip 00007f3a1b2c3d4e sp 00007ffd1234abcd error 4 in libc.so.6[7f3a1b000000+1e00000]\n"
+    )
+    assert [(e.kind, e.message) for e in events(healthy)] == []
+    plugged = events("[ 11.0] mlx5_core 0004:01:00.0: Port module event: module 0, Cable plugged\n")
+    assert [(e.healthy, e.severity.value) for e in plugged] == [(True, "info")]

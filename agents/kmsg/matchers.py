@@ -936,6 +936,9 @@ target`, ...), v5.16+ blk_print_req_error without the caller; v4.x-v4.17 `%s: I/
 _BUFFER_ERR = re.compile(rf"Buffer I/O error on (?:dev(?:ice)? )?(?P<dev>{_DISK}), logical block (?P<block>\d+)")
 """fs/buffer.c buffer_io_error / end_buffer_async_write: `Buffer I/O error on dev %pg, logical block %llu%s`
 (`, async page read`, `, lost async page write`); v2.6-v3.x `Buffer I/O error on device %s, logical block %Lu`."""
+REMOVABLE_DISKS = ("fd", "sr")
+"""Floppy and optical drives: a VM without a floppy logs `I/O error, dev fd0, sector 0` at every probe, an empty
+virtual CD-ROM `I/O error, dev sr0`; neither holds anything a job uses, so their errors are not events."""
 _EXT_RO = re.compile(r"(?P<fs>EXT[234]-fs) \((?P<dev>[^)]+)\): Remounting filesystem read-only")
 """fs/ext4/super.c ext4_handle_error: ext4_msg(sb, KERN_CRIT, `Remounting filesystem read-only`), ext4_msg
 printing `EXT4-fs (%s): %pV` (sb->s_id); ext3/ext2 print the same with their prefix."""
@@ -979,13 +982,13 @@ def storage_head(t: str) -> Candidate | None:
     path loss (family `storage`: one disk's I/O error, the filesystem error and the remount are one episode)."""
     if " error, dev " in t:
         m = _BLK_ERR.search(t)
-        if m:
+        if m and not m["dev"].startswith(REMOVABLE_DISKS):
             dev = None if m["dev"] == "?" else m["dev"]
             return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=dev, family="storage",
                              attrs={"block_error": m["what"].strip(), "sector": int(m["sector"])})
     if "Buffer I/O error" in t:
         m = _BUFFER_ERR.search(t)
-        if m:
+        if m and not m["dev"].startswith(REMOVABLE_DISKS):
             return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
                              detail=True, attrs={"logical_block": int(m["block"])})
     if "-fs" in t:
