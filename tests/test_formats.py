@@ -134,7 +134,7 @@ def test_every_listed_format_reads_as_its_kind_with_its_device(row: dict[str, st
     constraints = _args(row["args"])
     holders = {"bdf": data.draw(_BDF), "name": str(data.draw(constraints.get("{name}", _WORD))),
                "drv": str(data.draw(constraints.get("{drv}", st.just("mlx5_core"))))}
-    text, values = synthesise(row["format"].replace("\\n", "\n"), data.draw, constraints)
+    text, values = synthesise(row["format"].replace("\\n", "\n").replace("\\t", "\t"), data.draw, constraints)
     prefix = "" if row["prefix"] == "-" else row["prefix"].format(**holders)
     text_lines = text.split("\n")
     if row["reader"] == "kmsg":

@@ -326,3 +326,16 @@ def test_fabric_manager_nvswitch_errors_and_networkd_carrier() -> None:
     evs = parse_any(nd)
     assert [(e.kind, e.healthy, e.device.name, e.attrs.get("clearing_kind")) for e in evs] == [
         ("nic_link_down", False, "ens1f0", None), ("nic_link_down", True, "ens1f0", "nic_link_up")]
+
+
+def test_ibstatus_port_states_and_missing_devices() -> None:
+    """rdma-core infiniband-diags/scripts/ibstatus: per port `state:\\t\\t 1: DOWN`; `Fatal error:  device 'X': sys files
+    not found` for an HCA without sysfs ports."""
+    text = ("Infiniband device 'mlx5_0' port 1 status:\n\tdefault gid:\t fe80:0000:0000:0000:0000:0000:0000:0001\n"
+            "\tbase lid:\t 0x1\n\tsm lid:\t\t 0x1\n\tstate:\t\t 1: DOWN\n\tphys state:\t 3: Disabled\n"
+            "\trate:\t\t 100 Gb/sec (4X EDR)\n\tlink_layer:\t InfiniBand\n\n"
+            "Infiniband device 'mlx5_1' port 1 status:\n\tstate:\t\t 4: ACTIVE\n\tphys state:\t 5: LinkUp\n\n"
+            "Fatal error:  device 'mlx5_4': sys files not found (/sys/class/infiniband/mlx5_4/ports)\n")
+    evs = parse_any(text)
+    assert [(e.kind, e.device.name, e.device.port) for e in evs] == [("ib_port_down", "mlx5_0", 1),
+                                                                      ("nic_removed", "mlx5_4", None)]

@@ -9,7 +9,8 @@ Formats and rules:
   IBV_WC_RETRY_EXC_ERR) or `NET/IB ... error`/`port ... down` → nccl_ib_error (ib, degraded).
 - mcelog: "Hardware event. This is not a software error." records; "Uncorrected error" or "Processor
   context corrupt" → mce_uncorrected (fatal), "Corrected error" → mce (info).
-- ibstat / ibv_devinfo: per-port State Down / PORT_DOWN → ib_port_down, Init/Armed → ib_port_init.
+- ibstat / ibv_devinfo / ibstatus: per-port State Down / PORT_DOWN / `1: DOWN` → ib_port_down, Init/Armed →
+  ib_port_init; ibstatus `Fatal error: device 'X': sys files not found` → nic_removed (the HCA has no ports).
 - ibdev2netdev: `mlx5_0 port 1 ==> ib0 (Down)` → ib_port_down (IB netdev) or nic_link_down (Ethernet).
 - BMC SEL (`ipmitool sel list|elist`: `id | [date | time |] sensor | event | Asserted`): Uncorrectable ECC →
   edac_ue (memory, fatal), Correctable ECC → edac_ce (info), Processor/CPU IERR or machine check →
@@ -55,6 +56,12 @@ _IBSTAT_STATE = re.compile(r"^\s*State:\s*(\w+)")
 _IBV_HCA = re.compile(r"^\s*hca_id:\s*(\S+)")
 _IBV_PORT = re.compile(r"^\s*port:\s*(\d+)\s*$")
 _IBV_STATE = re.compile(r"^\s*state:\s*PORT_(\w+)")
+_IBSTATUS_DEV = re.compile(r"^Infiniband device '([^']+)' port (\d+) status:")
+_IBSTATUS_STATE = re.compile(r"^\s*state:\s*\d+:\s*(\w+)")
+_IBSTATUS_FATAL = re.compile(r"^Fatal error:\s+device '([^']+)': sys files not found")
+"""rdma-core infiniband-diags/scripts/ibstatus (v50): `Infiniband device '%s' port %s status:` then `\tstate:\t\t %s`
+(sysfs `4: ACTIVE`, `1: DOWN`, `2: INIT`, `3: ARMED`); `Fatal error:  device '%s': sys files not found (%s)` when the
+HCA named has no sysfs ports (driver not loaded, device gone)."""
 _IB2NET = re.compile(r"^(\S+) port (\d+) ==> (\S+) \((\w+)\)")
 _SEL = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)?", re.M)
 _SEL_SHORT = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)\s*$", re.M)
@@ -380,6 +387,14 @@ def _ib_tools(text: str, ctx: Ctx) -> list[FaultEvent]:
     out: list[FaultEvent] = []
     hca, port, block = None, None, []
     for line in text.splitlines():
+        if m := _IBSTATUS_DEV.match(line):
+            hca, port, block = m.group(1), int(m.group(2)), [line]
+            continue
+        if m := _IBSTATUS_FATAL.match(line):
+            out.append(ctx.event("nic_removed", Component.IB, Severity.DEGRADED,
+                                 f"{m.group(1)}: no sysfs ports (ibstatus: {line.strip()})", Source.SYSFS,
+                                 device=Device(name=m.group(1)), raw=line.strip(), attrs={"text_kind": "ibstatus"}))
+            continue
         if m := (_IBSTAT_CA.match(line) or _IBV_HCA.match(line)):
             hca, port = m.group(1), None
             continue
@@ -388,8 +403,8 @@ def _ib_tools(text: str, ctx: Ctx) -> list[FaultEvent]:
             continue
         if hca is not None and port is not None:
             block.append(line)
-            if m := (_IBSTAT_STATE.match(line) or _IBV_STATE.match(line)):
-                kind = "ibv_devinfo" if "PORT_" in line else "ibstat"
+            if m := (_IBSTAT_STATE.match(line) or _IBV_STATE.match(line) or _IBSTATUS_STATE.match(line)):
+                kind = "ibv_devinfo" if "PORT_" in line else ("ibstatus" if line.lstrip().startswith("state") else "ibstat")
                 ev = _port_event(ctx, hca, port, m.group(1), "\n".join(block), kind)
                 if ev is not None:
                     out.append(ev)
