@@ -56,6 +56,8 @@ class Component(StrEnum):
     IB = "ib"
     NIC = "nic"
     NVME = "nvme"
+    STORAGE = "storage"
+    """Block devices, filesystems, md RAID and network storage (NFS) beside the NVMe controllers themselves."""
     CPU = "cpu"
     MEMORY = "memory"
     KERNEL = "kernel"

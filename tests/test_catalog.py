@@ -214,3 +214,47 @@ def test_bad_reading_rules_raise_catalog_error_naming_file_and_rule(tmp_path, bo
     with pytest.raises(CatalogError) as err:
         gen_xid.load_reading(f)
     assert needle in str(err.value) and str(f) in str(err.value)
+
+
+def _event(kind: str, code: int | None = None, **attrs: object) -> FaultEvent:
+    return FaultEvent(cluster="c", node="n1", component=Component.KERNEL, kind=kind, code=code,
+                      severity=Severity.INFO, message=kind, source=Source.KMSG, agent_version="t", attrs=attrs)
+
+
+def test_no_verdict_says_drain_in_its_action_and_no_drain_in_drain() -> None:
+    """Issue 29 point 3: a soft lockup said `immediate_action: DRAIN_DIAGNOSE` beside `drain: false`. The
+    action decides (kind rows have no drain key), so every row and every decoded XID 154 verdict agrees."""
+    cat = load_catalog()
+    events = [_event(k) for k in cat.kinds] + [_event("xid", n) for n in cat.xids]
+    events += [_event("gpu_recovery_action", recovery_action=a.name) for a in cat.recovery_actions]
+    for ev in events:
+        v = cat.verdict(ev)
+        act = Action(v.immediate_action)
+        healthy_row = ev.kind in cat.kinds and cat.kinds[ev.kind].healthy
+        if act.drains and not healthy_row:
+            assert v.drain, (ev.kind, ev.code, v)
+        if act is Action.IGNORE or (ev.kind != "xid" and not act.drains):
+            assert not v.drain, (ev.kind, ev.code, v)
+    soft = cat.verdict(_event("soft_lockup"))
+    assert (soft.immediate_action, soft.drain) == ("DIAGNOSE_IN_SERVICE", False)
+    reboot = cat.verdict(_event("gpu_recovery_action", recovery_action="NODE_REBOOT"))
+    assert (reboot.immediate_action, reboot.drain, reboot.severity) == ("RESTART_BM", True, Severity.FATAL)
+    p2p = cat.verdict(_event("gpu_recovery_action", recovery_action="DRAIN_P2P"))
+    assert (p2p.drain, p2p.severity) == (False, Severity.DEGRADED)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ('[kind.soft_lockup]\ndrain = true\n', "drain is derived from immediate_action"),
+        ('[xid.13]\nimmediate_action = "RESET_GPU"\n', "drain must be true"),
+        ('[xid.79]\nimmediate_action = "IGNORE"\n', "IGNORE cannot drain"),
+    ],
+)
+def test_an_override_cannot_make_action_and_drain_disagree(tmp_path, body, needle) -> None:
+    f = tmp_path / "o.toml"
+    f.write_text(body)
+    with pytest.raises(CatalogError, match=needle):
+        load_catalog(overrides=f)
+    f.write_text('[kind.soft_lockup]\nimmediate_action = "DRAIN_DIAGNOSE"\n')
+    assert load_catalog(overrides=f).verdict(_event("soft_lockup")).drain is True

@@ -188,7 +188,8 @@ def test_command_timeout_stays_primary_over_the_oops_it_causes() -> None:
 def test_mci_status_decoding() -> None:
     assert mce_kind(0xBE00000000800400) == "mce_uncorrected"  # VAL UC EN MISCV ADDRV PCC
     assert mce_kind(0xBD80000000100134) == "mce_recoverable"  # VAL UC EN MISCV ADDRV S AR, no PCC (SRAR)
-    assert mce_kind(0xCC59214000041152) == "mce"  # VAL OVER, UC clear
+    assert mce_kind(0xCC59214000041152) == "mce_corrected_repeated"  # VAL OVER, UC clear: overflowed (issue 29)
+    assert mce_kind(0x8C00008000010090) == "mce"  # VAL MISCV ADDRV, UC and OVER clear
 
 
 def test_machine_check_forms() -> None:
@@ -201,7 +202,8 @@ def test_machine_check_forms() -> None:
     assert shape(srar)[0::4] == ("mce_recoverable", "degraded")
     ce = one("[ 1.0] mce: [Hardware Error]: Machine check events logged\n"
              "[ 1.0] mce: [Hardware Error]: CPU 3: Machine Check: 0 Bank 6: cc59214000041152")
-    assert shape(ce) == ("mce", "cpu", None, None, "info")
+    assert shape(ce) == ("mce_corrected_repeated", "cpu", None, None, "degraded")
+    assert "count" not in ce.attrs and "Bank 6" in ce.message  # the announcement and its bank are one event
 
 
 def test_panic_names_its_cause() -> None:

@@ -290,3 +290,52 @@ def test_every_kind_the_probes_and_parsers_emit_is_in_the_catalog() -> None:
     missing = sorted(k for k in kinds if k not in cat.kinds)
     assert len(kinds) > 25, sorted(kinds)
     assert not missing, f"emitted kinds missing from kinds.toml: {missing}"
+
+
+# ------------------------------------------------------------------ issue 29: tool outputs not read before
+
+def test_dcgmi_diag_json_reads_each_failed_or_warned_result_per_gpu() -> None:
+    """`dcgmi diag -j` in the 4.x ("DCGM Diagnostic", entity_id) and 3.x ("DCGM GPU Diagnostic", gpu_ids) shapes."""
+    v4 = ('{"DCGM Diagnostic": {"version": "4.2.3", "test_categories": [{"category": "Hardware", "tests": ['
+          '{"name": "memory", "results": [{"entity_group": "GPU", "entity_id": 0, "status": "Pass"}, '
+          '{"entity_group": "GPU", "entity_id": 3, "status": "Fail", "warnings": [{"warning": "row remapping failed"}]}]}, '
+          '{"name": "pcie", "results": [{"entity_group": "GPU", "entity_id": 1, "status": "Warn", '
+          '"warnings": [{"warning": "PCIe replay rate high"}]}]}]}]}}')
+    evs = dcgm.parse(v4, Ctx())
+    assert sorted((e.kind, e.device.index, e.severity.value, e.component.value) for e in evs) == [
+        ("dcgm_diag_fail", 3, "fatal", "gpu"), ("dcgm_diag_warning", 1, "degraded", "pcie")]
+    v3 = ('{"DCGM GPU Diagnostic": {"test_categories": [{"category": "Integration", "tests": [{"name": "PCIe", '
+          '"results": [{"gpu_ids": "2", "status": "Fail", "warnings": [{"warning": "bandwidth below limit"}]}]}]}]}}')
+    assert [(e.kind, e.device.index) for e in dcgm.parse(v3, Ctx())] == [("dcgm_diag_fail", 2)]
+    passing = v4.replace('"Fail"', '"Pass"').replace('"Warn"', '"Pass"')
+    assert dcgm.parse(passing, Ctx()) == []
+    assert dcgm.parse('{"DCGM Diagnostic": ', Ctx()) == []  # cut short: nothing, no crash
+
+
+def test_fabric_manager_nvswitch_errors_and_networkd_carrier() -> None:
+    """Fabric manager log lines (as quoted by the Fabric Manager User Guide and peers' tests) and systemd-networkd."""
+    fm = ("[Jul 23 2024 07:53:55] [ERROR] [tid 841] detected NVSwitch fatal error 20034 on fid 0 on NVSwitch pci bus "
+          "id 00000000:86:00.0 physical id 3 port 33\n"
+          "[Jul 09 2024 18:14:07] [ERROR] [tid 12727] detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch "
+          "pci bus id 00000000:86:00.0 physical id 3 port 61\n")
+    evs = parse_any(fm)
+    assert [(e.kind, e.code, e.device.pci_bus_id, e.device.port, e.severity.value) for e in evs] == [
+        ("sxid_fatal", 20034, "0000:86:00.0", 33, "fatal"), ("sxid_nonfatal", 12028, "0000:86:00.0", 61, "degraded")]
+    nd = ("Dec 01 10:00:00 node-a01 systemd-networkd[812]: ens1f0: Lost carrier\n"
+          "Dec 01 10:00:05 node-a01 systemd-networkd[812]: ens1f0: Gained carrier\n")
+    evs = parse_any(nd)
+    assert [(e.kind, e.healthy, e.device.name, e.attrs.get("clearing_kind")) for e in evs] == [
+        ("nic_link_down", False, "ens1f0", None), ("nic_link_down", True, "ens1f0", "nic_link_up")]
+
+
+def test_ibstatus_port_states_and_missing_devices() -> None:
+    """rdma-core infiniband-diags/scripts/ibstatus: per port `state:\\t\\t 1: DOWN`; `Fatal error:  device 'X': sys files
+    not found` for an HCA without sysfs ports."""
+    text = ("Infiniband device 'mlx5_0' port 1 status:\n\tdefault gid:\t fe80:0000:0000:0000:0000:0000:0000:0001\n"
+            "\tbase lid:\t 0x1\n\tsm lid:\t\t 0x1\n\tstate:\t\t 1: DOWN\n\tphys state:\t 3: Disabled\n"
+            "\trate:\t\t 100 Gb/sec (4X EDR)\n\tlink_layer:\t InfiniBand\n\n"
+            "Infiniband device 'mlx5_1' port 1 status:\n\tstate:\t\t 4: ACTIVE\n\tphys state:\t 5: LinkUp\n\n"
+            "Fatal error:  device 'mlx5_4': sys files not found (/sys/class/infiniband/mlx5_4/ports)\n")
+    evs = parse_any(text)
+    assert [(e.kind, e.device.name, e.device.port) for e in evs] == [("ib_port_down", "mlx5_0", 1),
+                                                                      ("nic_removed", "mlx5_4", None)]

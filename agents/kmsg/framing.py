@@ -39,7 +39,8 @@ class Framed:
 
     Fields: text (the kernel message, leading indentation kept), ts (seconds on some monotonic-ish
     scale: uptime, epoch or seconds-of-year; only differences are used), stamp (the original
-    timestamp text), raw (the line as given), foreign (a non-kernel syslog/journald/kmsg line),
+    timestamp text; None for `dmesg -H`, whose stamps are a wall clock to the minute and deltas),
+    raw (the line as given), foreign (a non-kernel syslog/journald/kmsg line),
     framed (some framing was recognised), seq (raw kmsg sequence number), kmsg (raw kmsg record).
     """
 
@@ -53,7 +54,8 @@ class Framed:
     kmsg: bool = False
     wall: str | None = None
     """The wall-clock stamp of an outer collector framing (console server, mpirun, syslog around an
-    `[uptime]` stamp), as printed; None when the only stamp is the kernel's own."""
+    `[uptime]` stamp), as printed, or the `dmesg -H` minute stamp plus the deltas since (`Dec 1 10:30
+    +0.000123s`); None when the only stamp is the kernel's own."""
     quoted: int = 0
     """Length of the mail-quote prefix (`> `, `>> `) removed from the line."""
 
@@ -141,6 +143,8 @@ class Deframer:
 
     def __init__(self) -> None:
         self._rel_s = 0.0
+        self._h_base: str | None = None  # the last `dmesg -H` minute stamp
+        self._h_rel = 0.0  # `_rel_s` at that stamp
         self.last_was_kmsg = False
 
     def deframe(self, line: str) -> Framed | str:
@@ -281,7 +285,9 @@ class Deframer:
         m = _DELTA.match(t)
         if m:
             self._rel_s += float(m["ts"])
-            f.text, f.framed, f.stamp, f.ts = m["msg"], True, f"+{m['ts']}", self._rel_s
+            f.text, f.framed, f.ts = m["msg"], True, self._rel_s
+            if self._h_base is not None:  # `dmesg -H`: the minute stamp plus the deltas since, as a wall time
+                f.wall = f"{self._h_base} +{self._rel_s - self._h_rel:.6f}s"
             return True
         m = _CTIME.match(t)
         if m:
@@ -295,7 +301,11 @@ class Deframer:
             return True
         m = _HSTAMP.match(t)
         if m:
-            f.text, f.framed, f.stamp = m["msg"], True, f"{m['mon']} {m['day']} {m['hm']}"
+            # `dmesg -H` prints the wall clock to the minute when the minute changes, then deltas: neither is the
+            # kernel's stamp (util-linux dmesg.c print_record, --human), so it is a wall time, not `stamp`.
+            f.text, f.framed = m["msg"], True
             f.ts = _soy(m["mon"], m["day"], m["hm"] + ":00")
+            self._h_base, self._rel_s, self._h_rel = f"{m['mon']} {m['day']} {m['hm']}", f.ts, f.ts
+            f.wall = self._h_base
             return True
         return False

@@ -63,6 +63,9 @@ class Candidate:
     detail: bool = False
     priority: int = 0
     message: str = ""
+    form: str | None = None
+    """Which line of a multi-line report this is (`oom_head`: invoked / summary / selected / killed / reaped): a
+    report prints each form once, so a second line of a form already in the open record is a new one."""
 
 
 # ------------------------------------------------------------------------------------------ XID
@@ -201,15 +204,29 @@ _BOND_SLAVE = re.compile(
     r"(?P<bond>[\w.-]+): (?:link status definitely (?P<st1>down|up) for interface (?P<if1>[\w.@-]+)|"
     r"\(slave (?P<if2>[\w.@-]+)\): link status definitely (?P<st2>down|up))"
 )
+"""drivers/net/bonding/bond_main.c bond_miimon_commit: v5.3+ slave_info(bond, slave, `link status definitely
+down, disabling slave`) / `link status definitely up, %u Mbps %s duplex`, printed `%s: (slave %s): ...`; before
+v5.3 netdev_info(bond, `link status definitely down for interface %s, disabling it`). Any bond name (not only
+`bond*`: `team0`, `mgmt`, `uplink`)."""
+_BOND_PENDING = re.compile(
+    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up) (?:again after \d+ ms )?"
+    r"for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
+)
+"""bond_main.c bond_miimon_inspect: v5.3+ slave_info(`link status down for %sinterface, disabling it in %d ms`)
+(`active `/`backup `/``), `link status up for interface, enabling it in %d ms`; before v5.3 `%s: link status down
+for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely down/up follows)."""
 _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active interface")
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
 _NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
 _NVME_TIMEOUT = re.compile(
-    rf"nvme {_NVME_ID}: (?:I/O (?:tag )?\d+ (?:\([^)]*\) )?QID \d+ timeout|controller is down; will reset)"
+    rf"nvme {_NVME_ID}: (?:I/O (?:tag )?\d+ ?(?:\([^)]*\) )?(?:type \d+ )?(?:opcode \S+ (?:\([^)]*\) )?)?QID \d+ "
+    r"timeout|controller is down; will reset)"
 )
-"""drivers/nvme/host/pci.c nvme_timeout(): `I/O %d QID %d timeout, aborting|reset controller`, `controller is
-down; will reset: CSTS=0x%x, PCI_STATUS=0x%hx`; printed with the controller (`nvme nvme0:`) or, in older
-kernels and some paths, the PCI device (`nvme 0000:5e:00.0:`)."""
+"""drivers/nvme/host/pci.c nvme_timeout(): v4.x-v6.0 `I/O %d QID %d timeout, aborting|reset controller|disable
+controller`, `I/O %d(%s) QID %d timeout, completion polled`; v6.1+ `I/O tag %d (%04x) opcode %#x (%s) QID %d
+timeout, reset controller` / `..., aborting req_op:%s(%u) size:%u`; rdma.c/tcp.c `I/O tag %d (%04x) [type %d ]
+opcode %#x (%s) QID %d timeout`; `controller is down; will reset: CSTS=0x%x, PCI_STATUS=0x%hx`; printed with the
+controller (`nvme nvme0:`) or, in older kernels and some paths, the PCI device (`nvme 0000:5e:00.0:`)."""
 _NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
 _NVME_REMOVED = re.compile(
     rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
@@ -242,6 +259,7 @@ _OOM_KILL = re.compile(
     r"(?:Memory cgroup out of memory|Out of memory(?: \([^)]*\))?): Kill(?:ed)? process (?P<pid>\d+) \((?P<comm>[^)]*)\)"
 )
 _OOM_KILLED = re.compile(r"^Killed process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
+_OOM_REAPED = re.compile(r"^oom_reaper: reaped process (?P<pid>\d+) \((?P<comm>[^)]*)\)")
 
 
 
@@ -448,6 +466,7 @@ _HW_PANIC = re.compile(r"(?P<mce>Fatal (?:local )?[Mm]achine check|[Mm]achine ch
 check` in 2.6.x, `Machine check from unknown source`), drivers/acpi/apei/ghes.c __ghes_panic
 (`Fatal hardware error!`)."""
 
+MCI_OVER = 1 << 62
 MCI_UC = 1 << 61
 MCI_PCC = 1 << 57
 MCI_VAL = 1 << 63
@@ -456,10 +475,12 @@ MCI_VAL = 1 << 63
 def mce_kind(status: int) -> str:
     """MCi_STATUS -> kind (Intel SDM vol. 3B 15.3.2.2, AMD APM vol. 2 9.3): VAL and UC with PCC (processor
     context corrupt) -> mce_uncorrected (fatal); UC without PCC (software recoverable: SRAO/SRAR, the
-    kernel poisons the page and kills the consumer) -> mce_recoverable; UC clear -> mce (corrected)."""
+    kernel poisons the page and kills the consumer) -> mce_recoverable; UC clear with OVER (bit 62: a
+    further error arrived before the bank was read, so they come faster than they are logged) ->
+    mce_corrected_repeated; UC clear -> mce (corrected; repeats at one `mce_addr` escalate, kinds.toml)."""
     if status & MCI_UC:
         return "mce_uncorrected" if status & MCI_PCC else "mce_recoverable"
-    return "mce"
+    return "mce_corrected_repeated" if status & MCI_OVER else "mce"
 
 
 def _mce(t: str) -> Candidate | None:
@@ -707,6 +728,14 @@ def nic_link_head(t: str) -> Candidate | None:
 
 
 def bond_head(t: str) -> Candidate | None:
+    if "link status" in t and "ms" in t:
+        m = _BOND_PENDING.search(t)
+        if m:
+            up = m["st"] == "up"
+            return Candidate(
+                kind="bond_slave_up" if up else "bond_slave_down", dev_name=m["if1"] or m["if2"], healthy=up,
+                detail=True, attrs={"bond": m["bond"], "delay_ms": int(m["ms"])},
+            )
     m = _BOND_SLAVE.search(t)
     if m:
         up = (m["st1"] or m["st2"]) == "up"
@@ -793,15 +822,26 @@ def hung_task_head(t: str) -> Candidate | None:
 
 
 def oom_head(t: str) -> Candidate | None:
+    """One OOM kill report (mm/oom_kill.c): `%s invoked oom-killer: gfp_mask=%#x(%pGg), order=%d,
+    oom_score_adj=%hd` (dump_header), the summary `oom-kill:constraint=%s,nodemask=%*pbl,...,task=%s,pid=%d,
+    uid=%d` (v4.19+), `%s: Killed process %d (%s) total-vm:%lukB, ...` (`Out of memory`, `Memory cgroup out
+    of memory`; `Kill process %d (%s) score %u or sacrifice child` before v4.19), `oom_reaper: reaped process
+    %d (%s), now anon-rss:...`: every line one kill; `form` lets the parser count the report once."""
     m = _OOM_SUMMARY.search(t)
     if m:
-        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="summary")
     m = _OOM_KILL.search(t) or _OOM_KILLED.search(t)
     if m:
-        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]})
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="killed" if "Killed" in m[0] else "selected")
+    m = _OOM_REAPED.search(t)
+    if m:
+        return Candidate(kind="oom_kill", pid=int(m["pid"]), family="oom", attrs={"process": m["comm"]},
+                         form="reaped", detail=True)
     m = _OOM_INVOKED.search(t)
     if m:
-        return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]})
+        return Candidate(kind="oom_kill", family="oom", attrs={"invoked_by": m["comm"][:128]}, form="invoked")
     return None
 
 
@@ -816,6 +856,11 @@ _GHES_SECTION = re.compile(r"\[Hardware Error\]:\s+section_type: (?P<st>.+)$")
 _GHES_DEVICE = re.compile(rf"\[Hardware Error\]:\s+device_id: (?P<bdf>{_BDF_RAW})\s*$")
 
 _NVME_PCI_LINE = re.compile(rf"^nvme (?P<bdf>{_BDF_RAW}): ")
+_MCE_ADDR = re.compile(r"\[Hardware Error\]: .*?\bADDR (?P<addr>[0-9a-fA-F]+)\b")
+"""mce/core.c __print_mce: `HW_ERR "RIP%s %02x:<%016Lx> "`, then pr_cont `TSC %llx `, `ADDR %llx `, `MISC %llx `
+on one line (`[Hardware Error]: TSC 0 ADDR 3ffe5c8c0 MISC 200001c020000086`)."""
+_AMD_DEV_LINE = re.compile(rf"^amdgpu (?P<bdf>{_BDF_RAW}): ")
+_AMD_PROCESS = re.compile(r"Process (?:information: process )?(?P<comm>\S*) pid (?P<pid>\d+) thread")
 CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task"}
 
 
@@ -825,7 +870,8 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
     Returns a dict with any of: `pid` (int; crash kinds: from `CPU: N PID: M Comm: X` or the hung-task
     `task:NAME ... pid:N` line), `aer_status`/`aer_mask`/`aer_errors` (AER status lines),
     `kind` (GHES `event severity:` -> ghes_corrected/ghes_recoverable/ghes_fatal), `ghes_section`,
-    `bdf` (GHES PCIe `device_id:`), `process`.
+    `bdf` (GHES PCIe `device_id:`; amdgpu: the `amdgpu <bdf>:` line after a DRM_ERROR ring timeout), `process`,
+    `mce_addr` (machine checks: the bank's ADDR, hex).
     """
     t = text.strip()
     out: dict[str, Attr] = {}
@@ -847,6 +893,18 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         m = _AER_BIT.match(parts[1].strip() if len(parts) == 2 else t)
         if m:
             out["aer_error"] = m["name"] + (" (First)" if m["first"] else "")
+    elif kind.startswith("mce"):
+        m = _MCE_ADDR.search(t)
+        if m:
+            out["mce_addr"] = f"0x{int(m['addr'], 16):x}"
+    elif kind.startswith("gpu_ring"):
+        m = _AMD_PROCESS.search(t)
+        if m and int(m["pid"]) > 0:
+            out["pid"] = int(m["pid"])
+            out["process"] = m["comm"]
+        m = _AMD_DEV_LINE.match(t)
+        if m:
+            out["bdf"] = normalize_bdf(m["bdf"])
     elif kind.startswith("nvme_"):
         m = _NVME_PCI_LINE.match(t)
         if m:
@@ -865,3 +923,285 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
         if m:
             out["bdf"] = normalize_bdf(m["bdf"])
     return out
+
+
+# ------------------------------------------------------------------------------------------ storage, filesystems
+# Formats and versions: fleetmend/catalog/source/formats.tsv (tests/test_formats.py synthesises a line from each).
+
+_DISK = r"[^\s,()]+"
+_BLK_ERR = re.compile(rf"(?:^|: )(?P<what>[A-Za-z][\w/ ]*?) error, dev (?P<dev>{_DISK}), sector (?P<sector>\d+)")
+"""block/blk-core.c: v4.18-v5.x print_req_error `%s: %s error, dev %s, sector %llu op 0x%x:(%s) flags 0x%x
+phys_seg %u prio class %u` (caller, blk_errors[].name: `I/O`, `critical medium`, `timeout`, `critical
+target`, ...), v5.16+ blk_print_req_error without the caller; v4.x-v4.17 `%s: I/O error, dev %s, sector %llu`."""
+_BUFFER_ERR = re.compile(rf"Buffer I/O error on (?:dev(?:ice)? )?(?P<dev>{_DISK}), logical block (?P<block>\d+)")
+"""fs/buffer.c buffer_io_error / end_buffer_async_write: `Buffer I/O error on dev %pg, logical block %llu%s`
+(`, async page read`, `, lost async page write`); v2.6-v3.x `Buffer I/O error on device %s, logical block %Lu`."""
+REMOVABLE_DISKS = ("fd", "sr")
+"""Floppy and optical drives: a VM without a floppy logs `I/O error, dev fd0, sector 0` at every probe, an empty
+virtual CD-ROM `I/O error, dev sr0`; neither holds anything a job uses, so their errors are not events."""
+_EXT_RO = re.compile(r"(?P<fs>EXT[234]-fs) \((?P<dev>[^)]+)\): Remounting filesystem read-only")
+"""fs/ext4/super.c ext4_handle_error: ext4_msg(sb, KERN_CRIT, `Remounting filesystem read-only`), ext4_msg
+printing `EXT4-fs (%s): %pV` (sb->s_id); ext3/ext2 print the same with their prefix."""
+_EXT_ERR = re.compile(r"(?P<fs>EXT[234]-fs) (?:error|warning \(device [^)]+\): ext4_end_bio)"
+                      r"(?: \(device (?P<dev>[^)]+)\))?(?::| in )")
+"""fs/ext4/super.c __ext4_error `EXT4-fs error (device %s): %s:%d: comm %s: %pV`, __ext4_error_inode
+`EXT4-fs error (device %s): %s:%d: inode #%lu: comm %s: %pV`, __ext4_std_error `EXT4-fs error (device %s) in
+%s:%d: %s`."""
+_EXT_ABORT = re.compile(r"(?:EXT4-fs \((?P<dev>[^)]+)\): )?Aborting journal on device (?P<jdev>[^\s.]+(?:\.\S+)?)\.?$")
+"""fs/jbd2/journal.c jbd2_journal_abort / __journal_abort_soft: `Aborting journal on device %s.` (the
+journal device, e.g. `sda1-8`): the filesystem goes read-only next."""
+_XFS_SHUTDOWN = re.compile(r"XFS \((?P<dev>[^)]+)\): (?P<why>.*?)(?: \(0x[0-9a-f]+\))?(?: detected at \S+ \([^)]*\))?\.?"
+                           r"\s+Shutting down filesystem|XFS \((?P<dev2>[^)]+)\): Filesystem has been shut down")
+"""fs/xfs/xfs_fsops.c xfs_do_force_shutdown: v5.19+ `%s (0x%x) detected at %pS (%s:%d).  Shutting down
+filesystem.` (`Log I/O Error`, `Metadata I/O Error`, `Corruption of in-memory data`, `Corruption of on-disk
+metadata`), v4.x-v5.18 `Log I/O Error Detected. Shutting down filesystem`, `I/O Error Detected. Shutting down
+filesystem`, `Corruption of in-memory data detected.  Shutting down filesystem`; xfs_log.c `Filesystem has been
+shut down due to log error (0x%x).`; printed by xfs_alert with `XFS (%s): ` (mp->m_super->s_id)."""
+_XFS_ERR = re.compile(r"XFS \((?P<dev>[^)]+)\): (?:metadata I/O error|log I/O error|Metadata corruption detected|"
+                      r"xfs_log_force: error|writeback error on sector)")
+"""fs/xfs/xfs_buf.c `metadata I/O error in "%pS" at daddr 0x%llx len %d error %d`, xfs_log.c `log I/O error %d`,
+xfs_error.c `Metadata corruption detected at %pS, %s block 0x%llx`."""
+_MD_FAIL = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): Disk failure on (?P<dev>[^\s,]+), disabling device\.?")
+"""drivers/md/raid1.c raid1_error / raid10.c raid10_error: `md/raid1:%s: Disk failure on %pg, disabling
+device.` then `md/raid1:%s: Operation continuing on %d devices.`; raid5.c raid5_error `md/raid:%s: Disk failure
+on %pg, disabling device.`; before v5.18 `%s` (bdevname) for `%pg`."""
+_MD_CANNOT = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): (?:Cannot continue operation \((?P<f>\d+)/(?P<n>\d+) "
+                        r"failed\)|Operation continuing on 0 devices)")
+"""drivers/md/raid5.c raid5_error `md/raid:%s: Cannot continue operation (%d/%d failed).`: the array failed."""
+_NVME_PATH = re.compile(r"block (?P<dev>nvme\w+): no (?P<which>usable|available) path - (?P<act>requeuing|failing) I/O")
+"""drivers/nvme/host/multipath.c nvme_ns_head_submit_bio: dev_warn_ratelimited(disk_to_dev(head->disk), `no
+usable path - requeuing I/O` (a path may come back) / `no available path - failing I/O` (none will))."""
+_NFS = re.compile(r"(?P<prog>nfs|nfs4|lockd|nfsacl): server (?P<srv>\S+) (?P<st>not responding, (?:still trying|"
+                  r"timed out)|OK)$")
+"""net/sunrpc/clnt.c call_timeout / call_decode: `%s: server %s not responding, still trying`, `%s: server %s
+not responding, timed out` (soft mounts), `%s: server %s OK` (cl_program->name, cl_server)."""
+
+
+def storage_head(t: str) -> Candidate | None:
+    """Block-layer errors, filesystem errors and read-only remounts/shutdowns, md member failures, NVMe multipath
+    path loss (family `storage`: one disk's I/O error, the filesystem error and the remount are one episode)."""
+    if " error, dev " in t:
+        m = _BLK_ERR.search(t)
+        if m and not m["dev"].startswith(REMOVABLE_DISKS):
+            dev = None if m["dev"] == "?" else m["dev"]
+            return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=dev, family="storage",
+                             attrs={"block_error": m["what"].strip(), "sector": int(m["sector"])})
+    if "Buffer I/O error" in t:
+        m = _BUFFER_ERR.search(t)
+        if m and not m["dev"].startswith(REMOVABLE_DISKS):
+            return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             detail=True, attrs={"logical_block": int(m["block"])})
+    if "-fs" in t:
+        m = _EXT_RO.search(t)
+        if m:
+            return Candidate(kind="fs_read_only", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=3, attrs={"fs": m["fs"][:-3].lower()})
+        m = _EXT_ERR.search(t)
+        if m:
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=1, attrs={"fs": m["fs"][:-3].lower(), "fs_error": t[:256]})
+    if "Aborting journal" in t:
+        m = _EXT_ABORT.search(t)
+        if m:
+            dev = m["dev"] or m["jdev"].rsplit("-", 1)[0]
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=dev, family="storage",
+                             priority=2, detail=True, attrs={"journal": m["jdev"]})
+    if "XFS (" in t:
+        m = _XFS_SHUTDOWN.search(t)
+        if m:
+            return Candidate(kind="fs_read_only", component=Component.STORAGE, dev_name=m["dev"] or m["dev2"],
+                             family="storage", priority=3, attrs={"fs": "xfs", "shutdown": (m["why"] or "")[:128]})
+        m = _XFS_ERR.search(t)
+        if m:
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             priority=1, attrs={"fs": "xfs", "fs_error": t[:256]})
+    if "md/raid" in t:
+        m = _MD_FAIL.search(t)
+        if m:
+            return Candidate(kind="md_member_failed", component=Component.STORAGE, dev_name=m["dev"],
+                             attrs={"md": m["md"], "raid_level": m["level"] or "5"})
+        m = _MD_CANNOT.search(t)
+        if m:
+            return Candidate(kind="md_array_failed", component=Component.STORAGE, dev_name=m["md"],
+                             attrs={"raid_level": m["level"] or "5"})
+    if " path - " in t:
+        m = _NVME_PATH.search(t)
+        if m:
+            failing = m["act"] == "failing"
+            return Candidate(kind="nvme_no_path" if failing else "nvme_path_requeue", component=Component.NVME,
+                             dev_name=m["dev"], family="nvme_path", priority=2 if failing else 1)
+    return None
+
+
+def nfs_head(t: str) -> Candidate | None:
+    m = _NFS.search(t)
+    if not m:
+        return None
+    ok = m["st"] == "OK"
+    return Candidate(kind="nfs_server_ok" if ok else "nfs_server_not_responding", component=Component.STORAGE,
+                     dev_name=m["srv"], healthy=ok, attrs={"rpc_program": m["prog"]})
+
+
+# ------------------------------------------------------------------------------------------ OS limits, libraries
+
+_FILE_MAX = re.compile(r"VFS: file-max limit (?P<n>\d+) reached")
+"""fs/file_table.c alloc_empty_file: pr_info(`VFS: file-max limit %lu reached`, get_max_files())."""
+_CONNTRACK = re.compile(r"nf_conntrack: (?:nf_conntrack: )?table full, dropping packet")
+"""net/netfilter/nf_conntrack_core.c __nf_conntrack_alloc: net_warn_ratelimited(`nf_conntrack: table full,
+dropping packet`) under pr_fmt `nf_conntrack: ` (v4.x+ prints the name twice)."""
+_SEGV = re.compile(r"(?P<comm>\S[^\[]*)\[(?P<pid>\d+)\]: (?:segfault at (?P<addr>[0-9a-f]+) ip [0-9a-f]+ sp [0-9a-f]+ "
+                   r"error (?P<err>[0-9a-f]+)|trap (?P<trap>[\w ]+?) ip:[0-9a-f]+ sp:[0-9a-f]+ error:[0-9a-f]+|"
+                   r"general protection fault ip:[0-9a-f]+ sp:[0-9a-f]+ error:[0-9a-f]+)"
+                   r" in (?P<lib>[^\s\[]+)\[")
+"""arch/x86/mm/fault.c show_signal_msg `%s%s[%d]: segfault at %lx ip %px sp %px error %lx`, then mm/memory.c
+print_vma_addr ` in %s[%lx+%lx]` (v6.2+: ` in %s[%lx,%lx+%lx]`); arch/x86/kernel/traps.c `%s[%d] trap %s ip:%lx
+sp:%lx error:%lx` / `%s[%d] general protection fault ip:%lx sp:%lx error:%lx` with the same ` in ` suffix."""
+GPU_LIBRARIES = ("libcuda", "libnccl", "libnvidia-", "libcudart", "libcublas", "libcudnn", "libnvrm", "libnvToolsExt",
+                 "libnvJitLink", "libnvrtc", "libcufft", "libcusparse", "libnvshmem", "libnccl-net", "libfabric",
+                 "libefa", "libmlx5", "libibverbs")
+"""A segfault inside these (NVIDIA driver/CUDA/NCCL user libraries, and the RDMA providers NCCL loads) is
+read; one inside an application's own code or libc is the application's bug and is not a node fault."""
+_CMCI = re.compile(r"(?:CPU(?P<cpu>\d+) BANK(?P<bank>\d+) )?CMCI storm (?P<st>detected|subsided)")
+"""arch/x86/kernel/cpu/mce/intel.c (v3.10-v6.7) `CMCI storm detected: switching to poll mode`, `CMCI storm
+subsided: switching to interrupt mode`; mce/threshold.c (v6.8+) `CPU%d BANK%d CMCI storm detected`, `CPU%d BANK%d
+CMCI storm subsided` (pr_fmt `mce: `)."""
+
+
+def os_limit_head(t: str) -> Candidate | None:
+    if "file-max" in t:
+        m = _FILE_MAX.search(t)
+        if m:
+            return Candidate(kind="os_file_max_reached", attrs={"file_max": int(m["n"])})
+    if "table full" in t and _CONNTRACK.search(t):
+        return Candidate(kind="conntrack_table_full", component=Component.NIC)
+    if "CMCI storm" in t:
+        m = _CMCI.search(t)
+        if m:
+            ok = m["st"] == "subsided"
+            attrs: dict[str, Attr] = {}
+            if m["cpu"] is not None:
+                attrs.update(cpu=int(m["cpu"]), bank=int(m["bank"]))
+            return Candidate(kind="cmci_storm_subsided" if ok else "cmci_storm", component=Component.CPU, healthy=ok,
+                             attrs=attrs)
+    if " in lib" in t:
+        m = _SEGV.search(t)
+        if m and m["lib"].startswith(GPU_LIBRARIES):
+            return Candidate(kind="gpu_library_segfault", component=Component.GPU, pid=int(m["pid"]),
+                             attrs={"process": m["comm"].strip()[:64], "library": m["lib"][:128],
+                                    "signal": "SIGSEGV" if m["addr"] is not None else "trap"})
+    return None
+
+
+# ------------------------------------------------------------------------------------------ EFA, GPU lost (no Xid)
+
+_EFA_TIMEOUT = re.compile(rf"efa (?P<bdf>{_BDF_RAW})(?: (?P<ib>[\w-]+))?: (?:Wait for completion \(polling\) timeout|"
+                          r"Wait for completion \(interrupt\) timeout|Failed to (?:submit|process) command)")
+"""drivers/infiniband/hw/efa/efa_com.c efa_com_wait_and_process_admin_cq_polling / _interrupts:
+ibdev_err_ratelimited(`Wait for completion (polling) timeout`), `Wait for completion (interrupt) timeout`,
+efa_com_cmd_exec `Failed to process command %s (opcode %u) comp_status %d err %d`; ibdev printk prefixes
+`efa <bdf> <ibdev>: `."""
+_NV_LOST = re.compile(rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:.*\bGPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|"
+                      r"GPU is lost, skipping)")
+"""open-gpu-kernel-modules 595.45.04: nvstatuscodes.h NV_ERR_GPU_IS_LOST `GPU lost from the bus`, printed by
+nvassert.c nvAssertOkFailed `Assertion failed: %s (0x%08X) returned from ...` as `GPU lost from the bus
+[NV_ERR_GPU_IS_LOST] (0x0000000F)`; kernel-open/nvidia/nv.c, nv-pci.c `GPU is lost, skipping %s` (NV_DEV_PRINTF
+prefix `NVRM: GPU %04x:%02x:%02x.%x: `)."""
+
+
+def efa_head(t: str) -> Candidate | None:
+    m = _EFA_TIMEOUT.search(t)
+    if not m:
+        return None
+    return Candidate(kind="efa_admin_timeout", component=Component.IB, bdf=normalize_bdf(m["bdf"]), dev_name=m["ib"])
+
+
+def gpu_is_lost_head(t: str) -> Candidate | None:
+    m = _NV_LOST.search(t)
+    if not m:
+        return None
+    return Candidate(kind="gpu_fallen_off_bus", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None, family="gpu_lost",
+                     priority=3, detail=m["bdf"] is None, attrs={"nv_status": "NV_ERR_GPU_IS_LOST"})
+
+
+# ------------------------------------------------------------------------------------------ ConnectX modules
+
+_MLX5_MODULE = re.compile(rf"mlx5_core (?P<bdf>{_BDF_RAW}):? (?:\w+:\d+:\(pid \d+\): )?Port module event(?P<err>\[error\])?: "
+                          r"module (?P<mod>\d+), (?P<status>[^,]+?)(?:, (?P<error>.+?))?\s*$")
+"""drivers/net/ethernet/mellanox/mlx5/core/events.c port_module (v5.2+; en_main.c/port.c before):
+mlx5_core_info(`Port module event: module %u, %s`) (mlx5_pme_status: `Cable plugged`, `Cable unplugged`, `Cable
+error`), mlx5_core_err(`Port module event[error]: module %u, %s, %s`; mlx5_core_err prefixes `%s:%d:(pid %d): `,
+function, line and pid) (mlx5_pme_error: `Power budget exceeded`,
+`Long Range for non MLNX cable`, `Bus stuck (I2C or data shorted)`, `No EEPROM/retry timeout`, `Enforce part
+number list`, `Unknown identifier`, `High Temperature`, `Bad or shorted cable/module`, `Unknown status`)."""
+
+
+def fabric_device_head(t: str) -> Candidate | None:
+    """RDMA/fabric device faults below the port state: ConnectX port modules (cable/transceiver), the EFA
+    device's admin queue."""
+    if "efa " in t:
+        c = efa_head(t)
+        if c is not None:
+            return c
+    return mlx5_module_head(t) if "Port module event" in t else None
+
+
+def mlx5_module_head(t: str) -> Candidate | None:
+    m = _MLX5_MODULE.search(t)
+    if not m:
+        return None
+    status = m["status"].strip()
+    attrs: dict[str, Attr] = {"module": int(m["mod"]), "module_status": status[:64]}
+    if m["error"]:
+        attrs["module_error"] = m["error"].strip()[:96]
+    low = status.lower()
+    if m["err"] or "error" in low:
+        kind, healthy = "ib_module_error", False
+    elif "unplugged" in low:
+        kind, healthy = "ib_module_unplugged", False
+    elif "plugged" in low:
+        kind, healthy = "ib_module_plugged", True
+    else:
+        return None
+    return Candidate(kind=kind, component=Component.IB, bdf=normalize_bdf(m["bdf"]), healthy=healthy, attrs=attrs)
+
+
+# ------------------------------------------------------------------------------------------ AMD GPUs (amdgpu)
+
+_AMD_PREFIX = rf"(?:amdgpu (?P<bdf>{_BDF_RAW}): (?:amdgpu: )?|\[drm:\w+ \[amdgpu\]\] \*ERROR\* |\[drm ERROR :\w+\] )"
+_AMD_RING = re.compile(_AMD_PREFIX + r"ring (?P<ring>\S+) timeout, signaled seq=(?P<sig>\d+), emitted seq=(?P<emit>\d+)")
+"""drivers/gpu/drm/amd/amdgpu/amdgpu_job.c amdgpu_job_timedout: v6.x dev_err(adev->dev, `ring %s timeout, signaled
+seq=%u, emitted seq=%u`) (`amdgpu <bdf>: [amdgpu: ]`), before v6.1 DRM_ERROR (`[drm:amdgpu_job_timedout [amdgpu]]
+*ERROR* ring %s timeout, ...`); then `Process information: process %s pid %d thread %s pid %d` (v6.x `Process %s pid
+%d thread %s pid %d`)."""
+_AMD_RESET_FAILED = re.compile(_AMD_PREFIX + r"(?:GPU reset\(\d+\) failed|GPU Recovery Failed: -?\d+|"
+                               r"GPU reset end with ret = -\d+|ASIC reset failed with error, -?\d+)")
+"""amdgpu_device.c amdgpu_device_gpu_recover / amdgpu_device_reinit_after_reset: `GPU reset(%d) failed`, `GPU
+Recovery Failed: %d`, `GPU reset end with ret = %d` (ret < 0), `ASIC reset failed with error, %d for drm dev, %s`."""
+_AMD_RAS = re.compile(_AMD_PREFIX + r"(?:(?P<n>\d+) uncorrectable hardware errors detected in (?P<block>\S+) block|"
+                      r"uncorrectable hardware error ?\((?P<ev>\w+)\) detected!?)")
+"""amdgpu_ras.c amdgpu_ras_error_print_error_data / amdgpu_ras_log_on_err_counter: `%ld uncorrectable hardware errors
+detected in %s block`; amdgpu_ras_global_ras_isr (v5.x) `uncorrectable hardware error(ERREVENT_ATHUB_INTERRUPT)
+detected!`: the GPU's memory or fabric lost data (as a double-bit ECC error on an NVIDIA GPU)."""
+
+
+def amdgpu_head(t: str) -> Candidate | None:
+    """AMD GPU faults read into vendor-neutral kinds: ring (job) timeout, reset failure, RAS uncorrectable."""
+    if "timeout, signaled seq" in t:
+        m = _AMD_RING.search(t)
+        if m:
+            return Candidate(kind="gpu_ring_timeout", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                             family="amdgpu", priority=1,
+                             attrs={"ring": m["ring"][:32], "signaled_seq": int(m["sig"]), "emitted_seq": int(m["emit"])})
+    if "uncorrectable hardware error" in t:
+        m = _AMD_RAS.search(t)
+        if m:
+            attrs: dict[str, Attr] = {"ras_block": m["block"] or m["ev"] or ""}
+            if m["n"]:
+                attrs["error_count"] = int(m["n"])
+            return Candidate(kind="gpu_ras_uncorrectable", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                             family="amdgpu", priority=3, attrs=attrs)
+    m = _AMD_RESET_FAILED.search(t)
+    if m:
+        return Candidate(kind="gpu_reset_failed", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
+                         family="amdgpu", priority=2)
+    return None

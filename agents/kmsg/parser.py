@@ -41,6 +41,10 @@ episode (watchdog line, driver dump, reset) continues while its lines come withi
 completions every second, igb/e1000e report a hang every 2 s); each `NETDEV WATCHDOG` line in it is one
 timeout for the repeat count (dev_watchdog fires once per watchdog period while the queue stays stuck)."""
 
+ESCALATE_KEY_ATTR = {"mce": "mce_addr"}
+"""Kinds whose repeats count per value of an attribute, not per device: a corrected machine check repeats
+at one physical address (`mce_addr`); one without an address counts nowhere."""
+
 CAUSE_FAMILIES = {"ras", "mlx5_fw", "gpu_boot"}
 CAUSE_WINDOW_S = 30.0
 """A crash (panic, Oops, BUG, lockup) within 30 s after an open hardware record of these families
@@ -58,6 +62,13 @@ a line longer than 80 was not wrapped, and a wrap happened only where the next w
 _DRIVER = re.compile(r"NVRM: loading NVIDIA UNIX .*?Kernel Module(?: for \S+)?\s+(?P<ver>\d+\.\d+(?:\.\d+)?)")
 _GPU_AT = re.compile(r"NVRM: GPU at PCI:(?P<bdf>[0-9a-fA-F:.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)")
 _SERIAL = re.compile(r"NVRM: GPU Board Serial Number: (?P<serial>\S+)")
+_GPU_ANNOUNCE = re.compile(r"NVRM: The NVIDIA GPU (?P<bdf>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])\s*$")
+"""open-gpu-kernel-modules src/nvidia/arch/nvalloc/unix/src/osapi.c (RmInitAdapter probe, 595.45.04): one
+nv_printf of three lines, `NVRM: The NVIDIA GPU %04x:%02x:%02x.%x` / `NVRM: (PCI ID: %04x:%04x) installed
+in this system has` / `NVRM: fallen off the bus and is not responding to commands.`: dmesg shows each line
+as its own message, every one with `NVRM:` at column 0, so only the first names the device."""
+ANNOUNCE_LINES = 3
+"""The 'fallen off the bus' line takes the device of a `NVRM: The NVIDIA GPU` line at most 3 messages back."""
 _SUBSYS = re.compile(r"^(?P<p>[\w.-]+: )")
 
 
@@ -70,6 +81,7 @@ class _Record:
     stamp: str | None
     wall: str | None = None
     count: int = 1
+    forms: set[str] = field(default_factory=set)  # `Candidate.form`s this report has printed
     origin: int | None = None  # where its first line was read (kmsg SEQ or file offset), for the event id
 
     def near(self, ts: float | None, window_s: float = RECORD_WINDOW_S) -> bool:
@@ -84,6 +96,8 @@ class _Context:
     uuid_by_bdf: dict[str, str] = field(default_factory=dict)
     serial_by_bdf: dict[str, str] = field(default_factory=dict)
     last_gpu_bdf: str | None = None
+    announced: tuple[str, int, list[str]] | None = None  # (bdf, message number, raw lines) of `The NVIDIA GPU`
+    messages: int = 0
 
 
 class KmsgParser:
@@ -250,10 +264,16 @@ class KmsgParser:
             self._close(out)
             return
         text = f.text
-        self._learn(text)
+        self._ctx.messages += 1
+        self._learn(text, raw)
         cand = match_head(text)
+        if cand is not None and cand.kind == "gpu_fallen_off_bus" and cand.bdf is None:
+            self._announced_device(cand, raw)
         rec = self._record
         if cand is None:
+            a = self._ctx.announced
+            if a is not None and a[1] < self._ctx.messages < a[1] + ANNOUNCE_LINES:
+                a[2].extend(raw)  # `NVRM: (PCI ID: ...) installed in this system has`
             if rec is not None and rec.near(f.ts) and len(rec.lines) < MAX_RECORD_LINES:
                 rec.lines.extend(raw)
                 rec.ts_last = f.ts if f.ts is not None else rec.ts_last
@@ -275,7 +295,20 @@ class KmsgParser:
         self._record = _Record(cand=cand, lines=list(raw), ts_first=f.ts, ts_last=f.ts, stamp=f.stamp, wall=f.wall,
                                origin=self._logical_origin)
 
-    def _learn(self, text: str) -> None:
+    def _announced_device(self, cand: Candidate, raw: list[str]) -> None:
+        """A device-less 'fallen off the bus' line takes the PCI address of the `NVRM: The NVIDIA GPU`
+        line just before it (`_GPU_ANNOUNCE`), whose lines then lead its raw text."""
+        a = self._ctx.announced
+        if a is not None and self._ctx.messages - a[1] <= ANNOUNCE_LINES - 1:
+            cand.bdf = a[0]
+            raw[:0] = [r for r in a[2] if r not in raw]
+        self._ctx.announced = None
+
+    def _learn(self, text: str, raw: list[str] | None = None) -> None:
+        if "The NVIDIA GPU" in text:
+            am = _GPU_ANNOUNCE.search(text)
+            if am:
+                self._ctx.announced = (normalize_bdf(am["bdf"]) or am["bdf"], self._ctx.messages, list(raw or []))
         m = _DRIVER.search(text)
         if m:
             self._ctx.driver_version = m["ver"]
@@ -306,7 +339,7 @@ class KmsgParser:
             c.bdf = str(d["bdf"])
             if c.kind.startswith("ghes_"):
                 c.component = Component.PCIE
-        for k in ("aer_status", "aer_mask", "ghes_section"):
+        for k in ("aer_status", "aer_mask", "ghes_section", "mce_addr"):
             if k in d:
                 c.attrs.setdefault(k, d[k])
         if "ghes_section" in d and c.component is None:
@@ -327,6 +360,20 @@ class KmsgParser:
             if "panic_reason" in cand.attrs:
                 a.attrs.setdefault("panic_reason", cand.attrs["panic_reason"])
             return True
+        if cand.form is not None and a.family == cand.family and rec.near(f.ts):
+            if a.form is not None and not rec.forms:
+                rec.forms.add(a.form)
+            if cand.form not in rec.forms and (a.pid is None or cand.pid is None or a.pid == cand.pid):
+                # the next line of the same report (OOM: invoked -> summary -> Killed process): one event
+                rec.forms.add(cand.form)
+                if a.pid is None and cand.pid is not None:
+                    a.pid = cand.pid
+                    a.message = f.text.strip()
+                elif cand.form == "killed":  # the line an operator knows the kill by
+                    a.message = f.text.strip()
+                for k, v in cand.attrs.items():
+                    a.attrs.setdefault(k, v)
+                return True
         if a.kind.startswith("ghes_") and cand.kind.startswith("ghes_") and cand.detail and rec.near(f.ts):
             if "cper_severity" in cand.attrs or "panic_reason" in cand.attrs:
                 a.kind = cand.kind
@@ -348,7 +395,10 @@ class KmsgParser:
             return False
         same_dev = a.bdf == cand.bdf and a.dev_name == cand.dev_name and a.port == cand.port
         if a.kind == cand.kind and a.code == cand.code and same_dev and a.pid == cand.pid and a.healthy == cand.healthy:
-            if not cand.detail:
+            if a.detail and not cand.detail and rec.count == 1:
+                # the report's own line after its announcement (`Machine check events logged`, then the bank)
+                a.detail, a.priority, a.message = False, max(a.priority, cand.priority), f.text.strip()
+            elif not cand.detail:
                 rec.count += 1
             for k, v in cand.attrs.items():
                 a.attrs.setdefault(k, v)
@@ -490,7 +540,13 @@ class KmsgParser:
         entry = self.catalog.kinds.get(c.kind)
         if entry is None or not entry.escalate_to or not entry.escalate_count or c.kind in PER_LINE_KINDS:
             return
-        key = f"{c.kind}|{c.bdf or c.dev_name or ''}"
+        if c.kind in ESCALATE_KEY_ATTR:
+            at = attrs.get(ESCALATE_KEY_ATTR[c.kind])
+            if at is None:
+                return
+            key = f"{c.kind}|{at}"
+        else:
+            key = f"{c.kind}|{c.bdf or c.dev_name or ''}"
         hist = self._repeat_history.setdefault(key, deque(maxlen=max(entry.escalate_count, 1) * 4))
         occurrences = sum("NETDEV WATCHDOG" in line for line in rec.lines) or 1
         for _ in range(min(occurrences, hist.maxlen or 1)):

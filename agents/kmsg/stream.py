@@ -46,7 +46,10 @@ TOKENS = (
     "PCIe Bus", "PCIe bandwidth", "AER", "EDAC", "Hardware", "mce", "MCE", "Machine", "machine check", "ECC",
     "ecc", "fallen", "throttl",
     # links and devices
-    "mlx5", "Link is", "link status", "bond", "slave", "active interface", "nvme",
+    "mlx5", "Link is", "link status", "bond", "slave", "active interface", "nvme", "Port module", "efa ",
+    # storage, filesystems, NFS, OS limits, libraries (issue 29)
+    "-fs", "XFS", "md/raid", " path - ", ": server ", "file-max", "table full", "CMCI", "segfault", " in lib",
+    "signaled seq", "uncorrectable hardware", "GPU reset", "GPU Recovery", "ASIC reset",
     # kernel crashes, lockups, memory
     "Kernel panic", "kernel panic", "lockup", "LOCKUP", "BUG:", "BUG at", "Oops", "general protection",
     "opcode", "divide error", "blocked for", "hung", "stall", "stuck", "oom", "OOM", "Kill", "of memory",

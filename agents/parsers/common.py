@@ -22,13 +22,21 @@ class Ctx:
 
     def event(self, kind: str, component: Component, severity: Severity, message: str, source: Source, *,
               device: Device | None = None, code: int | None = None, raw: str = "", pid: int | None = None,
-              attrs: dict[str, Any] | None = None) -> FaultEvent:
+              attrs: dict[str, Any] | None = None, healthy: bool = False) -> FaultEvent:
+        """One classified event. `healthy`: a clearing event; `kind` names the clearing kind
+        (`nic_link_up`) and the event travels under the kind it clears (`nic_link_down`, attrs
+        `clearing_kind`), as the kernel-log parser emits them."""
         clean = {k: v for k, v in (attrs or {}).items() if v is None or isinstance(v, (str, int, float, bool))}
         message = " ".join(message.split())[:4000]
+        if healthy:
+            entry = self.catalog.kinds.get(kind)
+            if entry is not None and entry.clears:
+                clean["clearing_kind"], kind = kind, entry.clears[0]
+            severity = Severity.INFO
         return self.catalog.stamp(FaultEvent(
             cluster=self.cluster, node=self.node, component=component, device=device or Device(), kind=kind,
             code=code, severity=severity, message=message, source=source, raw=raw or message,
-            agent_version=self.agent_version, pid=pid, attrs=clean))
+            agent_version=self.agent_version, pid=pid, attrs=clean, healthy=healthy))
 
     def xid(self, xid: int, source: Source, message: str, *, device: Device | None = None, raw: str = "",
             attrs: dict[str, Any] | None = None) -> FaultEvent:

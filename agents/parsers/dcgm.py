@@ -8,6 +8,8 @@ Formats (DCGM 2.x-4.x user guide; dcgm-exporter default counters):
   (even mid-word) onto following rows whose first cell is empty. Section rows `|-----  Deployment  ---|`.
 - health: `| Overall Health | Warning |`, `| -> 0 | Warning |` (GPU id), `|    -> PCIe system | Warning |`
   followed by wrapped message rows; Failure → fatal, Warning → degraded.
+- diag JSON (`dcgmi diag -j`, 3.x "DCGM GPU Diagnostic" / 4.x "DCGM Diagnostic"): each test result with status
+  Fail (fatal) or Warn (degraded) per GPU (`entity_id` / `gpu_id`), with its warnings.
 - nvlink link status: `gpuId N:` then one letter per link (U up, D down, X disabled, _ unsupported).
 - exporter: `NAME{label="v",...} value`. DCGM_FI_DEV_XID_ERRORS is the *last* XID (0 = none);
   DCGM_FI_DEV_XID_ERRORS_ACTIVE / DCGM_EXP_XID_ERRORS_COUNT carry the XID in label `xid`; ECC, row
@@ -44,7 +46,52 @@ def looks_like(text: str) -> bool:
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     health = _health(text, ctx)
     diag = [] if HEALTH_REPORT.search(text) else parse_diag(text, ctx)
-    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx) + _dmon(text, ctx)
+    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx) + _dmon(text, ctx) + _diag_json(text, ctx)
+
+
+def _diag_json(text: str, ctx: Ctx) -> list[FaultEvent]:
+    """`dcgmi diag -r N -j` (DCGM 3.x `"DCGM GPU Diagnostic"`, 4.x `"DCGM Diagnostic"`; NvvsJsonStrings.h):
+    one event per test result that did not pass, per GPU: `Fail` → dcgm_diag_fail (fatal), `Warn` →
+    dcgm_diag_warning (degraded), with the test's warning text; a `runtime_error` → dcgm_diag_fail. Text
+    that is not such a JSON object gives nothing."""
+    if "Diagnostic\"" not in text or "{" not in text:
+        return []
+    start, end = text.find("{"), text.rfind("}")
+    try:
+        doc = json.loads(text[start:end + 1])
+    except json.JSONDecodeError:
+        return []
+    diag = (doc.get("DCGM Diagnostic") or doc.get("DCGM GPU Diagnostic")) if isinstance(doc, dict) else None
+    if not isinstance(diag, dict):
+        return []
+    out: list[FaultEvent] = []
+    if diag.get("runtime_error"):
+        msg = str(diag["runtime_error"])[:300]
+        out.append(ctx.event("dcgm_diag_fail", Component.GPU, Severity.FATAL, f"dcgmi diag: {msg}", SRC, raw=msg,
+                             attrs={"test": "dcgmi diag"}))
+    for cat in diag.get("test_categories") or []:
+        if not isinstance(cat, dict):
+            continue
+        for test in cat.get("tests") or []:
+            if not isinstance(test, dict):
+                continue
+            name = str(test.get("name", "")) or "dcgmi diag"
+            for res in test.get("results") or []:
+                if not isinstance(res, dict):
+                    continue
+                status = str(res.get("status", "")).upper()
+                if status not in ("FAIL", "WARN"):
+                    continue
+                gpu = _entity_gpu(res)
+                warn = "; ".join(str(w.get("warning", "")) for w in res.get("warnings") or [] if isinstance(w, dict))
+                fatal = status == "FAIL"
+                where = f"{cat.get('category', '')}/{name}".strip("/")
+                out.append(ctx.event("dcgm_diag_fail" if fatal else "dcgm_diag_warning", component_of(name + " " + warn),
+                                     Severity.FATAL if fatal else Severity.DEGRADED,
+                                     f"{where}: {status}" + (f" on GPU {gpu}" if gpu is not None else "")
+                                     + (f": {warn}" if warn else ""), SRC, device=Device(index=gpu),
+                                     raw=json.dumps(res)[:2000], attrs={"test": name, "section": str(cat.get("category", ""))}))
+    return out
 
 
 def component_of(name: str) -> Component:

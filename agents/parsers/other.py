@@ -9,7 +9,8 @@ Formats and rules:
   IBV_WC_RETRY_EXC_ERR) or `NET/IB ... error`/`port ... down` → nccl_ib_error (ib, degraded).
 - mcelog: "Hardware event. This is not a software error." records; "Uncorrected error" or "Processor
   context corrupt" → mce_uncorrected (fatal), "Corrected error" → mce (info).
-- ibstat / ibv_devinfo: per-port State Down / PORT_DOWN → ib_port_down, Init/Armed → ib_port_init.
+- ibstat / ibv_devinfo / ibstatus: per-port State Down / PORT_DOWN / `1: DOWN` → ib_port_down, Init/Armed →
+  ib_port_init; ibstatus `Fatal error: device 'X': sys files not found` → nic_removed (the HCA has no ports).
 - ibdev2netdev: `mlx5_0 port 1 ==> ib0 (Down)` → ib_port_down (IB netdev) or nic_link_down (Ethernet).
 - BMC SEL (`ipmitool sel list|elist`: `id | [date | time |] sensor | event | Asserted`): Uncorrectable ECC →
   edac_ue (memory, fatal), Correctable ECC → edac_ce (info), Processor/CPU IERR or machine check →
@@ -22,10 +23,17 @@ Formats and rules:
 - rasdaemon `ras-mc-ctl --errors` / `--summary`: memory controller events (Corrected → edac_ce,
   Uncorrected/Fatal → edac_ue), PCIe AER events (aer_corrected/aer_nonfatal/aer_fatal), MCE events
   (Corrected → mce, otherwise mce_uncorrected), one event per section, kind and device.
-- NCCL `NET/IB : Got async event : local catastrophic error` (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal
-  (fatal: the HCA is dead until reset).
+- NCCL `NET/IB : Got async event : local catastrophic error` (v2.19) / `NET/IB : mlx5_0:1 async fatal event:
+  local catastrophic error` (v2.30) (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal (fatal: the HCA is dead until reset).
+- NCCL NVLS: a `NCCL WARN` from transport/nvls.cc or naming NVLS (`Failed to bind NVLink SHARP (NVLS) Multicast
+  memory ...`) → nccl_nvls_error (nvlink, degraded: fabric manager / NVSwitch multicast is broken on the node).
 - IBM Autopilot node labels (`autopilot.ibm.com/dcgm.level.3=ERR_<time>_<test>.<gpu>`,
   `autopilot.ibm.com/gpuhealth=EVICT`) → dcgm_diag_fail (fatal) for the failed DCGM test.
+- NVIDIA Fabric Manager log: `detected NVSwitch fatal error N on fid F on NVSwitch pci bus id B physical id P
+  port Q` → sxid_fatal (code N, the switch's PCI address and port; fatal for the GPUs behind it), `non-fatal`
+  → sxid_nonfatal.
+- systemd-networkd (journal/syslog): `IFNAME: Lost carrier` → nic_link_down, `Gained carrier` → its clearing
+  event (nic_link_up).
 """
 
 from __future__ import annotations
@@ -48,11 +56,26 @@ _IBSTAT_STATE = re.compile(r"^\s*State:\s*(\w+)")
 _IBV_HCA = re.compile(r"^\s*hca_id:\s*(\S+)")
 _IBV_PORT = re.compile(r"^\s*port:\s*(\d+)\s*$")
 _IBV_STATE = re.compile(r"^\s*state:\s*PORT_(\w+)")
+_IBSTATUS_DEV = re.compile(r"^Infiniband device '([^']+)' port (\d+) status:")
+_IBSTATUS_STATE = re.compile(r"^\s*state:\s*\d+:\s*(\w+)")
+_IBSTATUS_FATAL = re.compile(r"^Fatal error:\s+device '([^']+)': sys files not found")
+"""rdma-core infiniband-diags/scripts/ibstatus (v50): `Infiniband device '%s' port %s status:` then `\tstate:\t\t %s`
+(sysfs `4: ACTIVE`, `1: DOWN`, `2: INIT`, `3: ARMED`); `Fatal error:  device '%s': sys files not found (%s)` when the
+HCA named has no sysfs ports (driver not loaded, device gone)."""
 _IB2NET = re.compile(r"^(\S+) port (\d+) ==> (\S+) \((\w+)\)")
 _SEL = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)?", re.M)
 _SEL_SHORT = re.compile(r"^\s*[0-9a-fA-F]+\s*\|([^|]*)\|([^|]*)\|\s*(Asserted|Deasserted)\s*$", re.M)
-_NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?Got async event\s*:\s*local catastrophic error"
+_NCCL_FATAL = re.compile(r"NET/IB\s*:\s*(?:(?P<dev>mlx\d_\d+|[\w-]+:\d+)\s+)?(?:Got async event|async fatal event)\s*:\s*"
+                         r"local catastrophic error"
                          r"(?:\s*\((?P<dev2>[^)]*)\))?", re.I)
+"""NCCL src/transport/net_ib (v2.19.3 net_ib.cc `NET/IB : Got async event : %s`; v2.30.7 net_ib/common.cc
+`NET/IB : %s:%d async fatal event: %s` for IBV_EVENT_DEVICE_FATAL, ibv_event_type_str `local catastrophic error`)."""
+_NCCL_NVLS = re.compile(r"(?:\[(?P<cdev>\d+)\] )?(?P<file>\S*nvls\S*):\d+(?: \([^)]*\))? NCCL WARN (?P<msg>.*)|"
+                        r"NCCL WARN (?P<msg2>.*NVLink SHARP \(NVLS\).*|.*\bNVLS\b.*)")
+"""NCCL debug.cc ncclDebugLog (v2.30.7): `%s:%d:%d [%d] %s:%d (%s) NCCL WARN %s` (host:pid:tid [cudaDev]
+file:line (func)), before v2.2x without `(%s)`; transport/nvls.cc `Failed to bind NVLink SHARP (NVLS) Multicast memory
+of size %ld : CUDA error %d '%s'.` (the fabric manager or NVSwitches are broken), older versions' CUCHECK `Cuda
+failure '%s'` at transport/nvls.cc: a warning from the NVLS transport is an NVLS fault."""
 _AUTOPILOT = re.compile(r"autopilot\.ibm\.com/(?P<key>[\w.-]+)=(?P<val>\S+)")
 _KV_REC = re.compile(r"^\s*(?P<k>Severity|Description|Message|Message ID|MessageID|Record|Date/Time|Timestamp)"
                      r"\s*[:=]\s*(?P<v>.*?)\s*$", re.I)
@@ -62,6 +85,49 @@ _IML_WORDS = ("CRITICAL", "CAUTION", "Critical", "Caution")
 _RAS_SECTION = re.compile(r"^(?P<name>Memory controller events|PCIe AER events|MCE (?:events|records)|Extlog|"
                           r"Memory failure events)", re.I)
 _BDF_ANY = re.compile(r"\b(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]\b")
+
+
+_FM_SWITCH = re.compile(r"detected NVSwitch (?P<sev>fatal|non-fatal) error (?P<code>\d+) on fid (?P<fid>\d+) on NVSwitch "
+                        r"pci bus id (?P<bdf>[0-9a-fA-F]{1,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]) physical id "
+                        r"(?P<phys>\d+)(?: port (?P<port>-?\d+))?")
+"""NVIDIA Fabric Manager log (/var/log/fabricmanager.log, R450+; closed source, format as printed by R535-R570 and
+quoted by the Fabric Manager User Guide 'NVSwitch errors'): `[%b %d %Y %H:%M:%S] [ERROR] [tid %d] detected NVSwitch
+fatal error %d on fid %d on NVSwitch pci bus id %s physical id %d port %d` (and `non-fatal`): the SXid, read as the
+kernel's `SXid` line is (`sxid_fatal` / `sxid_nonfatal`) with the switch's PCI address."""
+_NETWORKD = re.compile(r"systemd-networkd\[\d+\]: (?P<if>[\w.@:-]+): (?P<st>Lost|Gained) carrier\s*$", re.M)
+"""systemd src/network/networkd-link.c link_carrier_lost / link_carrier_gained: log_link_info(`Lost carrier`),
+(`Gained carrier`), journald/syslog `systemd-networkd[PID]: IFNAME: ...` (v219+)."""
+
+
+def _fabric_manager(text: str, ctx: Ctx) -> list[FaultEvent]:
+    out: list[FaultEvent] = []
+    if "detected NVSwitch" not in text:
+        return out
+    for m in _FM_SWITCH.finditer(text):
+        fatal = m["sev"] == "fatal"
+        line = _line_of(text, m.start()).strip()
+        bdf = normalize_bdf(m["bdf"])
+        out.append(ctx.event("sxid_fatal" if fatal else "sxid_nonfatal", Component.NVLINK,
+                             Severity.FATAL if fatal else Severity.DEGRADED, f"fabric manager: {line}",
+                             Source.INJECT, device=Device(pci_bus_id=bdf, port=int(m["port"]) if m["port"] else None),
+                             code=int(m["code"]), raw=line,
+                             attrs={"text_kind": "fabric-manager", "fid": int(m["fid"]),
+                                    "physical_id": int(m["phys"])}))
+    return out
+
+
+def _networkd(text: str, ctx: Ctx) -> list[FaultEvent]:
+    out: list[FaultEvent] = []
+    if "carrier" not in text:
+        return out
+    for m in _NETWORKD.finditer(text):
+        up = m["st"] == "Gained"
+        line = _line_of(text, m.start()).strip()
+        out.append(ctx.event("nic_link_up" if up else "nic_link_down", Component.NIC,
+                             Severity.INFO if up else Severity.DEGRADED, line, Source.INJECT,
+                             device=Device(name=m["if"]), raw=line, healthy=up,
+                             attrs={"text_kind": "systemd-networkd"}))
+    return out
 
 
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
@@ -97,12 +163,21 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
                              Source.INJECT, raw=_line_of(text, m.start()),
                              attrs={"text_kind": "nccl", "ibv_wc_status": status}))
         break
+    if "NCCL WARN" in text and ("NVLS" in text or "nvls" in text):
+        for m in _NCCL_NVLS.finditer(text):
+            msg = (m["msg"] or m["msg2"] or "").strip()
+            out.append(ctx.event("nccl_nvls_error", Component.NVLINK, Severity.DEGRADED, f"NCCL NVLS: {msg[:300]}",
+                                 Source.INJECT, raw=_line_of(text, m.start()),
+                                 attrs={"text_kind": "nccl", "cuda_device": int(m["cdev"]) if m["cdev"] else None}))
+            break
     out += _mcelog(text, ctx)
     out += _ib_tools(text, ctx)
     out += _sel(text, ctx)
     out += _vendor_bmc(text, ctx)
     out += _ras_mc_ctl(text, ctx)
     out += _autopilot(text, ctx)
+    out += _fabric_manager(text, ctx)
+    out += _networkd(text, ctx)
     return out
 
 
@@ -312,6 +387,14 @@ def _ib_tools(text: str, ctx: Ctx) -> list[FaultEvent]:
     out: list[FaultEvent] = []
     hca, port, block = None, None, []
     for line in text.splitlines():
+        if m := _IBSTATUS_DEV.match(line):
+            hca, port, block = m.group(1), int(m.group(2)), [line]
+            continue
+        if m := _IBSTATUS_FATAL.match(line):
+            out.append(ctx.event("nic_removed", Component.IB, Severity.DEGRADED,
+                                 f"{m.group(1)}: no sysfs ports (ibstatus: {line.strip()})", Source.SYSFS,
+                                 device=Device(name=m.group(1)), raw=line.strip(), attrs={"text_kind": "ibstatus"}))
+            continue
         if m := (_IBSTAT_CA.match(line) or _IBV_HCA.match(line)):
             hca, port = m.group(1), None
             continue
@@ -320,8 +403,8 @@ def _ib_tools(text: str, ctx: Ctx) -> list[FaultEvent]:
             continue
         if hca is not None and port is not None:
             block.append(line)
-            if m := (_IBSTAT_STATE.match(line) or _IBV_STATE.match(line)):
-                kind = "ibv_devinfo" if "PORT_" in line else "ibstat"
+            if m := (_IBSTAT_STATE.match(line) or _IBV_STATE.match(line) or _IBSTATUS_STATE.match(line)):
+                kind = "ibv_devinfo" if "PORT_" in line else ("ibstatus" if line.lstrip().startswith("state") else "ibstat")
                 ev = _port_event(ctx, hca, port, m.group(1), "\n".join(block), kind)
                 if ev is not None:
                     out.append(ev)

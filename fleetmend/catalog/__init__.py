@@ -15,7 +15,8 @@ Files (package data, validated once at load):
 What each fault class does is data, one row per XID (`[xid.N]`) or kind (`[kind.NAME]`), so "what
 happens on XID 79" is one table in `xid.toml`:
 
-- `severity`, `drain`: how bad, and whether automation takes the node out of service. XID rows get
+- `severity`, `drain`: how bad, and whether automation takes the node out of service. Kind rows have
+  no `drain` key: their `immediate_action` decides it (`DRAINING_ACTIONS`). XID rows get
   them from the `[[severity]]` rules of `xid_reading.toml` (NVIDIA's immediate action +
   hardware-versus-application reading, each rule with its reason). XID 144-150 (`WORKFLOW_NVLINK5_ERR`)
   and 154 (`XID_154`) rows leave them out: they are decoded per event (NVLink5 rule table; the
@@ -93,7 +94,24 @@ class Action(StrEnum):
     XID_154_EVAL = "XID_154_EVAL"
     NONE = "NONE"
     """The catalog assigns no action (newest XIDs)."""
+    DIAGNOSE_IN_SERVICE = "DIAGNOSE_IN_SERVICE"
+    """fleetmend's (kinds only): diagnose while the node keeps its jobs; no drain."""
+    RESET_GPU_WHEN_IDLE = "RESET_GPU_WHEN_IDLE"
+    """fleetmend's (kinds only): reset the GPU when no job holds it (a pending row remap); no drain."""
 
+    @property
+    def drains(self) -> bool:
+        """Whether the action takes the node out of service (`DRAINING_ACTIONS`)."""
+        return self in DRAINING_ACTIONS
+
+
+DRAINING_ACTIONS = frozenset({Action.DRAIN_DIAGNOSE, Action.RESET_GPU, Action.RESTART_BM, Action.RESTART_VM,
+                              Action.RMA})
+"""Actions that cannot be done with jobs on the node: a kind row with one of these drains, a kind row with
+any other does not (`KindEntry.drain` is derived from `immediate_action`, never written), and an XID row
+(NVIDIA's action verbatim, drain from `xid_reading.toml`) with one of these must drain, one with `IGNORE`
+must not (checked at load). One field decides, so `immediate_action: DRAIN_DIAGNOSE` beside `drain: false`
+cannot be built."""
 
 _DECODED = frozenset({"WORKFLOW_NVLINK5_ERR", "XID_154"})
 """Immediate actions whose severity is decoded per event (a row may leave severity/drain out)."""
@@ -130,6 +148,11 @@ class XidEntry(_Entry):
     def _severity_given(self) -> "XidEntry":
         if self.immediate_action.value not in _DECODED and (self.severity is None or self.drain is None):
             raise ValueError(f"severity and drain are required (only {sorted(_DECODED)} rows are decoded per event)")
+        if self.drain is False and self.immediate_action.drains:
+            raise ValueError(f"immediate_action {self.immediate_action.value} takes the node out of service: "
+                             "drain must be true")
+        if self.drain and self.immediate_action is Action.IGNORE:
+            raise ValueError("immediate_action IGNORE cannot drain")
         return self
 
     @property
@@ -147,8 +170,8 @@ class KindEntry(_Entry):
     name: str = Field(pattern=r"^[a-z0-9_]+$")
     component: Component
     severity: Severity
-    drain: bool = False
     immediate_action: Action
+    """Decides whether the kind drains (`drain`, derived: `DRAINING_ACTIONS`)."""
     investigatory_action: str
     description: str
     source: str = Field(min_length=1)
@@ -169,6 +192,20 @@ class KindEntry(_Entry):
     verify: list[str] = Field(default_factory=list)
     history: History | None = None
     history_source: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_drain_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "drain" in data:
+            raise ValueError("drain is derived from immediate_action (DRAIN_DIAGNOSE, RESET_GPU, RESTART_BM, "
+                             "RESTART_VM, RMA drain; DIAGNOSE_IN_SERVICE, RESET_GPU_WHEN_IDLE, IGNORE ... do not): "
+                             "set immediate_action instead")
+        return data
+
+    @property
+    def drain(self) -> bool:
+        """Whether automation may take the node out of service: `immediate_action.drains`, never healthy rows."""
+        return self.immediate_action.drains and not self.healthy
 
     @field_validator("cleared_by")
     @classmethod
@@ -390,25 +427,29 @@ class Catalog:
                 component=event.component,
             )
         if event.healthy and not entry.healthy:
+            clearing = self.kinds.get(str(event.attrs.get("clearing_kind", "")))
             return Classification(
                 severity=Severity.INFO,
                 immediate_action=Action.IGNORE,
                 investigatory_action="(none)",
                 source=entry.source,
                 fault_class=entry.name,
-                description=f"cleared: {entry.description}",
+                description=(f"{clearing.description} (clears {entry.name})" if clearing is not None
+                             else f"cleared: {entry.description}"),
                 drain=False,
                 component=entry.component,
             )
-        severity, drain = entry.severity, entry.drain
+        severity, action = entry.severity, entry.immediate_action
         if entry.follows_recovery_action:
-            action = str(event.attrs.get("recovery_action", ""))
-            act = self.recovery_action(action)  # recovery_actions.toml, as for XID 154
+            act = self.recovery_action(str(event.attrs.get("recovery_action", "")))  # as for XID 154
             if act is not None and act.severity is not Severity.INFO:
-                severity, drain = act.severity, act.drain
+                severity = act.severity
+                if act.drain:  # the driver's action decides the row's: a reboot or a reset, both drain
+                    action = Action.RESTART_BM if "REBOOT" in act.name else Action.RESET_GPU
+        drain = action.drains and not entry.healthy
         return Classification(
             severity=Severity.INFO if event.healthy or entry.healthy else severity,
-            immediate_action=entry.immediate_action,
+            immediate_action=action,
             investigatory_action=entry.investigatory_action,
             source=entry.source,
             fault_class=entry.name,

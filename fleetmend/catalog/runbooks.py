@@ -45,6 +45,10 @@ ACTION_TEXT: dict[str, str] = {
     "XID_154": "The driver changed its recovery action: the printed action decides (Reset/Reboot drains).",
     "XID_154_EVAL": "Evaluate the driver's recovery action printed with the event.",
     "NONE": "The catalog assigns no action yet: recorded for review.",
+    "DIAGNOSE_IN_SERVICE": "Diagnose while the node keeps its jobs: no drain; the incident records the fault "
+                           "and its repeats.",
+    "RESET_GPU_WHEN_IDLE": "Reset the GPU when no job holds it (the pending remap or retirement is applied on "
+                           "reset): no drain.",
 }
 
 
@@ -152,9 +156,22 @@ def write_all(directory: Path, catalog: Catalog | None = None) -> list[Path]:
     return written + [idx]
 
 
+SCOPE = (
+    "What is read: NVIDIA GPUs (XIDs, NVRM messages without an Xid, NVSwitch SXids and the fabric manager's log), "
+    "AMD GPUs' `amdgpu` ring timeouts, failed resets and RAS uncorrectable errors (vendor-neutral kinds "
+    "`gpu_ring_timeout`, `gpu_reset_failed`, `gpu_ras_uncorrectable`), ConnectX and AWS EFA devices, NICs, "
+    "bonding, NVMe, block devices, filesystems, md RAID, NFS clients, PCIe AER, machine checks, EDAC and the "
+    "kernel's own crashes and limits. Every format string read, with its source and version, is in "
+    "`fleetmend/catalog/source/formats.tsv`. Out of scope: AWS Neuron and other accelerators (Intel Gaudi), and "
+    "AMD GPU messages other than the three above; their lines produce no event."
+)
+"""The scope paragraph of the runbook index (issue 29 point 4: say plainly what is not read)."""
+
+
 def index(catalog: Catalog | None = None) -> str:
     rows = ["# Runbooks", "", "One per fault class, generated from the catalog (`python -m fleetmend.catalog.runbooks "
             f"{RUNBOOK_DIR}`; a test checks they are up to date). `fleetmend runbook CLASS` prints one.", "",
+            SCOPE, "",
             "| fault class | severity | drains | immediate action |", "|---|---|---|---|"]
     for fc, e in fault_classes(catalog).items():
         sev, drain = (e.base_severity, bool(e.drain)) if isinstance(e, XidEntry) else (e.severity, e.drain)

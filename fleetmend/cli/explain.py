@@ -157,10 +157,15 @@ def explained_json(e: Explained) -> dict[str, Any]:
     Naming: the event's own `source` (the probe, e.g. "kmsg") stays `source`, as on the wire; the
     catalog entry's citation is `catalog_source`. Added keys: `immediate_action`,
     `investigatory_action`, `catalog_source`, `fault_class`, `drain`, `description`, and
-    `resolution`/`unit` (XID 144-150 decode; None otherwise).
+    `resolution`/`unit` (XID 144-150 decode; None otherwise). A clearing event (`healthy`) shows the kind its
+    line says (`attrs.clearing_kind`, e.g. `nic_link_up`) as `kind` and the kind it clears as `clears`: on the
+    wire it travels under the kind it clears (same `fault_key`).
     """
     row = e.event.model_dump(mode="json")
     c = e.classification
+    clearing = e.event.attrs.get("clearing_kind") if e.event.healthy else None
+    if clearing:  # a clearing event travels under the kind it clears (one fault_key); a reader sees what it says
+        row["clears"], row["kind"] = row["kind"], clearing
     row.update(
         immediate_action=c.immediate_action.value,
         investigatory_action=c.investigatory_action,
@@ -201,8 +206,9 @@ def render_entry(x: Explained, console: Console) -> None:
         Aug 10 15:36:05  XID 48  gpu 0000:55:00.0  fatal  → WORKFLOW_XID_48, drain
             An uncorrectable double bit error (DBE) has been detected on GPU ...
 
-    Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the time
-    the event was observed. Healthy (clearing) events show severity "cleared".
+    Time is the kernel's own stamp where the text had one (`attrs["kernel_time"]`), else the wall
+    stamp printed around it (`attrs["collector_time"]`, e.g. `dmesg -H`), else the time the event was
+    observed. Healthy (clearing) events show severity "cleared".
     """
     when, component, kind, dev, sev, action, drain_s, msg = _row(x)
     line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
@@ -221,8 +227,10 @@ def _plain(cell: str) -> str:
 def _row(x: Explained) -> list[str]:
     """One table row; "what" is the driver's own text after the XID framing where there is one."""
     ev, c = x.event, x.classification
-    when = str(ev.attrs.get("kernel_time") or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
-    kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{ev.kind} {ev.code}" if ev.code is not None else ev.kind)
+    when = str(ev.attrs.get("kernel_time") or ev.attrs.get("collector_time")
+               or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
+    shown = str(ev.attrs.get("clearing_kind") or ev.kind) if ev.healthy else ev.kind
+    kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{shown} {ev.code}" if ev.code is not None else shown)
     dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid or "-"
     if ev.device.port is not None:
         dev = f"{dev} port {ev.device.port}"
