@@ -104,8 +104,10 @@ POOL_TIMEOUT = timedelta(seconds=30)
 POOL_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=10),
                          maximum_attempts=0)
 """The pool write is the grant: retried quickly and forever (NATS away: nothing is granted meanwhile)."""
-MAX_CLAIMS = 1_000
-"""Queue heads offered to the pool in one write (a queue of thousands behind a budget of tens)."""
+CLAIM_SLACK = 20
+"""Queue heads offered to the pool beyond its free slots (as of the last write), for heads a full rack
+passes over. Only heads that may find room are offered: a queue of thousands behind a full budget costs
+no pool write and no history per request."""
 
 MAX_RETURNS_PER_NODE = 10
 MAX_INFRA_KEPT = 20
@@ -186,7 +188,10 @@ class FleetGuard:
         self._pool_synced = False
         """This run has written the pool once (a new run writes its settings again)."""
         self._claims_due = True
-        """The queue heads may find room: something changed since the last write refused them all."""
+        """A request queued since the last write: offer the queue heads if that write left room."""
+        self._room_changed = True
+        """Room may have changed since the last write (a release, a reset, a resume, a new run): offer the
+        queue heads whatever the last write's count said."""
         self._refused: dict[str, str] = {}
         """node → why the pool refused its slot in the last write (derived, never carried)."""
         self._recent_ix = RecentIndex()
@@ -217,7 +222,7 @@ class FleetGuard:
         s.stranded.pop(cmd.node, None)
         s.held = [h for h in s.held if h.node != cmd.node]
         s.queue = [q for q in s.queue if q.node != cmd.node]
-        self._claims_due = self._dirty = True
+        self._room_changed = self._dirty = True
         what = "permit released" if held else "queued request withdrawn" if queued else "permit pool slot freed"
         self._log(f"{cmd.node}: {what} by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
         return (f"{cmd.node}: {what}; {len(s.queue)} queued" if held or queued else
@@ -257,7 +262,7 @@ class FleetGuard:
                 inc.closed_at = self._now()
         self._log(f"breaker reset by {cmd.by}{': ' + cmd.note if cmd.note else ''} (was: {was or 'not tripped'}"
                   + (f"; closed infrastructure incidents {', '.join(open_inc)}" if open_inc else "") + ")")
-        self._claims_due = self._dirty = True
+        self._room_changed = self._dirty = True
         return ("breaker reset" if was else "breaker was not tripped") \
             + (f"; infrastructure incident(s) {', '.join(open_inc)} closed" if open_inc else "") \
             + f"; {len(s.queue)} queued request(s) will be served in severity order"
@@ -288,7 +293,7 @@ class FleetGuard:
             return "not paused: nothing to resume"
         s.paused, s.paused_by, s.paused_at, s.paused_note = False, None, None, ""
         self._log(f"resumed by {cmd.by}{': ' + cmd.note if cmd.note else ''}")
-        self._claims_due = self._dirty = True
+        self._room_changed = self._dirty = True
         return f"resumed; {len(s.queue)} queued request(s)"
 
     @resume.validator
@@ -351,7 +356,7 @@ class FleetGuard:
         s.queue = [q for q in s.queue if q.node != rel.node]
         s.stranded.pop(rel.node, None)
         s.router_only = [n for n in s.router_only if n != rel.node]
-        self._claims_due = True  # its slot is free (the activity gave it back before signalling)
+        self._room_changed = True  # its slot is free (the activity gave it back before signalling)
         if rel.returned and rel.fault_class:
             hist = s.returns.setdefault(rel.node, [])
             hist.append((rel.fault_class, self._now()))
@@ -419,7 +424,8 @@ class FleetGuard:
                 queued.add(req.node)
         else:
             self._requeue(at, req)
-        self._claims_due = True
+        if s.pool_holders < self._budget():  # room as of the last write: offer the heads
+            self._claims_due = True
         # 3. breaker
         self._check_breaker()
 
@@ -586,8 +592,10 @@ class FleetGuard:
         elif s.paused:
             why = f"paused by {s.paused_by}"
         closed = sorted({i.domain for i in s.infra if i.closed_at is None})
-        claims = [PoolClaim(node=q.node, rack=q.rack) for q in self._ordered_queue()[:MAX_CLAIMS]] \
-            if not why and s.queue and self._claims_due else []
+        free = max(self._budget() - s.pool_holders, 0)
+        offer = self._room_changed or (self._claims_due and free > 0)
+        claims = [PoolClaim(node=q.node, rack=q.rack) for q in self._ordered_queue()[:free + CLAIM_SLACK]] \
+            if not why and s.queue and offer else []
         return PoolSync(cluster=s.cluster, budget=self._budget(), rack_cap=s.policy.max_drained_per_rack,
                         open=not why, why=why, closed_domains=closed, claims=claims)
 
@@ -618,7 +626,7 @@ class FleetGuard:
         s = self._state
         view.held = {h.node: h.rack for h in s.held}
         view.drop, s.pool_drop = sorted(set(s.pool_drop)), []
-        self._claims_due = False  # until something changes: a request, a release, a reset (set meanwhile: again)
+        self._claims_due = self._room_changed = False  # until a request, a release, a reset (set meanwhile: again)
         r: PoolSynced = await workflow.execute_activity(
             Activity.SYNC_PERMIT_POOL, view, result_type=PoolSynced, start_to_close_timeout=POOL_TIMEOUT,
             retry_policy=POOL_RETRY, summary=f"permit pool: {view.budget} slots, "
@@ -634,6 +642,8 @@ class FleetGuard:
         held = {h.node for h in s.held}
         s.router_only = [n for n in r.router_only if n not in held]
         self._refused = dict(r.refused)
+        if not view.claims and view.open and s.queue and r.holders < view.budget:
+            self._room_changed = True  # this write freed slots (or the guard's count was stale): offer heads next
         granted = set(r.granted)
         now = workflow.now()
         for q in [q for q in self._ordered_queue() if q.node in granted]:
