@@ -192,35 +192,85 @@ def test_temporal_setup_is_a_hook_job(default_docs: list[dict]) -> None:
     assert not by_kind(render({"temporal": {"setup": {"enabled": False}}}), "Job")
 
 
+NEEDED = {"read_node": ("", "nodes", "get"), "list_node": ("", "nodes", "list"),
+          "patch_node": ("", "nodes", "patch"), "patch_node_status": ("", "nodes/status", "patch"),
+          "list_pod_for_all_namespaces": ("", "pods", "list"),
+          "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
+          "create_namespaced_event": ("", "events", "create")}
+"""`CoreV1Api` method → the (API group, resource, verb) it needs."""
+
+
+def _grants(role: dict) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
 def test_rbac_grants_exactly_what_the_kubernetes_adapter_calls(default_docs: list[dict]) -> None:
-    (role,) = by_kind(default_docs, "ClusterRole").values()
-    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-              for v in rule["verbs"]}
+    roles = by_kind(default_docs, "ClusterRole")
+    assert set(roles) == {"fleetmend-fleetmend-drainer", "fleetmend-fleetmend-router-drainer"}
     src = "\n".join(p.read_text() for p in ROOT.glob("activities/**/kubernetes*.py"))
     calls = set(re.findall(r"self\.core\.(\w+)", src))
-    needed = {"read_node": ("", "nodes", "get"), "list_node": ("", "nodes", "list"),
-              "patch_node": ("", "nodes", "patch"), "patch_node_status": ("", "nodes/status", "patch"),
-              "list_pod_for_all_namespaces": ("", "pods", "list"),
-              "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
-              "create_namespaced_event": ("", "events", "create")}
-    assert calls <= set(needed), f"the adapter calls {calls - set(needed)}: grant it in rbac.yaml"
-    assert grants == {needed[c] for c in calls}, grants ^ {needed[c] for c in calls}
-    (binding,) = by_kind(default_docs, "ClusterRoleBinding").values()
+    assert calls <= set(NEEDED), f"the adapter calls {calls - set(NEEDED)}: grant it in rbac.yaml"
+    grants = _grants(roles["fleetmend-fleetmend-drainer"])
+    assert grants == {NEEDED[c] for c in calls}, grants ^ {NEEDED[c] for c in calls}
+    bindings = by_kind(default_docs, "ClusterRoleBinding")
     worker = by_kind(default_docs, "Deployment")["fleetmend-worker"]["spec"]["template"]["spec"]
-    assert binding["subjects"][0]["name"] == worker["serviceAccountName"]
+    assert [s["name"] for s in bindings["fleetmend-fleetmend-drainer"]["subjects"]] == [worker["serviceAccountName"]]
     assert not by_kind(render({"scheduler": "slurm"}), "ClusterRole")
 
 
-def test_fast_drain_gives_the_router_the_drainer_role(default_docs: list[dict]) -> None:
+async def test_the_router_has_its_own_account_with_exactly_the_verbs_of_a_drain(default_docs: list[dict]) -> None:
+    """The router cordons a must-drain-now fault through `KubernetesScheduler.drain` (issue 24 point 3):
+    a drain of a node with a pod to evict, recorded call by call against kmock's emulator, needs
+    exactly the router role's grants (no nodes list, nothing else)."""
+    import kmock
+
+    from activities.kubernetes import KubernetesScheduler
+    from fleetmend.config import KubernetesSettings
+
+    pods, nodes = kmock.resource("", "v1", "pods"), kmock.resource("", "v1", "nodes")
+    async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as srv:
+        k8s.resources["v1/pods"], k8s.resources["v1/nodes"] = {}, {}
+
+        def evict(request):  # the Eviction subresource kmock lacks: 201 and the pod goes
+            del k8s.objects[pods, request.namespace, request.name]
+            return kmock.Response(status=201, payload={"kind": "Status", "apiVersion": "v1", "code": 201})
+
+        k8s["post", kmock.subresource("eviction")] << evict
+        k8s.objects[nodes, None, "gpu-001"] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-001"},
+                                               "spec": {}, "status": {"conditions": [{"type": "Ready",
+                                                                                      "status": "True"}]}}
+        k8s.objects[pods, "ml", "train-0"] = {"apiVersion": "v1", "kind": "Pod",
+                                              "metadata": {"name": "train-0", "namespace": "ml"},
+                                              "spec": {"nodeName": "gpu-001", "containers": [{"name": "c",
+                                                                                              "image": "i"}]},
+                                              "status": {"phase": "Running"}}
+        s = KubernetesScheduler(KubernetesSettings(api_url=str(srv.url).rstrip("/"), evict_retry_s=0.05))
+        used: list[str] = []
+        real = s.core
+
+        class Recording:
+            def __getattr__(self, name: str):
+                used.append(name)
+                return getattr(real, name)
+
+        s.core = Recording()
+        r = await s.drain("gpu-001", "xid_79 incident inc-1", "inc-1")
+        assert r.drained and r.owned and "evicted 1" in r.detail
+    needed = {NEEDED[c] for c in used}
+    assert ("", "nodes", "list") not in needed and ("", "pods/eviction", "create") in needed
+    role = by_kind(default_docs, "ClusterRole")["fleetmend-fleetmend-router-drainer"]
+    assert _grants(role) == needed, _grants(role) ^ needed
+    (binding,) = [b for b in by_kind(default_docs, "ClusterRoleBinding").values()
+                  if b["roleRef"]["name"] == role["metadata"]["name"]]
     router = by_kind(default_docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
-    assert "serviceAccountName" not in router and router["automountServiceAccountToken"] is False
-    docs = render({"policy": {"fast_drain": True}})
-    router = by_kind(docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
-    (binding,) = by_kind(docs, "ClusterRoleBinding").values()
-    assert router["serviceAccountName"] == "fleetmend-router" in by_kind(docs, "ServiceAccount")
-    assert [sub["name"] for sub in binding["subjects"]] == ["fleetmend-worker", "fleetmend-router"]
-    slurm = render({"policy": {"fast_drain": True}, "scheduler": "slurm"})
-    assert "serviceAccountName" not in by_kind(slurm, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+    assert router["serviceAccountName"] == "fleetmend-router" in by_kind(default_docs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleetmend-router", "namespace": "fleetmend"}]
+    for other in ("slurm", "standalone", "none"):
+        docs = render({"scheduler": other})
+        spec = by_kind(docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+        assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False, other
+        assert "fleetmend-router" not in by_kind(docs, "ServiceAccount")
 
 
 def _known_metric_names() -> set[str]:
