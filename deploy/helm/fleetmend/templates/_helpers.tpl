@@ -18,8 +18,14 @@ app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* The control-plane image (router, worker, analyzer, setup Job): Dockerfile target control-plane. */}}
 {{- define "fleetmend.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The agent's image: Dockerfile target agent (no Temporal, no Kubernetes client). */}}
+{{- define "fleetmend.agentImage" -}}
+{{ .Values.agent.image.repository }}:{{ .Values.agent.image.tag | default .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
 {{/* Environment every fleetmend process shares. */}}
