@@ -70,9 +70,37 @@ def test_lint_is_clean() -> None:
     assert all(m["severity"] < 2 for m in report["messages"]), report["messages"]
 
 
+EVERY_NEW_VALUE = {
+    "fullnameOverride": "fm", "nameOverride": "fleet",
+    "image": {"digest": "sha256:" + "a" * 64},
+    "podLabels": {"team": "gpu-ops"}, "podAnnotations": {"example.com/owner": "gpu-ops"},
+    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/fm"}},
+    "nats": {"tls": {"enabled": True, "secretName": "nats-client-tls", "mutual": True, "serverName": "nats"}},
+    "temporal": {"tls": {"enabled": True, "secretName": "temporal-client-tls"},
+                 "setup": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+                           "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+                           "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}]}},
+    "agent": {"extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+              "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}],
+              "podAnnotations": {"a": "b"}, "updateStrategy": {"type": "OnDelete"}},
+    "worker": {"priorityClassName": "system-cluster-critical", "strategy": {"type": "Recreate"},
+               "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+               "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}], "podLabels": {"w": "1"}},
+    "router": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                              "whenUnsatisfiable": "DoNotSchedule",
+                                              "labelSelector": {"matchLabels": {"app.kubernetes.io/component":
+                                                                                "router"}}}]},
+    "analyzer": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}},
+    "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]},
+    "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}},
+}
+
+
 @pytest.mark.parametrize("values", [{}, EVERYTHING_ON, {"analyzer": {"enabled": False}, "scheduler": "standalone",
-                                                        "agent": {"runtimeClassName": ""}}],
-                         ids=["defaults", "everything-on", "standalone-no-analyzer"])
+                                                        "agent": {"runtimeClassName": ""}}, EVERY_NEW_VALUE],
+                         ids=["defaults", "everything-on", "standalone-no-analyzer", "every-new-value"])
 def test_every_rendered_object_matches_the_kubernetes_schema(values: dict) -> None:
     docs = render(values)
     assert len(docs) >= 12
@@ -102,11 +130,10 @@ def test_the_settings_file_is_one_fleetmend_accepts(full_docs: list[dict], tmp_p
     assert s.scheduler.value == "kubernetes" and s.kubernetes.in_cluster is True
     assert s.tickets.kind.value == "jira" and s.tickets.jira.project == "GPU"
     assert s.policy.max_drained_nodes == 20
-    bad = tmp_path / "bad.toml"
-    cm = by_kind(render({"policy": {"max_drained_nodez": 3}}), "ConfigMap")["fleetmend-config"]
-    bad.write_text(cm["data"]["fleetmend.toml"])
-    with pytest.raises(Exception, match="max_drained_nodez"):
-        load_settings(bad)
+    # a typo in a settings section is refused at render time by values.schema.json (fleetmend.config's
+    # own field names), no longer only when the pod starts
+    with pytest.raises(helm.HelmValuesError, match="max_drained_nodez"):
+        render({"policy": {"max_drained_nodez": 3}})
 
 
 def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> None:
@@ -128,8 +155,8 @@ def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> Non
     assert vols["host-root"]["hostPath"]["path"] == "/" and env["FLEETMEND_AGENT__HOST_ROOT"]["value"] == "/host"
     assert {m["name"]: m for m in c["volumeMounts"]}["host-root"]["readOnly"] is True
     assert vols["nats-creds"]["secret"]["secretName"] == "fleetmend-nats-nodes"
-    tolerated = {t.get("key") for t in pod["tolerations"]}
-    assert {"nvidia.com/gpu", "fleetmend.io/fault"} <= tolerated
+    # GPU workload taints and fleetmend's own fault taint: a keyless Exists toleration matches every taint
+    assert {"operator": "Exists"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert not any(str(r).startswith("nvidia.com/gpu") for r in c["resources"].get("requests", {}))  # no GPU taken
     assert pod["automountServiceAccountToken"] is False
@@ -363,3 +390,137 @@ def test_every_workloads_environment_loads_as_fleetmend_settings(full_docs: list
         if w["kind"] == "DaemonSet":
             assert s.node == node and s.metrics.agent_port == 9303 and not s.agent.manage_stream
             assert str(s.nats_nkey_seed) == f"/etc/fleetmend/nats/{node}.nk"
+
+
+# ------------------------------------------------------------------ issue 30 point 3: the chart an admin expects
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"affinty": {}}, "'affinty' not allowed"),
+    ({"router": {"podAnnotation": {"a": "b"}}}, "'podAnnotation' not allowed"),
+    ({"image": {"digest": "latest"}}, "/image/digest"),
+    ({"policy": {"max_drained_nodes": 2.5}}, "/policy/max_drained_nodes"),
+    ({"policy": {"max_drained_percent": "ten"}}, "/policy/max_drained_percent"),
+    ({"router": {"replicas": "2"}}, "/router/replicas"),
+    ({"agent": {"metricsPort": 70000}}, "/agent/metricsPort"),
+    ({"scheduler": "slrum"}, "/scheduler"),
+    ({"nats": {"tls": {"enabled": "yes"}}}, "/nats/tls/enabled"),
+    ({"kubernetes": {"evict_timeout": 30}}, "'evict_timeout' not allowed"),
+    ({"extraConfig": {"routr": {"max_deliver": 5}}}, "'routr' not allowed"),
+    ({"agent": {"tolerations": {"key": "x"}}}, "/agent/tolerations"),
+], ids=lambda v: str(v)[:40])
+def test_the_values_schema_rejects_unknown_keys_and_wrong_types(values: dict, where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        render(values)
+    assert where in str(info.value), str(info.value)
+
+
+def test_the_values_schema_is_generated_from_values_and_settings() -> None:
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "deploy/helm/gen_schema.py"))
+    assert (CHART / "values.schema.json").read_text() == gen["render"](), \
+        "values.schema.json is stale: run python deploy/helm/gen_schema.py"
+
+
+def test_the_control_plane_never_runs_on_a_gpu_node_and_spreads(default_docs: list[dict]) -> None:
+    for name, d in by_kind(default_docs, "Deployment").items():
+        spec = d["spec"]["template"]["spec"]
+        (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "NotIn",
+                                             "values": ["true"]}], name
+        anti = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+        (spread,) = spec["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+        assert spread["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    # the agent's nodeSelector and the control plane's affinity exclude each other
+    ds = by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["template"]["spec"]
+    assert ds["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    off = by_kind(render({"controlPlane": {"avoidGpuNodes": False}}), "Deployment")["fleetmend-worker"]
+    assert "nodeAffinity" not in off["spec"]["template"]["spec"]["affinity"]
+    assert by_kind(default_docs, "Deployment")["fleetmend-analyzer"]["spec"]["replicas"] == 2
+
+
+def test_the_agent_tolerates_every_taint(default_docs: list[dict]) -> None:
+    pod = by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"operator": "Exists"}]  # matches any taint, any effect
+    assert by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+
+
+def test_every_new_value_reaches_its_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    docs = render(EVERY_NEW_VALUE)
+    deps, ds = by_kind(docs, "Deployment"), by_kind(docs, "DaemonSet")
+    assert set(deps) == {"fm-router", "fm-worker", "fm-analyzer"} and set(ds) == {"fm-agent"}
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "fleet" for d in docs)
+    worker = deps["fm-worker"]["spec"]["template"]
+    assert worker["metadata"]["labels"]["team"] == "gpu-ops" and worker["metadata"]["labels"]["w"] == "1"
+    assert worker["metadata"]["annotations"]["example.com/owner"] == "gpu-ops"
+    assert "checksum/config" in worker["metadata"]["annotations"]
+    assert worker["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert deps["fm-worker"]["spec"]["strategy"] == {"type": "Recreate"}
+    assert ds["fm-agent"]["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert deps["fm-router"]["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"] == \
+        "DoNotSchedule"
+    assert "podAntiAffinity" not in deps["fm-analyzer"]["spec"]["template"]["spec"]["affinity"]
+    image = "ghcr.io/fleetmend/fleetmend@sha256:" + "a" * 64
+    assert all(d["spec"]["template"]["spec"]["containers"][0]["image"] == image for d in deps.values())
+    for sa in by_kind(docs, "ServiceAccount").values():
+        assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/fm"}
+    # TLS: the Secrets mounted where the settings point, and those settings load
+    (c,) = worker["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in worker["spec"]["volumes"]}
+    assert env["FLEETMEND_NATS_TLS__CERT_FILE"] == "/etc/fleetmend/tls/nats/tls.crt"
+    assert env["FLEETMEND_TEMPORAL_TLS__CA_FILE"] == "/etc/fleetmend/tls/temporal/ca.crt"
+    assert "FLEETMEND_TEMPORAL_TLS__CERT_FILE" not in env  # not mutual
+    assert mounts["tls-nats"] == "/etc/fleetmend/tls/nats" and vols["tls-nats"]["secret"]["secretName"] == \
+        "nats-client-tls"
+    assert mounts["ca"] == "/etc/corp-ca" and vols["ca"]["configMap"]["name"] == "corp-ca"
+    (a,) = ds["fm-agent"]["spec"]["template"]["spec"]["containers"]
+    aenv = {e["name"]: e.get("value") for e in a["env"]}
+    assert aenv["FLEETMEND_NATS_TLS__KEY_FILE"] == "/etc/fleetmend/tls/nats/tls.key"
+    assert not any(k.startswith("FLEETMEND_TEMPORAL_TLS") for k in aenv)  # the agent never talks to Temporal
+    assert {m["name"] for m in a["volumeMounts"]} >= {"tls-nats", "ca"}
+    for k in [k for k in os.environ if k.startswith("FLEETMEND_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        if v is not None and "TLS" in k:
+            monkeypatch.setenv(k, v)
+    s = load_settings(None)
+    assert s.nats_tls.active and str(s.nats_tls.key_file) == "/etc/fleetmend/tls/nats/tls.key"
+    assert s.nats_tls.server_name == "nats" and s.temporal_tls.active
+    # the setup Job: extra environment, TLS and extra volumes
+    (job,) = by_kind(docs, "Job").values()
+    (jc,) = job["spec"]["template"]["spec"]["containers"]
+    jenv = {e["name"]: e.get("value") for e in jc["env"]}
+    assert jenv["HTTPS_PROXY"] == "http://proxy:3128" and jenv["FLEETMEND_TEMPORAL_TLS__ENABLED"] == "true"
+    assert {m["name"] for m in jc["volumeMounts"]} == {"tls-temporal", "ca"}
+    # NetworkPolicy: each Deployment's pods, ingress only to its metrics port, from the monitoring namespace
+    pols = by_kind(docs, "NetworkPolicy")
+    assert set(pols) == {"fm-router", "fm-worker", "fm-analyzer"}
+    for name, pol in pols.items():
+        assert pol["spec"]["podSelector"]["matchLabels"] == deps[name]["spec"]["selector"]["matchLabels"]
+        (rule,) = pol["spec"]["ingress"]
+        port = deps[name]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+    assert not by_kind(render({}), "NetworkPolicy")
+
+
+def test_the_grafana_dashboard_ships_for_the_sidecar() -> None:
+    import json
+
+    packaged = (CHART / "dashboards/fleetmend.json").read_text()
+    assert packaged == (ROOT / "deploy/grafana/fleetmend.json").read_text(), \
+        "copy deploy/grafana/fleetmend.json to deploy/helm/fleetmend/dashboards/"
+    docs = render({"grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}}})
+    cm = by_kind(docs, "ConfigMap")["fleetmend-dashboard"]
+    assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["fleetmend.json"]) == json.loads(packaged)
+    assert "fleetmend-dashboard" not in by_kind(render({}), "ConfigMap")
