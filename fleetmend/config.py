@@ -150,6 +150,13 @@ class KubernetesSettings(_Section):
     """Bound on each API server request."""
     grace_period_s: int | None = None
     """Pod termination grace for evictions; None keeps each pod's own."""
+    skip_namespaces: list[str] = Field(default_factory=lambda: ["kube-system"])
+    """Namespaces whose pods a drain never evicts (system daemons that are not DaemonSets, and
+    fleetmend's own pods: the Helm chart adds its release namespace). They stay on the cordoned node
+    and do not keep it `draining`."""
+    opt_out_label: str = "fleetmend.io/drain"
+    """A Node labelled `<opt_out_label>=false` is never cordoned, tainted or evicted by fleetmend: its
+    incidents run (diagnostics, tickets) and the drain reports the opt-out."""
 
 
 class NotifySettings(_Section):

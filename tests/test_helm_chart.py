@@ -524,3 +524,12 @@ def test_the_grafana_dashboard_ships_for_the_sidecar() -> None:
     assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["fleetmend.json"]) == json.loads(packaged)
     assert "fleetmend-dashboard" not in by_kind(render({}), "ConfigMap")
+
+
+def test_the_drain_skips_the_release_namespace(tmp_path: Path) -> None:
+    cm = by_kind(render({}, namespace="gpu-health"), "ConfigMap")["fleetmend-config"]
+    f = tmp_path / "fleetmend.toml"
+    f.write_text(cm["data"]["fleetmend.toml"])
+    k = load_settings(f).kubernetes
+    assert k.skip_namespaces == ["kube-system", "gpu-operator", "network-operator", "gpu-health"]
+    assert k.opt_out_label == "fleetmend.io/drain"
