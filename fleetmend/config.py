@@ -644,6 +644,9 @@ class Settings(BaseSettings):
     """Bound on one NATS connect; a process gives up after twice this with a clear error."""
     temporal_address: str = "127.0.0.1:7233"
     """Temporal frontend `host:port`."""
+    temporal_connect_timeout_s: float = Field(10.0, gt=0)
+    """Bound on connecting to Temporal (a frontend that accepts TCP but never answers); a refused
+    connection fails at once."""
     temporal_namespace: str = "default"
     """Temporal namespace of the incidents, the guard and the sweeps."""
     temporal_retention_days: int = Field(90, ge=0, le=3650)

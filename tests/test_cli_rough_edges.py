@@ -77,6 +77,19 @@ async def test_temporal_away_fails_within_2_s_naming_the_address_and_connection_
     assert address in str(info.value) and "connection refused" in str(info.value)
 
 
+async def test_a_temporal_that_accepts_but_never_answers_times_out() -> None:
+    """A listening socket that never accepts: TCP connects (the kernel's backlog), gRPC never answers."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        address = f"127.0.0.1:{srv.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnavailableError) as info:
+            await connect_temporal(Settings(temporal_address=address, temporal_connect_timeout_s=1.0))
+        assert time.monotonic() - t0 < 5.0
+    assert address in str(info.value) and "timed out" in str(info.value)
+
+
 def test_a_command_with_nats_away_says_connection_refused_in_one_line(tmp_path: Path) -> None:
     url = f"nats://127.0.0.1:{_refused_port()}"
     p = _cli("nodes", "--no-incidents", tmp_path=tmp_path, FLEETMEND_NATS_URL=url, FLEETMEND_SCHEDULER="standalone")

@@ -166,7 +166,8 @@ async def connect_temporal(settings: Settings) -> Client:
     """Connect to Temporal at `settings.temporal_address` with the pydantic data converter.
 
     Raises:
-        ServiceUnavailableError: naming the address and FLEETMEND_TEMPORAL_ADDRESS.
+        ServiceUnavailableError: not reachable within `temporal_connect_timeout_s`, naming the address,
+            why (`connection refused`, `timed out`, ...) and FLEETMEND_TEMPORAL_ADDRESS.
     """
     # lazy: the node agent imports this module for NATS and must not load temporalio (tests/test_agent_entry.py)
     from temporalio.client import Client
@@ -175,8 +176,9 @@ async def connect_temporal(settings: Settings) -> Client:
 
     tls = temporal_tls_config(settings.temporal_tls)  # ConfigError for unreadable files, before connecting
     try:
-        return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
-                                    data_converter=data_converter, tls=tls)
+        async with asyncio.timeout(settings.temporal_connect_timeout_s):
+            return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
+                                        data_converter=data_converter, tls=tls)
     except Exception as err:
         raise ServiceUnavailableError(
             f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.temporal_namespace}): "
