@@ -20,6 +20,11 @@ Ownership (annotations on the Node, prefix `KubernetesSettings.annotation_prefix
 - `fleetmend.io/cordon-owner`: `fleetmend` when this adapter set `spec.unschedulable`, `operator` when
   the node was already cordoned by someone else when fleetmend came (never uncordoned by fleetmend).
 - `fleetmend.io/incident`, `fleetmend.io/reason`, `fleetmend.io/drained-at`.
+Two things a drain never touches: a Node labelled `<kubernetes.opt_out_label>=false`
+(`fleetmend.io/drain=false`: no cordon, taint or eviction; the drain result and a Warning Event say
+so, the incident goes on without a drain) and pods in `kubernetes.skip_namespaces` (`kube-system`;
+the Helm chart adds fleetmend's own namespace, so a drain never evicts fleetmend's worker or router).
+
 `undrain` removes only what fleetmend added: its taint, its annotations and — only when the
 cordon is fleetmend's — `spec.unschedulable`. Operators' taints and annotations are never touched.
 An undrain by another incident than the one in `fleetmend.io/incident` changes nothing.
@@ -258,8 +263,18 @@ class KubernetesScheduler:
                                field_selector=f"spec.nodeName={node}")
         return [p for p in res.items if p.spec and p.spec.node_name == node]
 
+    def _evictable(self, pod: Any) -> tuple[bool, str]:
+        """`evictable(pod)`, and never a pod of `skip_namespaces` ("system namespace")."""
+        if pod.metadata.namespace in self.s.skip_namespaces:
+            return False, "system namespace"
+        return evictable(pod)
+
+    def opted_out(self, n: Any) -> bool:
+        """The Node carries `<opt_out_label>=false`: fleetmend never drains it."""
+        return str((n.metadata.labels or {}).get(self.s.opt_out_label, "")).lower() == "false"
+
     async def _remaining(self, node: str) -> list[Any]:
-        return [p for p in await self._pods_on(node) if evictable(p)[0]]
+        return [p for p in await self._pods_on(node) if self._evictable(p)[0]]
 
     # -- adapter API ---------------------------------------------------------------------------
 
@@ -286,6 +301,8 @@ class KubernetesScheduler:
             (evictions carry on); cordoned by someone else → operator_drained=True, owned=False (the
             fault taint and annotations are added, the cordon is recorded as the operator's and pods
             are left alone). `state` is `drained`, or `draining` when pods remain (listed in `detail`).
+            A Node labelled `<opt_out_label>=false` is left as it is: drained=False, detail says so (a
+            Warning Event records it); pods of `skip_namespaces` are never evicted.
         Raises:
             NodeNotFoundError: no such Node.
             SchedulerError: API errors, RBAC refusals, or 409 conflicts 5 times in a row.
@@ -294,6 +311,14 @@ class KubernetesScheduler:
             n = await self._read(node)
             ann = self._annotations(n)
             cordoned = bool(n.spec and n.spec.unschedulable)
+            if self.opted_out(n) and ann.get(self.ann_owner) != OWNER_FLEETMEND:
+                await self.record_event(node, "drained", f"fleetmend did not drain ({reason}): the node opts out "
+                                        f"with {self.s.opt_out_label}=false", key=f"{incident_id}|opted-out",
+                                        warning=True)
+                state = STATE_CORDONED if cordoned else (STATE_READY if self._ready(n) else STATE_NOT_READY)
+                return DrainResult(node, False, False, False, state,
+                                   f"not drained: the node opts out of fleetmend drains ({self.s.opt_out_label}="
+                                   "false); no cordon, taint or eviction", raw_state="opted-out")
             taints = list((n.spec.taints if n.spec else None) or [])
             has_taint = any(self._ours(t) for t in taints)
             owner = ann.get(self.ann_owner)
@@ -364,7 +389,7 @@ class KubernetesScheduler:
         pending: dict[str, Any] = {}
         for p in await self._pods_on(node):
             key = f"{p.metadata.namespace}/{p.metadata.name}"
-            ok, why = evictable(p)
+            ok, why = self._evictable(p)
             if ok:
                 pending[key] = p
             else:

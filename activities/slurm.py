@@ -4,11 +4,17 @@ hostlist or a job's nodes for `fleetmend sweep` (`SlurmScheduler.expand`, `.job_
 `scontrol update NodeName=<n> State=DRAIN Reason="<prefix> <reason> [incident <id>]"`, ownership by the
 reason prefix (`SlurmSettings.reason_prefix`, default `fleetmend:`): only a drain whose reason carries
 it is ever resumed. Verified against Slurm 22.05.8.
+
+Node state is read with `scontrol --json show node` where the Slurm version has it (23.02 and later;
+`parse_scontrol_json`), and from `scontrol -o show node` text otherwise (`parse_scontrol_node`): the
+first refusal of `--json` ("unrecognized option") is remembered per adapter and the text form used
+from then on. Both give the same fields (`NodeName`, `State` as `IDLE+DRAIN`, `Reason`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -47,6 +53,37 @@ def parse_scontrol_node(text: str) -> dict[str, str]:
     return fields
 
 
+def parse_scontrol_json(text: str) -> list[dict[str, str]]:
+    """Parse `scontrol --json show node [X]` (Slurm >= 23.02, the data_parser's `nodes` list) into the
+    fields `parse_scontrol_node` gives for each node.
+
+    `state` is a list of words in 23.02+ (`["IDLE", "DRAIN"]`) and a word plus `state_flags` in the
+    older REST shape (`"idle"`, `["DRAIN"]`); both become `IDLE+DRAIN`. `NOT_RESPONDING` becomes the
+    text form's trailing `*` (`DOWN*`). The JSON reason carries no `[user@time]` suffix.
+
+    Returns:
+        one dict per node: `NodeName`, `State`, `Reason`, `NodeHostName`, `NodeAddr`.
+    Raises:
+        ValueError: not JSON, or no `nodes` list.
+    """
+    doc = json.loads(text)
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list):
+        raise ValueError("scontrol --json output without a nodes list")
+    out = []
+    for n in nodes:
+        state = n.get("state")
+        words = [str(w).upper() for w in (state if isinstance(state, list) else [state] if state else [])]
+        words += [str(w).upper() for w in n.get("state_flags") or []]
+        star = "NOT_RESPONDING" in words
+        words = [w for w in words if w != "NOT_RESPONDING"]
+        reason = n.get("reason") or ""
+        out.append({"NodeName": str(n.get("name") or ""), "State": "+".join(words) + ("*" if star else ""),
+                    "Reason": reason if isinstance(reason, str) else str(reason),
+                    "NodeHostName": str(n.get("hostname") or ""), "NodeAddr": str(n.get("address") or "")})
+    return out
+
+
 def strip_reason_suffix(reason: str) -> str:
     """`"maint x [root@2026-11-29T14:50:26]"` → `"maint x"` (Slurm appends who and when)."""
     return _REASON_SUFFIX.sub("", reason or "").strip()
@@ -70,70 +107,23 @@ def normalize_slurm_state(raw: str) -> str:
     return word + ("*" if not_responding else "")
 
 
-def _split_top(text: str) -> list[str]:
-    out: list[str] = []
-    cur: list[str] = []
-    depth = 0
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {text!r}")
-        if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if depth:
-        raise ValueError(f"unbalanced '[' in hostlist {text!r}")
-    out.append("".join(cur))
-    return [x.strip() for x in out if x.strip()]
-
-
-def _expand_one(name: str) -> list[str]:
-    m = re.search(r"\[([^\[\]]*)\]", name)
-    if not m:
-        if "[" in name or "]" in name:
-            raise ValueError(f"bad hostlist item {name!r}")
-        return [name]
-    head, tail = name[:m.start()], name[m.end():]
-    out = []
-    for part in m.group(1).split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {part!r} in hostlist item {name!r} (expected N or N-M)")
-        if not sep:
-            nums = [lo]
-        else:
-            a, b = int(lo), int(hi)
-            if b < a:
-                raise ValueError(f"range {part!r} in {name!r} runs backwards")
-            if b - a > 100_000:
-                raise ValueError(f"range {part!r} in {name!r} is too large")
-            width = len(lo) if lo.startswith("0") else 0
-            nums = [str(n).zfill(width) for n in range(a, b + 1)]
-        for n in nums:
-            out.extend(_expand_one(head + n + tail))
-    return out
-
-
 def expand_hostlist(text: str) -> list[str]:
     """Expand a Slurm hostlist expression; order kept, duplicates dropped. What `scontrol show hostnames`
     does, for hosts without Slurm: `"gpu[01-03,07],cpu1"` → `["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]`
     (comma-separated at the top level, bracket ranges with zero padding kept, several bracket groups
-    per name).
+    per name). The expansion is python-hostlist's (`hostlist.expand_hostlist`, NSC's implementation of
+    Slurm's syntax, ranges capped at its `MAX_SIZE`).
 
     Raises:
-        ValueError: unbalanced brackets, a range that is not `N` or `N-M`, or runs backwards.
+        ValueError: unbalanced brackets, a range that is not `N` or `N-M`, one that runs backwards or
+            is too large (the message is python-hostlist's, with the expression).
     """
-    seen: dict[str, None] = {}
-    for item in _split_top(text):
-        for h in _expand_one(item):
-            seen.setdefault(h, None)
-    return list(seen)
+    import hostlist  # python-hostlist (control-plane set); imported here: `fleetmend sweep` alone needs it
+
+    try:
+        return list(hostlist.expand_hostlist(text))
+    except hostlist.BadHostlist as err:
+        raise ValueError(f"bad hostlist {text!r}: {err}") from err
 
 
 def _is_drained(raw: str) -> bool:
@@ -158,6 +148,8 @@ class SlurmScheduler:
             self.env["SLURM_CONF"] = settings.slurm_conf
         self.update_calls = 0
         """How many `scontrol update` commands this instance ran (visible idempotency)."""
+        self.json_supported: bool | None = None
+        """Whether this scontrol has `--json` (None until the first show)."""
 
     # -- subprocess plumbing -------------------------------------------------------------------
 
@@ -195,14 +187,38 @@ class SlurmScheduler:
         if any(ch in node for ch in "[],"):
             raise NodeNotFoundError(f"node {node!r} is a Slurm hostlist expression, not one node; refused")
 
+    async def _show_json(self, *node: str) -> list[dict[str, str]] | None:
+        """`scontrol --json show node [node]` parsed, or None when this scontrol has no `--json`
+        (remembered) or the JSON answer is not a usable node list (the text form then answers,
+        with its own errors for an unknown node)."""
+        if self.json_supported is False:
+            return None
+        rc, out, err = await self._run(self.settings.scontrol, "--json", "show", "node", *node)
+        if rc != 0 and "unrecognized option" in (err or out).lower():
+            self.json_supported = False
+            return None
+        try:
+            rows = parse_scontrol_json(out) if rc == 0 else None
+        except ValueError:
+            rows = None
+        if rows is not None:
+            self.json_supported = True
+        if not rows or (node and rows[0]["NodeName"] != node[0]):
+            return None
+        return rows
+
     async def show(self, node: str) -> dict[str, str]:
-        """`scontrol -o show node <node>` parsed (see `parse_scontrol_node`).
+        """`node`'s fields: `scontrol --json show node <node>` where supported (`parse_scontrol_json`),
+        else `scontrol -o show node <node>` (`parse_scontrol_node`).
 
         Raises:
             NodeNotFoundError: slurmctld does not know `node`, or `node` names several nodes.
             SchedulerError: scontrol failed otherwise (stderr in the message).
         """
         self._one_node(node)
+        rows = await self._show_json(node)
+        if rows:
+            return rows[0]
         rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node", node)
         if rc != 0 or not out.strip():
             text = (err or out).strip()
@@ -309,19 +325,19 @@ class SlurmScheduler:
         return UndrainResult(node, True, normalize_slurm_state(raw_after), f"scontrol State=RESUME; now {raw_after}")
 
     async def list_nodes(self) -> list[NodeInfo]:
-        """Every node slurmctld knows (`scontrol -o show node`), with state, reason and owner.
+        """Every node slurmctld knows (`scontrol --json show node`, else `-o`), with state, reason and owner.
 
         Raises:
             SchedulerError: scontrol failed.
         """
-        rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node")
-        if rc != 0:
-            raise SchedulerError(f"scontrol show node failed (rc {rc}): {(err or out).strip()} [{self._where()}]")
+        parsed = await self._show_json()
+        if parsed is None:
+            rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "node")
+            if rc != 0:
+                raise SchedulerError(f"scontrol show node failed (rc {rc}): {(err or out).strip()} [{self._where()}]")
+            parsed = [parse_scontrol_node(line) for line in out.splitlines() if line.startswith("NodeName=")]
         rows = []
-        for line in out.splitlines():
-            if not line.startswith("NodeName="):
-                continue
-            f = parse_scontrol_node(line)
+        for f in parsed:
             raw, reason = f.get("State", ""), strip_reason_suffix(f.get("Reason", ""))
             owner = None
             if _is_drained(raw):

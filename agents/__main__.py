@@ -65,7 +65,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m agents", lean: bo
         lean_imports(settings.nats_url)
     # imported after lean_imports(): these pull in nats and structlog, which must not find aiohttp or rich
     from agents.runner import run_agent
+    from fleetmend.infra.connect import nats_auth_options
     from fleetmend.infra.logs import configure_logging
+
+    try:  # the seed, creds and TLS files, read now: a missing one is one line, not a TaskGroup traceback
+        nats_auth_options(settings)
+    except ConfigError as err:
+        print(f"fleetmend agent: {err}", file=sys.stderr)
+        return 2
 
     configure_logging(settings.log_format)
     try:

@@ -7,8 +7,10 @@ process itself costs) and RssFile (mapped files, mostly shared-library code that
 on the node maps from the same page cache). Steps:
 
     interpreter        python -c pass
+    asyncio+ssl        the floor of any asyncio Python process that can speak TLS (nats-py imports ssl)
     nats+structlog     the floor of any asyncio NATS client in Python (bench/agent_cost.py's "bare")
-    +pydantic          the event schema's library
+    +pydantic          the event schema's library (imported; its model machinery loads with the first model)
+    +settings          fleetmend.config loaded (pydantic-settings and the first models built)
     +contract          fleetmend.events + the fault catalog loaded
     +agent modules     every module the agent imports (runner, probes, parsers, spool, publisher)
 
@@ -63,14 +65,19 @@ except Exception as err:
     note = f'NVML unavailable: {type(err).__name__}'
 """
 
-LEAN = "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
+LEAN = "import sys\nsys.modules.setdefault('aiohttp', None)\nsys.modules.setdefault('rich', None)\n"
+# what agents.__main__.lean_imports does for a nats:// URL, without importing agents.__main__ (which loads
+# fleetmend.config, so every step would include pydantic-settings); the last steps call it for real
 """Every step but the bare interpreter and `nvml alone` runs with the agent's lean imports (no aiohttp,
 no rich), as the agent does, so each row adds to the one before."""
 
 STEPS: list[tuple[str, str]] = [
     ("interpreter", "note = ''"),
+    ("asyncio+ssl", "import asyncio, ssl; note = ''"),
     ("nats+structlog", LEAN + "import asyncio, nats, structlog; note = ''"),
     ("+pydantic", LEAN + "import asyncio, nats, structlog, pydantic; note = ''"),
+    ("+settings", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.config import load_settings\n"
+                  "load_settings(); note = ''"),
     ("+contract", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.events import FaultEvent\n"
                   "from fleetmend.catalog import default_catalog\ndefault_catalog(); note = ''"),
     ("+agent modules", "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
@@ -84,6 +91,10 @@ STEPS: list[tuple[str, str]] = [
                    "agents.udev, agents.spool, agents.publisher, agents.diag, agents.recovery, agents.lastboot\n"
                    "FULL = True\n" + _NVML),
 ]
+
+
+TARGET_MIB = 30.0
+"""The agent's RSS target on a host without a GPU (issue 30; the EKS node monitoring agent requests 30 MiB)."""
 
 
 def measure(code: str) -> dict:
@@ -102,12 +113,18 @@ def main() -> int:
 
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{'step (MiB)':18s} {'VmRSS':>8s} {'RssAnon':>8s} {'RssFile':>8s}  note")
+    rows = {}
     for name, code in STEPS:
         r = measure(code)
         if "error" in r:
             print(f"{name:18s} error: {r['error']}")
             continue
+        rows[name] = r
         print(f"{name:18s} {r['VmRSS']:8.1f} {r['RssAnon']:8.1f} {r['RssFile']:8.1f}  {r['note']}")
+    if "+agent modules" in rows and "interpreter" in rows and "asyncio+ssl" in rows:
+        agent, bare, floor = (rows[k]["VmRSS"] for k in ("+agent modules", "interpreter", "asyncio+ssl"))
+        print(f"\nagent without NVML {agent:.1f} MiB beside: bare interpreter {bare:.1f}, asyncio+ssl floor "
+              f"{floor:.1f}, target {TARGET_MIB:.0f} (issue 30); {agent - floor:.1f} MiB above the floor")
     return 0
 
 

@@ -42,7 +42,9 @@ def default_state_dir() -> Path:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and nan are refused in every float setting: `inf` as a timeout or a threshold never fires,
+    # and nan compares false with everything (a budget check that is never true).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SchedulerKind(StrEnum):
@@ -148,6 +150,13 @@ class KubernetesSettings(_Section):
     """Bound on each API server request."""
     grace_period_s: int | None = None
     """Pod termination grace for evictions; None keeps each pod's own."""
+    skip_namespaces: list[str] = Field(default_factory=lambda: ["kube-system"])
+    """Namespaces whose pods a drain never evicts (system daemons that are not DaemonSets, and
+    fleetmend's own pods: the Helm chart adds its release namespace). They stay on the cordoned node
+    and do not keep it `draining`."""
+    opt_out_label: str = "fleetmend.io/drain"
+    """A Node labelled `<opt_out_label>=false` is never cordoned, tainted or evicted by fleetmend: its
+    incidents run (diagnostics, tickets) and the drain reports the opt-out."""
 
 
 class NotifySettings(_Section):
@@ -601,7 +610,8 @@ class Settings(BaseSettings):
     """Every process's configuration. See module docstring for sources and precedence."""
 
     model_config = SettingsConfigDict(
-        env_prefix="FLEETMEND_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="FLEETMEND_", env_nested_delimiter="__", extra="forbid", validate_default=True,
+        allow_inf_nan=False,
     )
 
     cluster: str = "local"
@@ -629,6 +639,9 @@ class Settings(BaseSettings):
     """Bound on one NATS connect; a process gives up after twice this with a clear error."""
     temporal_address: str = "127.0.0.1:7233"
     """Temporal frontend `host:port`."""
+    temporal_connect_timeout_s: float = Field(10.0, gt=0)
+    """Bound on connecting to Temporal (a frontend that accepts TCP but never answers); a refused
+    connection fails at once."""
     temporal_namespace: str = "default"
     """Temporal namespace of the incidents, the guard and the sweeps."""
     temporal_retention_days: int = Field(90, ge=0, le=3650)
@@ -690,6 +703,14 @@ class Settings(BaseSettings):
             raise ValueError(f"{v!r}: expected host:port, e.g. 127.0.0.1:7233")
         return v
 
+    @field_validator("nats_nkey_seed", "nats_creds", "catalog_overrides", mode="before")
+    @classmethod
+    def _path_given(cls, v: Any) -> Any:
+        # An empty value (`FLEETMEND_NATS_NKEY_SEED=`) would become Path("."), the working directory.
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("empty path; give a file or leave the setting out")
+        return v
+
     @field_validator("log_format")
     @classmethod
     def _fmt(cls, v: str) -> str:
@@ -730,6 +751,10 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     if path:
         try:
             data = tomllib.loads(Path(path).read_text())
+            _check_depth(data, str(path))
+        except RecursionError as err:  # tomllib itself recurses on nested arrays and inline tables
+            raise ConfigError(f"config file {path}: nested deeper than Python can parse; fleetmend reads at "
+                              f"most {MAX_CONFIG_DEPTH} levels (its settings are 4 deep)") from err
         except FileNotFoundError as err:
             raise ConfigError(f"config file {path} not found") from err
         except tomllib.TOMLDecodeError as err:
@@ -746,8 +771,7 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     try:
         return Settings(**data)
     except SettingsError as err:  # an environment value that is not valid JSON for a list/dict setting
-        cause = f": {err.__cause__}" if err.__cause__ else ""
-        raise ConfigError(f"invalid configuration: {err}{cause}") from err
+        raise ConfigError(_env_error(err)) from err
     except ValidationError as err:
         where = f" in {path}" if path else ""
         n = err.error_count()
@@ -756,6 +780,42 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
             loc = ".".join(str(p) for p in e["loc"]) or "(root)"
             lines.append(f"  {loc}: {e['msg']}")
         raise ConfigError("\n".join(lines)) from err
+
+
+MAX_CONFIG_DEPTH = 16
+"""Deepest nesting of tables and arrays a config file may have (the settings tree is 4 levels deep)."""
+
+
+def _check_depth(data: Any, path: str, depth: int = 0) -> None:
+    """Raise ConfigError when `data` nests deeper than `MAX_CONFIG_DEPTH` (before pydantic recurses into it)."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"config file {path}: nested more than {MAX_CONFIG_DEPTH} levels deep; fleetmend's "
+                          "settings are at most 4 (a table of sections of lists)")
+    children = data.values() if isinstance(data, dict) else data if isinstance(data, list) else ()
+    for v in children:
+        _check_depth(v, path, depth + 1)
+
+
+def _env_error(err: SettingsError) -> str:
+    """One line for an environment value pydantic-settings could not parse as JSON: which variable,
+    why, and what a list or table setting looks like. pydantic-settings names only the top-level
+    field (`agent`); the variable is the one below it whose value is not valid JSON."""
+    import json
+
+    m = re.search(r'field "(\w+)"', str(err))
+    field = m.group(1) if m else ""
+    cause = str(err.__cause__) if err.__cause__ else str(err)
+    bad = []
+    for var, value in sorted(os.environ.items()):
+        if not var.upper().startswith(f"FLEETMEND_{field.upper()}") or value.strip()[:1] not in ("[", "{", '"'):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            bad.append(var)
+    where = ", ".join(bad) if bad else f"a FLEETMEND_{field.upper()}* variable"
+    return (f"invalid configuration: {where}: not valid JSON ({cause}); a list setting takes a JSON array "
+            """such as '["nvbandwidth", "-t", "0"]', a table a JSON object""")
 
 
 # ---------------------------------------------------------------- printing settings without secrets

@@ -54,7 +54,8 @@ def _check(kind: str, value: str) -> str:
 def check_node_name(node: str) -> str:
     """Validate a node name as the operator and the scheduler spell it; returns it unchanged.
 
-    Accepted: 1 to `NODE_NAME_MAX` characters, none of them whitespace, a control character, a path
+    Accepted: 1 to `NODE_NAME_MAX` bytes in UTF-8 (so `workflow_id` stays far below Temporal's 1,000-byte
+    id limit; 253 emoji are 1,012 bytes), none of them whitespace, a control character, a path
     separator (`/`, `\\`: the name is a path component of credential files and of the workflow id
     `remediate/<cluster>/<node>`), a quote (`'`, `"`, a backtick: names are quoted inside Temporal
     visibility queries) or Slurm hostlist syntax (`[`, `]`, `,`: `scontrol update NodeName=gpu[01-64]`
@@ -71,8 +72,10 @@ def check_node_name(node: str) -> str:
         return node  # the usual spelling (Kubernetes, Slurm): no per-character walk
     if not isinstance(node, str) or not node:
         raise ValueError(f"invalid node name {node!r}: empty")
-    if len(node) > NODE_NAME_MAX:
-        raise ValueError(f"invalid node name {node[:40]!r}...: {len(node)} characters, at most {NODE_NAME_MAX}")
+    if len(node) > NODE_NAME_MAX or len(node.encode("utf-8")) > NODE_NAME_MAX:
+        raise ValueError(f"invalid node name {node[:40]!r}...: {len(node)} characters, "
+                         f"{len(node.encode('utf-8'))} bytes in UTF-8, at most {NODE_NAME_MAX} bytes (the "
+                         "workflow id `remediate/<cluster>/<node>` must stay within Temporal's 1,000 bytes)")
     for ch in node:
         if ch.isspace() or not ch.isprintable():
             raise ValueError(f"invalid node name {node!r}: whitespace or control character {ch!r}")

@@ -13,10 +13,15 @@ A metric reported by fewer than 3 nodes is listed but not judged (a median of tw
 Which nodes a sweep asks (`gpu[01-64]`, a Slurm job's nodes) is the scheduler's: `activities.slurm`.
 """
 
+from __future__ import annotations
+
 import re
 from statistics import median
+from typing import TYPE_CHECKING
 
-from fleetmend.messages.sweep import MetricCell, NodeRow, SweepFinding, SweepResult
+if TYPE_CHECKING:  # imported where used: the agent's parsers import `lower_is_better`, and
+    # `fleetmend.messages` needs temporalio, which an agent-only install does not have (pyproject.toml)
+    from fleetmend.messages.sweep import SweepFinding, SweepResult
 
 MIN_NODES_TO_JUDGE = 3
 _LOWER = re.compile(r"(_s|_ms|_us|_ns)$|latency|time", re.I)
@@ -33,6 +38,8 @@ def compare(cluster: str, sweep_id: str, reports: dict[str, dict[str, float]], o
             skipped: dict[str, dict[str, str]] | None = None,
             not_answering: dict[str, str] | None = None) -> SweepResult:
     """Compare the nodes' numbers (node → metric → value). See module docstring for the rule."""
+    from fleetmend.messages.sweep import MetricCell, NodeRow, SweepResult
+
     res = SweepResult(cluster=cluster, sweep_id=sweep_id, outlier_pct=outlier_pct,
                       not_answering=dict(not_answering or {}))
     names = sorted({m for ms in reports.values() for m in ms})
@@ -64,6 +71,8 @@ def compare(cluster: str, sweep_id: str, reports: dict[str, dict[str, float]], o
 
 def findings(res: SweepResult) -> list[SweepFinding]:
     """One finding per outlier node: its worst judged metric."""
+    from fleetmend.messages.sweep import SweepFinding
+
     out = []
     for r in res.rows:
         if r.outlier and r.worst_metric is not None and r.worst_ratio is not None:

@@ -70,9 +70,37 @@ def test_lint_is_clean() -> None:
     assert all(m["severity"] < 2 for m in report["messages"]), report["messages"]
 
 
+EVERY_NEW_VALUE = {
+    "fullnameOverride": "fm", "nameOverride": "fleet",
+    "image": {"digest": "sha256:" + "a" * 64},
+    "podLabels": {"team": "gpu-ops"}, "podAnnotations": {"example.com/owner": "gpu-ops"},
+    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/fm"}},
+    "nats": {"tls": {"enabled": True, "secretName": "nats-client-tls", "mutual": True, "serverName": "nats"}},
+    "temporal": {"tls": {"enabled": True, "secretName": "temporal-client-tls"},
+                 "setup": {"extraEnv": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+                           "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+                           "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}]}},
+    "agent": {"extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+              "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}],
+              "podAnnotations": {"a": "b"}, "updateStrategy": {"type": "OnDelete"}},
+    "worker": {"priorityClassName": "system-cluster-critical", "strategy": {"type": "Recreate"},
+               "extraVolumes": [{"name": "ca", "configMap": {"name": "corp-ca"}}],
+               "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/corp-ca"}], "podLabels": {"w": "1"}},
+    "router": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                              "whenUnsatisfiable": "DoNotSchedule",
+                                              "labelSelector": {"matchLabels": {"app.kubernetes.io/component":
+                                                                                "router"}}}]},
+    "analyzer": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}}},
+    "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]},
+    "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}},
+}
+
+
 @pytest.mark.parametrize("values", [{}, EVERYTHING_ON, {"analyzer": {"enabled": False}, "scheduler": "standalone",
-                                                        "agent": {"runtimeClassName": ""}}],
-                         ids=["defaults", "everything-on", "standalone-no-analyzer"])
+                                                        "agent": {"runtimeClassName": ""}}, EVERY_NEW_VALUE],
+                         ids=["defaults", "everything-on", "standalone-no-analyzer", "every-new-value"])
 def test_every_rendered_object_matches_the_kubernetes_schema(values: dict) -> None:
     docs = render(values)
     assert len(docs) >= 12
@@ -102,11 +130,10 @@ def test_the_settings_file_is_one_fleetmend_accepts(full_docs: list[dict], tmp_p
     assert s.scheduler.value == "kubernetes" and s.kubernetes.in_cluster is True
     assert s.tickets.kind.value == "jira" and s.tickets.jira.project == "GPU"
     assert s.policy.max_drained_nodes == 20
-    bad = tmp_path / "bad.toml"
-    cm = by_kind(render({"policy": {"max_drained_nodez": 3}}), "ConfigMap")["fleetmend-config"]
-    bad.write_text(cm["data"]["fleetmend.toml"])
-    with pytest.raises(Exception, match="max_drained_nodez"):
-        load_settings(bad)
+    # a typo in a settings section is refused at render time by values.schema.json (fleetmend.config's
+    # own field names), no longer only when the pod starts
+    with pytest.raises(helm.HelmValuesError, match="max_drained_nodez"):
+        render({"policy": {"max_drained_nodez": 3}})
 
 
 def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> None:
@@ -128,8 +155,8 @@ def test_agent_daemonset_has_what_a_gpu_node_needs(full_docs: list[dict]) -> Non
     assert vols["host-root"]["hostPath"]["path"] == "/" and env["FLEETMEND_AGENT__HOST_ROOT"]["value"] == "/host"
     assert {m["name"]: m for m in c["volumeMounts"]}["host-root"]["readOnly"] is True
     assert vols["nats-creds"]["secret"]["secretName"] == "fleetmend-nats-nodes"
-    tolerated = {t.get("key") for t in pod["tolerations"]}
-    assert {"nvidia.com/gpu", "fleetmend.io/fault"} <= tolerated
+    # GPU workload taints and fleetmend's own fault taint: a keyless Exists toleration matches every taint
+    assert {"operator": "Exists"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert not any(str(r).startswith("nvidia.com/gpu") for r in c["resources"].get("requests", {}))  # no GPU taken
     assert pod["automountServiceAccountToken"] is False
@@ -192,35 +219,85 @@ def test_temporal_setup_is_a_hook_job(default_docs: list[dict]) -> None:
     assert not by_kind(render({"temporal": {"setup": {"enabled": False}}}), "Job")
 
 
+NEEDED = {"read_node": ("", "nodes", "get"), "list_node": ("", "nodes", "list"),
+          "patch_node": ("", "nodes", "patch"), "patch_node_status": ("", "nodes/status", "patch"),
+          "list_pod_for_all_namespaces": ("", "pods", "list"),
+          "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
+          "create_namespaced_event": ("", "events", "create")}
+"""`CoreV1Api` method → the (API group, resource, verb) it needs."""
+
+
+def _grants(role: dict) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
 def test_rbac_grants_exactly_what_the_kubernetes_adapter_calls(default_docs: list[dict]) -> None:
-    (role,) = by_kind(default_docs, "ClusterRole").values()
-    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-              for v in rule["verbs"]}
+    roles = by_kind(default_docs, "ClusterRole")
+    assert set(roles) == {"fleetmend-fleetmend-drainer", "fleetmend-fleetmend-router-drainer"}
     src = "\n".join(p.read_text() for p in ROOT.glob("activities/**/kubernetes*.py"))
     calls = set(re.findall(r"self\.core\.(\w+)", src))
-    needed = {"read_node": ("", "nodes", "get"), "list_node": ("", "nodes", "list"),
-              "patch_node": ("", "nodes", "patch"), "patch_node_status": ("", "nodes/status", "patch"),
-              "list_pod_for_all_namespaces": ("", "pods", "list"),
-              "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
-              "create_namespaced_event": ("", "events", "create")}
-    assert calls <= set(needed), f"the adapter calls {calls - set(needed)}: grant it in rbac.yaml"
-    assert grants == {needed[c] for c in calls}, grants ^ {needed[c] for c in calls}
-    (binding,) = by_kind(default_docs, "ClusterRoleBinding").values()
+    assert calls <= set(NEEDED), f"the adapter calls {calls - set(NEEDED)}: grant it in rbac.yaml"
+    grants = _grants(roles["fleetmend-fleetmend-drainer"])
+    assert grants == {NEEDED[c] for c in calls}, grants ^ {NEEDED[c] for c in calls}
+    bindings = by_kind(default_docs, "ClusterRoleBinding")
     worker = by_kind(default_docs, "Deployment")["fleetmend-worker"]["spec"]["template"]["spec"]
-    assert binding["subjects"][0]["name"] == worker["serviceAccountName"]
+    assert [s["name"] for s in bindings["fleetmend-fleetmend-drainer"]["subjects"]] == [worker["serviceAccountName"]]
     assert not by_kind(render({"scheduler": "slurm"}), "ClusterRole")
 
 
-def test_fast_drain_gives_the_router_the_drainer_role(default_docs: list[dict]) -> None:
+async def test_the_router_has_its_own_account_with_exactly_the_verbs_of_a_drain(default_docs: list[dict]) -> None:
+    """The router cordons a must-drain-now fault through `KubernetesScheduler.drain` (issue 24 point 3):
+    a drain of a node with a pod to evict, recorded call by call against kmock's emulator, needs
+    exactly the router role's grants (no nodes list, nothing else)."""
+    import kmock
+
+    from activities.kubernetes import KubernetesScheduler
+    from fleetmend.config import KubernetesSettings
+
+    pods, nodes = kmock.resource("", "v1", "pods"), kmock.resource("", "v1", "nodes")
+    async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as srv:
+        k8s.resources["v1/pods"], k8s.resources["v1/nodes"] = {}, {}
+
+        def evict(request):  # the Eviction subresource kmock lacks: 201 and the pod goes
+            del k8s.objects[pods, request.namespace, request.name]
+            return kmock.Response(status=201, payload={"kind": "Status", "apiVersion": "v1", "code": 201})
+
+        k8s["post", kmock.subresource("eviction")] << evict
+        k8s.objects[nodes, None, "gpu-001"] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-001"},
+                                               "spec": {}, "status": {"conditions": [{"type": "Ready",
+                                                                                      "status": "True"}]}}
+        k8s.objects[pods, "ml", "train-0"] = {"apiVersion": "v1", "kind": "Pod",
+                                              "metadata": {"name": "train-0", "namespace": "ml"},
+                                              "spec": {"nodeName": "gpu-001", "containers": [{"name": "c",
+                                                                                              "image": "i"}]},
+                                              "status": {"phase": "Running"}}
+        s = KubernetesScheduler(KubernetesSettings(api_url=str(srv.url).rstrip("/"), evict_retry_s=0.05))
+        used: list[str] = []
+        real = s.core
+
+        class Recording:
+            def __getattr__(self, name: str):
+                used.append(name)
+                return getattr(real, name)
+
+        s.core = Recording()
+        r = await s.drain("gpu-001", "xid_79 incident inc-1", "inc-1")
+        assert r.drained and r.owned and "evicted 1" in r.detail
+    needed = {NEEDED[c] for c in used}
+    assert ("", "nodes", "list") not in needed and ("", "pods/eviction", "create") in needed
+    role = by_kind(default_docs, "ClusterRole")["fleetmend-fleetmend-router-drainer"]
+    assert _grants(role) == needed, _grants(role) ^ needed
+    (binding,) = [b for b in by_kind(default_docs, "ClusterRoleBinding").values()
+                  if b["roleRef"]["name"] == role["metadata"]["name"]]
     router = by_kind(default_docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
-    assert "serviceAccountName" not in router and router["automountServiceAccountToken"] is False
-    docs = render({"policy": {"fast_drain": True}})
-    router = by_kind(docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
-    (binding,) = by_kind(docs, "ClusterRoleBinding").values()
-    assert router["serviceAccountName"] == "fleetmend-router" in by_kind(docs, "ServiceAccount")
-    assert [sub["name"] for sub in binding["subjects"]] == ["fleetmend-worker", "fleetmend-router"]
-    slurm = render({"policy": {"fast_drain": True}, "scheduler": "slurm"})
-    assert "serviceAccountName" not in by_kind(slurm, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+    assert router["serviceAccountName"] == "fleetmend-router" in by_kind(default_docs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "fleetmend-router", "namespace": "fleetmend"}]
+    for other in ("slurm", "standalone", "none"):
+        docs = render({"scheduler": other})
+        spec = by_kind(docs, "Deployment")["fleetmend-router"]["spec"]["template"]["spec"]
+        assert "serviceAccountName" not in spec and spec["automountServiceAccountToken"] is False, other
+        assert "fleetmend-router" not in by_kind(docs, "ServiceAccount")
 
 
 def _known_metric_names() -> set[str]:
@@ -313,3 +390,146 @@ def test_every_workloads_environment_loads_as_fleetmend_settings(full_docs: list
         if w["kind"] == "DaemonSet":
             assert s.node == node and s.metrics.agent_port == 9303 and not s.agent.manage_stream
             assert str(s.nats_nkey_seed) == f"/etc/fleetmend/nats/{node}.nk"
+
+
+# ------------------------------------------------------------------ issue 30 point 3: the chart an admin expects
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"affinty": {}}, "'affinty' not allowed"),
+    ({"router": {"podAnnotation": {"a": "b"}}}, "'podAnnotation' not allowed"),
+    ({"image": {"digest": "latest"}}, "/image/digest"),
+    ({"policy": {"max_drained_nodes": 2.5}}, "/policy/max_drained_nodes"),
+    ({"policy": {"max_drained_percent": "ten"}}, "/policy/max_drained_percent"),
+    ({"router": {"replicas": "2"}}, "/router/replicas"),
+    ({"agent": {"metricsPort": 70000}}, "/agent/metricsPort"),
+    ({"scheduler": "slrum"}, "/scheduler"),
+    ({"nats": {"tls": {"enabled": "yes"}}}, "/nats/tls/enabled"),
+    ({"kubernetes": {"evict_timeout": 30}}, "'evict_timeout' not allowed"),
+    ({"extraConfig": {"routr": {"max_deliver": 5}}}, "'routr' not allowed"),
+    ({"agent": {"tolerations": {"key": "x"}}}, "/agent/tolerations"),
+], ids=lambda v: str(v)[:40])
+def test_the_values_schema_rejects_unknown_keys_and_wrong_types(values: dict, where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        render(values)
+    assert where in str(info.value), str(info.value)
+
+
+def test_the_values_schema_is_generated_from_values_and_settings() -> None:
+    import runpy
+
+    gen = runpy.run_path(str(ROOT / "deploy/helm/gen_schema.py"))
+    assert (CHART / "values.schema.json").read_text() == gen["render"](), \
+        "values.schema.json is stale: run python deploy/helm/gen_schema.py"
+
+
+def test_the_control_plane_never_runs_on_a_gpu_node_and_spreads(default_docs: list[dict]) -> None:
+    for name, d in by_kind(default_docs, "Deployment").items():
+        spec = d["spec"]["template"]["spec"]
+        (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "NotIn",
+                                             "values": ["true"]}], name
+        anti = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+        (spread,) = spec["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+        assert spread["labelSelector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+    # the agent's nodeSelector and the control plane's affinity exclude each other
+    ds = by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["template"]["spec"]
+    assert ds["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    off = by_kind(render({"controlPlane": {"avoidGpuNodes": False}}), "Deployment")["fleetmend-worker"]
+    assert "nodeAffinity" not in off["spec"]["template"]["spec"]["affinity"]
+    assert by_kind(default_docs, "Deployment")["fleetmend-analyzer"]["spec"]["replicas"] == 2
+
+
+def test_the_agent_tolerates_every_taint(default_docs: list[dict]) -> None:
+    pod = by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"operator": "Exists"}]  # matches any taint, any effect
+    assert by_kind(default_docs, "DaemonSet")["fleetmend-agent"]["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+
+
+def test_every_new_value_reaches_its_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    docs = render(EVERY_NEW_VALUE)
+    deps, ds = by_kind(docs, "Deployment"), by_kind(docs, "DaemonSet")
+    assert set(deps) == {"fm-router", "fm-worker", "fm-analyzer"} and set(ds) == {"fm-agent"}
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "fleet" for d in docs)
+    worker = deps["fm-worker"]["spec"]["template"]
+    assert worker["metadata"]["labels"]["team"] == "gpu-ops" and worker["metadata"]["labels"]["w"] == "1"
+    assert worker["metadata"]["annotations"]["example.com/owner"] == "gpu-ops"
+    assert "checksum/config" in worker["metadata"]["annotations"]
+    assert worker["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert deps["fm-worker"]["spec"]["strategy"] == {"type": "Recreate"}
+    assert ds["fm-agent"]["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert deps["fm-router"]["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"] == \
+        "DoNotSchedule"
+    assert "podAntiAffinity" not in deps["fm-analyzer"]["spec"]["template"]["spec"]["affinity"]
+    image = "ghcr.io/fleetmend/fleetmend@sha256:" + "a" * 64
+    assert all(d["spec"]["template"]["spec"]["containers"][0]["image"] == image for d in deps.values())
+    for sa in by_kind(docs, "ServiceAccount").values():
+        assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/fm"}
+    # TLS: the Secrets mounted where the settings point, and those settings load
+    (c,) = worker["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in worker["spec"]["volumes"]}
+    assert env["FLEETMEND_NATS_TLS__CERT_FILE"] == "/etc/fleetmend/tls/nats/tls.crt"
+    assert env["FLEETMEND_TEMPORAL_TLS__CA_FILE"] == "/etc/fleetmend/tls/temporal/ca.crt"
+    assert "FLEETMEND_TEMPORAL_TLS__CERT_FILE" not in env  # not mutual
+    assert mounts["tls-nats"] == "/etc/fleetmend/tls/nats" and vols["tls-nats"]["secret"]["secretName"] == \
+        "nats-client-tls"
+    assert mounts["ca"] == "/etc/corp-ca" and vols["ca"]["configMap"]["name"] == "corp-ca"
+    (a,) = ds["fm-agent"]["spec"]["template"]["spec"]["containers"]
+    aenv = {e["name"]: e.get("value") for e in a["env"]}
+    assert aenv["FLEETMEND_NATS_TLS__KEY_FILE"] == "/etc/fleetmend/tls/nats/tls.key"
+    assert not any(k.startswith("FLEETMEND_TEMPORAL_TLS") for k in aenv)  # the agent never talks to Temporal
+    assert {m["name"] for m in a["volumeMounts"]} >= {"tls-nats", "ca"}
+    for k in [k for k in os.environ if k.startswith("FLEETMEND_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        if v is not None and "TLS" in k:
+            monkeypatch.setenv(k, v)
+    s = load_settings(None)
+    assert s.nats_tls.active and str(s.nats_tls.key_file) == "/etc/fleetmend/tls/nats/tls.key"
+    assert s.nats_tls.server_name == "nats" and s.temporal_tls.active
+    # the setup Job: extra environment, TLS and extra volumes
+    (job,) = by_kind(docs, "Job").values()
+    (jc,) = job["spec"]["template"]["spec"]["containers"]
+    jenv = {e["name"]: e.get("value") for e in jc["env"]}
+    assert jenv["HTTPS_PROXY"] == "http://proxy:3128" and jenv["FLEETMEND_TEMPORAL_TLS__ENABLED"] == "true"
+    assert {m["name"] for m in jc["volumeMounts"]} == {"tls-temporal", "ca"}
+    # NetworkPolicy: each Deployment's pods, ingress only to its metrics port, from the monitoring namespace
+    pols = by_kind(docs, "NetworkPolicy")
+    assert set(pols) == {"fm-router", "fm-worker", "fm-analyzer"}
+    for name, pol in pols.items():
+        assert pol["spec"]["podSelector"]["matchLabels"] == deps[name]["spec"]["selector"]["matchLabels"]
+        (rule,) = pol["spec"]["ingress"]
+        port = deps[name]["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+    assert not by_kind(render({}), "NetworkPolicy")
+
+
+def test_the_grafana_dashboard_ships_for_the_sidecar() -> None:
+    import json
+
+    packaged = (CHART / "dashboards/fleetmend.json").read_text()
+    assert packaged == (ROOT / "deploy/grafana/fleetmend.json").read_text(), \
+        "copy deploy/grafana/fleetmend.json to deploy/helm/fleetmend/dashboards/"
+    docs = render({"grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}}})
+    cm = by_kind(docs, "ConfigMap")["fleetmend-dashboard"]
+    assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["fleetmend.json"]) == json.loads(packaged)
+    assert "fleetmend-dashboard" not in by_kind(render({}), "ConfigMap")
+
+
+def test_the_drain_skips_the_release_namespace(tmp_path: Path) -> None:
+    cm = by_kind(render({}, namespace="gpu-health"), "ConfigMap")["fleetmend-config"]
+    f = tmp_path / "fleetmend.toml"
+    f.write_text(cm["data"]["fleetmend.toml"])
+    k = load_settings(f).kubernetes
+    assert k.skip_namespaces == ["kube-system", "gpu-operator", "network-operator", "gpu-health"]
+    assert k.opt_out_label == "fleetmend.io/drain"

@@ -271,3 +271,37 @@ def test_evictable_rules() -> None:
     assert evictable(pod(annotations={"kubernetes.io/config.mirror": "x"})) == (False, "mirror")
     ds = k.V1OwnerReference(api_version="apps/v1", kind="DaemonSet", name="d", uid="u", controller=True)
     assert evictable(pod(owner_references=[ds])) == (False, "daemonset")
+
+
+async def test_a_node_labelled_drain_false_is_never_drained(cluster: Cluster) -> None:
+    c = cluster
+    c.node("gpu-010")
+    c.pristine["gpu-010"]["metadata"]["labels"]["fleetmend.io/drain"] = "false"
+    c.k8s.objects[NODES, None, "gpu-010"] = c.pristine["gpu-010"]
+    c.pod("ml", "train-0", "gpu-010")
+    s = sched(c)
+    r = await s.drain("gpu-010", "xid_79 incident inc-10", "inc-10")
+    assert (r.drained, r.owned, r.operator_drained) == (False, False, False)
+    assert "opts out" in r.detail and "fleetmend.io/drain=false" in r.detail
+    n = c.read(NODES, "gpu-010")
+    assert not n["spec"].get("unschedulable") and not n["spec"].get("taints")
+    assert not any(k.startswith("fleetmend.io/") for k in n["metadata"].get("annotations") or {})
+    assert c.evictions == [] and "ml/train-0" in c.pods() and s.patch_calls == 0
+    # any other value of the label, or none, drains as usual
+    c.pristine["gpu-010"]["metadata"]["labels"]["fleetmend.io/drain"] = "true"
+    c.k8s.objects[NODES, None, "gpu-010"] = c.pristine["gpu-010"]
+    assert (await s.drain("gpu-010", "xid_79 incident inc-10", "inc-10")).drained
+
+
+async def test_pods_of_system_namespaces_are_never_evicted(cluster: Cluster) -> None:
+    c = cluster
+    c.node("gpu-011")
+    c.pod("kube-system", "coredns-abc", "gpu-011")
+    c.pod("fleetmend", "fleetmend-worker-1", "gpu-011")
+    c.pod("ml", "train-0", "gpu-011")
+    s = sched(c, skip_namespaces=["kube-system", "fleetmend"])
+    r = await s.drain("gpu-011", "xid_79 incident inc-11", "inc-11")
+    assert r.drained and r.state == "drained", r.detail  # the skipped pods do not keep it draining
+    assert [e["key"] for e in c.evictions] == ["ml/train-0"]
+    assert {"kube-system/coredns-abc", "fleetmend/fleetmend-worker-1"} <= set(c.pods())
+    assert await s.state("gpu-011") == "drained"

@@ -18,10 +18,11 @@ _KV_KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
 # RFC 1123 subdomain (what Kubernetes accepts as a node name), at most 253 characters.
 _label = st.from_regex(r"\A[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?\Z")
 rfc1123 = st.lists(_label, min_size=1, max_size=12).map(".".join).filter(lambda s: len(s) <= 253)
-# Anything the contract accepts: printable, no whitespace, quote, path separator or hostlist syntax, 1-253 characters.
+# Anything the contract accepts: printable, no whitespace, quote, path separator or hostlist syntax, 1-253 bytes.
 any_name = st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zs", "Zl", "Zp", "Co", "Cn")),
                    min_size=1, max_size=NODE_NAME_MAX).filter(
-    lambda s: s.isprintable() and not any(c.isspace() or c in "/\\'\"`[]," for c in s) and s not in (".", ".."))
+    lambda s: s.isprintable() and not any(c.isspace() or c in "/\\'\"`[]," for c in s) and s not in (".", "..")
+    and len(s.encode()) <= NODE_NAME_MAX)
 
 
 @given(rfc1123)

@@ -163,3 +163,59 @@ async def test_activities_wait_for_drained_and_map_node_not_found(slurm, sched) 
     with pytest.raises(ApplicationError) as ei:
         await env.run(acts.drain_node, DrainRequest("c1", "nope7", "xid 79", "inc-9"))
     assert ei.value.type == "NodeNotFound" and ei.value.non_retryable
+
+
+# ------------------------------------------------------------------ `scontrol --json` with the text fallback
+
+JSON_24 = """{"nodes": [{"name": "gpu-001", "hostname": "gpu-001", "address": "10.0.0.1",
+  "state": ["IDLE", "DRAIN"], "reason": "fleetmend: xid79 incident [incident i-9]", "reason_set_by_user": "root"},
+ {"name": "gpu-002", "state": ["DOWN", "NOT_RESPONDING"], "reason": "Not responding"},
+ {"name": "gpu-003", "state": ["MIXED"], "reason": ""}], "errors": [], "warnings": []}"""
+"""The shape of `scontrol --json show node` in Slurm 23.02+ (data_parser v0.0.39+; fields as 24.11 prints them)."""
+JSON_21 = """{"nodes": [{"name": "n1", "state": "allocated", "state_flags": ["DRAIN"], "reason": "ops"}]}"""
+"""The older REST shape (v0.0.37, Slurm 21.08): one state word and its flags."""
+
+
+def test_parse_scontrol_json_both_shapes() -> None:
+    from activities.slurm import parse_scontrol_json
+
+    rows = {r["NodeName"]: r for r in parse_scontrol_json(JSON_24)}
+    assert rows["gpu-001"]["State"] == "IDLE+DRAIN" and rows["gpu-001"]["Reason"].endswith("[incident i-9]")
+    assert normalize_slurm_state(rows["gpu-002"]["State"]) == "down*"
+    assert normalize_slurm_state(rows["gpu-003"]["State"]) == "mixed"
+    (n1,) = parse_scontrol_json(JSON_21)
+    assert n1["State"] == "ALLOCATED+DRAIN" and normalize_slurm_state(n1["State"]) == "draining"
+    with pytest.raises(ValueError):
+        parse_scontrol_json('{"errors": []}')
+
+
+async def test_a_scontrol_with_json_is_read_as_json(tmp_path) -> None:
+    """A stand-in `scontrol` that speaks only `--json show node` (a Slurm 23.02+ client): state and
+    listing come from the JSON, no text form is ever asked for."""
+    import json as _json
+    import stat
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" >> {log}\n"
+                    "if [ \"$1\" = --json ]; then cat <<'EOF'\n" + JSON_24 + "\nEOF\nexit 0; fi\n"
+                    "echo 'text form asked' >&2; exit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    s = SlurmScheduler(SlurmSettings(scontrol=str(fake)))
+    assert await s.state("gpu-001") == "drained" and s.json_supported is True
+    rows = {r.name: r for r in await s.list_nodes()}
+    assert rows["gpu-001"].owner == "fleetmend" and rows["gpu-001"].incident_id == "i-9"
+    assert rows["gpu-002"].state == "down*" and rows["gpu-003"].owner is None
+    assert all(line.startswith("--json show node") for line in log.read_text().splitlines())
+    assert _json.loads(JSON_24)  # the sample itself is valid JSON
+
+
+async def test_a_slurm_without_json_falls_back_to_text_once(slurm, sched) -> None:
+    """Slurm 22.05 (Debian bookworm, CI) has no `scontrol --json`: the first show learns it, every
+    later one goes straight to the text form; a newer Slurm answers in JSON."""
+    version = slurm.run("scontrol", "--version").stdout.split()[-1]
+    major, minor = (int(x) for x in version.split(".")[:2])
+    assert await sched.state("node3") == "idle"
+    assert sched.json_supported is ((major, minor) >= (23, 2))
+    assert [r.name for r in await sched.list_nodes()] == ["node1", "node2", "node3", "node4"]

@@ -33,13 +33,27 @@ T = TypeVar("T")
 
 # Piped output (| less, | grep) gets a wide console instead of rich's 80-column default.
 out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# Errors are never wrapped: one error is one line, whatever its length (grep, log collectors).
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160, soft_wrap=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", envvar="FLEETMEND_CONFIG", help="TOML config file.")
 ClusterOpt = typer.Option(None, "--cluster", help="Cluster name (FLEETMEND_CLUSTER).")
 MetricsPortOpt = typer.Option(None, "--metrics-port", help="Serve Prometheus /metrics here (0: off; "
                                                          "FLEETMEND_METRICS__<PROCESS>_PORT).")
 JsonOpt = typer.Option(False, "--json", help="Print the result as one JSON object.")
+
+
+def node_name(value: Optional[str]) -> Optional[str]:
+    """Typer callback for a NODE argument or `--node`: the name `fleetmend.subjects.check_node_name`
+    accepts, else a usage error (exit 2) that says why, before any server is asked."""
+    from fleetmend.subjects import check_node_name
+
+    if value is None:
+        return None
+    try:
+        return check_node_name(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 def settings(config: Optional[Path] = None, **overrides: Any) -> Settings:
@@ -51,10 +65,13 @@ def settings(config: Optional[Path] = None, **overrides: Any) -> Settings:
         raise typer.Exit(2) from e
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(coro)`; a `FleetmendError` is printed and exits 1."""
+def run(coro: Coroutine[Any, Any, T], reraise: tuple[type[BaseException], ...] = ()) -> T:
+    """`asyncio.run(coro)`; a `FleetmendError` is printed and exits 1 (one of `reraise` is raised for the
+    caller to answer instead)."""
     try:
         return asyncio.run(coro)
+    except reraise:
+        raise
     except FleetmendError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(1) from e

@@ -24,6 +24,7 @@ from fleetmend.cli.common import (
     ConfigOpt,
     JsonOpt,
     err,
+    node_name,
     out,
     refusal,
     run,
@@ -32,7 +33,7 @@ from fleetmend.cli.common import (
     who,
 )
 from fleetmend.cli.ledger import deadletter_line
-from fleetmend.cli.lookup import find_incidents, node_history, open_cluster
+from fleetmend.cli.lookup import NoIncidentError, find_incidents, node_history, open_cluster
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
 from fleetmend.infra.connect import connect_nats, connect_temporal
@@ -88,7 +89,8 @@ async def _count_beyond(s: Settings, cluster: str | None) -> str:
 
 @app.command()
 def status(
-    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail, found in any cluster."),
+    node: Optional[str] = typer.Argument(None, help="A node: its incident in detail, found in any cluster.",
+                                         callback=node_name),
     as_json: bool = typer.Option(False, "--json", help="An object (one node: its incident; a node with "
                                  "incidents in several clusters: an array of them), or an array of incidents."),
     limit: int = typer.Option(50, "--limit", help="Most recent incidents listed."),
@@ -135,8 +137,17 @@ def status(
 
 
 def _show_node(s: Settings, node: str, cluster: str | None, as_json: bool) -> None:
-    """`status NODE`: the node's incident (timeline and faults), or the clusters it has incidents in."""
-    found = run(find_incidents(s, node, cluster))
+    """`status NODE`: the node's incident (timeline and faults), or the clusters it has incidents in.
+    With `as_json` a node without any incident is still one JSON object on stdout
+    (`{"node", "cluster", "incident": null, "error"}`), and the exit status is 1."""
+    try:
+        found = run(find_incidents(s, node, cluster), reraise=(NoIncidentError,)) if as_json else \
+            run(find_incidents(s, node, cluster))
+    except NoIncidentError as missing:
+        sys.stdout.write(json.dumps({"node": node, "cluster": cluster, "incident": None, "error": str(missing)})
+                         + "\n")
+        err.print(f"[red]error:[/red] {escape(str(missing))}")
+        raise typer.Exit(1) from missing
     if len(found) > 1:
         if as_json:
             sys.stdout.write(json.dumps(found, default=str, indent=2) + "\n")
@@ -175,7 +186,7 @@ def _show_node(s: Settings, node: str, cluster: str | None, as_json: bool) -> No
 
 @app.command("show")
 def show(
-    node: str = typer.Argument(..., help="The node."),
+    node: str = typer.Argument(..., help="The node.", callback=node_name),
     as_json: bool = typer.Option(False, "--json"),
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -195,7 +206,7 @@ def _duration(seconds: float | None) -> str:
 
 @app.command("history")
 def history(
-    node: str = typer.Argument(..., help="The node."),
+    node: str = typer.Argument(..., help="The node.", callback=node_name),
     as_json: bool = typer.Option(False, "--json", help="A JSON array, newest incident first."),
     limit: int = typer.Option(100, "--limit", help="Most recent incidents listed."),
     cluster: Optional[str] = ClusterOpt,
@@ -249,12 +260,24 @@ async def _nodes(s: Settings, with_incidents: bool) -> tuple[list[dict[str, Any]
             inc = incidents.get(r["name"])
             seen.add(r["name"])
             r["phase"] = inc["phase"] if inc else None
-            r["incident_id"] = r.get("incident_id") or (inc["workflow_id"] if inc else None)
+            r["incident_id"] = inc["workflow_id"] if inc else r.get("incident_id")
         for node, inc in sorted(incidents.items()):
             if node not in seen:  # an open incident on a node the scheduler lists as in service
                 rows.append({"name": node, "state": "in_service", "reason": "", "owner": None,
                              "incident_id": inc["workflow_id"], "phase": inc["phase"]})
+    for r in rows:
+        r["incident_id"] = incident_ref(r.get("incident_id"))
     return rows, warning
+
+
+def incident_ref(recorded: str | None) -> str | None:
+    """The one form `nodes` shows an incident in: its workflow id `remediate/<cluster>/<node>` (what
+    `status`, `show` and the Temporal UI use). A scheduler records the incident's idempotency key
+    `<workflow id>/<first run id>` (`NodeRemediation._incident_id`); the run id is dropped. Anything
+    else (an operator's or a fast drain's key) is shown as recorded."""
+    if recorded and recorded.startswith("remediate/") and recorded.count("/") == 3:
+        return recorded.rsplit("/", 1)[0]
+    return recorded
 
 
 @app.command("nodes")
@@ -321,7 +344,7 @@ def _done(res: dict[str, Any], as_json: bool) -> None:
 
 @app.command()
 def repaired(
-    node: str,
+    node: str = typer.Argument(..., help="The node.", callback=node_name),
     ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id."),
     note: str = typer.Option("", "--note", help="What was done."),
     as_json: bool = JsonOpt,
@@ -337,7 +360,8 @@ def repaired(
 
 
 @app.command()
-def retest(node: str, as_json: bool = JsonOpt, cluster: Optional[str] = ClusterOpt,
+def retest(node: str = typer.Argument(..., help="The node.", callback=node_name), as_json: bool = JsonOpt,
+           cluster: Optional[str] = ClusterOpt,
            config: Optional[Path] = ConfigOpt) -> None:
     """Force NODE's verification diagnostics to run now."""
     from fleetmend.messages import RemediationApi, RetestCommand  # lazy: temporalio.common (see common)
@@ -348,7 +372,7 @@ def retest(node: str, as_json: bool = JsonOpt, cluster: Optional[str] = ClusterO
 
 @app.command()
 def abort(
-    node: str,
+    node: str = typer.Argument(..., help="The node.", callback=node_name),
     note: str = typer.Option("", "--note", help="Why."),
     undrain: bool = typer.Option(False, "--undrain", help="Also undrain the node if fleetmend drained it."),
     as_json: bool = JsonOpt,

@@ -21,7 +21,7 @@ from fleetmend.catalog import load_catalog
 from fleetmend.cli.common import ClusterOpt, ConfigOpt, err, out, run, settings, who
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
-from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.events import Device, FaultEvent, Severity, Source
 from fleetmend.infra.connect import connect_nats
 
 app = typer.Typer()
@@ -35,7 +35,8 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
     published and silently overridden.
 
     Raises:
-        FleetmendError: neither or both of xid/kind; an unknown kind (lists a few known ones); a
+        FleetmendError: neither or both of xid/kind; an XID or a kind the catalog does not have (an agent
+            reports any XID the driver logs, but an injected one tests the pipeline on a known class); a
             `severity` that differs from the catalog's.
     """
     if (xid is None) == (kind is None):
@@ -44,9 +45,12 @@ def build_injected_event(settings: Settings, node: str, *, xid: int | None, kind
     code: int | None
     if xid is not None:
         entry = catalog.xids.get(xid)
-        sev = entry.base_severity if entry else Severity.DEGRADED
-        comp = entry.component if entry else Component.GPU
-        ev_kind, code, message = "xid", xid, f"injected XID {xid}" + (f" ({entry.mnemonic})" if entry else "")
+        if entry is None:
+            raise FleetmendError(f"XID {xid} is not in the catalog (it knows XIDs {min(catalog.xids)} to "
+                                 f"{max(catalog.xids)}: `fleetmend runbook` lists them); inject a catalog XID, or "
+                                 "add this one with catalog_overrides first")
+        sev, comp = entry.base_severity, entry.component
+        ev_kind, code, message = "xid", xid, f"injected XID {xid} ({entry.mnemonic})"
         raw = f"NVRM: Xid (PCI:{(bus_id or '0000:00:00.0')[:-2]}): {xid}, injected by fleetmend inject"
     else:
         assert kind is not None

@@ -28,6 +28,14 @@ from fleetmend.infra.connect import connect_temporal
 _SAFE = re.compile(r"^[^'\"\\\s]+$")
 
 
+class NoIncidentError(FleetmendError, LookupError):
+    """The node has no incident (open or closed) where it was searched; carries `node` and `cluster`."""
+
+    def __init__(self, message: str, node: str, cluster: str | None) -> None:
+        super().__init__(message)
+        self.node, self.cluster = node, cluster
+
+
 def _quoted(what: str, value: str) -> str:
     """`'value'` for a visibility query. Raises FleetmendError for a value that cannot be a name."""
     if not _SAFE.match(value or ""):
@@ -114,7 +122,8 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
     Per cluster: the open incident, else the most recent closed one. Falls back to the workflow id
     in `s.cluster` when visibility has nothing yet (it lags a start by up to a second).
     Raises:
-        FleetmendError: no incident anywhere, or Temporal unreachable.
+        NoIncidentError: no incident anywhere (a `FleetmendError`).
+        FleetmendError: Temporal unreachable.
     """
     from temporalio.service import RPCError
 
@@ -142,8 +151,9 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
         st = await client.get_workflow_handle(wid).query(RemediationApi.STATUS, result_type=IncidentStatus)
     except RPCError as err:
         where = f"cluster {cluster}" if cluster else "any cluster"
-        raise FleetmendError(f"no incident for node {node} in {where} (searched FleetNode={node!r}"
-                             f"{'' if 'not found' in str(err).lower() else f'; {wid}: {err}'})") from err
+        raise NoIncidentError(f"no incident for node {node} in {where} (searched FleetNode={node!r}"
+                              f"{'' if 'not found' in str(err).lower() else f'; {wid}: {err}'})", node,
+                              cluster) from err
     d = status_dict(st)
     d.update(run_status="running", partial=False)
     return [d]

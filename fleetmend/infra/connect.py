@@ -89,23 +89,46 @@ def temporal_tls_config(tls: TlsSettings) -> TLSConfig | bool:
                      domain=tls.server_name)
 
 
+FIRST_CONNECT_RETRY_S = 0.2
+"""Seconds between the two tries of each server on a first connect that does not wait forever."""
+
+
+def _why(err: BaseException | None) -> str:
+    """A connection failure in the words an operator searches for: `connection refused`, `timed out`,
+    `name not resolved`, else the error's own text (one line)."""
+    if err is None:
+        return "no answer"
+    text = str(err)
+    if isinstance(err, ConnectionRefusedError) or "connection refused" in text.lower() \
+            or "ConnectionRefused" in text:
+        return "connection refused"
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError)) or "timed out" in text.lower():
+        return "timed out"
+    if "Name or service not known" in text or "nodename nor servname" in text or "failed to lookup" in text:
+        return "name not resolved"
+    return " ".join(f"{type(err).__name__}: {text}".split())[:300]
+
+
 async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any) -> NATS:
     """Connect to `settings.nats_url` (reconnects forever once connected).
 
     Args:
         name: client name shown by the server (`fleetmend-router`, ...).
         wait_forever: keep trying the first connect too (the agent: its spool holds events meanwhile).
-            Otherwise give up after 2 × `nats_connect_timeout_s` with a clear error.
+            Otherwise each server of the URL is tried twice, `FIRST_CONNECT_RETRY_S` apart, so a
+            refused connection fails in well under a second and an unanswered one within 2 ×
+            `nats_connect_timeout_s`; once connected, reconnects are unlimited.
         kw: further `nats.connect` options.
     Raises:
-        ServiceUnavailableError: not reachable (message names the URL and the setting to check).
+        ServiceUnavailableError: not reachable; the message names the URL, why (`connection refused`,
+            `timed out`, ...) and the setting to check.
     """
     log = structlog.get_logger("fleetmend.nats")
-    last = {"at": 0.0}
+    last: dict[str, Any] = {"at": 0.0, "err": None}
 
     async def error_cb(err: Exception) -> None:
         # one line at most every 30 s instead of nats-py's traceback per reconnect attempt
-
+        last["err"] = err
         if time.monotonic() - last["at"] > 30:
             last["at"] = time.monotonic()
             log.warning("nats_error", url=settings.nats_url, client=name, error=repr(err))
@@ -115,18 +138,27 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
                                 error_cb=error_cb)
     opts.update(nats_auth_options(settings))
     opts.update(kw)
+    reconnects = opts["max_reconnect_attempts"]
     try:
         if wait_forever:
             return await nats.connect(settings.nats_url, **opts)
-        async with asyncio.timeout(settings.nats_connect_timeout_s * 2):
-            return await nats.connect(settings.nats_url, **opts)
+        # nats-py's first connect honours max_reconnect_attempts per server (-1: forever); 1 = two tries
+        # each, then NoServersError. The client's own `options` then lift the cap for later reconnects.
+        wait_s = opts["reconnect_time_wait"]
+        opts.update(max_reconnect_attempts=1, reconnect_time_wait=FIRST_CONNECT_RETRY_S)
+        async with asyncio.timeout(settings.nats_connect_timeout_s * 2 + FIRST_CONNECT_RETRY_S):
+            nc = await nats.connect(settings.nats_url, **opts)
+        nc.options.update(max_reconnect_attempts=reconnects, reconnect_time_wait=wait_s)
+        return nc
     except Exception as err:
-        if "authorization violation" in str(err).lower():
+        if "authorization violation" in str(err).lower() or "authorization violation" in str(last["err"]).lower():
             raise ServiceUnavailableError(
-                f"NATS at {settings.nats_url} refused this client's credentials ({err}); check nats_user/"
-                "nats_password, nats_nkey_seed or nats_creds (`fleetmend creds generate` writes them)") from err
+                f"NATS at {settings.nats_url} refused this client's credentials ({last['err'] or err}); check "
+                "nats_user/nats_password, nats_nkey_seed or nats_creds (`fleetmend creds generate` writes them)"
+            ) from err
+        cause = last["err"] if isinstance(err, (nats.errors.NoServersError, TimeoutError)) and last["err"] else err
         raise ServiceUnavailableError(
-            f"cannot reach NATS at {settings.nats_url} ({err!r}); is `fleetmend dev up` (or nats-server) "
+            f"cannot reach NATS at {settings.nats_url}: {_why(cause)}; is `fleetmend dev up` (or nats-server) "
             "running? check FLEETMEND_NATS_URL") from err
 
 
@@ -134,7 +166,8 @@ async def connect_temporal(settings: Settings) -> Client:
     """Connect to Temporal at `settings.temporal_address` with the pydantic data converter.
 
     Raises:
-        ServiceUnavailableError: naming the address and FLEETMEND_TEMPORAL_ADDRESS.
+        ServiceUnavailableError: not reachable within `temporal_connect_timeout_s`, naming the address,
+            why (`connection refused`, `timed out`, ...) and FLEETMEND_TEMPORAL_ADDRESS.
     """
     # lazy: the node agent imports this module for NATS and must not load temporalio (tests/test_agent_entry.py)
     from temporalio.client import Client
@@ -143,12 +176,13 @@ async def connect_temporal(settings: Settings) -> Client:
 
     tls = temporal_tls_config(settings.temporal_tls)  # ConfigError for unreadable files, before connecting
     try:
-        return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
-                                    data_converter=data_converter, tls=tls)
+        async with asyncio.timeout(settings.temporal_connect_timeout_s):
+            return await Client.connect(settings.temporal_address, namespace=settings.temporal_namespace,
+                                        data_converter=data_converter, tls=tls)
     except Exception as err:
         raise ServiceUnavailableError(
-            f"cannot reach Temporal at {settings.temporal_address} namespace {settings.temporal_namespace} "
-            f"({err}); is `fleetmend dev up` (or the Temporal server) running? check FLEETMEND_TEMPORAL_ADDRESS"
+            f"cannot reach Temporal at {settings.temporal_address} (namespace {settings.temporal_namespace}): "
+            f"{_why(err)}; is `fleetmend dev up` (or the Temporal server) running? check FLEETMEND_TEMPORAL_ADDRESS"
         ) from err
 
 
