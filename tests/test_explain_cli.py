@@ -94,3 +94,37 @@ def test_a_large_input_is_streamed_and_every_fault_found(tmp_path: Path, monkeyp
     with f.open("rb") as fh:
         assert len(list(ex.explain_stream(fh, run))) == want
     assert run.mode == "stream" and ex.exit_status(run) == ex.EXIT_FATAL
+
+
+def test_binary_input_names_what_it_is_and_only_a_compressed_log_gets_a_decompressor(tmp_path: Path) -> None:
+    cases = {"kern.log.gz": (gzip.compress(FATAL.encode()), "gzip-compressed", "zcat FILE"),
+             "kern.log.zst": (b"\x28\xb5\x2f\xfd" + b"\x00" * 64, "zstd-compressed", "zstdcat FILE"),
+             "core.bin": (b"\x7fELF\x02\x01\x01" + b"\x00" * 64, "binary data", None)}
+    for name, (data, what, tool) in cases.items():
+        f = tmp_path / name
+        f.write_bytes(data)
+        p = explain(str(f))
+        msg = " ".join(p.stderr.decode().split())
+        assert p.returncode == 3 and what in msg, (name, msg)
+        assert (tool in msg) if tool else ("cat" not in msg), (name, msg)
+
+
+def test_json_says_each_field_once() -> None:
+    """The verdict's fields are the flat keys (severity, fault class, action, drain, description): not
+    repeated inside a nested `verdict`."""
+    rows = [json.loads(line) for line in explain("--json", "-", stdin=FATAL.encode()).stdout.decode().splitlines()]
+    assert rows and all("verdict" not in r for r in rows)
+    assert all({"fault_class", "immediate_action", "drain", "description", "severity"} <= set(r) for r in rows)
+
+
+def test_no_file_on_a_terminal_says_so_instead_of_waiting() -> None:
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "explain"], stdin=follower,
+                           capture_output=True, cwd=REPO, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert p.returncode == 3 and "no input: give a file" in " ".join(p.stderr.decode().split())

@@ -128,8 +128,7 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
     cat = catalog or default_catalog()
     head = stream.read(WHOLE_MAX_BYTES + 1)
     if b"\x00" in head[:_BINARY_SNIFF_BYTES]:
-        kind = "gzip-compressed" if head[:2] == b"\x1f\x8b" else "binary"
-        raise UnreadableInput(f"{kind} data, not a text log (decompress it first, e.g. zcat FILE | fleetmend explain -)")
+        raise UnreadableInput(_binary_kind(head))
     if len(head) <= WHOLE_MAX_BYTES:
         run.mode = "whole"
         for x in explain_text(head.decode("utf-8", "replace"), catalog=cat, node=node):
@@ -144,6 +143,19 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
         yield x
 
 
+_COMPRESSED = ((b"\x1f\x8b", "gzip-compressed", "zcat"), (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstdcat"),
+               (b"\xfd7zXZ\x00", "xz-compressed", "xzcat"), (b"BZh", "bzip2-compressed", "bzcat"))
+"""(magic bytes, what it is, the tool that decompresses it to standard output)."""
+
+
+def _binary_kind(head: bytes) -> str:
+    """What binary input looks like, and for a compressed log the command that reads it."""
+    for magic, what, tool in _COMPRESSED:
+        if head.startswith(magic):
+            return f"{what} data, not a text log (decompress it first: {tool} FILE | fleetmend explain -)"
+    return "binary data, not a text log (a kernel log or tool output is text)"
+
+
 def exit_status(run: ExplainRun, exit_zero: bool = False) -> int:
     """`EXIT_FATAL` / `EXIT_DEGRADED` by the worst non-clearing finding, else `EXIT_OK`; 0 with `exit_zero`."""
     if exit_zero or run.worst is None or run.worst is Severity.INFO:
@@ -152,7 +164,8 @@ def exit_status(run: ExplainRun, exit_zero: bool = False) -> int:
 
 
 def explained_json(e: Explained) -> dict[str, Any]:
-    """One JSON-ready dict: the FaultEvent fields (`model_dump(mode="json")`) plus the catalog's view.
+    """One JSON-ready dict: the FaultEvent fields (`model_dump(mode="json")`, without its `verdict`: the
+    verdict's fields are the flat keys below, each said once) plus the catalog's view.
 
     Naming: the event's own `source` (the probe, e.g. "kmsg") stays `source`, as on the wire; the
     catalog entry's citation is `catalog_source`. Added keys: `immediate_action`,
@@ -161,7 +174,7 @@ def explained_json(e: Explained) -> dict[str, Any]:
     line says (`attrs.clearing_kind`, e.g. `nic_link_up`) as `kind` and the kind it clears as `clears`: on the
     wire it travels under the kind it clears (same `fault_key`).
     """
-    row = e.event.model_dump(mode="json")
+    row = e.event.model_dump(mode="json", exclude={"verdict"})  # its fields are the flat ones below
     c = e.classification
     clearing = e.event.attrs.get("clearing_kind") if e.event.healthy else None
     if clearing:  # a clearing event travels under the kind it clears (one fault_key); a reader sees what it says
@@ -280,6 +293,10 @@ def explain(
     """Parse a dmesg/journal/kmsg text or tool output (no server needed) and say what each fault
     means and what to do."""
     run = ExplainRun()
+    if file == "-" and sys.stdin.isatty():  # nothing piped: say so instead of waiting on the terminal
+        err.print("[red]error:[/red] no input: give a file (`fleetmend explain dmesg.txt`) or pipe one "
+                  "(`dmesg | fleetmend explain`)")
+        raise typer.Exit(EXIT_UNREADABLE)
     try:
         if file == "-":
             stream: IO[bytes] = sys.stdin.buffer
