@@ -173,7 +173,10 @@ async def test_refused_reset_then_dry_run_reboot_escalates_to_a_ticket(wenv):
     st = await assert_eventually(lambda: phase(h, "awaiting_repair"), what="ticket filed")
     assert [r.op for r in calls.recoveries] == [RecoveryOp.RESET_GPU, RecoveryOp.REBOOT]
     assert len(calls.tickets) == 1 and calls.tickets[0].evidence["recovery"]
-    assert any("recovery did not hold" in line for line in st.recovery_log)
+    # nothing was applied (refused, then a dry run): said as it is, not "did not hold"
+    assert any("no recovery was applied (reset_gpu refused, reboot dry_run); escalating to a ticket" in line
+               for line in st.recovery_log), st.recovery_log
+    assert not any("did not hold" in line for line in st.recovery_log)
 
 
 async def test_reset_that_does_not_hold_during_settle_escalates(wenv):

@@ -114,6 +114,10 @@ async def test_application_fault_records_without_draining(env, unique):
     assert st.outcome == "recorded" and not st.drained and st.ticket is None
     assert calls.drains == [] and calls.tickets == []
     assert st.faults[0]["code"] == 13
+    # the timeline says what happened while it waited, not only "incident opened"
+    texts = [e["text"] for e in st.timeline]
+    assert texts[0] == "incident opened" and texts[1].startswith("recorded, no drain: xid13 (1 condition(s)); "
+                                                                 "closes after 2s without a new fault"), texts
 
 
 async def test_failed_verification_goes_back_to_awaiting_repair(env, unique):

@@ -153,6 +153,7 @@ class NodeRemediation:
         self._sa_flush_due = False  # an upsert is queued for the end of this workflow task
         self._notifications: list = []
         self._run_bytes0 = 0  # history size in bytes when this run started (start event + carried state)
+        self._noted_arrivals = -1  # `IncidentState.arrivals` when triage last noted "recorded, no drain"
 
     # ---------------------------------------------------------------- messages
     @workflow.signal(name=RemediationApi.FAULTS)
@@ -334,6 +335,11 @@ class NodeRemediation:
                 self._details(f"debouncing {', '.join(sorted({f.fault_class for f in d.debounce}))}: drains in "
                               f"{wait_s:.0f}s unless it clears")
             else:
+                if self._noted_arrivals != s.arrivals:  # once per new fault, not per wait
+                    self._noted_arrivals = s.arrivals
+                    classes = sorted({f.fault_class for f in s.faults if not f.healthy})
+                    self._note(f"recorded, no drain: {', '.join(classes) or 'clearing events only'} "
+                               f"({len(s.faults)} condition(s)); closes after {wait_s:.0f}s without a new fault")
                 self._details(f"triage: {len(s.faults)} fault(s) recorded, none needs a drain; closes after "
                               f"{wait_s:.0f}s quiet")
             try:
@@ -501,6 +507,7 @@ class NodeRemediation:
             self._recovery_note("no recovery attempt: " + (s.lemon or f"{s.fault_class}: catalog says RMA"))
             return False
         plan = recovery_steps(s.recovery)
+        results: list[str] = []
         for op in plan:
             if op in s.recovery_tried:
                 continue
@@ -512,6 +519,7 @@ class NodeRemediation:
                 continue
             report = await self._recovery_activity(op)
             self._recovery_note(f"{op.value}: {report.result.value} ({report.detail[:300]})")
+            results.append(f"{op.value} {report.result.value}")
             if self._aborted_recovery(None):
                 return False
             if report.result is not RecoveryResult.APPLIED:
@@ -539,7 +547,10 @@ class NodeRemediation:
                 self._recovery_note(f"recovered by {op.value}: verification {result.value}; returning to service")
                 return True
             self._recovery_note(f"{op.value} did not hold: verification {result.value}")
-        if plan:
+        if plan and not any(r.endswith(RecoveryResult.APPLIED.value) for r in results):
+            self._recovery_note(f"no recovery was applied ({', '.join(results) or 'no step could run'}); "
+                                "escalating to a ticket")
+        elif plan:
             self._recovery_note("recovery did not hold; escalating to a ticket")
         return False
 
