@@ -294,19 +294,25 @@ class Agent:
 
     async def _heartbeats(self, nc: Any) -> None:
         """A heartbeat every `agent.heartbeat_interval_s` while connected (core NATS, fire and forget:
-        the next beat retries), until `stop`."""
-        subject = heartbeat_subject(self.settings.cluster, self.settings.node)
+        the next beat retries), until `stop`. The last one, `leaving`, goes out in `_close_nats`."""
         while not self.stop.is_set():
-            if nc.is_connected:
-                hb = {"node": self.settings.node, "cluster": self.settings.cluster, "agent_version": __version__,
-                      "at": utcnow().isoformat(), "probes": dict(self.status), "spool_depth": self.spool.depth,
-                      "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
-                      "spool_error": self.spool.error}
-                with contextlib.suppress(Exception):
-                    await nc.publish(subject, orjson.dumps(hb))
+            await self._beat(nc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.agent.heartbeat_interval_s):
                     await self.stop.wait()
+
+    async def _beat(self, nc: Any, leaving: bool = False) -> None:
+        """One heartbeat. `leaving`: the agent stops on purpose (`--once` done, SIGTERM), so the router stops
+        watching it instead of reporting it silent; an agent that dies (kill -9, OOM) sends none and is
+        reported `agent_silent`."""
+        if not nc.is_connected:
+            return
+        hb = {"node": self.settings.node, "cluster": self.settings.cluster, "agent_version": __version__,
+              "at": utcnow().isoformat(), "probes": dict(self.status), "spool_depth": self.spool.depth,
+              "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
+              "spool_error": self.spool.error, **({"leaving": True} if leaving else {})}
+        with contextlib.suppress(Exception):
+            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node), orjson.dumps(hb))
 
     async def perf(self) -> None:
         """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
@@ -376,6 +382,7 @@ class Agent:
             except Exception as err:  # noqa: BLE001 - best effort at exit; the spool holds what matters
                 self.log.warning("diag_stop_failed", error=repr(err))
         if self.nc is not None:
+            await self._beat(self.nc, leaving=True)  # drained with the rest below
             self.log.info("nats_draining")
             await close_nats(self.nc, max(0.1, deadline - loop.time()))
 

@@ -145,3 +145,33 @@ async def test_only_the_elected_replica_sets_the_silent_gauge(nc, unique: str) -
     finally:
         stop.set()
         await task
+
+
+async def test_an_agent_that_stops_on_purpose_is_not_reported_silent(nc, unique: str, tmp_path) -> None:
+    """`fleetmend agent --once` (the README's "Try it") sends its heartbeats and, as it exits, one with
+    `leaving`: the monitor forgets it and no `agent_silent` follows; a node that just stops beating is
+    still reported."""
+    from agents.runner import run_agent
+    from fleetmend.config import load_settings
+
+    cluster = f"l{unique}"
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    stop = asyncio.Event()
+    mon = HeartbeatMonitor(nc, js, silence_s=1.0, check_interval_s=0.05)
+    task = asyncio.create_task(mon.run(stop))
+    try:
+        await asyncio.sleep(0.1)
+        s = load_settings(None, cluster=cluster, node="once", nats_url=nc.connected_url.geturl(),
+                          state_dir=tmp_path / "state")
+        log = tmp_path / "kern.log"
+        log.write_text("[    1.000000] Linux version 6.8.0 (buildd@lcy02) #1 SMP\n")
+        assert await run_agent(s, kmsg_file=log, once=True) == 0
+        await _beat(nc, cluster, "crashed")  # beats once, then nothing
+        await assert_eventually(lambda: [e.node for e in mon.published] == ["crashed"], timeout_s=10,
+                                what="the crashed agent reported, the stopped one not")
+        await asyncio.sleep(1.5)
+        assert [e.node for e in mon.published] == ["crashed"] and (cluster, "once") not in mon.nodes
+    finally:
+        stop.set()
+        await task

@@ -15,6 +15,10 @@ id and JetStream keeps one copy (within the stream's duplicate window, which is 
 replicas' check skew of `check_interval_s`). The id keeps the time-ordered form of
 `fleetmend.events.new_event_id`: 16 hex digits of nanoseconds, then 8 hex digits of a SHA-256.
 
+An agent that stops on purpose (`--once` done, SIGTERM) sends a last heartbeat with `"leaving": true`
+and is forgotten (no `agent_silent`: a stopped agent is not a silent one); it is watched again from its
+next heartbeat. One that dies sends none and is reported.
+
 What a restart loses: the last-seen table is in memory, so a replica only watches nodes it heard
 from since it started; a node that went silent before every replica restarted is not reported
 until it sends a heartbeat again (then it is tracked as usual).
@@ -97,6 +101,10 @@ class HeartbeatMonitor:
             version = str(hb.get("agent_version", "unknown"))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             self._log.warning("heartbeat_invalid", subject=msg.subject)
+            return
+        if hb.get("leaving") is True:  # the agent stops on purpose (`--once` done, SIGTERM): not silent
+            if self.nodes.pop(key, None) is not None:
+                self._log.info("agent_left", cluster=key[0], node=key[1], agent_version=version)
             return
         node = self.nodes.get(key)
         if node is None:
