@@ -265,8 +265,8 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
 
 
 async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, unique) -> None:
-    """With `fleetmend creds generate` permissions: a node publishes its own perf samples (not another
-    node's), and the analyzer role reads them, holds its lease, writes its state and publishes
+    """With `fleetmend creds generate` permissions: a node publishes its own perf samples and job
+    steps (not another node's), and the analyzer role reads them, holds its lease, writes its state and publishes
     fail_slow on the node's fault subject."""
     import nats
 
@@ -322,6 +322,14 @@ async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, u
         await assert_eventually(lambda: a.samples == 120, timeout_s=10, what="analyzer read the node samples")
         await assert_eventually(lambda: any("permissions violation" in e and "perf.n0" in e for e in errors),
                                 timeout_s=5, what="spoofed perf publish refused")
+        # a job report names its sender in the subject: n1 may report its own ranks, never n0's
+        own = json.dumps({"v": 1, "cluster": cluster, "job": "7", "steps": [[0, "n1", 1, 1.0, start + 2]]}).encode()
+        await nodes[1].publish(subjects.job_subject(cluster, "n1", "7"), own)
+        await nodes[1].publish(subjects.job_subject(cluster, "n0", "7"), own.replace(b'"n1"', b'"n0"'))
+        await nodes[1].flush()
+        await assert_eventually(lambda: a.job_steps == 1, timeout_s=10, what="analyzer read n1's own job step")
+        await assert_eventually(lambda: any("permissions violation" in e and "job.n0.7" in e for e in errors),
+                                timeout_s=5, what="job report on another node's subject refused")
         faults = await admin.subscribe(subjects.fault_subject(cluster, "n0"))
         clock.t = start + 240 + 10
         await a.tick()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from fleetmend import subjects
 from fleetmend.analyzer import metrics
 from fleetmend.analyzer.core import Comparator
 from fleetmend.analyzer.service import Analyzer, job_comparator
@@ -218,9 +219,11 @@ def analyzer(now: float) -> tuple[Analyzer, FakeJS]:
     return Analyzer(s, None, js, None, holder="t", clock=Clock(now), lease_clock=Clock(now)), js
 
 
-def job_msg(job: str, rows: list) -> Msg:
-    return Msg(f"fleet.c.job.{job}", json.dumps({"v": 1, "cluster": "c", "job": job, "steps": rows},
-                                                  allow_nan=True).encode())
+def job_msg(job: str, rows: list, sender: str | None = None) -> Msg:
+    """A job message on the subject of `sender` (default: the node its first row names)."""
+    sender = sender if sender is not None else (rows[0][1] if rows else "n0")
+    return Msg(subjects.job_subject("c", sender, job),
+               json.dumps({"v": 1, "cluster": "c", "job": job, "steps": rows}, allow_nan=True).encode())
 
 
 async def test_a_nan_perf_sample_is_dead_lettered_and_a_future_one_dropped() -> None:
@@ -265,3 +268,27 @@ async def test_a_job_message_speaks_for_its_one_known_node_only() -> None:
     for job in ("j3", "j4", "j5", "j6"):  # nor do many jobs at once
         await a._on_job_msg(job_msg(job, [[0, "n1", 1, 1.0, T0 + 2]]))
     assert a.rejected == 6 and "more than 4 jobs" in js.published[-1][1]["reason"]
+
+
+async def test_a_job_message_speaks_for_the_sender_of_its_subject_only() -> None:
+    """The subject names the sender (its credentials allow only `fleet.<c>.job.<its token>.*`): rows
+    naming another known node, a body naming another job, or the old subject without a sender are
+    dead-lettered with the reason, and nothing reaches the comparators."""
+    a, js = analyzer(T0)
+    dotted = "ip-10-0-1-3.ec2.internal"
+    for n in ["n0", "victim", dotted]:
+        a.add(_sample(n, T0 + 1))
+    await a._on_job_msg(job_msg("j1", [[0, "victim", 1, 9.0, T0 + 2]], sender="n0"))
+    assert "'victim' but 'n0' sent them" in js.published[-1][1]["reason"]
+    other = job_msg("j1", [[0, "n0", 1, 1.0, T0 + 2]])
+    await a._on_job_msg(Msg(subjects.job_subject("c", "n0", "j2"), other.data))
+    assert "names job 'j1'" in js.published[-1][1]["reason"]
+    await a._on_job_msg(Msg("fleet.c.job.j1", other.data))
+    assert "not a job subject" in js.published[-1][1]["reason"]
+    await a._on_job_msg(Msg("fleet.c.job.ip-10-0-1-3-ec2-internal.j1",  # a token that is not the dotted name's
+                            job_msg("j1", [[0, dotted, 1, 1.0, T0 + 2]]).data))
+    assert "'ip-10-0-1-3-ec2-internal' sent them" in js.published[-1][1]["reason"]
+    assert a.rejected == 4 and a.job_steps == 0 and not a.jobs.open
+    await a._on_job_msg(job_msg("j1", [[0, dotted, 1, 1.0, T0 + 2]]))
+    assert a.job_steps == 1 and a.rejected == 4
+    assert subjects.job_subject("c", dotted, "j1") == "fleet.c.job.ip-10-0-1-3=2Eec2=2Einternal.j1"

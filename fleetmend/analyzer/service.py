@@ -13,7 +13,7 @@
 - A finding becomes a `fail_slow` FaultEvent published on the node's fault subject through
   JetStream (Nats-Msg-Id = event id), so it takes the normal pipeline: router → NodeRemediation →
   FleetGuard budget → diagnostics → ticket.
-- Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.*`) go through a second comparator whose
+- Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.<node>.<job>`) go through a second comparator whose
   groups are jobs and whose members are ranks, each judged with its own offset in the job removed
   (`job_comparator`): a rank persistently slower than that becomes fail_slow on its node, saying
   whether that node's hardware telemetry agrees. The same rows tell the node comparator which job
@@ -21,8 +21,9 @@
   only, and not at all for a node whose job is unknown.
 - A sample that is not a valid `PerfSample` (a non-finite or impossible reading included, or one
   that names another node than its subject) is written to `fleet.deadletter` with the reason and
-  skipped; so is a job message that speaks for more than one node, for a node that sent no perf
-  sample, or for more ranks than the node has GPUs. Samples and steps dated beyond the clock skew
+  skipped; so is a job message that speaks for another node than its subject's sender, for more
+  than one node, or for more ranks than the node has GPUs (rows of a node that sent no perf sample
+  are dropped and counted). Samples and steps dated beyond the clock skew
   ahead of this replica's clock, or before any open window, are dropped and counted
   (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`). A group too small to
   compare is logged (once an hour per group and metric) and counted in
@@ -173,8 +174,9 @@ class Analyzer:
         return sub
 
     async def _on_job_msg(self, msg: Any) -> None:
-        """One batch of step times (`fleetmend.jobs`). A message speaks for one node only: every row
-        must name the same node, under its real name (`subjects.check_node_name`, no re-encoding),
+        """One batch of step times (`fleetmend.jobs`) on `fleet.<cluster>.job.<node token>.<job>`. A
+        message speaks for its sender only: every row must name the subject's node (whose credentials
+        allow no other node's subject, `subjects.node_job_subject`), under its real name,
         with at most `max(1, its GPU count)` distinct ranks of the job in a window (across messages)
         and steps of at most `MAX_JOBS_PER_WINDOW` jobs in a window, else it is dead-lettered whole
         with the reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
@@ -188,7 +190,9 @@ class Analyzer:
             data = json.loads(msg.data)
             if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("steps"), list):
                 raise ValueError("expected {\"v\": 1, \"job\": ..., \"steps\": [[rank, node, step, seconds, time], ...]}")
-            job = subjects.job_subject(self.cluster, str(data.get("job"))).rsplit(".", 1)[1]
+            cluster, sender, job = subjects.parse_job_subject(msg.subject)
+            if cluster != self.cluster or str(data.get("job")) != job:
+                raise ValueError(f"message names job {str(data.get('job'))[:40]!r} but was published on {msg.subject}")
             rows = []
             for row in data["steps"]:
                 if not isinstance(row, list) or len(row) != 5:
@@ -203,6 +207,9 @@ class Analyzer:
             nodes = {node for _, node, _, _ in rows}
             if len(nodes) > 1:
                 raise ValueError(f"one job message names {len(nodes)} nodes ({', '.join(sorted(nodes)[:4])}): "
+                                 "a node reports for its own ranks only")
+            if nodes and nodes != {sender}:
+                raise ValueError(f"rows name node {next(iter(nodes))!r} but {sender!r} sent them ({msg.subject}): "
                                  "a node reports for its own ranks only")
             known = self.nodes.get(rows[0][1]) if rows else None
             if rows and known is None:
