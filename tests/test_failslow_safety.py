@@ -23,7 +23,7 @@ import pytest
 from pydantic import ValidationError
 
 from fleetmend import subjects
-from fleetmend.analyzer import metrics
+from fleetmend.analyzer import core, metrics
 from fleetmend.analyzer.core import Comparator
 from fleetmend.analyzer.service import Analyzer, job_comparator
 from fleetmend.config import AnalyzerSettings, load_settings
@@ -137,6 +137,30 @@ def test_uneven_ranks_by_design_are_not_slow_a_rank_that_slows_later_is() -> Non
     assert d.baselines["job:j"]["n0/0"][0] == pytest.approx(b0)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_one_node_speaking_for_many_ranks_moves_the_job_median_as_one_member(weighted: bool) -> None:
+    """A node (it may claim up to 1,024 GPUs) reports 16 ranks of an 8-node job: normal for the
+    baseline windows, then at half the step time. Weighted as one member (the job comparator), the
+    honest ranks keep their median and none is slow; counting its ranks one by one (the control) would
+    pull the median down and call every honest rank slow."""
+    cfg = AnalyzerSettings(window_s=60, windows=3)
+    c = job_comparator(cfg)
+    if not weighted:
+        c.unit_of = None
+    found = []
+    for w in range(10):
+        for s in range(6):
+            t = T0 + w * 60 + s * 10 + 1
+            for rank in range(8):
+                c.add(f"n{rank}/{rank}", "job:j", t, {"job_step_seconds": (2.0 + 0.01 * ((s + rank) % 3), "r")})
+            for rank in range(8, 24):
+                c.add(f"liar/{rank}", "job:j", t, {"job_step_seconds": (2.0 if w < 4 else 1.0, "r")})
+        for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
+            found += c.close_window(x).findings
+    honest = sorted({f.node for f in found if not f.node.startswith("liar/")})
+    assert honest == ([] if weighted else [f"n{r}/{r}" for r in range(8)])
+
+
 def _sample(node: str, t: float, **gpu: Any) -> PerfSample:
     return PerfSample(cluster="c", node=node, at=datetime.fromtimestamp(t, timezone.utc), interval_s=60,
                       hw=HardwareClass(gpu_model="NVIDIA H200", gpu_count=8, driver="570"),
@@ -187,6 +211,30 @@ def test_future_and_stale_samples_are_dropped_and_memory_stays_bounded() -> None
     for _ in range(1000):
         c.add("n1", HW.key, now + 2, {"power_brake_frac": (0.0, "gpu:0")}, now=now)
     assert c.dropped["flood"] > 0 and max(nw.n for w in c.open.values() for nw in w.values()) <= 600
+    kept = c.open[c.window_of(now + 2)]["n1"].values["power_brake_frac"]
+    assert 32 <= len(kept) < core.MAX_VALUES_PER_METRIC  # thinned, not grown: the median spans the window
+
+
+def test_made_up_node_names_and_departed_nodes_do_not_grow_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "MAX_NODES_PER_WINDOW", 100)
+    cfg = AnalyzerSettings(window_s=60)
+    c = Comparator(cfg)
+    for i in range(1000):  # a NATS without node credentials: any name can arrive
+        c.add(f"made-up-{i}", f"group-{i}", T0 + 1, {"power_brake_frac": (0.0, "gpu:0")}, now=T0)
+    assert len(c.open[c.window_of(T0)]) == 100 and c.dropped["too_many_nodes"] == 900
+    # a node outlying for two windows that then leaves: its streak is forgotten within STREAK_TTL_S
+    d = Comparator(cfg)
+    for w in range(int(core.STREAK_TTL_S // 60) + 4):
+        t = T0 + w * 60 + 1
+        for n in range(10):
+            if n == 0 and w >= 2:
+                continue
+            for k in range(3):
+                d.add(f"n{n}", HW.key, t + k, {"power_brake_frac": (0.5 if n == 0 else 0.0, "gpu:0")})
+        d.close_window(d.window_of(t))
+        if w == 1:
+            assert d.streaks["n0"]["power_brake_frac"][0] == 2
+    assert d.streaks == {}
 
 
 # ---------------------------------------------------------------------- the service's door (no NATS)

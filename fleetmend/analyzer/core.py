@@ -40,7 +40,9 @@ than `max_skew_s` after `now` (`fleetmend.events.MAX_CLOCK_SKEW_S`) or older tha
 open can be (`window_s + grace_s + max_skew_s` before `now`) is dropped, so at most
 `(window_s + grace_s + 2·max_skew_s) / window_s + 2` windows are open whatever timestamps arrive; a
 node files at most `max_samples_per_window` samples into one window. Every drop is counted by reason
-in `dropped`. One node gives one value per group, so it weighs as one member of any median.
+in `dropped`. One node gives one value per group, so it weighs as one member of any median; where
+one node speaks for several members (the ranks it runs of a job), `unit_of` makes the group's
+median and MAD one value per node, so it still weighs as one member.
 
 State (`to_state`/`from_state`, JSON-ready) is the counts, their evidence, the report times and the
 baselines; the open windows are rebuilt from the perf stream after a restart.
@@ -51,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -125,13 +128,26 @@ dropped (`dropped["flood"]`): one chatty node cannot grow the analyzer's memory.
 MAX_JOBS_PER_WINDOW = 4
 """Distinct jobs remembered per node and window; a node with more than one is not judged on
 work-dependent metrics anyway."""
+MAX_VALUES_PER_METRIC = 64
+"""Values kept per node, metric and window: beyond, every other one is let go and from then on one
+sample in 2, 4, … is kept (`_NodeWindow.stride`), so the window's median still spans the whole
+window while memory stays fixed however fast a node samples."""
+MAX_NODES_PER_WINDOW = 100_000
+"""Distinct nodes filed into one window; a new node beyond is dropped (`dropped["too_many_nodes"]`):
+a flood of made-up names (a NATS without per-node credentials) cannot grow the memory."""
+MAX_BASELINE_MEMBERS = 200_000
+"""Members whose own offset (rule 5) is learnt at once, over all groups; a new member beyond is not
+judged until room is made (`dropped["baselines_full"]`)."""
+STREAK_TTL_S = 3600.0
+"""A streak whose node has not been judged on that metric for this long is forgotten (the node left):
+streaks are bounded by the nodes seen in the last hour."""
 BASELINE_TTL_S = 3600.0
 """A member's own offset (rule 5) is forgotten this long after it was last judged (the job ended or
 moved): a job id reused later starts a new baseline."""
 
 
 class _NodeWindow:
-    __slots__ = ("group", "values", "where", "jobs", "n")
+    __slots__ = ("group", "values", "where", "jobs", "n", "stride")
 
     def __init__(self, group: str) -> None:
         self.group = group
@@ -139,6 +155,14 @@ class _NodeWindow:
         self.where: dict[str, str] = {}
         self.jobs: set[str] = set()
         self.n = 0
+        self.stride = 1
+        """Every `stride`-th sample is kept (doubles each time a metric fills `MAX_VALUES_PER_METRIC`)."""
+
+    def thin(self) -> None:
+        """Keep every other value of every metric and halve the rate at which new ones are kept."""
+        for m, lst in self.values.items():
+            self.values[m] = lst[::2]
+        self.stride *= 2
 
 
 class Comparator:
@@ -150,14 +174,20 @@ class Comparator:
         max_skew_s: how far a sample's time may be ahead of `now` (`events.MAX_CLOCK_SKEW_S`).
     """
 
-    def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S) -> None:
+    def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S,
+                 unit_of: Callable[[str], str] | None = None) -> None:
         self.cfg = cfg
         self.max_skew_s = max_skew_s
+        self.unit_of = unit_of
+        """Member key → the sender it weighs as (the job comparator: `<node>/<rank>` → `<node>`): a
+        group's median and MAD are taken over one value per unit (the median of its members), so a
+        node that speaks for many ranks moves them as one member (None: every member is its own)."""
         self.specs: dict[str, MetricSpec] = specs_for(cfg.min_ratio_sm_clock)
         self.open: dict[int, dict[str, _NodeWindow]] = {}
         self.last_closed: int = -1
         self.streaks: dict[str, dict[str, list[Any]]] = {}
-        """node → metric → [count, [values], where]."""
+        """node → metric → [count, [values], where, epoch seconds of its last outlier window]."""
+        self._baseline_members = 0
         self.reported: dict[str, dict[str, float]] = {}
         """node → metric → epoch seconds of the last report."""
         self.baselines: dict[str, dict[str, list[Any]]] = {}
@@ -191,13 +221,16 @@ class Comparator:
             return None
         return w
 
-    def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow, bool]:
-        """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made now."""
+    def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow | None, bool]:
+        """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made
+        now; None when the window holds `MAX_NODES_PER_WINDOW` other nodes already."""
         win = self.open.get(w)
         if win is None:
             win = self.open[w] = {}
         nw = win.get(node)
         if nw is None:
+            if len(win) >= MAX_NODES_PER_WINDOW:
+                return None, False
             nw = win[node] = _NodeWindow(group)
             return nw, True
         return nw, False
@@ -212,12 +245,17 @@ class Comparator:
         if w is None:
             return False
         nw, new = self._node_window(w, node, group)
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+            return False
         if not new:
             if nw.n >= MAX_SAMPLES_PER_WINDOW:
                 self.dropped["flood"] += 1
                 return False
             nw.group = group
         nw.n += 1
+        if nw.n % nw.stride:
+            return True  # thinned: this window already holds its share of this node's samples
         values, where, specs = nw.values, nw.where, self.specs
         for m, (v, wh) in metrics.items():
             spec = specs.get(m)
@@ -232,6 +270,9 @@ class Comparator:
                 values[m] = [v]
             else:
                 lst.append(v)
+                if len(lst) >= MAX_VALUES_PER_METRIC:
+                    nw.thin()
+                    values = nw.values
             where[m] = wh
         return True
 
@@ -242,6 +283,9 @@ class Comparator:
         if w is None:
             return False
         nw, _ = self._node_window(w, node, "")
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+            return False
         if len(nw.jobs) < MAX_JOBS_PER_WINDOW:
             nw.jobs.add(job)
         return True
@@ -291,7 +335,7 @@ class Comparator:
                 elif spec.baseline_windows <= 0 or n:
                     res.small_groups.append(SmallGroup(group, m, n))
                 continue
-            vals = sorted(v for _, v, _ in items)
+            vals = self._unit_values(items)
             med = median(vals)
             mad = MAD_SCALE * median(abs(v - med) for v in vals)
             thr = max(cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
@@ -312,10 +356,10 @@ class Comparator:
                     per_node = self.streaks[node] = {}
                 st = per_node.get(m)
                 if st is None:
-                    st = per_node[m] = [0, [], wh]
+                    st = per_node[m] = [0, [], wh, end]
                 st[0] += 1
                 st[1] = (st[1] + [v * b])[-cfg.windows:]
-                st[2] = wh
+                st[2], st[3] = wh, end
                 if st[0] < cfg.windows:
                     continue
                 last = self.reported.get(node, {}).get(m)
@@ -334,13 +378,17 @@ class Comparator:
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
         """Rule 5: learn each member's offset against the group median over its first `need` windows;
         return the members whose offset is known, their values divided by it, and the offsets."""
-        med = median(v for _, v, _ in items)
+        med = median(self._unit_values(items))
         base = self.baselines.setdefault(group, {})
         out: list[tuple[str, float, str]] = []
         scale: dict[str, float] = {}
         for member, v, wh in items:
             b = base.get(member)
             if b is None:
+                if self._baseline_members >= MAX_BASELINE_MEMBERS:
+                    self.dropped["baselines_full"] += 1
+                    continue
+                self._baseline_members += 1
                 b = base[member] = [None, [], end]
             b[2] = end
             if b[0] is None:
@@ -355,14 +403,35 @@ class Comparator:
                 scale[member] = off
         return out, scale
 
+    def _unit_values(self, items: list[tuple[str, float, str]]) -> list[float]:
+        """One value per unit (`unit_of`): the median of the unit's members' values, so whatever
+        one sender reports weighs as one member of the group's median and MAD."""
+        if self.unit_of is None:
+            return [v for _, v, _ in items]
+        by: dict[str, list[float]] = {}
+        for member, v, _ in items:
+            by.setdefault(self.unit_of(member), []).append(v)
+        return [median(vs) for vs in by.values()]
+
     def _forget_baselines(self, t: float) -> None:
+        """Forget offsets `BASELINE_TTL_S` and streaks `STREAK_TTL_S` after they were last used."""
         keep = t - BASELINE_TTL_S
+        n = 0
         for group in list(self.baselines):
             members = {k: b for k, b in self.baselines[group].items() if b[2] >= keep}
+            n += len(members)
             if members:
                 self.baselines[group] = members
             else:
                 del self.baselines[group]
+        self._baseline_members = n
+        keep = t - STREAK_TTL_S
+        for node in list(self.streaks):
+            ms = {m: st for m, st in self.streaks[node].items() if st[3] >= keep}
+            if ms:
+                self.streaks[node] = ms
+            else:
+                del self.streaks[node]
 
     # ------------------------------------------------------------------ state
 
@@ -378,10 +447,13 @@ class Comparator:
         self.reported = {n: {m: float(t) for m, t in ms.items()} for n, ms in state.get("reported", {}).items()}
         self.baselines = {g: {k: [None if b[0] is None else float(b[0]), [float(x) for x in b[1]], float(b[2])]
                               for k, b in ms.items()} for g, ms in state.get("baselines", {}).items()}
+        self._baseline_members = sum(len(ms) for ms in self.baselines.values())
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
             return
         self.last_closed = max(self.last_closed, int(state.get("last_closed", -1)))
-        self.streaks = {n: {m: [int(s[0]), [float(x) for x in s[1]], str(s[2])] for m, s in ms.items()}
+        last_end = (self.last_closed + 1) * self.cfg.window_s
+        self.streaks = {n: {m: [int(s[0]), [float(x) for x in s[1]], str(s[2]),
+                                float(s[3]) if len(s) > 3 else last_end] for m, s in ms.items()}
                         for n, ms in state.get("streaks", {}).items()}
         for w in [x for x in self.open if x <= self.last_closed]:
             del self.open[w]

@@ -50,7 +50,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
 from fleetmend import subjects
-from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, Comparator, WindowResult, finding_event
+from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, MAX_NODES_PER_WINDOW, Comparator, WindowResult, finding_event
 from fleetmend.analyzer.metrics import MetricSpec, derive
 from fleetmend.config import Settings
 from fleetmend.events import MAX_CLOCK_SKEW_S, Component
@@ -80,12 +80,15 @@ own offset (learnt over its first `job_baseline_windows` windows in the job) rem
 
 def job_comparator(cfg: Any) -> Comparator:
     """A `Comparator` of job step times: groups are jobs, keys `<node>/<rank>`, at least
-    `job_min_ranks` ranks. A rank's offset against the job's median is learnt over its first
+    `job_min_ranks` ranks; the job's median and MAD weigh each node as one member (the median of
+    its ranks), so a node claiming many ranks cannot move them by more than one node's weight. A
+    rank's offset against the job's median is learnt over its first
     `job_baseline_windows` windows in the job (a rank slower by design, e.g. rank 0 doing the
     logging, keeps its offset for the job's life and is never slow for it); from then on a rank whose
     step time, divided by its offset, is `job_slow_ratio` above the job's median so divided (and
     beyond `mad_k` MADs) is slow in that window."""
-    c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}))
+    c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}),
+                   unit_of=lambda member: member.rpartition("/")[0])
     c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1,
                                                          baseline_windows=cfg.job_baseline_windows)}
     return c
@@ -136,6 +139,7 @@ class Analyzer:
         self.published: list[str] = []
         """event ids of fail_slow events published by this replica (tests, logs)."""
         self.small_groups: dict[tuple[str, str], int] = {}
+        """(group, metric) → nodes with a value, of the last judged window's groups too small to compare."""
         self.nodes: dict[str, tuple[float, int]] = {}
         """node → (analyzer clock at its last valid perf sample, its GPU count): the nodes that may
         report job steps (bounded: forgotten `KNOWN_NODE_TTL_S` after their last sample)."""
@@ -277,7 +281,8 @@ class Analyzer:
         now = self.clock()
         _busy, derived = derive(sample, self.cfg.busy_util_pct)
         self.samples += 1
-        self.nodes[sample.node] = (now, sample.hw.gpu_count)
+        if sample.node in self.nodes or len(self.nodes) < MAX_NODES_PER_WINDOW:
+            self.nodes[sample.node] = (now, sample.hw.gpu_count)
         return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now)
 
     async def _deadletter(self, msg: Any, reason: str) -> None:
@@ -408,9 +413,12 @@ class Analyzer:
             del self.nodes[node]
 
     def _report_small(self, res: WindowResult, now: float) -> None:
+        """The last judged window's small groups (`small_groups`), each logged once an hour at most."""
+        self.small_groups = {(g.group, g.metric): g.size for g in res.small_groups}
+        for key in [k for k, t in self._small_logged.items() if now - t >= SMALL_GROUP_LOG_EVERY_S]:
+            del self._small_logged[key]
         for g in res.small_groups:
             key = (g.group, g.metric)
-            self.small_groups[key] = g.size
             if now - self._small_logged.get(key, -1e18) >= SMALL_GROUP_LOG_EVERY_S:
                 self._small_logged[key] = now
                 self._log.warning("group_too_small", group=g.group, metric=g.metric, nodes=g.size,
