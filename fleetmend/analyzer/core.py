@@ -9,7 +9,8 @@ clock; the benchmark feeds it simulated days in seconds.
 Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 
 1. A node's value is the median of its samples of that metric in the window (at least
-   `min_samples_per_window` of them): one spike cannot move it. Load-dependent metrics exist only on
+   `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the mean of
+   its middle samples (`window_value`), which resolves finer than one step. Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
    A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
@@ -22,8 +23,9 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    reported (`WindowResult.small_groups`; job groups only counted, `small_job_groups`) and nobody in
    it is judged.
 4. Peer median m and scaled MAD s = 1.4826·median(|x − m|) (a robust σ: up to half the group may be
-   outliers without moving either). The node is an outlier when its gap in the bad direction exceeds
-   max(`mad_k`·s, min_rel·|m|, min_abs).
+   outliers without moving either); for a quantized metric (`MetricSpec.quantum`) the median of the
+   deviations is interpolated within one-quantum bins (`quantized_mad`). The node is an outlier
+   when its gap in the bad direction exceeds max(`mad_k`·s, min_rel·|m|, min_abs).
 5. Own baseline (`MetricSpec.baseline_windows` = b > 0; the step times of a job's ranks). A member's
    ratio to the group median over its first b judged windows in that group is its own offset (rank
    0 of a job may be 10 % slower by design); it is not judged until the offset is known, and from
@@ -321,7 +323,7 @@ class Comparator:
                     key = f"{nw.group} job:{job}"
                 else:
                     key = nw.group
-                groups.setdefault((key, m), []).append((node, median(vals), nw.where[m]))
+                groups.setdefault((key, m), []).append((node, window_value(vals, spec.quantum), nw.where[m]))
         end = (w + 1) * cfg.window_s
         for (group, m), items in groups.items():
             spec = specs[m]
@@ -337,7 +339,7 @@ class Comparator:
                 continue
             vals = self._unit_values(items)
             med = median(vals)
-            mad = MAD_SCALE * median(abs(v - med) for v in vals)
+            mad = MAD_SCALE * quantized_mad(vals, med, spec.quantum)
             thr = max(cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
             low = spec.bad == "low"
             for node, v, wh in items:
@@ -467,6 +469,43 @@ class Comparator:
                 self.reported[node] = ms
             else:
                 del self.reported[node]
+
+
+def window_value(values: list[float], quantum: float = 0.0) -> float:
+    """A node's value of one metric in one window (rule 1): the median of its samples; for a quantized
+    metric (`quantum` > 0) the mean of the middle samples (the lowest and highest fifth left out, at
+    least one each from 3 samples on), which resolves finer than one step (five samples of a clock
+    one 15 MHz step apart give a value between the steps, not one of them) while one spike still
+    cannot move it."""
+    if quantum <= 0 or len(values) < 3:
+        return median(values)
+    s = sorted(values)
+    k = max(1, len(s) // 5)
+    mid = s[k:len(s) - k]
+    return sum(mid) / len(mid)
+
+
+def quantized_mad(values: list[float], med: float, quantum: float) -> float:
+    """Median absolute deviation of `values` from `med` (unscaled), for a metric of resolution `quantum`.
+
+    `quantum` 0: the plain MAD. Otherwise the deviations are grouped into bins of one quantum
+    (bin 0 is [0, q/2), bin k ≥ 1 is [k·q − q/2, k·q + q/2)) and the median is interpolated within its
+    bin (the grouped-data median): a group where 45 % of the nodes sit at the median clock and 55 %
+    one 15 MHz step off gets ~0.6 step, not 1 step (plain MAD) or 0; all at the median gets q/4, a
+    floor from the metric's resolution. For a spread of several quanta it equals the plain MAD to
+    within a fraction of a quantum."""
+    devs = [abs(v - med) for v in values]
+    if quantum <= 0 or not devs:
+        return median(devs) if devs else 0.0
+    bins = Counter(int(d / quantum + 0.5) for d in devs)
+    half, cum = len(devs) / 2, 0
+    for k in sorted(bins):
+        c = bins[k]
+        if cum + c >= half:
+            lo, width = (0.0, quantum / 2) if k == 0 else (k * quantum - quantum / 2, quantum)
+            return lo + (half - cum) / c * width
+        cum += c
+    return median(devs)  # not reached: the bins hold every deviation
 
 
 def finding_event(f: Finding, cluster: str, spec: MetricSpec | None = None) -> FaultEvent:

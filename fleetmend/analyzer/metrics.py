@@ -39,6 +39,11 @@ the hardware class, as before.
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
 | cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
 
+A quantized metric (`MetricSpec.quantum`: SM clocks in 15 MHz steps, temperature in 1 °C) takes
+its group's MAD as the interpolated median of the deviations (`core.quantized_mad`): with half the
+peers one step off the median the plain MAD is a whole step and 6 MADs would be ~7 % of the clock,
+hiding a 5 % slowdown; the interpolated one is about half a step, and never below a quarter step.
+
 Every value also has a physical range (`MetricSpec.lo`..`hi`: fractions 0..1, ratios 0..1.1, rates
 and counts ≥ 0, temperature −40..150 °C); the comparator drops a value outside it, or one that is
 not finite, before any median sees it (counted by reason, `Comparator.dropped`).
@@ -68,6 +73,7 @@ class MetricSpec:
     baseline_windows: > 0: each member is first measured against the group for this many judged
     windows, and from then on judged with that offset removed (a job's rank 0 slower by design is
     not slow; `Comparator`).
+    quantum: the resolution of the value (below).
     """
 
     name: str
@@ -82,10 +88,20 @@ class MetricSpec:
     lo: float = 0.0
     hi: float = math.inf
     baseline_windows: int = 0
+    quantum: float = 0.0
+    """The metric's resolution in its own units (0: continuous): SM clocks move in 15 MHz steps, so
+    `sm_clock_ratio` moves in steps of 15 MHz / ~2,000 MHz; temperatures in 1 °C. The group's MAD of a
+    quantized metric is the grouped-data (interpolated) median of the deviations (`core.quantized_mad`),
+    never 0 and never a whole step because half the peers sit one step off."""
 
 
 WORK = True
 HW_OWN = False
+SM_CLOCK_STEP_MHZ = 15.0
+"""NVIDIA GPUs set SM clocks in 15 MHz steps (NVML `nvmlDeviceGetSupportedGraphicsClocks`)."""
+SM_CLOCK_MAX_TYPICAL_MHZ = 1980.0
+"""H100/H200 SXM maximum SM clock: one clock step is 0.76 % of it (1.06 % on an A100 at 1,410 MHz,
+where the interpolated MAD is a little pessimistic, never a whole step)."""
 
 
 def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
@@ -93,7 +109,8 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
     G, P, N, IB, C = Component.GPU, Component.PCIE, Component.NVLINK, Component.IB, Component.CPU
     rows = [
         S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max", WORK,
-          "boost clocks under load follow the power the job's kernels draw", hi=1.1),
+          "boost clocks under load follow the power the job's kernels draw", hi=1.1,
+          quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ),
         S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
           "an external power-brake signal is never asked for by a job", hi=1.0),
         S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
@@ -103,7 +120,7 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
           "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
         S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
-          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C),
+          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C, quantum=1.0),
         S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
           "the width a link trained at does not depend on traffic", hi=1.0),
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
