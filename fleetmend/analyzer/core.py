@@ -10,7 +10,9 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 
 1. A node's value is the median of its samples of that metric in the window (at least
    `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the mean of
-   its middle samples (`window_value`), which resolves finer than one step. Load-dependent metrics exist only on
+   its middle samples (`window_value`), which resolves finer than one step; of a bursty error
+   counter, the rate a quarter of its samples of the last `windows` windows reach (how often it
+   bursts, not a median of 0; `_pooled_bursts`). Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
    A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
@@ -190,6 +192,8 @@ class Comparator:
         self.streaks: dict[str, dict[str, list[Any]]] = {}
         """node → metric → [count, [values], where, epoch seconds of its last outlier window]."""
         self._baseline_members = 0
+        self._bursts: dict[str, dict[str, deque[tuple[int, list[float]]]]] = {}
+        """node → bursty metric → (samples, highest values) of its last `windows` windows."""
         self.reported: dict[str, dict[str, float]] = {}
         """node → metric → epoch seconds of the last report."""
         self.baselines: dict[str, dict[str, list[Any]]] = {}
@@ -308,6 +312,7 @@ class Comparator:
         groups: dict[tuple[str, str], list[tuple[str, float, str]]] = {}
         min_n = cfg.min_samples_per_window
         specs = self.specs
+        seen_bursty: set[tuple[str, str]] = set()
         for node, nw in nodes.items():
             job = next(iter(nw.jobs)) if len(nw.jobs) == 1 else None
             for m, vals in nw.values.items():
@@ -323,7 +328,17 @@ class Comparator:
                     key = f"{nw.group} job:{job}"
                 else:
                     key = nw.group
-                groups.setdefault((key, m), []).append((node, window_value(vals, spec.quantum), nw.where[m]))
+                if spec.bursty:
+                    value = self._pooled_bursts(node, m, vals, seen_bursty)
+                else:
+                    value = window_value(vals, spec.quantum)
+                groups.setdefault((key, m), []).append((node, value, nw.where[m]))
+        for node in list(self._bursts):  # bounded by the nodes of the last window
+            kept = {m: h for m, h in self._bursts[node].items() if (node, m) in seen_bursty}
+            if kept:
+                self._bursts[node] = kept
+            else:
+                del self._bursts[node]
         end = (w + 1) * cfg.window_s
         for (group, m), items in groups.items():
             spec = specs[m]
@@ -375,6 +390,19 @@ class Comparator:
                     baseline=scale.get(node)))
         self._forget_baselines(end)
         return res
+
+    def _pooled_bursts(self, node: str, m: str, vals: list[float], seen: set[tuple[str, str]]) -> float:
+        """A bursty counter's value: `window_value(..., bursty=True)` over the node's samples of its
+        last `windows` windows pooled (bursts in a third of the samples come 1 or 2 to a window of 5;
+        pooled over 3 windows they are 5 of 15, past the quarter, while one burst a window is 3 of 15).
+        Each window keeps its highest `BURST_KEEP` values and its sample count."""
+        seen.add((node, m))
+        hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=self.cfg.windows))
+        hist.append((len(vals), sorted(vals, reverse=True)[:BURST_KEEP]))
+        n = sum(c for c, _ in hist)
+        top = sorted((v for _, tops in hist for v in tops), reverse=True)
+        k = max(2, math.ceil(BURST_SHARE * n))
+        return top[k - 1] if k <= len(top) else 0.0
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
@@ -471,12 +499,26 @@ class Comparator:
                 del self.reported[node]
 
 
-def window_value(values: list[float], quantum: float = 0.0) -> float:
+BURST_SHARE = 0.25
+"""A bursty counter's window value is the rate at least this share of the node's samples reach
+(the ⌈share·n⌉-th highest): with 5 samples, 2 must burst, so one burst never counts."""
+
+
+BURST_KEEP = 48
+"""Highest values of a bursty counter kept per node and window (a quarter of 3 windows of 64)."""
+
+
+def window_value(values: list[float], quantum: float = 0.0, bursty: bool = False) -> float:
     """A node's value of one metric in one window (rule 1): the median of its samples; for a quantized
     metric (`quantum` > 0) the mean of the middle samples (the lowest and highest fifth left out, at
     least one each from 3 samples on), which resolves finer than one step (five samples of a clock
     one 15 MHz step apart give a value between the steps, not one of them) while one spike still
-    cannot move it."""
+    cannot move it. Of a `bursty` counter: the ⌈`BURST_SHARE`·n⌉-th highest sample, so a counter is
+    judged by how often it bursts (a third of the samples) rather than by a median that stays 0
+    (and one burst among five samples still counts as nothing)."""
+    if bursty:
+        s = sorted(values, reverse=True)
+        return s[min(len(s), max(2, math.ceil(BURST_SHARE * len(s)))) - 1]
     if quantum <= 0 or len(values) < 3:
         return median(values)
     s = sorted(values)

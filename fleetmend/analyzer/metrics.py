@@ -39,6 +39,12 @@ the hardware class, as before.
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
 | cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
 
+An error counter that comes in bursts (`MetricSpec.bursty`: replays, NVLink and IB errors, link
+recoveries, corrected ECC, CPU throttles) is judged by how often it exceeds, not by its window
+median: its value is the rate a quarter of the node's samples of its last `windows` windows reach
+(`core.BURST_SHARE`, at least two samples), so symbol-error bursts in a third of the samples count
+while one burst in every window (3 of 15 samples at one sample a minute) does not.
+
 A quantized metric (`MetricSpec.quantum`: SM clocks in 15 MHz steps, temperature in 1 °C) takes
 its group's MAD as the interpolated median of the deviations (`core.quantized_mad`): with half the
 peers one step off the median the plain MAD is a whole step and 6 MADs would be ~7 % of the clock,
@@ -88,6 +94,9 @@ class MetricSpec:
     lo: float = 0.0
     hi: float = math.inf
     baseline_windows: int = 0
+    bursty: bool = False
+    """An error counter that comes in bursts: judged by how often it exceeds, not by a window
+    median (`core.window_value`: the value a quarter of the node's samples reach)."""
     quantum: float = 0.0
     """The metric's resolution in its own units (0: continuous): SM clocks move in 15 MHz steps, so
     `sm_clock_ratio` moves in steps of 15 MHz / ~2,000 MHz; temperatures in 1 °C. The group's MAD of a
@@ -126,25 +135,25 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
           "a busy GPU's link runs at its maximum generation under any work", hi=1.0),
         S("pcie_replay_per_min", "high", False, 0.0, 5.0, P, "PCIe replays /min", HW_OWN,
-          "replays are link errors, not load"),
+          "replays are link errors, not load", bursty=True),
         S("nvlink_errors_per_min", "high", False, 0.0, 10.0, N, "NVLink CRC/replay/recovery /min", HW_OWN,
-          "CRC/replay/recovery are link errors, not load"),
+          "CRC/replay/recovery are link errors, not load", bursty=True),
         S("nvlink_down", "high", False, 0.0, 0.5, N, "NVLinks down", HW_OWN,
           "links up against links present does not depend on the job"),
         S("ecc_corrected_per_min", "high", False, 0.0, 1.0, G, "corrected ECC errors /min", HW_OWN,
-          "memory errors, not load"),
+          "memory errors, not load", bursty=True),
         S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, IB, "IB symbol errors /min", HW_OWN,
-          "physical-layer errors, not traffic"),
+          "physical-layer errors, not traffic", bursty=True),
         S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, IB, "IB link recoveries+downs /min", HW_OWN,
-          "link retrains are no traffic pattern"),
+          "link retrains are no traffic pattern", bursty=True),
         S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, IB, "IB receive errors /min", HW_OWN,
-          "malformed packets are errors, not load"),
+          "malformed packets are errors, not load", bursty=True),
         S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
           "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
           "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
-          "a healthy, cooled CPU rarely throttles under any load"),
+          "a healthy, cooled CPU rarely throttles under any load", bursty=True),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
           "turbo frequency depends on how many cores the job keeps busy", hi=4.0),
     ]
