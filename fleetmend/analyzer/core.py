@@ -9,8 +9,8 @@ clock; the benchmark feeds it simulated days in seconds.
 Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 
 1. A node's value is the median of its samples of that metric in the window (at least
-   `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the mean of
-   its middle samples (`window_value`), which resolves finer than one step; of a bursty error
+   `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the
+   interpolated median (`window_value`), which resolves finer than one step; of a bursty error
    counter, the rate a quarter of its samples of the last `windows` windows reach (how often it
    bursts, not a median of 0; `_pooled_bursts`). Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
@@ -22,8 +22,10 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    misses a finding than drains a healthy node because its work differs from its neighbours'.
    Those skipped judgements are counted (`WindowResult.no_job`).
 3. Fewer than `min_group_size` nodes with a value: the group is too small to compare; it is
-   reported (`WindowResult.small_groups`; job groups only counted, `small_job_groups`) and nobody in
-   it is judged.
+   reported (`WindowResult.small_groups`, with how it was judged instead; job groups only counted,
+   `small_job_groups`, and not judged). A hardware group's nodes are judged alone
+   (`_judge_alone`): against the class's fixed expectation (`MetricSpec.expected`) where the metric
+   has one, else each against its own history, with the metric's floors.
 4. Peer median m and scaled MAD s = 1.4826·median(|x − m|) (a robust σ: up to half the group may be
    outliers without moving either); for a quantized metric (`MetricSpec.quantum`) the median of the
    deviations is interpolated within one-quantum bins (`quantized_mad`). The node is an outlier
@@ -105,9 +107,31 @@ class Finding:
 
 @dataclass
 class SmallGroup:
+    """A (group, metric) with fewer than `min_group_size` nodes; `judged`: how its nodes were judged
+    instead (`expected`: the class's fixed expectation, `own_history`: each against its own past;
+    "": not at all)."""
+
     group: str
     metric: str
     size: int
+    judged: str = ""
+
+
+@dataclass
+class _Judged:
+    """One node's judgement of one metric in one window, before streaks are counted."""
+
+    node: str
+    metric: str
+    value: float
+    where: str
+    group: str
+    size: int
+    median: float
+    mad: float
+    threshold: float
+    outlier: bool
+    baseline: float | None
 
 
 @dataclass
@@ -142,6 +166,8 @@ a flood of made-up names (a NATS without per-node credentials) cannot grow the m
 MAX_BASELINE_MEMBERS = 200_000
 """Members whose own offset (rule 5) is learnt at once, over all groups; a new member beyond is not
 judged until room is made (`dropped["baselines_full"]`)."""
+OWN_HISTORY_WINDOWS = 3
+"""Windows a node of a group too small to compare is measured before its own history judges it."""
 STREAK_TTL_S = 3600.0
 """A streak whose node has not been judged on that metric for this long is forgotten (the node left):
 streaks are bounded by the nodes seen in the last hour."""
@@ -192,6 +218,9 @@ class Comparator:
         self.streaks: dict[str, dict[str, list[Any]]] = {}
         """node → metric → [count, [values], where, epoch seconds of its last outlier window]."""
         self._baseline_members = 0
+        self.own: dict[str, dict[str, list[Any]]] = {}
+        """node → metric → [its own reference or None, [values so far], epoch seconds last judged]
+        (rule 3: a group too small to compare)."""
         self._bursts: dict[str, dict[str, deque[tuple[int, list[float]]]]] = {}
         """node → bursty metric → (samples, highest values) of its last `windows` windows."""
         self.reported: dict[str, dict[str, float]] = {}
@@ -340,6 +369,7 @@ class Comparator:
             else:
                 del self._bursts[node]
         end = (w + 1) * cfg.window_s
+        judged: list[_Judged] = []
         for (group, m), items in groups.items():
             spec = specs[m]
             scale: dict[str, float] = {}
@@ -349,8 +379,14 @@ class Comparator:
             if n < cfg.min_group_size:
                 if spec.work_dependent and " job:" in group:
                     res.small_job_groups += 1
-                elif spec.baseline_windows <= 0 or n:
-                    res.small_groups.append(SmallGroup(group, m, n))
+                    continue
+                if spec.baseline_windows > 0:
+                    if n:
+                        res.small_groups.append(SmallGroup(group, m, n))
+                    continue
+                res.small_groups.append(SmallGroup(group, m, n, "expected" if spec.expected is not None
+                                                   else "own_history"))
+                judged += self._judge_alone(group, m, spec, items, end)
                 continue
             vals = self._unit_values(items)
             med = median(vals)
@@ -358,41 +394,80 @@ class Comparator:
             thr = max(cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
             low = spec.bad == "low"
             for node, v, wh in items:
-                res.judged += 1
                 gap = (med - v) if low else (v - med)
-                per_node = self.streaks.get(node)
-                if gap <= thr:
-                    if per_node and m in per_node:
-                        del per_node[m]
-                        if not per_node:
-                            del self.streaks[node]
-                    continue
-                res.outliers += 1
-                b = scale.get(node, 1.0)
-                if per_node is None:
-                    per_node = self.streaks[node] = {}
-                st = per_node.get(m)
-                if st is None:
-                    st = per_node[m] = [0, [], wh, end]
-                st[0] += 1
-                st[1] = (st[1] + [v * b])[-cfg.windows:]
-                st[2], st[3] = wh, end
-                if st[0] < cfg.windows:
-                    continue
-                last = self.reported.get(node, {}).get(m)
-                if last is not None and end - last < cfg.reopen_after_s:
-                    continue
-                self.reported.setdefault(node, {})[m] = end
-                res.findings.append(Finding(
-                    node=node, metric=m, value=v * b, peer_median=med * b, ratio=(v / med) if med else None,
-                    windows=st[0], group=group, group_size=n, where=wh, threshold=thr * b, mad=mad * b,
-                    window_end=end, window_s=cfg.window_s, values=list(st[1]),
-                    baseline=scale.get(node)))
+                judged.append(_Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, scale.get(node)))
+        for j in self._explain(res, judged, end):
+            self._count(res, j, end)
         self._forget_baselines(end)
         return res
 
+    def _judge_alone(self, group: str, m: str, spec: MetricSpec, items: list[tuple[str, float, str]],
+                     end: float) -> list[_Judged]:
+        """Rule 3: a group too small to compare is judged against the class's fixed expectation
+        (`MetricSpec.expected`: a link at its maximum width and generation, no NVLink down, error
+        counters and brake shares at 0) with the metric's floors; without one, each node against its
+        own history (the median of its first `OWN_HISTORY_WINDOWS` judged windows), with the floors."""
+        out = []
+        low = spec.bad == "low"
+        for node, v, wh in items:
+            if spec.expected is not None:
+                ref, basis = spec.expected, "expected"
+            else:
+                h = self.own.setdefault(node, {}).get(m)
+                if h is None:
+                    h = self.own[node][m] = [None, [], end]
+                h[2] = end
+                if h[0] is None:
+                    h[1].append(v)
+                    if len(h[1]) >= OWN_HISTORY_WINDOWS:
+                        h[0], h[1] = median(h[1]), []
+                    continue
+                ref, basis = float(h[0]), "own_history"
+            thr = max(spec.min_rel * abs(ref), spec.min_abs)
+            gap = (ref - v) if low else (v - ref)
+            out.append(_Judged(node, m, v, wh, f"{group} ({basis})", len(items), ref, 0.0, thr, gap > thr, None))
+        return out
+
+    def _explain(self, res: WindowResult, judged: list[_Judged], end: float) -> list[_Judged]:
+        """The judgements whose streaks count (hook for domain and version findings)."""
+        return judged
+
+    def _count(self, res: WindowResult, j: _Judged, end: float) -> None:
+        """Rule 6: count an outlier window, reset on a judged normal one, report at `windows`."""
+        cfg = self.cfg
+        node, m = j.node, j.metric
+        res.judged += 1
+        per_node = self.streaks.get(node)
+        if not j.outlier:
+            if per_node and m in per_node:
+                del per_node[m]
+                if not per_node:
+                    del self.streaks[node]
+            return
+        res.outliers += 1
+        b = 1.0 if j.baseline is None else j.baseline
+        if per_node is None:
+            per_node = self.streaks[node] = {}
+        st = per_node.get(m)
+        if st is None:
+            st = per_node[m] = [0, [], j.where, end]
+        st[0] += 1
+        st[1] = (st[1] + [j.value * b])[-cfg.windows:]
+        st[2], st[3] = j.where, end
+        if st[0] < cfg.windows:
+            return
+        last = self.reported.get(node, {}).get(m)
+        if last is not None and end - last < cfg.reopen_after_s:
+            return
+        self.reported.setdefault(node, {})[m] = end
+        res.findings.append(Finding(
+            node=node, metric=m, value=j.value * b, peer_median=j.median * b,
+            ratio=(j.value / j.median) if j.median else None, windows=st[0], group=j.group,
+            group_size=j.size, where=j.where, threshold=j.threshold * b, mad=j.mad * b, window_end=end,
+            window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline))
+
     def _pooled_bursts(self, node: str, m: str, vals: list[float], seen: set[tuple[str, str]]) -> float:
-        """A bursty counter's value: `window_value(..., bursty=True)` over the node's samples of its
+        """A bursty counter's value: `burst_value` over the node's samples of its
         last `windows` windows pooled (bursts in a third of the samples come 1 or 2 to a window of 5;
         pooled over 3 windows they are 5 of 15, past the quarter, while one burst a window is 3 of 15).
         Each window keeps its highest `BURST_KEEP` values and its sample count."""
@@ -400,9 +475,8 @@ class Comparator:
         hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=self.cfg.windows))
         hist.append((len(vals), sorted(vals, reverse=True)[:BURST_KEEP]))
         n = sum(c for c, _ in hist)
-        top = sorted((v for _, tops in hist for v in tops), reverse=True)
-        k = max(2, math.ceil(BURST_SHARE * n))
-        return top[k - 1] if k <= len(top) else 0.0
+        top = [v for _, tops in hist for v in tops]
+        return burst_value(top + [0.0] * (n - len(top)))  # the values not kept are below every kept one
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
@@ -455,6 +529,12 @@ class Comparator:
             else:
                 del self.baselines[group]
         self._baseline_members = n
+        for node in list(self.own):
+            ms = {m: h for m, h in self.own[node].items() if h[2] >= keep}
+            if ms:
+                self.own[node] = ms
+            else:
+                del self.own[node]
         keep = t - STREAK_TTL_S
         for node in list(self.streaks):
             ms = {m: st for m, st in self.streaks[node].items() if st[3] >= keep}
@@ -468,7 +548,7 @@ class Comparator:
     def to_state(self) -> dict[str, Any]:
         """JSON-ready state: last judged window, streaks with evidence, report times, baselines."""
         return {"version": 1, "last_closed": self.last_closed, "window_s": self.cfg.window_s,
-                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines}
+                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines, "own": self.own}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Adopt a state written by `to_state` (a restart, or a standby taking over). A state written
@@ -478,6 +558,8 @@ class Comparator:
         self.baselines = {g: {k: [None if b[0] is None else float(b[0]), [float(x) for x in b[1]], float(b[2])]
                               for k, b in ms.items()} for g, ms in state.get("baselines", {}).items()}
         self._baseline_members = sum(len(ms) for ms in self.baselines.values())
+        self.own = {n: {m: [None if h[0] is None else float(h[0]), [float(x) for x in h[1]], float(h[2])]
+                        for m, h in ms.items()} for n, ms in state.get("own", {}).items()}
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
             return
         self.last_closed = max(self.last_closed, int(state.get("last_closed", -1)))
@@ -508,23 +590,32 @@ BURST_KEEP = 48
 """Highest values of a bursty counter kept per node and window (a quarter of 3 windows of 64)."""
 
 
-def window_value(values: list[float], quantum: float = 0.0, bursty: bool = False) -> float:
+def window_value(values: list[float], quantum: float = 0.0) -> float:
     """A node's value of one metric in one window (rule 1): the median of its samples; for a quantized
-    metric (`quantum` > 0) the mean of the middle samples (the lowest and highest fifth left out, at
-    least one each from 3 samples on), which resolves finer than one step (five samples of a clock
-    one 15 MHz step apart give a value between the steps, not one of them) while one spike still
-    cannot move it. Of a `bursty` counter: the ⌈`BURST_SHARE`·n⌉-th highest sample, so a counter is
-    judged by how often it bursts (a third of the samples) rather than by a median that stays 0
-    (and one burst among five samples still counts as nothing)."""
-    if bursty:
-        s = sorted(values, reverse=True)
-        return s[min(len(s), max(2, math.ceil(BURST_SHARE * len(s)))) - 1]
-    if quantum <= 0 or len(values) < 3:
-        return median(values)
-    s = sorted(values)
-    k = max(1, len(s) // 5)
-    mid = s[k:len(s) - k]
-    return sum(mid) / len(mid)
+    metric (`quantum` > 0) the grouped-data (interpolated) median, which resolves finer than one step
+    (five samples of a clock, three at one 15 MHz step and two one step below, give a third of a
+    step below the upper one, not one of the steps) and, like the median, ignores up to half the
+    samples however far off (two clock dips among five move it by less than one step)."""
+    med = median(values)
+    if quantum <= 0 or len(values) < 2:
+        return med
+    bins = Counter(round((v - med) / quantum) for v in values)  # steps from the median
+    half, cum = len(values) / 2, 0
+    for k in sorted(bins):
+        c = bins[k]
+        if cum + c >= half:
+            return med + (k - 0.5) * quantum + (half - cum) / c * quantum
+        cum += c
+    return med  # not reached: the bins hold every value
+
+
+def burst_value(values: list[float]) -> float:
+    """A bursty counter's value over some samples: the ⌈`BURST_SHARE`·n⌉-th highest (at least the
+    second highest), so it is judged by how often it bursts rather than by a median that stays 0,
+    and one burst counts as nothing."""
+    s = sorted(values, reverse=True)
+    k = max(2, math.ceil(BURST_SHARE * len(s)))
+    return s[k - 1] if k <= len(s) else 0.0
 
 
 def quantized_mad(values: list[float], med: float, quantum: float) -> float:

@@ -39,6 +39,12 @@ the hardware class, as before.
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
 | cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
 
+A group too small to compare (fewer than `min_group_size` nodes: a 5-node class, a lone new GPU
+model) is still judged: a hardware-own metric with a fixed expectation (`MetricSpec.expected`: PCIe
+at its maximum width and generation, no NVLink down, error counters and brake/slowdown shares at 0)
+against that, with the floors; the port rate, which has none, against the node's own history (the
+median of its first 3 windows). The analyzer lists such groups with how they were judged.
+
 An error counter that comes in bursts (`MetricSpec.bursty`: replays, NVLink and IB errors, link
 recoveries, corrected ECC, CPU throttles) is judged by how often it exceeds, not by its window
 median: its value is the rate a quarter of the node's samples of its last `windows` windows reach
@@ -94,6 +100,9 @@ class MetricSpec:
     lo: float = 0.0
     hi: float = math.inf
     baseline_windows: int = 0
+    expected: float | None = None
+    """The class's fixed expectation of healthy hardware (a link at max width: 1.0; no link down, no
+    error, no brake: 0.0): a group too small to compare is judged against it, with the floors."""
     bursty: bool = False
     """An error counter that comes in bursts: judged by how often it exceeds, not by a window
     median (`core.window_value`: the value a quarter of the node's samples reach)."""
@@ -121,39 +130,39 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
           "boost clocks under load follow the power the job's kernels draw", hi=1.1,
           quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ),
         S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
-          "an external power-brake signal is never asked for by a job", hi=1.0),
+          "an external power-brake signal is never asked for by a job", hi=1.0, expected=0.0),
         S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
-          "HW slowdown is a power/thermal emergency under any work", hi=1.0),
+          "HW slowdown is a power/thermal emergency under any work", hi=1.0, expected=0.0),
         S("thermal_frac", "high", True, 0.0, 0.05, G, "time in thermal slowdown", HW_OWN,
-          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0),
+          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0, expected=0.0),
         S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
           "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
         S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
           "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C, quantum=1.0),
         S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
-          "the width a link trained at does not depend on traffic", hi=1.0),
+          "the width a link trained at does not depend on traffic", hi=1.0, expected=1.0),
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
-          "a busy GPU's link runs at its maximum generation under any work", hi=1.0),
+          "a busy GPU's link runs at its maximum generation under any work", hi=1.0, expected=1.0),
         S("pcie_replay_per_min", "high", False, 0.0, 5.0, P, "PCIe replays /min", HW_OWN,
-          "replays are link errors, not load", bursty=True),
+          "replays are link errors, not load", bursty=True, expected=0.0),
         S("nvlink_errors_per_min", "high", False, 0.0, 10.0, N, "NVLink CRC/replay/recovery /min", HW_OWN,
-          "CRC/replay/recovery are link errors, not load", bursty=True),
+          "CRC/replay/recovery are link errors, not load", bursty=True, expected=0.0),
         S("nvlink_down", "high", False, 0.0, 0.5, N, "NVLinks down", HW_OWN,
-          "links up against links present does not depend on the job"),
+          "links up against links present does not depend on the job", expected=0.0),
         S("ecc_corrected_per_min", "high", False, 0.0, 1.0, G, "corrected ECC errors /min", HW_OWN,
-          "memory errors, not load", bursty=True),
+          "memory errors, not load", bursty=True, expected=0.0),
         S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, IB, "IB symbol errors /min", HW_OWN,
-          "physical-layer errors, not traffic", bursty=True),
+          "physical-layer errors, not traffic", bursty=True, expected=0.0),
         S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, IB, "IB link recoveries+downs /min", HW_OWN,
-          "link retrains are no traffic pattern", bursty=True),
+          "link retrains are no traffic pattern", bursty=True, expected=0.0),
         S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, IB, "IB receive errors /min", HW_OWN,
-          "malformed packets are errors, not load", bursty=True),
+          "malformed packets are errors, not load", bursty=True, expected=0.0),
         S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
           "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
           "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
-          "a healthy, cooled CPU rarely throttles under any load", bursty=True),
+          "a healthy, cooled CPU rarely throttles under any load", bursty=True, expected=0.0),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
           "turbo frequency depends on how many cores the job keeps busy", hi=4.0),
     ]

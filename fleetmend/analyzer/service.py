@@ -422,8 +422,9 @@ class Analyzer:
             if now - self._small_logged.get(key, -1e18) >= SMALL_GROUP_LOG_EVERY_S:
                 self._small_logged[key] = now
                 self._log.warning("group_too_small", group=g.group, metric=g.metric, nodes=g.size,
-                                  min_group_size=self.cfg.min_group_size,
-                                  hint="not judged: fewer comparable nodes than analyzer.min_group_size")
+                                  min_group_size=self.cfg.min_group_size, judged=g.judged or "not judged",
+                                  hint="fewer comparable nodes than analyzer.min_group_size: judged against "
+                                       "the class's fixed expectation or each node's own history")
 
     async def run(self, stop: asyncio.Event, tick_s: float = 1.0, started: bool = False) -> None:
         """`start` (unless `started`), then `tick` every `tick_s` (at most `lease_ttl_s / 3` apart, so
