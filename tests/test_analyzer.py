@@ -183,7 +183,7 @@ class Clock:
 
 async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, unique) -> None:
     from fleetmend import subjects
-    from fleetmend.analyzer.service import Analyzer, analyzer_kv, lease_key
+    from fleetmend.analyzer.service import Analyzer, analyzer_kv, lease_key, status_key
     from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
 
     cluster = f"fs{unique}"
@@ -228,12 +228,17 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     rec = json.loads(dl.data)
     assert rec["subject"] == subjects.perf_subject(cluster, "n1") and "invalid perf sample" in rec["reason"]
 
+    # a node whose clock is 2 minutes behind: its sample lands in a judged window, dropped and named
+    late = _sample("n3", start + 1, 96, 0.985).model_copy(update={"cluster": cluster, "node": "n3"})
+    await nc.publish(subjects.perf_subject(cluster, "n3"), late.to_json_bytes())
+    await nc.flush()
+    await assert_eventually(lambda: b.samples == 61, timeout_s=10)
     # the active replica stops (no release, no more samples); the standby takes over after the TTL
     await a._sub.unsubscribe()
     for m in range(6, 9):
         await publish_minute(m)
     await nc.flush()
-    await assert_eventually(lambda: b.samples == 90, timeout_s=10)
+    await assert_eventually(lambda: b.samples == 91, timeout_s=10)
     clock.t = start + 180 + 10
     assert await a.lease() is True  # its last renewal before it dies
     res = await b.tick()  # lease still a's (not expired): judges, publishes nothing
@@ -245,7 +250,7 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     for m in range(9, 12):
         await publish_minute(m)
     await nc.flush()
-    await assert_eventually(lambda: b.samples == 120, timeout_s=10)
+    await assert_eventually(lambda: b.samples == 121, timeout_s=10)
     clock.t = start + 240 + 10
     await b.tick()
     assert len(b.published) == 1
@@ -253,6 +258,9 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     ev = FaultEvent.from_json_bytes(msg.data)
     assert ev.kind == "fail_slow" and ev.node == "n0" and ev.attrs["metric"] == "power_brake_frac"
     assert ev.event_id == b.published[0]
+    status = json.loads((await kv.get(status_key(cluster))).value)  # written by the active replica
+    assert status["holder"] == "b" and status["window_end"] == start + 240
+    assert status["clock_skew"] == {"n3": {"late": 1}} and status["clock_skew_nodes"] == 1
     entry = await kv.get(lease_key(cluster))
     assert json.loads(entry.value)["holder"] == "b"
     await b.release()

@@ -227,6 +227,8 @@ class Comparator:
         """node → metric → epoch seconds of the last report."""
         self.baselines: dict[str, dict[str, list[Any]]] = {}
         """group → member → [offset or None, [ratios so far], epoch seconds last judged] (rule 5)."""
+        self.skewed: dict[str, Counter[str]] = {}
+        """Node → reason → samples of that node dropped for their time (`take_skewed`)."""
         self.dropped: Counter[str] = Counter()
         """Reason → samples or values dropped at the door: `late` (window judged), `future`, `stale`,
         `flood`, `non_finite:<metric>`, `out_of_range:<metric>`."""
@@ -238,23 +240,35 @@ class Comparator:
     def window_of(self, t: float) -> int:
         return int(t // self.cfg.window_s)
 
-    def _admit(self, t: float, now: float | None) -> int | None:
-        """The window of time `t`, or None (counted in `dropped`) when it cannot be filed."""
+    def _admit(self, t: float, now: float | None, node: str) -> int | None:
+        """The window of time `t`, or None (counted in `dropped`, and per node in `skewed`) when it
+        cannot be filed."""
         if not math.isfinite(t):
             self.dropped["non_finite:time"] += 1
             return None
-        if now is not None:
-            if t > now + self.max_skew_s:
-                self.dropped["future"] += 1
-                return None
-            if t < now - self.cfg.window_s - self.cfg.grace_s - self.max_skew_s:
-                self.dropped["stale"] += 1
-                return None
-        w = int(t // self.cfg.window_s)
-        if w <= self.last_closed:
-            self.dropped["late"] += 1
-            return None
-        return w
+        reason = None
+        if now is not None and t > now + self.max_skew_s:
+            reason = "future"
+        elif now is not None and t < now - self.cfg.window_s - self.cfg.grace_s - self.max_skew_s:
+            reason = "stale"
+        elif t // self.cfg.window_s <= self.last_closed:
+            reason = "late"
+        if reason is None:
+            return int(t // self.cfg.window_s)
+        self.dropped[reason] += 1
+        per = self.skewed.get(node)
+        if per is None and len(self.skewed) < MAX_NODES_PER_WINDOW:
+            per = self.skewed[node] = Counter()
+        if per is not None:
+            per[reason] += 1
+        return None
+
+    def take_skewed(self) -> dict[str, dict[str, int]]:
+        """Node → reason (`late`, `future`: early, `stale`) → samples dropped since the last call
+        (and forget them): a node whose clock is behind or ahead is named, not silently dropped."""
+        out = {n: dict(c) for n, c in self.skewed.items()}
+        self.skewed.clear()
+        return out
 
     def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow | None, bool]:
         """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made
@@ -276,7 +290,7 @@ class Comparator:
         judged (late), it is dated beyond the clock skew ahead of `now` (future) or before any window
         still open (stale), or its node filled the window (flood); each counted in `dropped`. Values
         that are not finite or outside their metric's range are dropped one by one (counted)."""
-        w = self._admit(t, now)
+        w = self._admit(t, now, node)
         if w is None:
             return False
         nw, new = self._node_window(w, node, group)
@@ -314,7 +328,7 @@ class Comparator:
     def note_job(self, node: str, job: str, t: float, now: float | None = None) -> bool:
         """Record that `node` ran `job` at epoch `t` (it reported a step time then): in that window its
         work-dependent metrics are compared with the other nodes of `job`. Same time rules as `add`."""
-        w = self._admit(t, now)
+        w = self._admit(t, now, node)
         if w is None:
             return False
         nw, _ = self._node_window(w, node, "")

@@ -25,9 +25,14 @@
   than one node, or for more ranks than the node has GPUs (rows of a node that sent no perf sample
   are dropped and counted). Samples and steps dated beyond the clock skew
   ahead of this replica's clock, or before any open window, are dropped and counted
-  (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`). A group too small to
-  compare is logged (once an hour per group and metric) and counted in
+  (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`), and per node: the
+  nodes whose samples were dropped for their time are logged after each window
+  (`analyzer_clock_skew`) and listed in the status. A group too small to compare is logged (once an
+  hour per group and metric) with how it was judged instead, and counted in
   `fleetmend_analyzer_small_groups`.
+- Status `status.<cluster>` (`Analyzer.status`: small groups and how they were judged, nodes with
+  late or early samples) is written by the active replica after every judged window:
+  `nats kv get fleetmend_analyzer status.<cluster>`.
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ from fleetmend.telemetry import PerfSample
 log = structlog.get_logger("fleetmend.analyzer")
 
 SMALL_GROUP_LOG_EVERY_S = 3600.0
+SKEW_KEEP_S = 3600.0
+"""A node's samples dropped for their time are listed in the status for this long after the last."""
+STATUS_MAX_NODES = 200
+"""Nodes (and small groups) listed in the status at most, the worst first (a KV value stays small)."""
 DROPPED_LOG_EVERY_S = 60.0
 MAX_SAMPLE_BYTES = 256 * 1024
 MAX_STEP_SECONDS = 86400.0
@@ -92,6 +101,11 @@ def job_comparator(cfg: Any) -> Comparator:
     c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1,
                                                          baseline_windows=cfg.job_baseline_windows)}
     return c
+
+
+def status_key(cluster: str) -> str:
+    """`status.<cluster>`: what the active analyzer judged last (`Analyzer.status`)."""
+    return f"status.{cluster}"
 
 
 def lease_key(cluster: str) -> str:
@@ -140,6 +154,8 @@ class Analyzer:
         """event ids of fail_slow events published by this replica (tests, logs)."""
         self.small_groups: dict[tuple[str, str], int] = {}
         """(group, metric) → nodes with a value, of the last judged window's groups too small to compare."""
+        self.small_groups_judged: dict[tuple[str, str], tuple[int, str]] = {}
+        """The same → (nodes, how they were judged instead: `expected`, `own_history`)."""
         self.nodes: dict[str, tuple[float, int]] = {}
         """node → (analyzer clock at its last valid perf sample, its GPU count): the nodes that may
         report job steps (bounded: forgotten `KNOWN_NODE_TTL_S` after their last sample)."""
@@ -149,6 +165,10 @@ class Analyzer:
         """(window, node) → job → ranks the node reported in that window: one node speaks for at most
         its GPU count of ranks per job and `MAX_JOBS_PER_WINDOW` jobs (pruned as windows close)."""
         self._small_logged: dict[tuple[str, str], float] = {}
+        self.skewed: dict[str, tuple[dict[str, int], float]] = {}
+        """node → (reason → samples and job steps dropped for their time: `late`, `future` (early),
+        `stale`; analyzer clock of the last drop), kept `SKEW_KEEP_S` (the status lists them)."""
+        self.last_window_end: float | None = None
         self._sub: Any = None
         self._job_sub: Any = None
         self._log = log.bind(cluster=self.cluster, holder=self.holder)
@@ -345,6 +365,13 @@ class Analyzer:
         for w in self.comparator.due(now):
             res = self.comparator.close_window(w)
             results.append(res)
+            self.last_window_end = (w + 1) * self.cfg.window_s
+            skewed = self._collect_skewed(now)
+            if skewed:
+                worst = sorted(skewed.items(), key=lambda kv: -sum(kv[1].values()))[:20]
+                self._log.warning("analyzer_clock_skew", nodes=len(skewed), worst=dict(worst),
+                                  hint="samples dropped for their time: late = the node's clock behind or its "
+                                       "delivery slow, future = its clock ahead; check NTP/chrony on these nodes")
             self._report_small(res, now)
             metrics.ANALYZER_SMALL_GROUPS.labels(self.cluster).set(len({(g.group, g.metric) for g in res.small_groups}))
             self._log.info("window_judged", window_end=datetime.fromtimestamp((w + 1) * self.cfg.window_s,
@@ -363,6 +390,7 @@ class Analyzer:
                 self._log.warning("fail_slow", node=f.node, **f.evidence())
             self.comparator.forget_reports_before(now)
             await self.save_state()
+            await self.save_status()
         for w in self.jobs.due(now):
             res = self.jobs.close_window(w)
             for key in [k for k in self._claims if k[0] <= w]:
@@ -412,9 +440,41 @@ class Analyzer:
         for node in [n for n, (t, _) in self.nodes.items() if t < gone]:
             del self.nodes[node]
 
+    def _collect_skewed(self, now: float) -> dict[str, dict[str, int]]:
+        """Merge what the comparators dropped per node for its time since the last call (a rank key
+        `<node>/<rank>` counts for its node) into `skewed`; returns the new counts."""
+        new: dict[str, dict[str, int]] = {}
+        for key, reasons in [*self.comparator.take_skewed().items(), *self.jobs.take_skewed().items()]:
+            node = key.split("/", 1)[0]
+            for r, n in reasons.items():
+                new.setdefault(node, {})[r] = new.get(node, {}).get(r, 0) + n
+        for node, reasons in new.items():
+            old = self.skewed.get(node, ({}, now))[0]
+            self.skewed[node] = ({r: old.get(r, 0) + reasons.get(r, 0) for r in {*old, *reasons}}, now)
+        for node in [n for n, (_, t) in self.skewed.items() if now - t > SKEW_KEEP_S]:
+            del self.skewed[node]
+        return new
+
+    def status(self) -> dict[str, Any]:
+        """What the analyzer judged last, JSON-ready (KV `status.<cluster>`, written by the active
+        replica after each judged window): the groups too small to compare and how they were
+        judged instead, and the nodes whose samples were dropped for their time in the last
+        `SKEW_KEEP_S` (`late`: after their window was judged, the node's clock behind or its
+        delivery slow; `future`: ahead of this analyzer's clock beyond the allowed skew; `stale`)."""
+        worst = sorted(self.skewed.items(), key=lambda kv: -sum(kv[1][0].values()))[:STATUS_MAX_NODES]
+        return {"cluster": self.cluster, "holder": self.holder, "window_end": self.last_window_end,
+                "small_groups": [{"group": g, "metric": m, "nodes": n, "judged": j}
+                                 for (g, m), (n, j) in sorted(self.small_groups_judged.items())][:STATUS_MAX_NODES],
+                "clock_skew": {node: reasons for node, (reasons, _) in worst},
+                "clock_skew_nodes": len(self.skewed)}
+
+    async def save_status(self) -> None:
+        await self.kv.put(status_key(self.cluster), json.dumps(self.status()).encode())
+
     def _report_small(self, res: WindowResult, now: float) -> None:
         """The last judged window's small groups (`small_groups`), each logged once an hour at most."""
         self.small_groups = {(g.group, g.metric): g.size for g in res.small_groups}
+        self.small_groups_judged = {(g.group, g.metric): (g.size, g.judged or "not judged") for g in res.small_groups}
         for key in [k for k, t in self._small_logged.items() if now - t >= SMALL_GROUP_LOG_EVERY_S]:
             del self._small_logged[key]
         for g in res.small_groups:
