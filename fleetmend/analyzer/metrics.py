@@ -35,7 +35,8 @@ the hardware class, as before.
 | ib_link_recovery_per_min | high | any | hw | 0.2 /min | retrains are no traffic pattern / they stall every job |
 | ib_rcv_errors_per_min | high | any | hw | 1 /min | malformed packets are errors, not load |
 | ib_xmit_wait_per_min | high | busy | work | 2× median, 1e6 /min | follows the job's traffic (comm-bound ~10×) / big gaps |
-| port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate |
+| port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate; compute ports only |
+| storage_port_rate_gbps | low | any | hw | 0.2 relative | the same for storage ports (`PortPerf.role`) |
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
 | cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
 
@@ -161,6 +162,8 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
           "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
           "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
+        S("storage_port_rate_gbps", "low", False, 0.2, 0.0, IB, "storage port rate Gb/s", HW_OWN,
+          "the rate a storage port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
           "a healthy, cooled CPU rarely throttles under any load", bursty=True, expected=0.0),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
@@ -252,7 +255,7 @@ def derive(sample: PerfSample, busy_util_pct: float = 50.0) -> tuple[bool, Deriv
             if busy and p.xmit_wait_delta is not None:
                 add("ib_xmit_wait", p.xmit_wait_delta * per_min, w)
             if p.rate_gbps:
-                add("port_rate_gbps", p.rate_gbps, w)
+                add("storage_port_rate_gbps" if p.role == "storage" else "port_rate_gbps", p.rate_gbps, w)
     for name in ("ib_symbol_errors", "ib_link_recovery", "ib_rcv_errors", "ib_xmit_wait"):
         if name in acc:
             s = _sum(acc.pop(name))
