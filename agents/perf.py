@@ -155,6 +155,10 @@ class PerfSampler:
             if self.gpus:
                 with contextlib.suppress(self.NVMLError):
                     self._hw["gpu_model"] = _text(self.nvml.nvmlDeviceGetName(self.gpus[0].handle))
+                with contextlib.suppress(self.NVMLError, AttributeError):  # the version findings' fingerprint
+                    vbios = self.nvml.nvmlDeviceGetVbiosVersion(self.gpus[0].handle)
+                    if isinstance(vbios, (str, bytes)):
+                        self._hw["vbios"] = _text(vbios)[:64]
             with contextlib.suppress(self.NVMLError):
                 self._hw["driver"] = _text(self.nvml.nvmlSystemGetDriverVersion())
         except self.NVMLError as err:
@@ -182,7 +186,8 @@ class PerfSampler:
         ports, hca_model = self._ports()
         host = self._host()
         hw = HardwareClass(gpu_model=self._hw.get("gpu_model"), gpu_count=len(self.gpus),
-                           driver=self._hw.get("driver"), hca_model=hca_model, cpu_model=self._cpu_model())
+                           driver=self._hw.get("driver"), vbios=self._hw.get("vbios"), hca_model=hca_model,
+                           cpu_model=self._cpu_model())
         return PerfSample(cluster=self.cluster, node=self.node, interval_s=round(interval, 3), hw=hw, gpus=gpus,
                           ports=ports, host=host, agent_version=self.agent_version)
 

@@ -131,6 +131,9 @@ class HardwareClass(_Part):
     gpu_model: str | None = None
     gpu_count: int = Field(default=0, ge=0, le=1024)
     driver: str | None = None
+    vbios: str | None = Field(default=None, max_length=64)
+    """GPU 0's VBIOS version (NVML `nvmlDeviceGetVbiosVersion`): not part of `key` (a firmware
+    rollout does not split the class); the analyzer names a version whose holders are the outliers."""
     hca_model: str | None = None
     cpu_model: str | None = None
 

@@ -71,6 +71,7 @@ def class_wide(cfg: AnalyzerSettings) -> Comparator:
     """Today's rule, for contrast: every metric judged across the hardware class."""
     c = Comparator(cfg)
     c.specs = {m: dataclasses.replace(s, work_dependent=False) for m, s in c.specs.items()}
+    c.explainer.enabled = False  # nor were co-occurring outliers one finding
     return c
 
 

@@ -240,7 +240,10 @@ def test_ports_get_a_role_compute_rails_and_a_storage_hca(tmp_path: Path) -> Non
         ib_counters(ib_port(tmp_path, hca, 1, "4: ACTIVE", "5: LinkUp", rate))
         w(tmp_path / f"sys/class/infiniband/{hca}/hca_type", model)
     host_tree(tmp_path)
-    smp = PerfSampler(perf_standin([PerfGpu(0)]), tmp_path, cluster="c1", node="n1", interval_s=60).sample(now_mono=1.0)
+    nv = perf_standin([PerfGpu(0)])
+    nv.nvmlDeviceGetVbiosVersion.return_value = "96.00.89.00.01"  # the version findings' fingerprint
+    smp = PerfSampler(nv, tmp_path, cluster="c1", node="n1", interval_s=60).sample(now_mono=1.0)
+    assert smp.hw.vbios == "96.00.89.00.01" and "96.00" not in smp.hw.key  # a firmware rollout does not split the class
     assert {p.name: p.role for p in smp.ports if p.kind == "ib"} == {
         "mlx5_0/1": "compute", "mlx5_1/1": "compute", "mlx5_2/1": "storage"}
     _, d = derive(smp)

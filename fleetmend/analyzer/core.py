@@ -66,6 +66,7 @@ from typing import Any
 
 from fleetmend import __version__
 from fleetmend.analyzer.metrics import SPECS, Derived, MetricSpec, device_of, specs_for
+from fleetmend.analyzer.shared import Explainer, GroupFinding
 from fleetmend.config import AnalyzerSettings
 from fleetmend.events import MAX_CLOCK_SKEW_S, FaultEvent, Severity, Source
 
@@ -148,6 +149,12 @@ class WindowResult:
     """(job, metric) groups of a work-dependent metric with fewer than `min_group_size` nodes."""
     no_job: int = 0
     """(node, metric) values of work-dependent metrics not judged: the node's job is unknown."""
+    shared_findings: list[GroupFinding] = field(default_factory=list)
+    """Domain and version findings reported in this window (they drain nothing)."""
+    shared_seen: list[GroupFinding] = field(default_factory=list)
+    """Every domain and version finding seen in this window (reported or still counting)."""
+    explained: int = 0
+    """(node, metric) outlier windows explained by a domain or version, not counted for the node."""
 
 
 MAX_SAMPLES_PER_WINDOW = 600
@@ -177,10 +184,12 @@ moved): a job id reused later starts a new baseline."""
 
 
 class _NodeWindow:
-    __slots__ = ("group", "values", "where", "jobs", "n", "stride")
+    __slots__ = ("group", "values", "where", "jobs", "n", "stride", "fp")
 
     def __init__(self, group: str) -> None:
         self.group = group
+        self.fp: dict[str, str] = {}
+        """Version values of the node (`driver`, `vbios`), for version findings."""
         self.values: dict[str, list[float]] = {}
         self.where: dict[str, str] = {}
         self.jobs: set[str] = set()
@@ -205,8 +214,11 @@ class Comparator:
     """
 
     def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S,
-                 unit_of: Callable[[str], str] | None = None) -> None:
+                 unit_of: Callable[[str], str] | None = None,
+                 domains_of: Callable[[str], list[str]] | None = None) -> None:
         self.cfg = cfg
+        self.explainer = Explainer(domains_of)
+        """Domain and version findings (`fleetmend.analyzer.shared`): outliers sharing a cause."""
         self.max_skew_s = max_skew_s
         self.unit_of = unit_of
         """Member key → the sender it weighs as (the job comparator: `<node>/<rank>` → `<node>`): a
@@ -284,7 +296,8 @@ class Comparator:
             return nw, True
         return nw, False
 
-    def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None) -> bool:
+    def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None,
+            fingerprint: dict[str, str] | None = None) -> bool:
         """File one sample's metrics (taken at epoch `t`; `now`: the receiver's clock, which bounds
         the windows that can open). Returns False when the sample is dropped: its window is already
         judged (late), it is dated beyond the clock skew ahead of `now` (future) or before any window
@@ -302,6 +315,8 @@ class Comparator:
                 self.dropped["flood"] += 1
                 return False
             nw.group = group
+        if fingerprint:
+            nw.fp = fingerprint
         nw.n += 1
         if nw.n % nw.stride:
             return True  # thinned: this window already holds its share of this node's samples
@@ -410,7 +425,8 @@ class Comparator:
             for node, v, wh in items:
                 gap = (med - v) if low else (v - med)
                 judged.append(_Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, scale.get(node)))
-        for j in self._explain(res, judged, end):
+        fps = {node: nw.fp for node, nw in nodes.items() if nw.fp}
+        for j in self._explain(res, judged, end, fps):
             self._count(res, j, end)
         self._forget_baselines(end)
         return res
@@ -442,9 +458,18 @@ class Comparator:
             out.append(_Judged(node, m, v, wh, f"{group} ({basis})", len(items), ref, 0.0, thr, gap > thr, None))
         return out
 
-    def _explain(self, res: WindowResult, judged: list[_Judged], end: float) -> list[_Judged]:
-        """The judgements whose streaks count (hook for domain and version findings)."""
-        return judged
+    def _explain(self, res: WindowResult, judged: list[_Judged], end: float,
+                 fingerprints: dict[str, dict[str, str]]) -> list[_Judged]:
+        """The judgements whose streaks count: outliers explained by a failure domain or a version
+        (`shared.Explainer`) are left out (neither an outlier nor a normal window); the domain and
+        version findings go to `res.shared_findings` (reported now) and `res.shared_seen`."""
+        def new_streak(node: str, m: str) -> bool:
+            return m not in self.streaks.get(node, {})
+
+        keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end)
+        res.shared_findings, res.shared_seen = report, seen
+        res.explained = len(judged) - len(keep)
+        return keep
 
     def _count(self, res: WindowResult, j: _Judged, end: float) -> None:
         """Rule 6: count an outlier window, reset on a judged normal one, report at `windows`."""

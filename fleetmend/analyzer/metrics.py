@@ -104,6 +104,10 @@ class MetricSpec:
     expected: float | None = None
     """The class's fixed expectation of healthy hardware (a link at max width: 1.0; no link down, no
     error, no brake: 0.0): a group too small to compare is judged against it, with the floors."""
+    shared: bool = False
+    """A failure domain can move it (a rack's cooling, a PDU, a leaf switch): outliers sharing a
+    domain are one domain finding before any node is blamed (`shared`). False: a node's own (PCIe,
+    NVLink, ECC)."""
     bursty: bool = False
     """An error counter that comes in bursts: judged by how often it exceeds, not by a window
     median (`core.window_value`: the value a quarter of the node's samples reach)."""
@@ -129,17 +133,17 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
     rows = [
         S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max", WORK,
           "boost clocks under load follow the power the job's kernels draw", hi=1.1,
-          quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ),
+          quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ, shared=True),
         S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
-          "an external power-brake signal is never asked for by a job", hi=1.0, expected=0.0),
+          "an external power-brake signal is never asked for by a job", hi=1.0, expected=0.0, shared=True),
         S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
-          "HW slowdown is a power/thermal emergency under any work", hi=1.0, expected=0.0),
+          "HW slowdown is a power/thermal emergency under any work", hi=1.0, expected=0.0, shared=True),
         S("thermal_frac", "high", True, 0.0, 0.05, G, "time in thermal slowdown", HW_OWN,
-          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0, expected=0.0),
+          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0, expected=0.0, shared=True),
         S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
-          "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
+          "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0, shared=True),
         S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
-          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C, quantum=1.0),
+          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C, quantum=1.0, shared=True),
         S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
           "the width a link trained at does not depend on traffic", hi=1.0, expected=1.0),
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
@@ -153,21 +157,21 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("ecc_corrected_per_min", "high", False, 0.0, 1.0, G, "corrected ECC errors /min", HW_OWN,
           "memory errors, not load", bursty=True, expected=0.0),
         S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, IB, "IB symbol errors /min", HW_OWN,
-          "physical-layer errors, not traffic", bursty=True, expected=0.0),
+          "physical-layer errors, not traffic", bursty=True, expected=0.0, shared=True),
         S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, IB, "IB link recoveries+downs /min", HW_OWN,
-          "link retrains are no traffic pattern", bursty=True, expected=0.0),
+          "link retrains are no traffic pattern", bursty=True, expected=0.0, shared=True),
         S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, IB, "IB receive errors /min", HW_OWN,
-          "malformed packets are errors, not load", bursty=True, expected=0.0),
+          "malformed packets are errors, not load", bursty=True, expected=0.0, shared=True),
         S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
-          "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
+          "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)", shared=True),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
-          "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
+          "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS, shared=True),
         S("storage_port_rate_gbps", "low", False, 0.2, 0.0, IB, "storage port rate Gb/s", HW_OWN,
-          "the rate a storage port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
+          "the rate a storage port trained at does not depend on traffic", hi=RATE_MAX_GBPS, shared=True),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
-          "a healthy, cooled CPU rarely throttles under any load", bursty=True, expected=0.0),
+          "a healthy, cooled CPU rarely throttles under any load", bursty=True, expected=0.0, shared=True),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
-          "turbo frequency depends on how many cores the job keeps busy", hi=4.0),
+          "turbo frequency depends on how many cores the job keeps busy", hi=4.0, shared=True),
     ]
     return {r.name: r for r in rows}
 

@@ -63,6 +63,7 @@ from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_perf_stream
 from fleetmend.infra.lease import KvLease
+from fleetmend.policy import load_topology
 from fleetmend.telemetry import PerfSample
 
 log = structlog.get_logger("fleetmend.analyzer")
@@ -143,7 +144,13 @@ class Analyzer:
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.clock = clock
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
-        self.comparator = Comparator(self.cfg)
+        topology = load_topology(settings.policy.topology_file)
+        self.comparator = Comparator(self.cfg, domains_of=(lambda node: topology.domain(node).keys())
+                                     if len(topology) else None)
+        """Node metrics; failure domains from the topology file FleetGuard reads (`policy.topology_file`),
+        else inferred from co-occurrence (`fleetmend.analyzer.shared`)."""
+        self.shared_active: list[dict[str, Any]] = []
+        """Domain and version findings seen in the last judged window (the status lists them)."""
         self.jobs = job_comparator(self.cfg)
         """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
         self.job_steps = 0
@@ -303,7 +310,9 @@ class Analyzer:
         self.samples += 1
         if sample.node in self.nodes or len(self.nodes) < MAX_NODES_PER_WINDOW:
             self.nodes[sample.node] = (now, sample.hw.gpu_count)
-        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now)
+        fp = {k: v for k, v in (("driver", sample.hw.driver), ("vbios", sample.hw.vbios)) if v}
+        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now,
+                                   fingerprint=fp)
 
     async def _deadletter(self, msg: Any, reason: str) -> None:
         record = {"reason": reason, "subject": msg.subject, "at": datetime.now(timezone.utc).isoformat(),
@@ -378,9 +387,15 @@ class Analyzer:
                                                                               timezone.utc).isoformat(),
                            nodes=res.nodes, judged=res.judged, outliers=res.outliers, findings=len(res.findings),
                            small_groups=len(res.small_groups), small_job_groups=res.small_job_groups,
-                           no_job=res.no_job, active=active)
+                           no_job=res.no_job, explained=res.explained, shared=len(res.shared_seen),
+                           active=active)
+            self.shared_active = [f.evidence() for f in res.shared_seen][:STATUS_MAX_NODES]
             if not active:
                 continue
+            for g in res.shared_findings:  # one finding for many outliers: no node event, no drain
+                self._log.warning(f"fail_slow_{g.kind}", **g.evidence(),
+                                  hint="outliers sharing a failure domain or a version: not a node's fault, "
+                                       "nothing is drained; their nodes are judged again once it clears")
             for f in res.findings:
                 ev = finding_event(f, self.cluster)
                 await self.js.publish(subjects.fault_subject(self.cluster, f.node), ev.to_json_bytes(),
@@ -465,6 +480,7 @@ class Analyzer:
         return {"cluster": self.cluster, "holder": self.holder, "window_end": self.last_window_end,
                 "small_groups": [{"group": g, "metric": m, "nodes": n, "judged": j}
                                  for (g, m), (n, j) in sorted(self.small_groups_judged.items())][:STATUS_MAX_NODES],
+                "shared_findings": self.shared_active,
                 "clock_skew": {node: reasons for node, (reasons, _) in worst},
                 "clock_skew_nodes": len(self.skewed)}
 
