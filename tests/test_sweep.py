@@ -68,8 +68,31 @@ def test_builtin_host_checks_measure_something() -> None:
     assert rep.metrics["mem_copy_gbps"] > 0 and rep.metrics["cpu_sha256_mbps"] > 0 and rep.metrics["cpu_zlib_mbps"] > 0
     assert rep.metrics["x_per_s"] == 3.0 and "gpu" in rep.skipped
     bad = asyncio.run(run_bench(BenchRequest(builtin=False), cluster="c", node="n",
-                                bench_command=[sys.executable, "-c", "print('{\"x\": \"fast\"}')"]))
-    assert bad.metrics == {} and "expected a number" in bad.skipped["bench_command"]
+                                bench_command=[sys.executable, "-c", "print('{\"x\": \"fast\", \"y\": NaN, \"z\": 2}')"]))
+    assert bad.metrics == {"z": 2.0}  # one bad metric skips that metric, not the node's valid ones
+    assert "not a finite number" in bad.skipped["bench_command.x"] and "bench_command.y" in bad.skipped
+    assert set(rep.noise_pct) == {"mem_copy_gbps", "cpu_sha256_mbps", "cpu_zlib_mbps"}  # best of 3, spread said
+
+
+def test_a_hanging_or_chatty_benchmark_cannot_wedge_the_agent() -> None:
+    """`bench_timeout_s` bounds the run (its child processes killed with it); a benchmark printing
+    far more than it should is read with a cap (the tail kept: the last JSON line still counts)."""
+    import time
+
+    from agents.bench import BENCH_OUTPUT_MAX_BYTES, GpuTools, run_bench
+    from fleetmend.diagnostics import BenchRequest
+
+    hang = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); time.sleep(60)"]
+    t0 = time.monotonic()
+    rep = asyncio.run(run_bench(BenchRequest(builtin=False, deadline_s=60), cluster="c", node="n",
+                                bench_command=hang, tools=GpuTools(bench_timeout_s=2)))
+    assert time.monotonic() - t0 < 8 and "agent.bench_timeout_s" in rep.skipped["bench_command"]
+    chatty = [sys.executable, "-c", "import sys; [sys.stdout.write('x' * 1023 + '\\n') for _ in range(20_000)]; "
+              "print('{\"tokens_per_s\": 7}')"]  # ~20 MB, then the result
+    rep = asyncio.run(run_bench(BenchRequest(builtin=False, deadline_s=60), cluster="c", node="n", bench_command=chatty))
+    assert rep.metrics == {"tokens_per_s": 7.0} and f"last {BENCH_OUTPUT_MAX_BYTES} were read" in rep.skipped[
+        "bench_command.output"]
 
 
 async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, tmp_path: Path, unique: str) -> None:
