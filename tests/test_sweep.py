@@ -59,6 +59,29 @@ def test_compare_orientation_outliers_and_small_metrics() -> None:
     assert compare("c", "s1", reports, 7.0).outliers == ["n3"]
 
 
+def test_reports_and_results_are_bounded_with_a_note() -> None:
+    """A node answering 13,000 metrics (issue 28: a ~1 MB answer made the result exceed Temporal's
+    2 MiB payload limit) keeps 128 and a note; a result past `MAX_RESULT_CELLS` keeps each node's
+    outlying and worst cells and says so; each metric's noise is summarised."""
+    import json
+    from dataclasses import asdict
+
+    from fleetmend.sweep import MAX_METRICS_PER_NODE, MAX_RESULT_CELLS, clip_report, clip_result
+
+    huge = {f"m{i:05d}_per_s": 1.0 for i in range(13_000)}
+    metrics, skipped, noise = clip_report(huge, {f"k{i}": "x" * 5000 for i in range(100)}, {"m00000_per_s": 2.0})
+    assert len(metrics) == MAX_METRICS_PER_NODE and "13000 metrics reported" in skipped["clipped"]
+    assert max(len(v) for v in skipped.values()) <= 300 and "clipped_skipped" in skipped and noise == {"m00000_per_s": 2.0}
+    reports = {f"n{i:03d}": {f"m{k:03d}": 100.0 for k in range(MAX_METRICS_PER_NODE)} for i in range(200)}
+    reports["n007"]["m005"] = 50.0
+    res = compare("c", "s", reports, 5.0, noise_pct={"n000": {"m000": 1.0}, "n001": {"m000": 3.0}})
+    assert res.noise_pct == {"m000": 2.0} and res.noise_max_pct == {"m000": 3.0}
+    res = clip_result(res)
+    assert res.clipped and sum(len(r.metrics) for r in res.rows) <= MAX_RESULT_CELLS
+    assert next(r for r in res.rows if r.node == "n007").metrics["m005"].outlier and res.outliers == ["n007"]
+    assert len(json.dumps(asdict(res))) < 2 * 1024 * 1024
+
+
 def test_builtin_host_checks_measure_something() -> None:
     from agents.bench import run_bench
     from fleetmend.diagnostics import BenchRequest
