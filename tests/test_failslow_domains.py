@@ -68,7 +68,7 @@ def test_without_a_topology_the_rack_is_inferred_from_co_occurrence() -> None:
     c = Comparator(AnalyzerSettings())
     found, shared = feed(c, 14, rack_event)
     assert [(f.kind, f.metric) for f in shared] == [("domain", "thermal_frac")]
-    assert shared[0].key.startswith("inferred:thermal_frac:") and set(shared[0].nodes) <= RACK
+    assert shared[0].key.startswith("inferred:") and set(shared[0].nodes) <= RACK
     assert [(n, m) for _, n, m in found] == [("n20", "thermal_frac"), ("n21", "thermal_frac")]
     # the control: explaining nothing (the rule before), every node of the hot rack is a node finding
     d = Comparator(AnalyzerSettings())

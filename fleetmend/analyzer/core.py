@@ -218,6 +218,10 @@ class Comparator:
                  domains_of: Callable[[str], list[str]] | None = None) -> None:
         self.cfg = cfg
         self.explainer = Explainer(domains_of)
+        self.explained_units: set[str] = set()
+        """Units (`unit_of`) whose outlier windows are not counted in the next judged window: the
+        nodes another comparator's domain or version findings explain (the analyzer sets it for
+        the job comparator from the node comparator's `explainer.explained_nodes`)."""
         """Domain and version findings (`fleetmend.analyzer.shared`): outliers sharing a cause."""
         self.max_skew_s = max_skew_s
         self.unit_of = unit_of
@@ -466,9 +470,14 @@ class Comparator:
         def new_streak(node: str, m: str) -> bool:
             return m not in self.streaks.get(node, {})
 
+        if self.explained_units and self.unit_of is not None:  # the nodes a domain or version explains
+            unit_of = self.unit_of
+            left = [j for j in judged if not (j.outlier and unit_of(j.node) in self.explained_units)]
+            res.explained += len(judged) - len(left)
+            judged = left
         keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end)
         res.shared_findings, res.shared_seen = report, seen
-        res.explained = len(judged) - len(keep)
+        res.explained += len(judged) - len(keep)
         return keep
 
     def _count(self, res: WindowResult, j: _Judged, end: float) -> None:

@@ -407,6 +407,8 @@ class Analyzer:
             await self.save_state()
             await self.save_status()
         for w in self.jobs.due(now):
+            # a rack event or a slow version slows the steps of its nodes too: not their ranks' fault
+            self.jobs.explained_units = set(self.comparator.explainer.explained_nodes)
             res = self.jobs.close_window(w)
             for key in [k for k in self._claims if k[0] <= w]:
                 del self._claims[key]

@@ -18,9 +18,10 @@ before streaks are counted (`Explainer.explain`):
    that share a domain (rack, leaf, PDU from the topology file, `fleetmend.policy.Topology`), and on
    at least `DOMAIN_MIN_SHARE` of that domain's judged nodes, is one domain finding. Without a
    topology (or for nodes it does not list) the domain is inferred from co-occurrence: at least
-   `INFER_MIN_NODES` nodes of one group whose outlier streaks on one metric start in the same window
-   are one inferred domain (independent faults rarely start together), remembered while at least
-   half of its nodes are still outliers on that metric.
+   `INFER_MIN_NODES` nodes whose outlier streaks on shared metrics start in the same window are
+   one inferred domain (independent faults rarely start together; nodes starting while it lasts
+   join it), remembered while at least half of its nodes are still outliers. Outliers are counted
+   per domain across every group and shared metric (a rack's nodes run different jobs).
 3. Within an explained domain each node is judged again against the domain's own median (with the
    metric's floors and `mad_k` MADs): a node that is still an outlier there is still counted (a real
    fault in a hot rack is still found); the others' outlier windows are not counted (neither an
@@ -55,9 +56,11 @@ FINGERPRINT_KEYS = ("driver", "vbios")
 @dataclass
 class GroupFinding:
     """One cause shared by several outliers: `kind` "domain" or "version"; `key` is the domain
-    (`rack:r07`, `inferred:sm_clock_ratio:<window>`) or the version (`vbios=96.00.89.00.01`,
-    `driver=570.124.06`); `value` the median of its nodes, `peer_median` the rest of the group's (or
-    the other drivers' best)."""
+    (`rack:r07`, `inferred:<window end>`) or the version (`vbios=96.00.89.00.01`,
+    `driver=570.124.06`). A version: `metric` and `group` as judged, `value` the median of its nodes,
+    `peer_median` the rest of the group's (or the other drivers' best). A domain: `metric` the
+    metrics its nodes outlie on (comma-separated), `group` "*", `value` the share of the domain's
+    judged nodes outlying, `peer_median` 0."""
 
     kind: str
     key: str
@@ -96,8 +99,11 @@ class Explainer:
     enabled: bool = True
     """False: explain nothing (the rule before issue 28, for contrast in tests and benches)."""
     episodes: dict[str, _Episode] = field(default_factory=dict)
-    inferred: dict[str, tuple[str, str, frozenset[str]]] = field(default_factory=dict)
-    """inferred domain key → (group, metric, nodes)."""
+    inferred: dict[str, frozenset[str]] = field(default_factory=dict)
+    """inferred domain key → its nodes."""
+    explained_nodes: set[str] = field(default_factory=set)
+    """Nodes of the domains and versions active in the last window (their job step times are not
+    blamed on them either: `Comparator.explained_units`)."""
 
     def explain(self, judged: list[Any], fingerprints: dict[str, dict[str, str]], specs: dict[str, Any],
                 cfg: Any, new_streak: Callable[[str, str], bool], end: float,
@@ -105,6 +111,7 @@ class Explainer:
         """(the judgements whose streaks count, findings reported now, all findings seen in this
         window). `judged`: `core._Judged` of one window; `fingerprints`: node → version values;
         `new_streak(node, metric)`: the node has no outlier streak on the metric yet."""
+        self.explained_nodes = set()
         if not self.enabled:
             return judged, [], []
         seen: list[GroupFinding] = []
@@ -116,6 +123,7 @@ class Explainer:
             seen += self._versions(group, m, js, fingerprints, explained, end, cfg)
         seen += self._driver_split(by_gm, specs, cfg, end)
         seen += self._domains(by_gm, specs, cfg, new_streak, explained, end)
+        self.explained_nodes |= {n for n, _ in explained}
         keep = [j for j in judged if (j.node, j.metric) not in explained]
         return keep, self._persist(seen, cfg), seen
 
@@ -182,55 +190,57 @@ class Explainer:
     def _domains(self, by_gm: dict[tuple[str, str], list[Any]], specs: dict[str, Any], cfg: Any,
                  new_streak: Callable[[str, str], bool], explained: set[tuple[str, str]],
                  end: float) -> list[GroupFinding]:
-        found = []
-        for (group, m), js in by_gm.items():
-            spec = specs.get(m)
-            if spec is None or not getattr(spec, "shared", False):
+        """Domains across every group and shared metric of the window (a rack's nodes run different
+        jobs and classes: their outliers are counted together)."""
+        js = [j for (_g, m), group_js in by_gm.items() if getattr(specs.get(m), "shared", False)
+              for j in group_js if (j.node, m) not in explained]  # a version explained them already
+        doms: dict[str, list[Any]] = {}
+        known: set[str] = set()
+        if self.domains_of is not None:
+            for j in js:
+                keys = self.domains_of(j.node)
+                if keys:
+                    known.add(j.node)
+                for k in keys:
+                    doms.setdefault(k, []).append(j)
+        for key, nodes in list(self.inferred.items()):  # remembered while half its nodes still outlie
+            members = [j for j in js if j.node in nodes]
+            if len({j.node for j in members if j.outlier}) * 2 < len(nodes):
+                del self.inferred[key]
                 continue
-            js = [j for j in js if (j.node, m) not in explained]  # a version explained them already
-            doms: dict[str, list[Any]] = {}
-            known: set[str] = set()
-            if self.domains_of is not None:
-                for j in js:
-                    keys = self.domains_of(j.node)
-                    if keys:
-                        known.add(j.node)
-                    for k in keys:
-                        doms.setdefault(k, []).append(j)
-            # inferred: remembered ones, then new co-occurring starts among nodes no topology places
-            for key, (g, met, nodes) in list(self.inferred.items()):
-                if (g, met) != (group, m):
-                    continue
-                members = [j for j in js if j.node in nodes]
-                if sum(j.outlier for j in members) * 2 < len(nodes):
-                    del self.inferred[key]
-                    continue
-                doms[key] = members
-            starting = [j for j in js if j.outlier and j.node not in known and new_streak(j.node, m)
-                        and not any(j.node in n for _, _, n in self.inferred.values())]
-            ongoing = [k for k, (g, met, _n) in self.inferred.items() if (g, met) == (group, m)]
-            if starting and ongoing:  # outliers starting while an inferred event is on join it
-                g, met, nodes = self.inferred[ongoing[0]]
-                self.inferred[ongoing[0]] = (g, met, nodes | {j.node for j in starting})
-                doms[ongoing[0]] = [j for j in js if j.node in self.inferred[ongoing[0]][2]]
-            elif len(starting) >= INFER_MIN_NODES and len(self.inferred) < MAX_INFERRED:
-                key = f"inferred:{m}:{int(end)}"
-                self.inferred[key] = (group, m, frozenset(j.node for j in starting))
-                doms[key] = starting
-            for key, members in doms.items():
-                out = [j for j in members if j.outlier]
-                if key.startswith("inferred:"):
-                    active = bool(out)
-                else:
-                    active = len(out) >= DOMAIN_MIN_NODES and len(out) >= DOMAIN_MIN_SHARE * len(members)
-                if not active:
-                    continue
-                still = self._rejudge(members, spec, cfg)
-                explained.update((j.node, m) for j in out if j.node not in still)
-                rest = [j.value for j in js if j not in members]
-                found.append(GroupFinding("domain", key, m, group, [j.node for j in out if j.node not in still],
-                                          median(j.value for j in out), median(rest) if rest else out[0].median,
-                                          0, end, cfg.window_s))
+            doms[key] = members
+        in_inferred = set().union(*self.inferred.values()) if self.inferred else set()
+        starting = {j.node for j in js if j.outlier and j.node not in known and j.node not in in_inferred
+                    and new_streak(j.node, j.metric)}
+        if starting and self.inferred:  # outliers starting while an inferred event is on join it
+            key = max(self.inferred)
+            self.inferred[key] = self.inferred[key] | starting
+            doms[key] = [j for j in js if j.node in self.inferred[key]]
+        elif len(starting) >= INFER_MIN_NODES and len(self.inferred) < MAX_INFERRED:
+            key = f"inferred:{int(end)}"
+            self.inferred[key] = frozenset(starting)
+            doms[key] = [j for j in js if j.node in starting]
+        found = []
+        self.explained_nodes = set()
+        for key, members in doms.items():
+            out_nodes = {j.node for j in members if j.outlier}
+            judged_nodes = {j.node for j in members}
+            if key.startswith("inferred:"):
+                active = bool(out_nodes)
+            else:
+                active = len(out_nodes) >= DOMAIN_MIN_NODES and len(out_nodes) >= DOMAIN_MIN_SHARE * len(judged_nodes)
+            if not active:
+                continue
+            by_metric: dict[tuple[str, str], list[Any]] = {}
+            for j in members:
+                by_metric.setdefault((j.group, j.metric), []).append(j)
+            still = {(n, m) for (_g, m), ms in by_metric.items() for n in self._rejudge(ms, specs[m], cfg)}
+            expl = {(j.node, j.metric) for j in members if j.outlier and (j.node, j.metric) not in still}
+            explained.update(expl)
+            self.explained_nodes |= judged_nodes - {n for n, _ in still}
+            metrics = sorted({m for _, m in expl})
+            found.append(GroupFinding("domain", key, ",".join(metrics), "*", sorted({n for n, _ in expl}),
+                                      len(out_nodes) / len(judged_nodes), 0.0, 0, end, cfg.window_s))
         return found
 
     @staticmethod
@@ -251,8 +261,15 @@ class Explainer:
         """Count each finding's windows in a row; report at `windows`, once per episode; forget
         the ones not seen in this window."""
         now: dict[str, GroupFinding] = {}
-        for f in seen:
-            now.setdefault(f"{f.kind}/{f.key}/{f.metric}/{f.group}", f)
+        for f in seen:  # a domain is one finding whatever metrics its nodes show; a version one per metric
+            k = f"domain/{f.key}" if f.kind == "domain" else f"{f.kind}/{f.key}/{f.metric}"
+            if k in now:  # the same version in several groups (jobs): one finding of all their nodes
+                first = now[k]
+                now[k] = GroupFinding(first.kind, first.key, first.metric, "*" if first.group != f.group else f.group,
+                                      sorted({*first.nodes, *f.nodes}), first.value, first.peer_median, 0,
+                                      first.window_end, first.window_s)
+            else:
+                now[k] = f
         for k in [k for k in self.episodes if k not in now]:
             del self.episodes[k]
         report = []
