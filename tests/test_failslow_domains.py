@@ -114,3 +114,23 @@ def test_the_analyzer_reads_the_topology_file_fleetguard_reads(tmp_path) -> None
     assert sorted(a.comparator.explainer.domains_of("n00")) == ["pdu:p1", "rack:r0"]
     assert a.comparator.explainer.domains_of("elsewhere") == []  # inferred for it
     assert Analyzer(load_settings(None, cluster="c"), None, None, None, holder="t").comparator.explainer.domains_of is None
+
+
+def test_the_ranks_of_nodes_a_domain_explains_are_not_blamed() -> None:
+    """A rack event slows its nodes' steps too: while the node comparator explains a node, the job
+    comparator counts none of its ranks' outlier windows (and judges them again once it clears)."""
+    from fleetmend.analyzer.service import job_comparator
+
+    cfg = AnalyzerSettings(window_s=60, windows=3)
+    c = job_comparator(cfg)
+    found = []
+    for w in range(12):
+        c.explained_units = {"n1"} if w < 8 else set()
+        for s in range(6):
+            t = T0 + w * 60 + s * 10 + 1
+            for rank in range(8):
+                sec = 2.0 * (1.08 if rank == 1 and w >= 4 else 1.0) + 0.01 * ((s + rank) % 3)
+                c.add(f"n{rank}/{rank}", "job:j", t, {"job_step_seconds": (sec, f"rank:{rank}")})
+        for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
+            found += [(x - c.window_of(T0), f.node) for f in c.close_window(x).findings]
+    assert found == [(10, "n1/1")]  # windows 8, 9, 10 after the domain cleared at window 8

@@ -11,7 +11,7 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 1. A node's value is the median of its samples of that metric in the window (at least
    `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the
    interpolated median (`window_value`), which resolves finer than one step; of a bursty error
-   counter, the rate a quarter of its samples of the last `windows` windows reach (how often it
+   counter, the rate a quarter of its samples of the last 2·`windows` windows reach (how often it
    bursts, not a median of 0; `_pooled_bursts`). Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
@@ -515,13 +515,14 @@ class Comparator:
             window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline))
 
     def _pooled_bursts(self, node: str, m: str, vals: list[float], seen: set[tuple[str, str]]) -> float:
-        """A bursty counter's value: `burst_value` over the node's samples of its
-        last `windows` windows pooled (bursts in a third of the samples come 1 or 2 to a window of 5;
-        pooled over 3 windows they are 5 of 15, past the quarter, while one burst a window is 3 of 15).
+        """A bursty counter's value: `burst_value` over the node's samples of its last
+        `BURST_POOL_WINDOWS`·`windows` windows pooled (bursts in a third of the samples come 1 or 2 to
+        a window of 5; pooled over 6 windows they are 10 of 30, past the quarter, while one burst a
+        window is 6 of 30).
         Each window keeps its highest `BURST_KEEP` values and its sample count."""
         seen.add((node, m))
-        hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=self.cfg.windows))
-        hist.append((len(vals), sorted(vals, reverse=True)[:BURST_KEEP]))
+        hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=BURST_POOL_WINDOWS * self.cfg.windows))
+        hist.append((len(vals), [v for v in sorted(vals, reverse=True)[:BURST_KEEP] if v > 0]))  # 0s implied
         n = sum(c for c, _ in hist)
         top = [v for _, tops in hist for v in tops]
         return burst_value(top + [0.0] * (n - len(top)))  # the values not kept are below every kept one
@@ -634,6 +635,11 @@ BURST_SHARE = 0.25
 (the ⌈share·n⌉-th highest): with 5 samples, 2 must burst, so one burst never counts."""
 
 
+BURST_POOL_WINDOWS = 2
+"""A bursty counter is pooled over this many times `windows` windows (30 samples at the defaults):
+bursts in a third of the samples are 10 of 30, past the quarter, while a healthy node whose 8 GPUs
+burst in 4 % of the samples reaches 8 of 30 about once in 60,000 windows (over 15 samples, 4 of
+15, about once in 500: a false finding a day per 1,000 nodes, bench/failslow_scenarios.py)."""
 BURST_KEEP = 48
 """Highest values of a bursty counter kept per node and window (a quarter of 3 windows of 64)."""
 

@@ -48,9 +48,10 @@ median of its first 3 windows). The analyzer lists such groups with how they wer
 
 An error counter that comes in bursts (`MetricSpec.bursty`: replays, NVLink and IB errors, link
 recoveries, corrected ECC, CPU throttles) is judged by how often it exceeds, not by its window
-median: its value is the rate a quarter of the node's samples of its last `windows` windows reach
-(`core.BURST_SHARE`, at least two samples), so symbol-error bursts in a third of the samples count
-while one burst in every window (3 of 15 samples at one sample a minute) does not.
+median: its value is the rate a quarter of the node's samples of its last 2 × `windows` windows
+reach (`core.BURST_SHARE`, `core.BURST_POOL_WINDOWS`, at least two samples), so symbol-error bursts
+in a third of the samples count while one burst in every window (6 of 30 samples at one sample a
+minute) does not.
 
 A quantized metric (`MetricSpec.quantum`: SM clocks in 15 MHz steps, temperature in 1 °C) takes
 its group's MAD as the interpolated median of the deviations (`core.quantized_mad`): with half the
