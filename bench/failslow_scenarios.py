@@ -327,7 +327,8 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
     pattern = {n.name: n.fault or "rack-then-pcie" for n in fleet.nodes if n.name in faulty}
     return {"scenario": name, "nodes": len(fleet.nodes), "hours": hours, "samples": sent,
             "wall_s": round(time.perf_counter() - started, 1), "injected": len(faulty),
-            "true_findings": len(found_true), "false_findings": len(false), "misses": {n: pattern.get(n) for n in sorted(set(faulty) - found_true)},
+            "true_findings": len(found_true), "false_findings": len(false),
+            "misses": {n: pattern.get(n) for n in sorted(set(faulty) - found_true)},
             "found_pct": round(100 * len(found_true) / len(faulty), 1) if faulty else None,
             "minutes_to_detect": sorted(detect.values()), "domain_findings": kinds.count("domain"),
             "version_findings": kinds.count("version"), "shared": [f"{g['kind']} {g['key']} {g['metric']} "

@@ -524,8 +524,10 @@ class Comparator:
         hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=BURST_POOL_WINDOWS * self.cfg.windows))
         hist.append((len(vals), [v for v in sorted(vals, reverse=True)[:BURST_KEEP] if v > 0]))  # 0s implied
         n = sum(c for c, _ in hist)
-        top = [v for _, tops in hist for v in tops]
-        return burst_value(top + [0.0] * (n - len(top)))  # the values not kept are below every kept one
+        top = sorted((v for _, tops in hist for v in tops), reverse=True)  # the values not kept are 0
+        # until the pool is full, as many bursts as a full pool would need (a young pool is no excuse)
+        k = max(2, math.ceil(BURST_SHARE * n * (hist.maxlen or 1) / len(hist)))
+        return top[k - 1] if k <= len(top) else 0.0
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
