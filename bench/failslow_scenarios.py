@@ -284,6 +284,8 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
     await probe.start()
     assert await probe.lease()
     sent = 0
+    busy_after: dict[str, int] = {}
+    """faulty node → minutes it ran a job after its fault began (a fault that shows under load only)."""
     started = time.perf_counter()
     for minute in range(int(hours * 60)):
         t = t0 + minute * 60
@@ -297,6 +299,8 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
             if t >= at and real.fault is None:
                 real.fault, real.fault_from = "pcie", at
         for n in fleet.nodes:
+            if n.name in faulty and t >= faulty[n.name] and n.job is not None:
+                busy_after[n.name] = busy_after.get(n.name, 0) + 1
             if n.joined_at > t or rng.random() < 0.02:  # not there yet, or a lost sample
                 continue
             ts = t + rng.uniform(0, 50)
@@ -328,7 +332,8 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
     return {"scenario": name, "nodes": len(fleet.nodes), "hours": hours, "samples": sent,
             "wall_s": round(time.perf_counter() - started, 1), "injected": len(faulty),
             "true_findings": len(found_true), "false_findings": len(false),
-            "misses": {n: pattern.get(n) for n in sorted(set(faulty) - found_true)},
+            "misses": {n: f"{pattern.get(n)}, busy {busy_after.get(n, 0)} min after its fault began"
+                       for n in sorted(set(faulty) - found_true)},
             "found_pct": round(100 * len(found_true) / len(faulty), 1) if faulty else None,
             "minutes_to_detect": sorted(detect.values()), "domain_findings": kinds.count("domain"),
             "version_findings": kinds.count("version"), "shared": [f"{g['kind']} {g['key']} {g['metric']} "
