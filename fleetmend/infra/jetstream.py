@@ -156,7 +156,7 @@ async def ensure_deadletter_stream(js: JetStreamContext, streams: Any = None, *,
 async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max_msgs_per_subject: int = 64,
                              timeout_s: float = 5.0) -> Any:
     """Create (or update) stream `PERF_STREAM` on `fleet.*.perf.*` (telemetry samples) and
-    `JOB_STREAM` on `fleet.*.job.*.*` (job step timings, `fleet.<c>.job.<node>.<job>`): file storage, limits retention, old
+    `JOB_STREAM` on `fleet.*.job.*` (job step timings): file storage, limits retention, old
     messages discarded.
 
     Args:
