@@ -13,6 +13,7 @@ from fleetmend.diagnostics import BenchReport, BenchRequest
 from fleetmend.events import Component, FaultEvent, Severity, Source, new_event_id
 from fleetmend.messages import Activity
 from fleetmend.messages.sweep import BenchActivityRequest, FailSlowRequest
+from fleetmend.sweep import clip_report
 
 
 class SweepActivities:
@@ -23,14 +24,18 @@ class SweepActivities:
 
     @activity.defn(name=Activity.BENCH_NODE)
     async def bench_node(self, req: BenchActivityRequest) -> BenchReport:
-        """Ask the node's agent for a `BenchReport` (answered within `req.deadline_s`).
+        """Ask the node's agent for a `BenchReport` (answered within `req.deadline_s`), bounded by
+        `fleetmend.sweep.clip_report` before it enters the workflow's history (a node answering with
+        13,000 metrics costs 128 and a note).
 
         Raises:
             ApplicationError(type="AgentUnreachable"): no agent or no answer in time (the sweep lists it).
         """
         body = BenchRequest(sweep_id=req.sweep_id, deadline_s=req.deadline_s,
                             host_seconds=req.host_seconds, builtin=req.builtin).model_dump_json().encode()
-        return await ask_agent(self._nc, req.cluster, req.node, body, req.deadline_s + 5, BenchReport, "benchmark")
+        rep = await ask_agent(self._nc, req.cluster, req.node, body, req.deadline_s + 5, BenchReport, "benchmark")
+        metrics, skipped, noise = clip_report(rep.metrics, rep.skipped, rep.noise_pct)  # bounded before history
+        return rep.model_copy(update={"metrics": metrics, "skipped": skipped, "noise_pct": noise})
 
     @activity.defn(name=Activity.OPEN_FAIL_SLOW)
     async def open_fail_slow(self, req: FailSlowRequest) -> list[str]:

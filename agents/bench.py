@@ -54,6 +54,15 @@ from fleetmend.events import utcnow
 log = structlog.get_logger("fleetmend.agent.bench")
 
 MEM_BUFFER_BYTES = 64 * 1024 * 1024
+BENCH_OUTPUT_MAX_BYTES = 1024 * 1024
+"""Output of the site benchmark kept (its last MiB: the last JSON line wins); more is read and let go,
+so a benchmark printing 300 MB costs the agent 1 MiB, and the report says it was clipped."""
+MAX_SITE_METRICS = 256
+"""Named numbers taken from the site benchmark (the first ones, by name); the rest are noted in `skipped`."""
+METRIC_NAME_MAX = 80
+HOST_CHECK_RUNS = 3
+"""The built-in host checks run this many times and report the best run (background load only ever
+slows a run down); how far apart the runs were goes in `BenchReport.noise_pct`."""
 
 
 def mem_copy_gbps(seconds: float) -> float:
@@ -160,10 +169,12 @@ such as `-r 2` adds memory and takes ~2 min)."""
 class GpuTools:
     """What the GPU steps run (the agent's `agent.gpu_load_command`, `gpu_load_seconds`,
     `nvbandwidth_command`, `sweep_dcgm_command`). `load_command` None: a well-known generator on
-    PATH; []: the load step is off. An empty tool argv turns that tool off (said in `skipped`)."""
+    PATH; []: the load step is off. An empty tool argv turns that tool off (said in `skipped`).
+    `bench_timeout_s` (`agent.bench_timeout_s`): bounds the whole run, whatever the request's deadline."""
 
     load_command: list[str] | None = None
     load_seconds: float = 10.0
+    bench_timeout_s: float | None = None
     nvbandwidth_command: list[str] = field(default_factory=lambda: list(DEFAULT_NVBANDWIDTH))
     dcgm_command: list[str] = field(default_factory=lambda: list(DEFAULT_DCGM))
 
@@ -428,21 +439,64 @@ async def dcgm_step(argv: list[str], budget_s: float) -> tuple[dict[str, float],
         return {}, {"dcgm": f"exit {rc}: {err}"}
 
 
-def parse_site_output(text: str) -> dict[str, float]:
+def parse_site_output(text: str) -> tuple[dict[str, float], dict[str, str]]:
     """The bench command's stdout: one JSON object of named numbers (the last JSON line wins, so a
-    tool that prints progress first still works). Raises ValueError naming what is wrong."""
+    tool that prints progress first still works). Returns (metrics, skipped): one bad metric (not
+    a finite number, an overlong name) skips that metric only, named in skipped as
+    `bench_command.<name>`; beyond `MAX_SITE_METRICS` the rest are skipped with one note.
+    Raises ValueError when there is no JSON object at all."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip().startswith("{")]
     if not lines:
         raise ValueError(f"no JSON object on stdout: {text[-300:]!r}")
-    data = json.loads(lines[-1])
+    try:
+        data = json.loads(lines[-1])
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"last JSON line does not parse: {err}") from None
     if not isinstance(data, dict):
         raise ValueError("stdout is JSON but not an object")
-    out = {}
+    out: dict[str, float] = {}
+    skipped: dict[str, str] = {}
     for k, v in data.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{k!r} is {type(v).__name__}, expected a number")
-        out[str(k)] = float(v)
-    return out
+        name = str(k)
+        if len(name) > METRIC_NAME_MAX or not name:
+            skipped[f"bench_command.{name[:40]}"] = f"metric name longer than {METRIC_NAME_MAX} characters or empty"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            skipped[f"bench_command.{name}"] = f"{str(v)[:40]!r} is not a finite number"
+        elif len(out) >= MAX_SITE_METRICS:
+            skipped["bench_command.clipped"] = (f"{len(data)} metrics; the first {MAX_SITE_METRICS} kept "
+                                                f"(agents.bench.MAX_SITE_METRICS)")
+        else:
+            out[name] = float(v)
+        if len(skipped) > 32:
+            skipped["bench_command.more"] = "more bad metrics not listed"
+            break
+    return out, skipped
+
+
+async def run_capped(argv: list[str], timeout_s: float,
+                     max_bytes: int = BENCH_OUTPUT_MAX_BYTES) -> tuple[int, bytes, int] | None:
+    """Run `argv` (no shell, its own session), stdout and stderr together, keeping only the last
+    `max_bytes` of its output. Returns (exit code, output kept, bytes it wrote), or None when it ran
+    past `timeout_s` (its whole process group is killed: a benchmark's children cannot keep it
+    running). Raises OSError when it cannot be started."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                start_new_session=True)
+    assert proc.stdout is not None
+    kept = bytearray()
+    total = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while chunk := await proc.stdout.read(65536):
+                total += len(chunk)
+                kept += chunk
+                if len(kept) > 2 * max_bytes:
+                    del kept[:len(kept) - max_bytes]
+            rc = await proc.wait()
+    except TimeoutError:
+        await _stop_group(proc)
+        return None
+    return rc, bytes(kept[-max_bytes:]), total
 
 
 async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = None,
@@ -450,16 +504,23 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
     """Run the built-in checks, the site command and the GPU tools within `req.deadline_s` (module
     docstring for the order). Returns the report."""
     started = utcnow()
-    deadline = time.monotonic() + req.deadline_s
+    tools = tools or GpuTools()
+    budget_s = req.deadline_s if tools.bench_timeout_s is None else min(req.deadline_s, tools.bench_timeout_s)
+    deadline = time.monotonic() + budget_s
     metrics: dict[str, float] = {}
     skipped: dict[str, str] = {}
+    noise: dict[str, float] = {}
     builtin = (("mem_copy_gbps", mem_copy_gbps), ("cpu_sha256_mbps", cpu_sha256_mbps),
                ("cpu_zlib_mbps", cpu_zlib_mbps)) if req.builtin else ()
+    run_s = req.host_seconds / HOST_CHECK_RUNS
     for name, fn in builtin:
         if deadline - time.monotonic() < req.host_seconds + 1:
             skipped[name] = "deadline"
             continue
-        metrics[name] = await asyncio.to_thread(fn, req.host_seconds)
+        runs = [await asyncio.to_thread(fn, run_s) for _ in range(HOST_CHECK_RUNS)]
+        metrics[name] = max(runs)  # best of N: background load only ever slows a run down
+        if metrics[name] > 0:
+            noise[name] = round(100 * (max(runs) - min(runs)) / max(runs), 2)
     has_gpus = False
     if req.builtin:
         gm, why = await asyncio.to_thread(gpu_metrics, nvml)
@@ -473,24 +534,29 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
             skipped["bench_command"] = "deadline"
         else:
             try:
-                res = await run_command(bench_command, left - 0.5)
+                res = await run_capped(bench_command, left - 0.5)
             except OSError as err:
                 res = None
                 skipped["bench_command"] = f"cannot start {bench_command[0]}: {err}"
             if res is None:
-                skipped.setdefault("bench_command", f"did not finish within {left - 0.5:.0f} s")
+                skipped.setdefault("bench_command", f"did not finish within {left - 0.5:.0f} s "
+                                                    "(agent.bench_timeout_s or the sweep's --deadline; killed)")
             elif res[0] != 0:
                 skipped["bench_command"] = f"exit {res[0]}: {tail(res[1])[-300:]}"
             else:
+                if res[2] > len(res[1]):
+                    skipped["bench_command.output"] = (f"wrote {res[2]} bytes; its last {len(res[1])} were read "
+                                                       "(agents.bench.BENCH_OUTPUT_MAX_BYTES)")
                 try:
-                    metrics.update(parse_site_output(res[1].decode(errors="replace")))
+                    site, bad = parse_site_output(res[1].decode(errors="replace"))
+                    metrics.update(site)
+                    skipped.update(bad)
                 except ValueError as err:
                     skipped["bench_command"] = f"bad output: {err}"
     if req.builtin and not has_gpus:
         for step in ("gpu_load", "nvbandwidth", "dcgm"):
             skipped[step] = "no GPUs on this node (see 'gpu')"
     elif req.builtin:
-        tools = tools or GpuTools()
         argv, source = load_command(tools.load_command)
         if argv is None:
             skipped["gpu_load"] = source
@@ -515,7 +581,7 @@ async def run_bench(req: BenchRequest, *, cluster: str, node: str, nvml: Any = N
             metrics.update(m)
             skipped.update(sk)
     return BenchReport(node=node, cluster=cluster, sweep_id=req.sweep_id, metrics=metrics, skipped=skipped,
-                       started_at=started, finished_at=utcnow(), agent_version=__version__)
+                       noise_pct=noise, started_at=started, finished_at=utcnow(), agent_version=__version__)
 
 
 async def answer_bench(responder: Any, msg: Any) -> None:

@@ -155,6 +155,10 @@ class PerfSampler:
             if self.gpus:
                 with contextlib.suppress(self.NVMLError):
                     self._hw["gpu_model"] = _text(self.nvml.nvmlDeviceGetName(self.gpus[0].handle))
+                with contextlib.suppress(self.NVMLError, AttributeError):  # the version findings' fingerprint
+                    vbios = self.nvml.nvmlDeviceGetVbiosVersion(self.gpus[0].handle)
+                    if isinstance(vbios, (str, bytes)):
+                        self._hw["vbios"] = _text(vbios)[:64]
             with contextlib.suppress(self.NVMLError):
                 self._hw["driver"] = _text(self.nvml.nvmlSystemGetDriverVersion())
         except self.NVMLError as err:
@@ -182,7 +186,8 @@ class PerfSampler:
         ports, hca_model = self._ports()
         host = self._host()
         hw = HardwareClass(gpu_model=self._hw.get("gpu_model"), gpu_count=len(self.gpus),
-                           driver=self._hw.get("driver"), hca_model=hca_model, cpu_model=self._cpu_model())
+                           driver=self._hw.get("driver"), vbios=self._hw.get("vbios"), hca_model=hca_model,
+                           cpu_model=self._cpu_model())
         return PerfSample(cluster=self.cluster, node=self.node, interval_s=round(interval, 3), hw=hw, gpus=gpus,
                           ports=ports, host=host, agent_version=self.agent_version)
 
@@ -324,6 +329,7 @@ class PerfSampler:
             for field, counter in IB_COUNTERS.items():
                 r[field] = _delta(self._prev, (name, counter), _int(_read(port_dir / "counters" / counter)))
             ports.append(self._part(PortPerf, r))
+        ports = self._with_roles(ports)
         net = self.root / "sys" / "class" / "net"
         for d in sorted(net.iterdir()) if net.is_dir() else []:
             if not (d / "device").exists() or _int(_read(d / "type")) == ARPHRD_INFINIBAND:
@@ -334,6 +340,22 @@ class PerfSampler:
                 link_downed_delta=_delta(self._prev, (d.name, "carrier_down"), _int(_read(d / "carrier_down_count"))),
                 rcv_errors_delta=_delta(self._prev, (d.name, "rx_errors"), _int(_read(d / "statistics" / "rx_errors"))))))
         return ports, (",".join(sorted(set(models))) or None)
+
+    def _with_roles(self, ports: list[PortPerf]) -> list[PortPerf]:
+        """IB ports of the node's most common HCA model are `compute` (the GPUs' rails, one HCA per
+        GPU or two), the others `storage` (a front-end HCA of another model); one model: all compute."""
+        models: dict[str, str | None] = self._hw.get("hca_models", {})
+        count: dict[str, int] = {}
+        for p in ports:
+            m = models.get(p.name.split("/", 1)[0])
+            if m:
+                count[m] = count.get(m, 0) + 1
+        if len(count) < 2:
+            return [p.model_copy(update={"role": "compute"}) for p in ports]
+        top = max(count.values())
+        rails = {m for m, n in count.items() if n == top}
+        return [p.model_copy(update={"role": "compute" if models.get(p.name.split("/", 1)[0]) in rails
+                                     else "storage"}) for p in ports]
 
     def _host(self) -> HostPerf:
         if self._cpu_dirs is None:

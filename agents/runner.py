@@ -285,7 +285,8 @@ class Agent:
         diag.gpu_tools = GpuTools(load_command=settings.agent.gpu_load_command,
                                   load_seconds=settings.agent.gpu_load_seconds,
                                   nvbandwidth_command=settings.agent.nvbandwidth_command,
-                                  dcgm_command=settings.agent.sweep_dcgm_command)
+                                  dcgm_command=settings.agent.sweep_dcgm_command,
+                                  bench_timeout_s=settings.agent.bench_timeout_s)
         await diag.start()
         self.diag = diag
 

@@ -165,6 +165,8 @@ class BenchReport(BaseModel):
     sweep_id: str | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     skipped: dict[str, str] = Field(default_factory=dict)
+    noise_pct: dict[str, float] = Field(default_factory=dict)
+    """Metric → how far apart its repeated runs were, % of the best (the built-in host checks)."""
     started_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime = Field(default_factory=utcnow)
     agent_version: str = "unknown"

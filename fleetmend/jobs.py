@@ -5,15 +5,16 @@
 
 Standard library only (a training image need not install fleetmend's dependencies: copying this
 one file is enough). `report_step` never blocks and never raises: records go into a bounded queue
-that a daemon thread sends in batches, one NATS core `PUB` per job per batch, on
-`fleet.<cluster>.job.<job>` (captured by the `FLEET_JOBS` stream). While NATS is away the thread
+that a daemon thread sends in batches, one NATS core `PUB` per job and node per batch, on
+`fleet.<cluster>.job.<node token>.<job>` (captured by the `FLEET_JOBS` stream): the subject names the
+sender, and a node's credentials allow only its own (`fleetmend.subjects.node_job_subject`). While NATS is away the thread
 reconnects with a backoff and the oldest records are dropped once the queue is full (counted in
 `JobReporter.dropped`); the job never notices.
 
 Wire format (JSON, one message per job and node per batch): `{"v": 1, "cluster": C, "job": J,
-"steps": [[rank, node, step, seconds, unix_time], ...]}`; every row of one message names the same node
-(the analyzer refuses a message that speaks for several nodes, or for a node it has no perf samples
-from), under the node's real name.
+"steps": [[rank, node, step, seconds, unix_time], ...]}`; every row of one message names the node of
+its subject, under the node's real name (the analyzer refuses a message that speaks for another node
+than its subject's, or for several, and drops rows of a node it has no perf samples from).
 
 Configuration: arguments, else `FLEETMEND_NATS_URL` (`nats://[user:password@]host:port`; a token as
 `nats://token@host:port`) and `FLEETMEND_CLUSTER`. NKey and TLS authentication need the nats-py
@@ -50,6 +51,16 @@ def node_name(value: str) -> str:
     if not name or len(name) > 253:
         raise ValueError(f"invalid node name {name[:40]!r}")
     return name
+
+
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def node_token(node: str) -> str:
+    """The node's subject token, the rule of `fleetmend.subjects.node_token` (copied: this module is
+    standard library only): `[A-Za-z0-9_-]` stay, every other character becomes `=XX` per UTF-8 byte
+    (`ip-10-0-1-3.ec2.internal` → `ip-10-0-1-3=2Eec2=2Einternal`)."""
+    return "".join(ch if ch in _SAFE else "".join(f"={b:02X}" for b in ch.encode("utf-8")) for ch in node)
 
 
 def token(value: str) -> str:
@@ -196,10 +207,11 @@ class JobReporter:
         for job, rank, node, step, seconds, at in batch:
             by_job.setdefault((job, node), []).append([rank, node, step, seconds, at])
         out = b""
-        for (job, _node), steps in by_job.items():
+        for (job, node), steps in by_job.items():
             payload = json.dumps({"v": 1, "cluster": self.cluster, "job": job, "steps": steps},
                                  separators=(",", ":")).encode()
-            out += f"PUB fleet.{self.cluster}.job.{job} {len(payload)}\r\n".encode() + payload + b"\r\n"
+            subject = f"fleet.{self.cluster}.job.{node_token(node)}.{job}"
+            out += f"PUB {subject} {len(payload)}\r\n".encode() + payload + b"\r\n"
         try:
             self._sock.sendall(out + b"PING\r\n")
             self._drain_control()

@@ -214,17 +214,33 @@ def all_perf_subject() -> str:
     return "fleet.*.perf.*"
 
 
-def job_subject(cluster: str, job: str) -> str:
-    """`fleet.<cluster>.job.<job>`: step timings reported by the ranks of one job (`fleetmend.jobs`)."""
-    return f"fleet.{_check('cluster', cluster)}.job.{_check('job', job)}"
+def job_subject(cluster: str, node: str, job: str) -> str:
+    """`fleet.<cluster>.job.<node token>.<job>`: step timings of `job` reported by `node` for its own
+    ranks (`fleetmend.jobs`). The sender is in the subject, so a node's credentials
+    (`node_job_subject`) let it speak for itself only. Raises ValueError for an invalid name."""
+    return f"fleet.{_check('cluster', cluster)}.job.{node_token(node)}.{_check('job', job)}"
+
+
+def node_job_subject(cluster: str, node: str) -> str:
+    """`fleet.<cluster>.job.<node token>.*`: every job subject `node` may publish on (its credentials)."""
+    return f"fleet.{_check('cluster', cluster)}.job.{node_token(node)}.*"
 
 
 def cluster_job_subject(cluster: str) -> str:
-    return f"fleet.{_check('cluster', cluster)}.job.*"
+    return f"fleet.{_check('cluster', cluster)}.job.*.*"
 
 
 def all_jobs_subject() -> str:
-    return "fleet.*.job.*"
+    return "fleet.*.job.*.*"
+
+
+def parse_job_subject(subject: str) -> tuple[str, str, str]:
+    """Inverse of `job_subject`: (cluster, node name, job). Raises ValueError for other subjects
+    (the old `fleet.<cluster>.job.<job>` that named no sender included)."""
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != "fleet" or parts[2] != "job":
+        raise ValueError(f"not a job subject: {subject!r} (expected fleet.<cluster>.job.<node token>.<job>)")
+    return _check("cluster", parts[1]), token_node(parts[3]), _check("job", parts[4])
 
 
 def parse_perf_subject(subject: str) -> tuple[str, str]:

@@ -24,6 +24,13 @@ if TYPE_CHECKING:  # imported where used: the agent's parsers import `lower_is_b
     from fleetmend.messages.sweep import SweepFinding, SweepResult
 
 MIN_NODES_TO_JUDGE = 3
+MAX_METRICS_PER_NODE = 128
+"""Metrics one node's report may carry into the workflow (the first by name); the rest are noted."""
+MAX_SKIPPED_PER_NODE = 48
+MAX_TEXT = 300
+MAX_RESULT_CELLS = 10_000
+"""Metric cells the `SweepResult` carries (~100 bytes each: far inside Temporal's 2 MiB payload
+limit); beyond, a row keeps its outlying and worst cells only, and `SweepResult.clipped` says so."""
 _LOWER = re.compile(r"(_s|_ms|_us|_ns)$|latency|time", re.I)
 _RATE = re.compile(r"(per_s|per_sec|_ps|_hz)$|per_second|bandwidth|throughput|gbps|mbps", re.I)
 
@@ -34,14 +41,54 @@ def lower_is_better(name: str) -> bool:
     return not _RATE.search(name) and bool(_LOWER.search(name))
 
 
+def clip_report(metrics: dict[str, float], skipped: dict[str, str],
+                noise_pct: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
+    """Bound one node's report before it enters the workflow: at most `MAX_METRICS_PER_NODE`
+    metrics (the first by name; names up to 80 characters), `MAX_SKIPPED_PER_NODE` skipped entries of
+    `MAX_TEXT` characters; what was left out is noted in skipped as `clipped`."""
+    names = sorted(m for m in metrics if len(m) <= 80)
+    kept = {m: metrics[m] for m in names[:MAX_METRICS_PER_NODE]}
+    sk = {k[:80]: str(v)[:MAX_TEXT] for k, v in sorted(skipped.items())[:MAX_SKIPPED_PER_NODE]}
+    if len(kept) < len(metrics):
+        sk["clipped"] = (f"{len(metrics)} metrics reported; the first {len(kept)} by name kept "
+                         f"(fleetmend.sweep.MAX_METRICS_PER_NODE)")
+    if len(skipped) > MAX_SKIPPED_PER_NODE:
+        sk["clipped_skipped"] = f"{len(skipped)} skipped entries; {MAX_SKIPPED_PER_NODE} kept"
+    noise = {m: float(v) for m, v in (noise_pct or {}).items() if m in kept}
+    return kept, sk, noise
+
+
+def clip_result(res: SweepResult) -> SweepResult:
+    """Keep `res` within `MAX_RESULT_CELLS` metric cells: each row keeps its outlying cells and its
+    worst one, the medians stay, and `res.clipped` says how many cells were left out."""
+    cells = sum(len(r.metrics) for r in res.rows)
+    if cells <= MAX_RESULT_CELLS:
+        return res
+    for r in res.rows:
+        r.metrics = {m: c for m, c in r.metrics.items() if c.outlier or m == r.worst_metric}
+    left = sum(len(r.metrics) for r in res.rows)
+    res.clipped = (f"{cells} metric cells; each node's outlying and worst ones kept ({left}), medians for all "
+                   f"(fleetmend.sweep.MAX_RESULT_CELLS = {MAX_RESULT_CELLS})")
+    return res
+
+
 def compare(cluster: str, sweep_id: str, reports: dict[str, dict[str, float]], outlier_pct: float,
             skipped: dict[str, dict[str, str]] | None = None,
-            not_answering: dict[str, str] | None = None) -> SweepResult:
-    """Compare the nodes' numbers (node → metric → value). See module docstring for the rule."""
+            not_answering: dict[str, str] | None = None,
+            noise_pct: dict[str, dict[str, float]] | None = None) -> SweepResult:
+    """Compare the nodes' numbers (node → metric → value). See module docstring for the rule.
+    `noise_pct`: node → metric → spread of its repeated runs (%); the result gives each metric's
+    median and largest spread (`SweepResult.noise_pct`, `noise_max_pct`)."""
     from fleetmend.messages.sweep import MetricCell, NodeRow, SweepResult
 
     res = SweepResult(cluster=cluster, sweep_id=sweep_id, outlier_pct=outlier_pct,
                       not_answering=dict(not_answering or {}))
+    spreads: dict[str, list[float]] = {}
+    for ns in (noise_pct or {}).values():
+        for m, v in ns.items():
+            spreads.setdefault(m, []).append(v)
+    res.noise_pct = {m: round(median(v), 2) for m, v in sorted(spreads.items())}
+    res.noise_max_pct = {m: round(max(v), 2) for m, v in sorted(spreads.items())}
     names = sorted({m for ms in reports.values() for m in ms})
     limit = 1 - outlier_pct / 100
     for m in names:

@@ -26,7 +26,7 @@ Imports only stdlib and pydantic (the contract never imports nats/temporalio).
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -99,6 +99,11 @@ class PortPerf(_Part):
 
     name: str = Field(max_length=256)
     kind: str = Field(default="ib", max_length=16)
+    role: Literal["compute", "storage"] | None = None
+    """`compute` (the GPUs' rails) or `storage` (a front-end/storage HCA): ports are compared role
+    with role, so a compute port at half rate cannot hide behind a slower storage port. None (an
+    older agent): compute. The agent calls the HCAs of the node's most common HCA model compute and
+    the others storage."""
     rate_gbps: float | None = Field(default=None, ge=0.0, le=RATE_MAX_GBPS)
     width: int | None = Field(default=None, ge=0, le=64)
     """Lanes (the `4X` of `400 Gb/sec (4X NDR)`)."""
@@ -126,6 +131,9 @@ class HardwareClass(_Part):
     gpu_model: str | None = None
     gpu_count: int = Field(default=0, ge=0, le=1024)
     driver: str | None = None
+    vbios: str | None = Field(default=None, max_length=64)
+    """GPU 0's VBIOS version (NVML `nvmlDeviceGetVbiosVersion`): not part of `key` (a firmware
+    rollout does not split the class); the analyzer names a version whose holders are the outliers."""
     hca_model: str | None = None
     cpu_model: str | None = None
 

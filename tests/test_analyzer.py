@@ -122,7 +122,7 @@ def test_idle_gpus_are_not_judged_on_load_dependent_metrics() -> None:
     assert feed(c, samples) == []
 
 
-def test_small_group_is_reported_not_judged() -> None:
+def test_small_group_is_reported_and_judged_alone() -> None:
     c = Comparator(AnalyzerSettings(min_group_size=8))
     for m in range(5):
         for n in range(5):
@@ -130,8 +130,9 @@ def test_small_group_is_reported_not_judged() -> None:
             c.add(s.node, s.hw.key, s.at.timestamp(), derive(s)[1])
             c.note_job(s.node, "j", s.at.timestamp())
     res = c.close_window(c.due(1e12)[0])
-    assert res.findings == [] and res.judged == 0
-    assert {(g.metric, g.size) for g in res.small_groups} >= {("power_brake_frac", 5)}  # hardware-own: the class
+    assert res.findings == [] and res.outliers == 0  # the slow clock is work-dependent: a 5-node job is too small
+    assert res.judged == 5 * len({g.metric for g in res.small_groups})  # each node against the fixed expectation
+    assert {(g.metric, g.size, g.judged) for g in res.small_groups} >= {("power_brake_frac", 5, "expected")}
     assert res.small_job_groups >= 1  # sm_clock_ratio among the job's 5 nodes: counted, not listed per job
     assert all(g.group.startswith("NVIDIA B200x8") for g in res.small_groups)
 
@@ -182,7 +183,7 @@ class Clock:
 
 async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, unique) -> None:
     from fleetmend import subjects
-    from fleetmend.analyzer.service import Analyzer, analyzer_kv, lease_key
+    from fleetmend.analyzer.service import Analyzer, analyzer_kv, lease_key, status_key
     from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream, ensure_perf_stream
 
     cluster = f"fs{unique}"
@@ -227,12 +228,17 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     rec = json.loads(dl.data)
     assert rec["subject"] == subjects.perf_subject(cluster, "n1") and "invalid perf sample" in rec["reason"]
 
+    # a node whose clock is 2 minutes behind: its sample lands in a judged window, dropped and named
+    late = _sample("n3", start + 1, 96, 0.985).model_copy(update={"cluster": cluster, "node": "n3"})
+    await nc.publish(subjects.perf_subject(cluster, "n3"), late.to_json_bytes())
+    await nc.flush()
+    await assert_eventually(lambda: b.samples == 61, timeout_s=10)
     # the active replica stops (no release, no more samples); the standby takes over after the TTL
     await a._sub.unsubscribe()
     for m in range(6, 9):
         await publish_minute(m)
     await nc.flush()
-    await assert_eventually(lambda: b.samples == 90, timeout_s=10)
+    await assert_eventually(lambda: b.samples == 91, timeout_s=10)
     clock.t = start + 180 + 10
     assert await a.lease() is True  # its last renewal before it dies
     res = await b.tick()  # lease still a's (not expired): judges, publishes nothing
@@ -244,7 +250,7 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     for m in range(9, 12):
         await publish_minute(m)
     await nc.flush()
-    await assert_eventually(lambda: b.samples == 120, timeout_s=10)
+    await assert_eventually(lambda: b.samples == 121, timeout_s=10)
     clock.t = start + 240 + 10
     await b.tick()
     assert len(b.published) == 1
@@ -252,6 +258,9 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
     ev = FaultEvent.from_json_bytes(msg.data)
     assert ev.kind == "fail_slow" and ev.node == "n0" and ev.attrs["metric"] == "power_brake_frac"
     assert ev.event_id == b.published[0]
+    status = json.loads((await kv.get(status_key(cluster))).value)  # written by the active replica
+    assert status["holder"] == "b" and status["window_end"] == start + 240
+    assert status["clock_skew"] == {"n3": {"late": 1}} and status["clock_skew_nodes"] == 1
     entry = await kv.get(lease_key(cluster))
     assert json.loads(entry.value)["holder"] == "b"
     await b.release()
@@ -265,8 +274,8 @@ async def test_service_lease_findings_failover_and_deadletter(nats_server, nc, u
 
 
 async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, unique) -> None:
-    """With `fleetmend creds generate` permissions: a node publishes its own perf samples (not another
-    node's), and the analyzer role reads them, holds its lease, writes its state and publishes
+    """With `fleetmend creds generate` permissions: a node publishes its own perf samples and job
+    steps (not another node's), and the analyzer role reads them, holds its lease, writes its state and publishes
     fail_slow on the node's fault subject."""
     import nats
 
@@ -322,6 +331,14 @@ async def test_analyzer_and_node_credentials_cover_telemetry(tmp_path_factory, u
         await assert_eventually(lambda: a.samples == 120, timeout_s=10, what="analyzer read the node samples")
         await assert_eventually(lambda: any("permissions violation" in e and "perf.n0" in e for e in errors),
                                 timeout_s=5, what="spoofed perf publish refused")
+        # a job report names its sender in the subject: n1 may report its own ranks, never n0's
+        own = json.dumps({"v": 1, "cluster": cluster, "job": "7", "steps": [[0, "n1", 1, 1.0, start + 2]]}).encode()
+        await nodes[1].publish(subjects.job_subject(cluster, "n1", "7"), own)
+        await nodes[1].publish(subjects.job_subject(cluster, "n0", "7"), own.replace(b'"n1"', b'"n0"'))
+        await nodes[1].flush()
+        await assert_eventually(lambda: a.job_steps == 1, timeout_s=10, what="analyzer read n1's own job step")
+        await assert_eventually(lambda: any("permissions violation" in e and "job.n0.7" in e for e in errors),
+                                timeout_s=5, what="job report on another node's subject refused")
         faults = await admin.subscribe(subjects.fault_subject(cluster, "n0"))
         clock.t = start + 240 + 10
         await a.tick()

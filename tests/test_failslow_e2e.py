@@ -78,7 +78,7 @@ async def test_slowed_node_gets_a_fail_slow_incident_healthy_ones_do_not(nats_se
             for i in range(nodes):  # each node reports its own rank's step time, as fleetmend.jobs does
                 job, t = fleet.job_of(i), start + m * 20 + 2
                 row = [fleet.fleet[i].rank, fleet.fleet[i].name, m, fleet.step_seconds(i, t), t]
-                await nc.publish(subjects.job_subject(cluster, job),
+                await nc.publish(subjects.job_subject(cluster, fleet.fleet[i].name, job),
                                  json.dumps({"v": 1, "cluster": cluster, "job": job, "steps": [row]}).encode())
         await nc.flush()
         await assert_eventually(lambda: analyzer.samples == 15 * nodes, timeout_s=20, what="analyzer read the samples")

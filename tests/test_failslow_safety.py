@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fleetmend.analyzer import metrics
+from fleetmend import subjects
+from fleetmend.analyzer import core, metrics
 from fleetmend.analyzer.core import Comparator
 from fleetmend.analyzer.service import Analyzer, job_comparator
 from fleetmend.config import AnalyzerSettings, load_settings
@@ -36,6 +37,7 @@ WORK = {"sm_clock_ratio", "power_cap_frac", "temperature_c", "ib_xmit_wait_per_m
 HW_OWN = {"power_brake_frac", "hw_slowdown_frac", "thermal_frac", "pcie_width_ratio", "pcie_gen_ratio",
           "pcie_replay_per_min", "nvlink_errors_per_min", "nvlink_down", "ecc_corrected_per_min",
           "ib_symbol_errors_per_min", "ib_link_recovery_per_min", "ib_rcv_errors_per_min", "port_rate_gbps",
+          "storage_port_rate_gbps",
           "cpu_throttle_per_min"}
 
 
@@ -69,6 +71,7 @@ def class_wide(cfg: AnalyzerSettings) -> Comparator:
     """Today's rule, for contrast: every metric judged across the hardware class."""
     c = Comparator(cfg)
     c.specs = {m: dataclasses.replace(s, work_dependent=False) for m, s in c.specs.items()}
+    c.explainer.enabled = False  # nor were co-occurring outliers one finding
     return c
 
 
@@ -136,6 +139,30 @@ def test_uneven_ranks_by_design_are_not_slow_a_rank_that_slows_later_is() -> Non
     assert d.baselines["job:j"]["n0/0"][0] == pytest.approx(b0)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+def test_one_node_speaking_for_many_ranks_moves_the_job_median_as_one_member(weighted: bool) -> None:
+    """A node (it may claim up to 1,024 GPUs) reports 16 ranks of an 8-node job: normal for the
+    baseline windows, then at half the step time. Weighted as one member (the job comparator), the
+    honest ranks keep their median and none is slow; counting its ranks one by one (the control) would
+    pull the median down and call every honest rank slow."""
+    cfg = AnalyzerSettings(window_s=60, windows=3)
+    c = job_comparator(cfg)
+    if not weighted:
+        c.unit_of = None
+    found = []
+    for w in range(10):
+        for s in range(6):
+            t = T0 + w * 60 + s * 10 + 1
+            for rank in range(8):
+                c.add(f"n{rank}/{rank}", "job:j", t, {"job_step_seconds": (2.0 + 0.01 * ((s + rank) % 3), "r")})
+            for rank in range(8, 24):
+                c.add(f"liar/{rank}", "job:j", t, {"job_step_seconds": (2.0 if w < 4 else 1.0, "r")})
+        for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
+            found += c.close_window(x).findings
+    honest = sorted({f.node for f in found if not f.node.startswith("liar/")})
+    assert honest == ([] if weighted else [f"n{r}/{r}" for r in range(8)])
+
+
 def _sample(node: str, t: float, **gpu: Any) -> PerfSample:
     return PerfSample(cluster="c", node=node, at=datetime.fromtimestamp(t, timezone.utc), interval_s=60,
                       hw=HardwareClass(gpu_model="NVIDIA H200", gpu_count=8, driver="570"),
@@ -186,6 +213,30 @@ def test_future_and_stale_samples_are_dropped_and_memory_stays_bounded() -> None
     for _ in range(1000):
         c.add("n1", HW.key, now + 2, {"power_brake_frac": (0.0, "gpu:0")}, now=now)
     assert c.dropped["flood"] > 0 and max(nw.n for w in c.open.values() for nw in w.values()) <= 600
+    kept = c.open[c.window_of(now + 2)]["n1"].values["power_brake_frac"]
+    assert 32 <= len(kept) < core.MAX_VALUES_PER_METRIC  # thinned, not grown: the median spans the window
+
+
+def test_made_up_node_names_and_departed_nodes_do_not_grow_the_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "MAX_NODES_PER_WINDOW", 100)
+    cfg = AnalyzerSettings(window_s=60)
+    c = Comparator(cfg)
+    for i in range(1000):  # a NATS without node credentials: any name can arrive
+        c.add(f"made-up-{i}", f"group-{i}", T0 + 1, {"power_brake_frac": (0.0, "gpu:0")}, now=T0)
+    assert len(c.open[c.window_of(T0)]) == 100 and c.dropped["too_many_nodes"] == 900
+    # a node outlying for two windows that then leaves: its streak is forgotten within STREAK_TTL_S
+    d = Comparator(cfg)
+    for w in range(int(core.STREAK_TTL_S // 60) + 4):
+        t = T0 + w * 60 + 1
+        for n in range(10):
+            if n == 0 and w >= 2:
+                continue
+            for k in range(3):
+                d.add(f"n{n}", HW.key, t + k, {"power_brake_frac": (0.5 if n == 0 else 0.0, "gpu:0")})
+        d.close_window(d.window_of(t))
+        if w == 1:
+            assert d.streaks["n0"]["power_brake_frac"][0] == 2
+    assert d.streaks == {}
 
 
 # ---------------------------------------------------------------------- the service's door (no NATS)
@@ -218,9 +269,11 @@ def analyzer(now: float) -> tuple[Analyzer, FakeJS]:
     return Analyzer(s, None, js, None, holder="t", clock=Clock(now), lease_clock=Clock(now)), js
 
 
-def job_msg(job: str, rows: list) -> Msg:
-    return Msg(f"fleet.c.job.{job}", json.dumps({"v": 1, "cluster": "c", "job": job, "steps": rows},
-                                                  allow_nan=True).encode())
+def job_msg(job: str, rows: list, sender: str | None = None) -> Msg:
+    """A job message on the subject of `sender` (default: the node its first row names)."""
+    sender = sender if sender is not None else (rows[0][1] if rows else "n0")
+    return Msg(subjects.job_subject("c", sender, job),
+               json.dumps({"v": 1, "cluster": "c", "job": job, "steps": rows}, allow_nan=True).encode())
 
 
 async def test_a_nan_perf_sample_is_dead_lettered_and_a_future_one_dropped() -> None:
@@ -265,3 +318,27 @@ async def test_a_job_message_speaks_for_its_one_known_node_only() -> None:
     for job in ("j3", "j4", "j5", "j6"):  # nor do many jobs at once
         await a._on_job_msg(job_msg(job, [[0, "n1", 1, 1.0, T0 + 2]]))
     assert a.rejected == 6 and "more than 4 jobs" in js.published[-1][1]["reason"]
+
+
+async def test_a_job_message_speaks_for_the_sender_of_its_subject_only() -> None:
+    """The subject names the sender (its credentials allow only `fleet.<c>.job.<its token>.*`): rows
+    naming another known node, a body naming another job, or the old subject without a sender are
+    dead-lettered with the reason, and nothing reaches the comparators."""
+    a, js = analyzer(T0)
+    dotted = "ip-10-0-1-3.ec2.internal"
+    for n in ["n0", "victim", dotted]:
+        a.add(_sample(n, T0 + 1))
+    await a._on_job_msg(job_msg("j1", [[0, "victim", 1, 9.0, T0 + 2]], sender="n0"))
+    assert "'victim' but 'n0' sent them" in js.published[-1][1]["reason"]
+    other = job_msg("j1", [[0, "n0", 1, 1.0, T0 + 2]])
+    await a._on_job_msg(Msg(subjects.job_subject("c", "n0", "j2"), other.data))
+    assert "names job 'j1'" in js.published[-1][1]["reason"]
+    await a._on_job_msg(Msg("fleet.c.job.j1", other.data))
+    assert "not a job subject" in js.published[-1][1]["reason"]
+    await a._on_job_msg(Msg("fleet.c.job.ip-10-0-1-3-ec2-internal.j1",  # a token that is not the dotted name's
+                            job_msg("j1", [[0, dotted, 1, 1.0, T0 + 2]]).data))
+    assert "'ip-10-0-1-3-ec2-internal' sent them" in js.published[-1][1]["reason"]
+    assert a.rejected == 4 and a.job_steps == 0 and not a.jobs.open
+    await a._on_job_msg(job_msg("j1", [[0, dotted, 1, 1.0, T0 + 2]]))
+    assert a.job_steps == 1 and a.rejected == 4
+    assert subjects.job_subject("c", dotted, "j1") == "fleet.c.job.ip-10-0-1-3=2Eec2=2Einternal.j1"

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from fleetmend import subjects
 from fleetmend.dev import servers
-from fleetmend.jobs import JobReporter, token
+from fleetmend.jobs import JobReporter, node_token, token
 
 
 def test_module_is_stdlib_only() -> None:
@@ -34,6 +34,8 @@ def test_nats_away_never_blocks_or_raises() -> None:
     assert r.dropped >= 600 and r.errors >= 1 and r.sent == 0  # bounded: at most queue + one batch held
     r.close(0.1)
     assert token("a.b c") == "a-b-c"
+    for name in ("gpu01", "ip-10-0-1-3.ec2.internal", "a=b.c", "nœud"):  # the one node-name encoding
+        assert node_token(name) == subjects.node_token(name)
 
 
 async def test_batches_arrive_and_a_slow_rank_becomes_fail_slow(nats_server, nc, unique) -> None:
@@ -54,7 +56,7 @@ async def test_batches_arrive_and_a_slow_rank_becomes_fail_slow(nats_server, nc,
     assert await asyncio.to_thread(r.flush, 10) is True
     msg = await raw.next_msg(timeout=5)
     body = json.loads(msg.data)
-    assert msg.subject == f"fleet.{cluster}.job.77" and body["v"] == 1 and body["steps"][0][:4] == [0, "n0", 1, 1.0]
+    assert msg.subject == f"fleet.{cluster}.job.n0.77" and body["v"] == 1 and body["steps"][0][:4] == [0, "n0", 1, 1.0]
     await raw.unsubscribe()
 
     s = load_settings(None, cluster=cluster, nats_url=nats_server.url,

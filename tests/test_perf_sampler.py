@@ -227,3 +227,31 @@ async def test_live_agent_publishes_samples_to_the_perf_stream(nats_server, nc, 
         stop.set()
         assert await asyncio.wait_for(task, 30) == 0
         await sub.unsubscribe()
+
+
+def test_ports_get_a_role_compute_rails_and_a_storage_hca(tmp_path: Path) -> None:
+    """Issue 28: NICs are compared by role. The HCAs of the node's most common model are the
+    compute rails, another model is storage; a compute port at half rate no longer hides behind a
+    slower storage port (the analyzer's `port_rate_gbps` reads compute ports only)."""
+    from fleetmend.analyzer.metrics import derive
+
+    for hca, model, rate in (("mlx5_0", "MT4129", "200 Gb/sec (4X HDR)"), ("mlx5_1", "MT4129", "400 Gb/sec (4X NDR)"),
+                             ("mlx5_2", "MT4125", "100 Gb/sec (4X EDR)")):
+        ib_counters(ib_port(tmp_path, hca, 1, "4: ACTIVE", "5: LinkUp", rate))
+        w(tmp_path / f"sys/class/infiniband/{hca}/hca_type", model)
+    host_tree(tmp_path)
+    nv = perf_standin([PerfGpu(0)])
+    nv.nvmlDeviceGetVbiosVersion.return_value = "96.00.89.00.01"  # the version findings' fingerprint
+    smp = PerfSampler(nv, tmp_path, cluster="c1", node="n1", interval_s=60).sample(now_mono=1.0)
+    assert smp.hw.vbios == "96.00.89.00.01" and "96.00" not in smp.hw.key  # a firmware rollout does not split the class
+    assert {p.name: p.role for p in smp.ports if p.kind == "ib"} == {
+        "mlx5_0/1": "compute", "mlx5_1/1": "compute", "mlx5_2/1": "storage"}
+    _, d = derive(smp)
+    assert d["port_rate_gbps"] == (200.0, "port:mlx5_0/1")  # the slow rail, not the 100 Gb/s storage port
+    assert d["storage_port_rate_gbps"] == (100.0, "port:mlx5_2/1")
+    solo = tmp_path / "solo"
+    ib_counters(ib_port(solo, "mlx5_0", 1, "4: ACTIVE", "5: LinkUp", "400 Gb/sec (4X NDR)"))
+    w(solo / "sys/class/infiniband/mlx5_0/hca_type", "MT4129")
+    host_tree(solo)
+    one = PerfSampler(perf_standin([PerfGpu(0)]), solo, cluster="c1", node="n1", interval_s=60).sample(now_mono=1.0)
+    assert [p.role for p in one.ports if p.kind == "ib"] == ["compute"]

@@ -85,7 +85,7 @@ def event(node: str) -> FaultEvent:
 def test_generate_permissions_files_and_reuse(tmp_path: Path):
     cs = security.generate(tmp_path, "c1", ["a", "b"])
     perms = security.node_permissions("c1", "a")
-    assert perms["publish"]["allow"] == ["fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.*"]
+    assert perms["publish"]["allow"] == ["fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.a.*"]
     assert perms["subscribe"]["allow"] == ["fleet.c1.diag.a", "_INBOX.c1.a.>"]
     seed = cs.seed_file("node:c1/a")
     assert stat.S_IMODE(seed.stat().st_mode) == 0o600

@@ -59,6 +59,29 @@ def test_compare_orientation_outliers_and_small_metrics() -> None:
     assert compare("c", "s1", reports, 7.0).outliers == ["n3"]
 
 
+def test_reports_and_results_are_bounded_with_a_note() -> None:
+    """A node answering 13,000 metrics (issue 28: a ~1 MB answer made the result exceed Temporal's
+    2 MiB payload limit) keeps 128 and a note; a result past `MAX_RESULT_CELLS` keeps each node's
+    outlying and worst cells and says so; each metric's noise is summarised."""
+    import json
+    from dataclasses import asdict
+
+    from fleetmend.sweep import MAX_METRICS_PER_NODE, MAX_RESULT_CELLS, clip_report, clip_result
+
+    huge = {f"m{i:05d}_per_s": 1.0 for i in range(13_000)}
+    metrics, skipped, noise = clip_report(huge, {f"k{i}": "x" * 5000 for i in range(100)}, {"m00000_per_s": 2.0})
+    assert len(metrics) == MAX_METRICS_PER_NODE and "13000 metrics reported" in skipped["clipped"]
+    assert max(len(v) for v in skipped.values()) <= 300 and "clipped_skipped" in skipped and noise == {"m00000_per_s": 2.0}
+    reports = {f"n{i:03d}": {f"m{k:03d}": 100.0 for k in range(MAX_METRICS_PER_NODE)} for i in range(200)}
+    reports["n007"]["m005"] = 50.0
+    res = compare("c", "s", reports, 5.0, noise_pct={"n000": {"m000": 1.0}, "n001": {"m000": 3.0}})
+    assert res.noise_pct == {"m000": 2.0} and res.noise_max_pct == {"m000": 3.0}
+    res = clip_result(res)
+    assert res.clipped and sum(len(r.metrics) for r in res.rows) <= MAX_RESULT_CELLS
+    assert next(r for r in res.rows if r.node == "n007").metrics["m005"].outlier and res.outliers == ["n007"]
+    assert len(json.dumps(asdict(res))) < 2 * 1024 * 1024
+
+
 def test_builtin_host_checks_measure_something() -> None:
     from agents.bench import run_bench
     from fleetmend.diagnostics import BenchRequest
@@ -68,8 +91,31 @@ def test_builtin_host_checks_measure_something() -> None:
     assert rep.metrics["mem_copy_gbps"] > 0 and rep.metrics["cpu_sha256_mbps"] > 0 and rep.metrics["cpu_zlib_mbps"] > 0
     assert rep.metrics["x_per_s"] == 3.0 and "gpu" in rep.skipped
     bad = asyncio.run(run_bench(BenchRequest(builtin=False), cluster="c", node="n",
-                                bench_command=[sys.executable, "-c", "print('{\"x\": \"fast\"}')"]))
-    assert bad.metrics == {} and "expected a number" in bad.skipped["bench_command"]
+                                bench_command=[sys.executable, "-c", "print('{\"x\": \"fast\", \"y\": NaN, \"z\": 2}')"]))
+    assert bad.metrics == {"z": 2.0}  # one bad metric skips that metric, not the node's valid ones
+    assert "not a finite number" in bad.skipped["bench_command.x"] and "bench_command.y" in bad.skipped
+    assert set(rep.noise_pct) == {"mem_copy_gbps", "cpu_sha256_mbps", "cpu_zlib_mbps"}  # best of 3, spread said
+
+
+def test_a_hanging_or_chatty_benchmark_cannot_wedge_the_agent() -> None:
+    """`bench_timeout_s` bounds the run (its child processes killed with it); a benchmark printing
+    far more than it should is read with a cap (the tail kept: the last JSON line still counts)."""
+    import time
+
+    from agents.bench import BENCH_OUTPUT_MAX_BYTES, GpuTools, run_bench
+    from fleetmend.diagnostics import BenchRequest
+
+    hang = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); time.sleep(60)"]
+    t0 = time.monotonic()
+    rep = asyncio.run(run_bench(BenchRequest(builtin=False, deadline_s=60), cluster="c", node="n",
+                                bench_command=hang, tools=GpuTools(bench_timeout_s=2)))
+    assert time.monotonic() - t0 < 8 and "agent.bench_timeout_s" in rep.skipped["bench_command"]
+    chatty = [sys.executable, "-c", "import sys; [sys.stdout.write('x' * 1023 + '\\n') for _ in range(20_000)]; "
+              "print('{\"tokens_per_s\": 7}')"]  # ~20 MB, then the result
+    rep = asyncio.run(run_bench(BenchRequest(builtin=False, deadline_s=60), cluster="c", node="n", bench_command=chatty))
+    assert rep.metrics == {"tokens_per_s": 7.0} and f"last {BENCH_OUTPUT_MAX_BYTES} were read" in rep.skipped[
+        "bench_command.output"]
 
 
 async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, tmp_path: Path, unique: str) -> None:
@@ -135,4 +181,38 @@ async def test_sweep_end_to_end_with_real_agents(nats_server, temporal_server, t
         await asyncio.gather(*agents, return_exceptions=True)
         await worker.shutdown()
         wtask.cancel()
+        await nc.close()
+
+
+async def test_a_real_agent_bounds_a_hanging_benchmark_by_its_setting(nats_server, tmp_path: Path, unique: str) -> None:
+    """`agent.bench_timeout_s` reaches the agent's benchmark runner: a site benchmark that hangs is killed at
+    the setting (2 s here), not at the sweep's much longer deadline, and the report says why."""
+    import time
+
+    from agents.runner import run_agent
+    from fleetmend import subjects
+    from fleetmend.config import load_settings
+    from fleetmend.diagnostics import BenchReport, BenchRequest
+    from fleetmend.infra.connect import connect_nats
+    from tests.conftest import wait_agents_answer
+
+    cluster = f"bt{unique}"
+    a = load_settings(None, cluster=cluster, node="hang", nats_url=nats_server.url, state_dir=tmp_path / "state",
+                      log_format="json", agent={"bench_command": ["sleep", "60"], "bench_timeout_s": 2,
+                                                "perf_enabled": False})
+    stop = asyncio.Event()
+    agent = asyncio.create_task(run_agent(a, stop=stop, probes=[], hardware=False))
+    nc = await connect_nats(a, name="bench-timeout")
+    try:
+        await wait_agents_answer(nc, cluster, ["hang"], what="the agent answers")
+        t0 = time.monotonic()
+        body = BenchRequest(sweep_id="t", deadline_s=40, builtin=False).model_dump_json().encode()
+        msg = await nc.request(subjects.diag_subject(cluster, "hang"), body, timeout=45)
+        rep = BenchReport.model_validate_json(msg.data)
+        took = time.monotonic() - t0
+        assert took < 15, f"the hanging benchmark ran {took:.0f} s under a 2 s agent.bench_timeout_s"
+        assert "agent.bench_timeout_s" in rep.skipped.get("bench_command", ""), rep.skipped
+    finally:
+        stop.set()
+        await asyncio.gather(agent, return_exceptions=True)
         await nc.close()

@@ -9,7 +9,10 @@ clock; the benchmark feeds it simulated days in seconds.
 Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 
 1. A node's value is the median of its samples of that metric in the window (at least
-   `min_samples_per_window` of them): one spike cannot move it. Load-dependent metrics exist only on
+   `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the
+   interpolated median (`window_value`), which resolves finer than one step; of a bursty error
+   counter, the rate a quarter of its samples of the last 2·`windows` windows reach (how often it
+   bursts, not a median of 0; `_pooled_bursts`). Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
    A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
@@ -19,11 +22,14 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    misses a finding than drains a healthy node because its work differs from its neighbours'.
    Those skipped judgements are counted (`WindowResult.no_job`).
 3. Fewer than `min_group_size` nodes with a value: the group is too small to compare; it is
-   reported (`WindowResult.small_groups`; job groups only counted, `small_job_groups`) and nobody in
-   it is judged.
+   reported (`WindowResult.small_groups`, with how it was judged instead; job groups only counted,
+   `small_job_groups`, and not judged). A hardware group's nodes are judged alone
+   (`_judge_alone`): against the class's fixed expectation (`MetricSpec.expected`) where the metric
+   has one, else each against its own history, with the metric's floors.
 4. Peer median m and scaled MAD s = 1.4826·median(|x − m|) (a robust σ: up to half the group may be
-   outliers without moving either). The node is an outlier when its gap in the bad direction exceeds
-   max(`mad_k`·s, min_rel·|m|, min_abs).
+   outliers without moving either); for a quantized metric (`MetricSpec.quantum`) the median of the
+   deviations is interpolated within one-quantum bins (`quantized_mad`). The node is an outlier
+   when its gap in the bad direction exceeds max(`mad_k`·s, min_rel·|m|, min_abs).
 5. Own baseline (`MetricSpec.baseline_windows` = b > 0; the step times of a job's ranks). A member's
    ratio to the group median over its first b judged windows in that group is its own offset (rank
    0 of a job may be 10 % slower by design); it is not judged until the offset is known, and from
@@ -40,7 +46,9 @@ than `max_skew_s` after `now` (`fleetmend.events.MAX_CLOCK_SKEW_S`) or older tha
 open can be (`window_s + grace_s + max_skew_s` before `now`) is dropped, so at most
 `(window_s + grace_s + 2·max_skew_s) / window_s + 2` windows are open whatever timestamps arrive; a
 node files at most `max_samples_per_window` samples into one window. Every drop is counted by reason
-in `dropped`. One node gives one value per group, so it weighs as one member of any median.
+in `dropped`. One node gives one value per group, so it weighs as one member of any median; where
+one node speaks for several members (the ranks it runs of a job), `unit_of` makes the group's
+median and MAD one value per node, so it still weighs as one member.
 
 State (`to_state`/`from_state`, JSON-ready) is the counts, their evidence, the report times and the
 baselines; the open windows are rebuilt from the perf stream after a restart.
@@ -50,13 +58,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
 from fleetmend import __version__
 from fleetmend.analyzer.metrics import SPECS, Derived, MetricSpec, device_of, specs_for
+from fleetmend.analyzer.shared import Explainer, GroupFinding
 from fleetmend.config import AnalyzerSettings
 from fleetmend.events import MAX_CLOCK_SKEW_S, FaultEvent, Severity, Source
 
@@ -98,9 +108,31 @@ class Finding:
 
 @dataclass
 class SmallGroup:
+    """A (group, metric) with fewer than `min_group_size` nodes; `judged`: how its nodes were judged
+    instead (`expected`: the class's fixed expectation, `own_history`: each against its own past;
+    "": not at all)."""
+
     group: str
     metric: str
     size: int
+    judged: str = ""
+
+
+@dataclass
+class _Judged:
+    """One node's judgement of one metric in one window, before streaks are counted."""
+
+    node: str
+    metric: str
+    value: float
+    where: str
+    group: str
+    size: int
+    median: float
+    mad: float
+    threshold: float
+    outlier: bool
+    baseline: float | None
 
 
 @dataclass
@@ -117,6 +149,12 @@ class WindowResult:
     """(job, metric) groups of a work-dependent metric with fewer than `min_group_size` nodes."""
     no_job: int = 0
     """(node, metric) values of work-dependent metrics not judged: the node's job is unknown."""
+    shared_findings: list[GroupFinding] = field(default_factory=list)
+    """Domain and version findings reported in this window (they drain nothing)."""
+    shared_seen: list[GroupFinding] = field(default_factory=list)
+    """Every domain and version finding seen in this window (reported or still counting)."""
+    explained: int = 0
+    """(node, metric) outlier windows explained by a domain or version, not counted for the node."""
 
 
 MAX_SAMPLES_PER_WINDOW = 600
@@ -125,20 +163,45 @@ dropped (`dropped["flood"]`): one chatty node cannot grow the analyzer's memory.
 MAX_JOBS_PER_WINDOW = 4
 """Distinct jobs remembered per node and window; a node with more than one is not judged on
 work-dependent metrics anyway."""
+MAX_VALUES_PER_METRIC = 64
+"""Values kept per node, metric and window: beyond, every other one is let go and from then on one
+sample in 2, 4, … is kept (`_NodeWindow.stride`), so the window's median still spans the whole
+window while memory stays fixed however fast a node samples."""
+MAX_NODES_PER_WINDOW = 100_000
+"""Distinct nodes filed into one window; a new node beyond is dropped (`dropped["too_many_nodes"]`):
+a flood of made-up names (a NATS without per-node credentials) cannot grow the memory."""
+MAX_BASELINE_MEMBERS = 200_000
+"""Members whose own offset (rule 5) is learnt at once, over all groups; a new member beyond is not
+judged until room is made (`dropped["baselines_full"]`)."""
+OWN_HISTORY_WINDOWS = 3
+"""Windows a node of a group too small to compare is measured before its own history judges it."""
+STREAK_TTL_S = 3600.0
+"""A streak whose node has not been judged on that metric for this long is forgotten (the node left):
+streaks are bounded by the nodes seen in the last hour."""
 BASELINE_TTL_S = 3600.0
 """A member's own offset (rule 5) is forgotten this long after it was last judged (the job ended or
 moved): a job id reused later starts a new baseline."""
 
 
 class _NodeWindow:
-    __slots__ = ("group", "values", "where", "jobs", "n")
+    __slots__ = ("group", "values", "where", "jobs", "n", "stride", "fp")
 
     def __init__(self, group: str) -> None:
         self.group = group
+        self.fp: dict[str, str] = {}
+        """Version values of the node (`driver`, `vbios`), for version findings."""
         self.values: dict[str, list[float]] = {}
         self.where: dict[str, str] = {}
         self.jobs: set[str] = set()
         self.n = 0
+        self.stride = 1
+        """Every `stride`-th sample is kept (doubles each time a metric fills `MAX_VALUES_PER_METRIC`)."""
+
+    def thin(self) -> None:
+        """Keep every other value of every metric and halve the rate at which new ones are kept."""
+        for m, lst in self.values.items():
+            self.values[m] = lst[::2]
+        self.stride *= 2
 
 
 class Comparator:
@@ -150,18 +213,38 @@ class Comparator:
         max_skew_s: how far a sample's time may be ahead of `now` (`events.MAX_CLOCK_SKEW_S`).
     """
 
-    def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S) -> None:
+    def __init__(self, cfg: AnalyzerSettings, max_skew_s: float = MAX_CLOCK_SKEW_S,
+                 unit_of: Callable[[str], str] | None = None,
+                 domains_of: Callable[[str], list[str]] | None = None) -> None:
         self.cfg = cfg
+        self.explainer = Explainer(domains_of)
+        self.explained_units: set[str] = set()
+        """Units (`unit_of`) whose outlier windows are not counted in the next judged window: the
+        nodes another comparator's domain or version findings explain (the analyzer sets it for
+        the job comparator from the node comparator's `explainer.explained_nodes`)."""
+        """Domain and version findings (`fleetmend.analyzer.shared`): outliers sharing a cause."""
         self.max_skew_s = max_skew_s
+        self.unit_of = unit_of
+        """Member key → the sender it weighs as (the job comparator: `<node>/<rank>` → `<node>`): a
+        group's median and MAD are taken over one value per unit (the median of its members), so a
+        node that speaks for many ranks moves them as one member (None: every member is its own)."""
         self.specs: dict[str, MetricSpec] = specs_for(cfg.min_ratio_sm_clock)
         self.open: dict[int, dict[str, _NodeWindow]] = {}
         self.last_closed: int = -1
         self.streaks: dict[str, dict[str, list[Any]]] = {}
-        """node → metric → [count, [values], where]."""
+        """node → metric → [count, [values], where, epoch seconds of its last outlier window]."""
+        self._baseline_members = 0
+        self.own: dict[str, dict[str, list[Any]]] = {}
+        """node → metric → [its own reference or None, [values so far], epoch seconds last judged]
+        (rule 3: a group too small to compare)."""
+        self._bursts: dict[str, dict[str, deque[tuple[int, list[float]]]]] = {}
+        """node → bursty metric → (samples, highest values) of its last `windows` windows."""
         self.reported: dict[str, dict[str, float]] = {}
         """node → metric → epoch seconds of the last report."""
         self.baselines: dict[str, dict[str, list[Any]]] = {}
         """group → member → [offset or None, [ratios so far], epoch seconds last judged] (rule 5)."""
+        self.skewed: dict[str, Counter[str]] = {}
+        """Node → reason → samples of that node dropped for their time (`take_skewed`)."""
         self.dropped: Counter[str] = Counter()
         """Reason → samples or values dropped at the door: `late` (window judged), `future`, `stale`,
         `flood`, `non_finite:<metric>`, `out_of_range:<metric>`."""
@@ -173,51 +256,74 @@ class Comparator:
     def window_of(self, t: float) -> int:
         return int(t // self.cfg.window_s)
 
-    def _admit(self, t: float, now: float | None) -> int | None:
-        """The window of time `t`, or None (counted in `dropped`) when it cannot be filed."""
+    def _admit(self, t: float, now: float | None, node: str) -> int | None:
+        """The window of time `t`, or None (counted in `dropped`, and per node in `skewed`) when it
+        cannot be filed."""
         if not math.isfinite(t):
             self.dropped["non_finite:time"] += 1
             return None
-        if now is not None:
-            if t > now + self.max_skew_s:
-                self.dropped["future"] += 1
-                return None
-            if t < now - self.cfg.window_s - self.cfg.grace_s - self.max_skew_s:
-                self.dropped["stale"] += 1
-                return None
-        w = int(t // self.cfg.window_s)
-        if w <= self.last_closed:
-            self.dropped["late"] += 1
-            return None
-        return w
+        reason = None
+        if now is not None and t > now + self.max_skew_s:
+            reason = "future"
+        elif now is not None and t < now - self.cfg.window_s - self.cfg.grace_s - self.max_skew_s:
+            reason = "stale"
+        elif t // self.cfg.window_s <= self.last_closed:
+            reason = "late"
+        if reason is None:
+            return int(t // self.cfg.window_s)
+        self.dropped[reason] += 1
+        per = self.skewed.get(node)
+        if per is None and len(self.skewed) < MAX_NODES_PER_WINDOW:
+            per = self.skewed[node] = Counter()
+        if per is not None:
+            per[reason] += 1
+        return None
 
-    def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow, bool]:
-        """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made now."""
+    def take_skewed(self) -> dict[str, dict[str, int]]:
+        """Node → reason (`late`, `future`: early, `stale`) → samples dropped since the last call
+        (and forget them): a node whose clock is behind or ahead is named, not silently dropped."""
+        out = {n: dict(c) for n, c in self.skewed.items()}
+        self.skewed.clear()
+        return out
+
+    def _node_window(self, w: int, node: str, group: str) -> tuple[_NodeWindow | None, bool]:
+        """`node`'s entry in open window `w` (made with `group` when missing), and whether it was made
+        now; None when the window holds `MAX_NODES_PER_WINDOW` other nodes already."""
         win = self.open.get(w)
         if win is None:
             win = self.open[w] = {}
         nw = win.get(node)
         if nw is None:
+            if len(win) >= MAX_NODES_PER_WINDOW:
+                return None, False
             nw = win[node] = _NodeWindow(group)
             return nw, True
         return nw, False
 
-    def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None) -> bool:
+    def add(self, node: str, group: str, t: float, metrics: Derived, now: float | None = None,
+            fingerprint: dict[str, str] | None = None) -> bool:
         """File one sample's metrics (taken at epoch `t`; `now`: the receiver's clock, which bounds
         the windows that can open). Returns False when the sample is dropped: its window is already
         judged (late), it is dated beyond the clock skew ahead of `now` (future) or before any window
         still open (stale), or its node filled the window (flood); each counted in `dropped`. Values
         that are not finite or outside their metric's range are dropped one by one (counted)."""
-        w = self._admit(t, now)
+        w = self._admit(t, now, node)
         if w is None:
             return False
         nw, new = self._node_window(w, node, group)
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+            return False
         if not new:
             if nw.n >= MAX_SAMPLES_PER_WINDOW:
                 self.dropped["flood"] += 1
                 return False
             nw.group = group
+        if fingerprint:
+            nw.fp = fingerprint
         nw.n += 1
+        if nw.n % nw.stride:
+            return True  # thinned: this window already holds its share of this node's samples
         values, where, specs = nw.values, nw.where, self.specs
         for m, (v, wh) in metrics.items():
             spec = specs.get(m)
@@ -232,16 +338,22 @@ class Comparator:
                 values[m] = [v]
             else:
                 lst.append(v)
+                if len(lst) >= MAX_VALUES_PER_METRIC:
+                    nw.thin()
+                    values = nw.values
             where[m] = wh
         return True
 
     def note_job(self, node: str, job: str, t: float, now: float | None = None) -> bool:
         """Record that `node` ran `job` at epoch `t` (it reported a step time then): in that window its
         work-dependent metrics are compared with the other nodes of `job`. Same time rules as `add`."""
-        w = self._admit(t, now)
+        w = self._admit(t, now, node)
         if w is None:
             return False
         nw, _ = self._node_window(w, node, "")
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+            return False
         if len(nw.jobs) < MAX_JOBS_PER_WINDOW:
             nw.jobs.add(job)
         return True
@@ -262,6 +374,7 @@ class Comparator:
         groups: dict[tuple[str, str], list[tuple[str, float, str]]] = {}
         min_n = cfg.min_samples_per_window
         specs = self.specs
+        seen_bursty: set[tuple[str, str]] = set()
         for node, nw in nodes.items():
             job = next(iter(nw.jobs)) if len(nw.jobs) == 1 else None
             for m, vals in nw.values.items():
@@ -277,8 +390,19 @@ class Comparator:
                     key = f"{nw.group} job:{job}"
                 else:
                     key = nw.group
-                groups.setdefault((key, m), []).append((node, median(vals), nw.where[m]))
+                if spec.bursty:
+                    value = self._pooled_bursts(node, m, vals, seen_bursty)
+                else:
+                    value = window_value(vals, spec.quantum)
+                groups.setdefault((key, m), []).append((node, value, nw.where[m]))
+        for node in list(self._bursts):  # bounded by the nodes of the last window
+            kept = {m: h for m, h in self._bursts[node].items() if (node, m) in seen_bursty}
+            if kept:
+                self._bursts[node] = kept
+            else:
+                del self._bursts[node]
         end = (w + 1) * cfg.window_s
+        judged: list[_Judged] = []
         for (group, m), items in groups.items():
             spec = specs[m]
             scale: dict[str, float] = {}
@@ -288,59 +412,138 @@ class Comparator:
             if n < cfg.min_group_size:
                 if spec.work_dependent and " job:" in group:
                     res.small_job_groups += 1
-                elif spec.baseline_windows <= 0 or n:
-                    res.small_groups.append(SmallGroup(group, m, n))
+                    continue
+                if spec.baseline_windows > 0:
+                    if n:
+                        res.small_groups.append(SmallGroup(group, m, n))
+                    continue
+                res.small_groups.append(SmallGroup(group, m, n, "expected" if spec.expected is not None
+                                                   else "own_history"))
+                judged += self._judge_alone(group, m, spec, items, end)
                 continue
-            vals = sorted(v for _, v, _ in items)
+            vals = self._unit_values(items)
             med = median(vals)
-            mad = MAD_SCALE * median(abs(v - med) for v in vals)
+            mad = MAD_SCALE * quantized_mad(vals, med, spec.quantum)
             thr = max(cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
             low = spec.bad == "low"
             for node, v, wh in items:
-                res.judged += 1
                 gap = (med - v) if low else (v - med)
-                per_node = self.streaks.get(node)
-                if gap <= thr:
-                    if per_node and m in per_node:
-                        del per_node[m]
-                        if not per_node:
-                            del self.streaks[node]
-                    continue
-                res.outliers += 1
-                b = scale.get(node, 1.0)
-                if per_node is None:
-                    per_node = self.streaks[node] = {}
-                st = per_node.get(m)
-                if st is None:
-                    st = per_node[m] = [0, [], wh]
-                st[0] += 1
-                st[1] = (st[1] + [v * b])[-cfg.windows:]
-                st[2] = wh
-                if st[0] < cfg.windows:
-                    continue
-                last = self.reported.get(node, {}).get(m)
-                if last is not None and end - last < cfg.reopen_after_s:
-                    continue
-                self.reported.setdefault(node, {})[m] = end
-                res.findings.append(Finding(
-                    node=node, metric=m, value=v * b, peer_median=med * b, ratio=(v / med) if med else None,
-                    windows=st[0], group=group, group_size=n, where=wh, threshold=thr * b, mad=mad * b,
-                    window_end=end, window_s=cfg.window_s, values=list(st[1]),
-                    baseline=scale.get(node)))
+                judged.append(_Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, scale.get(node)))
+        fps = {node: nw.fp for node, nw in nodes.items() if nw.fp}
+        for j in self._explain(res, judged, end, fps):
+            self._count(res, j, end)
         self._forget_baselines(end)
         return res
+
+    def _judge_alone(self, group: str, m: str, spec: MetricSpec, items: list[tuple[str, float, str]],
+                     end: float) -> list[_Judged]:
+        """Rule 3: a group too small to compare is judged against the class's fixed expectation
+        (`MetricSpec.expected`: a link at its maximum width and generation, no NVLink down, error
+        counters and brake shares at 0) with the metric's floors; without one, each node against its
+        own history (the median of its first `OWN_HISTORY_WINDOWS` judged windows), with the floors."""
+        out = []
+        low = spec.bad == "low"
+        for node, v, wh in items:
+            if spec.expected is not None:
+                ref, basis = spec.expected, "expected"
+            else:
+                h = self.own.setdefault(node, {}).get(m)
+                if h is None:
+                    h = self.own[node][m] = [None, [], end]
+                h[2] = end
+                if h[0] is None:
+                    h[1].append(v)
+                    if len(h[1]) >= OWN_HISTORY_WINDOWS:
+                        h[0], h[1] = median(h[1]), []
+                    continue
+                ref, basis = float(h[0]), "own_history"
+            thr = max(spec.min_rel * abs(ref), spec.min_abs)
+            gap = (ref - v) if low else (v - ref)
+            out.append(_Judged(node, m, v, wh, f"{group} ({basis})", len(items), ref, 0.0, thr, gap > thr, None))
+        return out
+
+    def _explain(self, res: WindowResult, judged: list[_Judged], end: float,
+                 fingerprints: dict[str, dict[str, str]]) -> list[_Judged]:
+        """The judgements whose streaks count: outliers explained by a failure domain or a version
+        (`shared.Explainer`) are left out (neither an outlier nor a normal window); the domain and
+        version findings go to `res.shared_findings` (reported now) and `res.shared_seen`."""
+        def new_streak(node: str, m: str) -> bool:
+            return m not in self.streaks.get(node, {})
+
+        if self.explained_units and self.unit_of is not None:  # the nodes a domain or version explains
+            unit_of = self.unit_of
+            left = [j for j in judged if not (j.outlier and unit_of(j.node) in self.explained_units)]
+            res.explained += len(judged) - len(left)
+            judged = left
+        keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end)
+        res.shared_findings, res.shared_seen = report, seen
+        res.explained += len(judged) - len(keep)
+        return keep
+
+    def _count(self, res: WindowResult, j: _Judged, end: float) -> None:
+        """Rule 6: count an outlier window, reset on a judged normal one, report at `windows`."""
+        cfg = self.cfg
+        node, m = j.node, j.metric
+        res.judged += 1
+        per_node = self.streaks.get(node)
+        if not j.outlier:
+            if per_node and m in per_node:
+                del per_node[m]
+                if not per_node:
+                    del self.streaks[node]
+            return
+        res.outliers += 1
+        b = 1.0 if j.baseline is None else j.baseline
+        if per_node is None:
+            per_node = self.streaks[node] = {}
+        st = per_node.get(m)
+        if st is None:
+            st = per_node[m] = [0, [], j.where, end]
+        st[0] += 1
+        st[1] = (st[1] + [j.value * b])[-cfg.windows:]
+        st[2], st[3] = j.where, end
+        if st[0] < cfg.windows:
+            return
+        last = self.reported.get(node, {}).get(m)
+        if last is not None and end - last < cfg.reopen_after_s:
+            return
+        self.reported.setdefault(node, {})[m] = end
+        res.findings.append(Finding(
+            node=node, metric=m, value=j.value * b, peer_median=j.median * b,
+            ratio=(j.value / j.median) if j.median else None, windows=st[0], group=j.group,
+            group_size=j.size, where=j.where, threshold=j.threshold * b, mad=j.mad * b, window_end=end,
+            window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline))
+
+    def _pooled_bursts(self, node: str, m: str, vals: list[float], seen: set[tuple[str, str]]) -> float:
+        """A bursty counter's value: `burst_value` over the node's samples of its last
+        `BURST_POOL_WINDOWS`·`windows` windows pooled (bursts in a third of the samples come 1 or 2 to
+        a window of 5; pooled over 6 windows they are 10 of 30, past the quarter, while one burst a
+        window is 6 of 30).
+        Each window keeps its highest `BURST_KEEP` values and its sample count."""
+        seen.add((node, m))
+        hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=BURST_POOL_WINDOWS * self.cfg.windows))
+        hist.append((len(vals), [v for v in sorted(vals, reverse=True)[:BURST_KEEP] if v > 0]))  # 0s implied
+        n = sum(c for c, _ in hist)
+        top = sorted((v for _, tops in hist for v in tops), reverse=True)  # the values not kept are 0
+        # until the pool is full, as many bursts as a full pool would need (a young pool is no excuse)
+        k = max(2, math.ceil(BURST_SHARE * n * (hist.maxlen or 1) / len(hist)))
+        return top[k - 1] if k <= len(top) else 0.0
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
         """Rule 5: learn each member's offset against the group median over its first `need` windows;
         return the members whose offset is known, their values divided by it, and the offsets."""
-        med = median(v for _, v, _ in items)
+        med = median(self._unit_values(items))
         base = self.baselines.setdefault(group, {})
         out: list[tuple[str, float, str]] = []
         scale: dict[str, float] = {}
         for member, v, wh in items:
             b = base.get(member)
             if b is None:
+                if self._baseline_members >= MAX_BASELINE_MEMBERS:
+                    self.dropped["baselines_full"] += 1
+                    continue
+                self._baseline_members += 1
                 b = base[member] = [None, [], end]
             b[2] = end
             if b[0] is None:
@@ -355,21 +558,48 @@ class Comparator:
                 scale[member] = off
         return out, scale
 
+    def _unit_values(self, items: list[tuple[str, float, str]]) -> list[float]:
+        """One value per unit (`unit_of`): the median of the unit's members' values, so whatever
+        one sender reports weighs as one member of the group's median and MAD."""
+        if self.unit_of is None:
+            return [v for _, v, _ in items]
+        by: dict[str, list[float]] = {}
+        for member, v, _ in items:
+            by.setdefault(self.unit_of(member), []).append(v)
+        return [median(vs) for vs in by.values()]
+
     def _forget_baselines(self, t: float) -> None:
+        """Forget offsets `BASELINE_TTL_S` and streaks `STREAK_TTL_S` after they were last used."""
         keep = t - BASELINE_TTL_S
+        n = 0
         for group in list(self.baselines):
             members = {k: b for k, b in self.baselines[group].items() if b[2] >= keep}
+            n += len(members)
             if members:
                 self.baselines[group] = members
             else:
                 del self.baselines[group]
+        self._baseline_members = n
+        for node in list(self.own):
+            ms = {m: h for m, h in self.own[node].items() if h[2] >= keep}
+            if ms:
+                self.own[node] = ms
+            else:
+                del self.own[node]
+        keep = t - STREAK_TTL_S
+        for node in list(self.streaks):
+            ms = {m: st for m, st in self.streaks[node].items() if st[3] >= keep}
+            if ms:
+                self.streaks[node] = ms
+            else:
+                del self.streaks[node]
 
     # ------------------------------------------------------------------ state
 
     def to_state(self) -> dict[str, Any]:
         """JSON-ready state: last judged window, streaks with evidence, report times, baselines."""
         return {"version": 1, "last_closed": self.last_closed, "window_s": self.cfg.window_s,
-                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines}
+                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines, "own": self.own}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Adopt a state written by `to_state` (a restart, or a standby taking over). A state written
@@ -378,10 +608,15 @@ class Comparator:
         self.reported = {n: {m: float(t) for m, t in ms.items()} for n, ms in state.get("reported", {}).items()}
         self.baselines = {g: {k: [None if b[0] is None else float(b[0]), [float(x) for x in b[1]], float(b[2])]
                               for k, b in ms.items()} for g, ms in state.get("baselines", {}).items()}
+        self._baseline_members = sum(len(ms) for ms in self.baselines.values())
+        self.own = {n: {m: [None if h[0] is None else float(h[0]), [float(x) for x in h[1]], float(h[2])]
+                        for m, h in ms.items()} for n, ms in state.get("own", {}).items()}
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
             return
         self.last_closed = max(self.last_closed, int(state.get("last_closed", -1)))
-        self.streaks = {n: {m: [int(s[0]), [float(x) for x in s[1]], str(s[2])] for m, s in ms.items()}
+        last_end = (self.last_closed + 1) * self.cfg.window_s
+        self.streaks = {n: {m: [int(s[0]), [float(x) for x in s[1]], str(s[2]),
+                                float(s[3]) if len(s) > 3 else last_end] for m, s in ms.items()}
                         for n, ms in state.get("streaks", {}).items()}
         for w in [x for x in self.open if x <= self.last_closed]:
             del self.open[w]
@@ -395,6 +630,71 @@ class Comparator:
                 self.reported[node] = ms
             else:
                 del self.reported[node]
+
+
+BURST_SHARE = 0.25
+"""A bursty counter's window value is the rate at least this share of the node's samples reach
+(the ⌈share·n⌉-th highest): with 5 samples, 2 must burst, so one burst never counts."""
+
+
+BURST_POOL_WINDOWS = 2
+"""A bursty counter is pooled over this many times `windows` windows (30 samples at the defaults):
+bursts in a third of the samples are 10 of 30, past the quarter, while a healthy node whose 8 GPUs
+burst in 4 % of the samples reaches 8 of 30 about once in 60,000 windows (over 15 samples, 4 of
+15, about once in 500: a false finding a day per 1,000 nodes, bench/failslow_scenarios.py)."""
+BURST_KEEP = 48
+"""Highest values of a bursty counter kept per node and window (a quarter of 3 windows of 64)."""
+
+
+def window_value(values: list[float], quantum: float = 0.0) -> float:
+    """A node's value of one metric in one window (rule 1): the median of its samples; for a quantized
+    metric (`quantum` > 0) the grouped-data (interpolated) median, which resolves finer than one step
+    (five samples of a clock, three at one 15 MHz step and two one step below, give a third of a
+    step below the upper one, not one of the steps) and, like the median, ignores up to half the
+    samples however far off (two clock dips among five move it by less than one step)."""
+    med = median(values)
+    if quantum <= 0 or len(values) < 2:
+        return med
+    bins = Counter(round((v - med) / quantum) for v in values)  # steps from the median
+    half, cum = len(values) / 2, 0
+    for k in sorted(bins):
+        c = bins[k]
+        if cum + c >= half:
+            return med + (k - 0.5) * quantum + (half - cum) / c * quantum
+        cum += c
+    return med  # not reached: the bins hold every value
+
+
+def burst_value(values: list[float]) -> float:
+    """A bursty counter's value over some samples: the ⌈`BURST_SHARE`·n⌉-th highest (at least the
+    second highest), so it is judged by how often it bursts rather than by a median that stays 0,
+    and one burst counts as nothing."""
+    s = sorted(values, reverse=True)
+    k = max(2, math.ceil(BURST_SHARE * len(s)))
+    return s[k - 1] if k <= len(s) else 0.0
+
+
+def quantized_mad(values: list[float], med: float, quantum: float) -> float:
+    """Median absolute deviation of `values` from `med` (unscaled), for a metric of resolution `quantum`.
+
+    `quantum` 0: the plain MAD. Otherwise the deviations are grouped into bins of one quantum
+    (bin 0 is [0, q/2), bin k ≥ 1 is [k·q − q/2, k·q + q/2)) and the median is interpolated within its
+    bin (the grouped-data median): a group where 45 % of the nodes sit at the median clock and 55 %
+    one 15 MHz step off gets ~0.6 step, not 1 step (plain MAD) or 0; all at the median gets q/4, a
+    floor from the metric's resolution. For a spread of several quanta it equals the plain MAD to
+    within a fraction of a quantum."""
+    devs = [abs(v - med) for v in values]
+    if quantum <= 0 or not devs:
+        return median(devs) if devs else 0.0
+    bins = Counter(int(d / quantum + 0.5) for d in devs)
+    half, cum = len(devs) / 2, 0
+    for k in sorted(bins):
+        c = bins[k]
+        if cum + c >= half:
+            lo, width = (0.0, quantum / 2) if k == 0 else (k * quantum - quantum / 2, quantum)
+            return lo + (half - cum) / c * width
+        cum += c
+    return median(devs)  # not reached: the bins hold every deviation
 
 
 def finding_event(f: Finding, cluster: str, spec: MetricSpec | None = None) -> FaultEvent:

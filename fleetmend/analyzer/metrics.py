@@ -35,9 +35,28 @@ the hardware class, as before.
 | ib_link_recovery_per_min | high | any | hw | 0.2 /min | retrains are no traffic pattern / they stall every job |
 | ib_rcv_errors_per_min | high | any | hw | 1 /min | malformed packets are errors, not load |
 | ib_xmit_wait_per_min | high | busy | work | 2× median, 1e6 /min | follows the job's traffic (comm-bound ~10×) / big gaps |
-| port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate |
+| port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate; compute ports only |
+| storage_port_rate_gbps | low | any | hw | 0.2 relative | the same for storage ports (`PortPerf.role`) |
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
 | cpu_freq_ratio | low | busy | work | 0.1 relative | turbo depends on the cores the job keeps busy / idle clocks down |
+
+A group too small to compare (fewer than `min_group_size` nodes: a 5-node class, a lone new GPU
+model) is still judged: a hardware-own metric with a fixed expectation (`MetricSpec.expected`: PCIe
+at its maximum width and generation, no NVLink down, error counters and brake/slowdown shares at 0)
+against that, with the floors; the port rate, which has none, against the node's own history (the
+median of its first 3 windows). The analyzer lists such groups with how they were judged.
+
+An error counter that comes in bursts (`MetricSpec.bursty`: replays, NVLink and IB errors, link
+recoveries, corrected ECC, CPU throttles) is judged by how often it exceeds, not by its window
+median: its value is the rate a quarter of the node's samples of its last 2 × `windows` windows
+reach (`core.BURST_SHARE`, `core.BURST_POOL_WINDOWS`, at least two samples), so symbol-error bursts
+in a third of the samples count while one burst in every window (6 of 30 samples at one sample a
+minute) does not.
+
+A quantized metric (`MetricSpec.quantum`: SM clocks in 15 MHz steps, temperature in 1 °C) takes
+its group's MAD as the interpolated median of the deviations (`core.quantized_mad`): with half the
+peers one step off the median the plain MAD is a whole step and 6 MADs would be ~7 % of the clock,
+hiding a 5 % slowdown; the interpolated one is about half a step, and never below a quarter step.
 
 Every value also has a physical range (`MetricSpec.lo`..`hi`: fractions 0..1, ratios 0..1.1, rates
 and counts ≥ 0, temperature −40..150 °C); the comparator drops a value outside it, or one that is
@@ -68,6 +87,7 @@ class MetricSpec:
     baseline_windows: > 0: each member is first measured against the group for this many judged
     windows, and from then on judged with that offset removed (a job's rank 0 slower by design is
     not slow; `Comparator`).
+    quantum: the resolution of the value (below).
     """
 
     name: str
@@ -82,10 +102,30 @@ class MetricSpec:
     lo: float = 0.0
     hi: float = math.inf
     baseline_windows: int = 0
+    expected: float | None = None
+    """The class's fixed expectation of healthy hardware (a link at max width: 1.0; no link down, no
+    error, no brake: 0.0): a group too small to compare is judged against it, with the floors."""
+    shared: bool = False
+    """A failure domain can move it (a rack's cooling, a PDU, a leaf switch): outliers sharing a
+    domain are one domain finding before any node is blamed (`shared`). False: a node's own (PCIe,
+    NVLink, ECC)."""
+    bursty: bool = False
+    """An error counter that comes in bursts: judged by how often it exceeds, not by a window
+    median (`core.window_value`: the value a quarter of the node's samples reach)."""
+    quantum: float = 0.0
+    """The metric's resolution in its own units (0: continuous): SM clocks move in 15 MHz steps, so
+    `sm_clock_ratio` moves in steps of 15 MHz / ~2,000 MHz; temperatures in 1 °C. The group's MAD of a
+    quantized metric is the grouped-data (interpolated) median of the deviations (`core.quantized_mad`),
+    never 0 and never a whole step because half the peers sit one step off."""
 
 
 WORK = True
 HW_OWN = False
+SM_CLOCK_STEP_MHZ = 15.0
+"""NVIDIA GPUs set SM clocks in 15 MHz steps (NVML `nvmlDeviceGetSupportedGraphicsClocks`)."""
+SM_CLOCK_MAX_TYPICAL_MHZ = 1980.0
+"""H100/H200 SXM maximum SM clock: one clock step is 0.76 % of it (1.06 % on an A100 at 1,410 MHz,
+where the interpolated MAD is a little pessimistic, never a whole step)."""
 
 
 def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
@@ -93,43 +133,46 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
     G, P, N, IB, C = Component.GPU, Component.PCIE, Component.NVLINK, Component.IB, Component.CPU
     rows = [
         S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max", WORK,
-          "boost clocks under load follow the power the job's kernels draw", hi=1.1),
+          "boost clocks under load follow the power the job's kernels draw", hi=1.1,
+          quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ, shared=True),
         S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
-          "an external power-brake signal is never asked for by a job", hi=1.0),
+          "an external power-brake signal is never asked for by a job", hi=1.0, expected=0.0, shared=True),
         S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
-          "HW slowdown is a power/thermal emergency under any work", hi=1.0),
+          "HW slowdown is a power/thermal emergency under any work", hi=1.0, expected=0.0, shared=True),
         S("thermal_frac", "high", True, 0.0, 0.05, G, "time in thermal slowdown", HW_OWN,
-          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0),
+          "healthy cooling keeps a busy GPU out of thermal slowdown under any job", hi=1.0, expected=0.0, shared=True),
         S("power_cap_frac", "high", True, 0.0, 0.15, G, "time at the SW power cap", WORK,
-          "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0),
+          "heavy kernels sit at the software power cap by design: it measures the job", hi=1.0, shared=True),
         S("temperature_c", "high", True, 0.0, 8.0, G, "GPU temperature °C", WORK,
-          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C),
+          "heat follows the power the job draws", lo=TEMPERATURE_MIN_C, hi=TEMPERATURE_MAX_C, quantum=1.0, shared=True),
         S("pcie_width_ratio", "low", False, 0.0, 0.2, P, "PCIe width / max", HW_OWN,
-          "the width a link trained at does not depend on traffic", hi=1.0),
+          "the width a link trained at does not depend on traffic", hi=1.0, expected=1.0),
         S("pcie_gen_ratio", "low", True, 0.0, 0.2, P, "PCIe generation / max", HW_OWN,
-          "a busy GPU's link runs at its maximum generation under any work", hi=1.0),
+          "a busy GPU's link runs at its maximum generation under any work", hi=1.0, expected=1.0),
         S("pcie_replay_per_min", "high", False, 0.0, 5.0, P, "PCIe replays /min", HW_OWN,
-          "replays are link errors, not load"),
+          "replays are link errors, not load", bursty=True, expected=0.0),
         S("nvlink_errors_per_min", "high", False, 0.0, 10.0, N, "NVLink CRC/replay/recovery /min", HW_OWN,
-          "CRC/replay/recovery are link errors, not load"),
+          "CRC/replay/recovery are link errors, not load", bursty=True, expected=0.0),
         S("nvlink_down", "high", False, 0.0, 0.5, N, "NVLinks down", HW_OWN,
-          "links up against links present does not depend on the job"),
+          "links up against links present does not depend on the job", expected=0.0),
         S("ecc_corrected_per_min", "high", False, 0.0, 1.0, G, "corrected ECC errors /min", HW_OWN,
-          "memory errors, not load"),
+          "memory errors, not load", bursty=True, expected=0.0),
         S("ib_symbol_errors_per_min", "high", False, 0.0, 1.0, IB, "IB symbol errors /min", HW_OWN,
-          "physical-layer errors, not traffic"),
+          "physical-layer errors, not traffic", bursty=True, expected=0.0, shared=True),
         S("ib_link_recovery_per_min", "high", False, 0.0, 0.2, IB, "IB link recoveries+downs /min", HW_OWN,
-          "link retrains are no traffic pattern"),
+          "link retrains are no traffic pattern", bursty=True, expected=0.0, shared=True),
         S("ib_rcv_errors_per_min", "high", False, 0.0, 1.0, IB, "IB receive errors /min", HW_OWN,
-          "malformed packets are errors, not load"),
+          "malformed packets are errors, not load", bursty=True, expected=0.0, shared=True),
         S("ib_xmit_wait_per_min", "high", True, 1.0, 1e6, IB, "IB port_xmit_wait ticks /min", WORK,
-          "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)"),
+          "congestion ticks follow the job's traffic (a communication-bound job waits ~10x more)", shared=True),
         S("port_rate_gbps", "low", False, 0.2, 0.0, IB, "port rate Gb/s", HW_OWN,
-          "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS),
+          "the rate a port trained at does not depend on traffic", hi=RATE_MAX_GBPS, shared=True),
+        S("storage_port_rate_gbps", "low", False, 0.2, 0.0, IB, "storage port rate Gb/s", HW_OWN,
+          "the rate a storage port trained at does not depend on traffic", hi=RATE_MAX_GBPS, shared=True),
         S("cpu_throttle_per_min", "high", False, 0.0, 1.0, C, "CPU thermal throttles /min", HW_OWN,
-          "a healthy, cooled CPU rarely throttles under any load"),
+          "a healthy, cooled CPU rarely throttles under any load", bursty=True, expected=0.0, shared=True),
         S("cpu_freq_ratio", "low", True, 0.1, 0.0, C, "CPU frequency / nominal", WORK,
-          "turbo frequency depends on how many cores the job keeps busy", hi=4.0),
+          "turbo frequency depends on how many cores the job keeps busy", hi=4.0, shared=True),
     ]
     return {r.name: r for r in rows}
 
@@ -217,7 +260,7 @@ def derive(sample: PerfSample, busy_util_pct: float = 50.0) -> tuple[bool, Deriv
             if busy and p.xmit_wait_delta is not None:
                 add("ib_xmit_wait", p.xmit_wait_delta * per_min, w)
             if p.rate_gbps:
-                add("port_rate_gbps", p.rate_gbps, w)
+                add("storage_port_rate_gbps" if p.role == "storage" else "port_rate_gbps", p.rate_gbps, w)
     for name in ("ib_symbol_errors", "ib_link_recovery", "ib_rcv_errors", "ib_xmit_wait"):
         if name in acc:
             s = _sum(acc.pop(name))

@@ -13,7 +13,7 @@
 - A finding becomes a `fail_slow` FaultEvent published on the node's fault subject through
   JetStream (Nats-Msg-Id = event id), so it takes the normal pipeline: router → NodeRemediation →
   FleetGuard budget → diagnostics → ticket.
-- Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.*`) go through a second comparator whose
+- Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.<node>.<job>`) go through a second comparator whose
   groups are jobs and whose members are ranks, each judged with its own offset in the job removed
   (`job_comparator`): a rank persistently slower than that becomes fail_slow on its node, saying
   whether that node's hardware telemetry agrees. The same rows tell the node comparator which job
@@ -21,12 +21,18 @@
   only, and not at all for a node whose job is unknown.
 - A sample that is not a valid `PerfSample` (a non-finite or impossible reading included, or one
   that names another node than its subject) is written to `fleet.deadletter` with the reason and
-  skipped; so is a job message that speaks for more than one node, for a node that sent no perf
-  sample, or for more ranks than the node has GPUs. Samples and steps dated beyond the clock skew
+  skipped; so is a job message that speaks for another node than its subject's sender, for more
+  than one node, or for more ranks than the node has GPUs (rows of a node that sent no perf sample
+  are dropped and counted). Samples and steps dated beyond the clock skew
   ahead of this replica's clock, or before any open window, are dropped and counted
-  (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`). A group too small to
-  compare is logged (once an hour per group and metric) and counted in
+  (`Comparator.dropped`, logged once a minute as `analyzer_input_dropped`), and per node: the
+  nodes whose samples were dropped for their time are logged after each window
+  (`analyzer_clock_skew`) and listed in the status. A group too small to compare is logged (once an
+  hour per group and metric) with how it was judged instead, and counted in
   `fleetmend_analyzer_small_groups`.
+- Status `status.<cluster>` (`Analyzer.status`: small groups and how they were judged, nodes with
+  late or early samples) is written by the active replica after every judged window:
+  `nats kv get fleetmend_analyzer status.<cluster>`.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
 from fleetmend import subjects
-from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, Comparator, WindowResult, finding_event
+from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, MAX_NODES_PER_WINDOW, Comparator, WindowResult, finding_event
 from fleetmend.analyzer.metrics import MetricSpec, derive
 from fleetmend.config import Settings
 from fleetmend.events import MAX_CLOCK_SKEW_S, Component
@@ -57,11 +63,16 @@ from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_perf_stream
 from fleetmend.infra.lease import KvLease
+from fleetmend.policy import load_topology
 from fleetmend.telemetry import PerfSample
 
 log = structlog.get_logger("fleetmend.analyzer")
 
 SMALL_GROUP_LOG_EVERY_S = 3600.0
+SKEW_KEEP_S = 3600.0
+"""A node's samples dropped for their time are listed in the status for this long after the last."""
+STATUS_MAX_NODES = 200
+"""Nodes (and small groups) listed in the status at most, the worst first (a KV value stays small)."""
 DROPPED_LOG_EVERY_S = 60.0
 MAX_SAMPLE_BYTES = 256 * 1024
 MAX_STEP_SECONDS = 86400.0
@@ -79,15 +90,23 @@ own offset (learnt over its first `job_baseline_windows` windows in the job) rem
 
 def job_comparator(cfg: Any) -> Comparator:
     """A `Comparator` of job step times: groups are jobs, keys `<node>/<rank>`, at least
-    `job_min_ranks` ranks. A rank's offset against the job's median is learnt over its first
+    `job_min_ranks` ranks; the job's median and MAD weigh each node as one member (the median of
+    its ranks), so a node claiming many ranks cannot move them by more than one node's weight. A
+    rank's offset against the job's median is learnt over its first
     `job_baseline_windows` windows in the job (a rank slower by design, e.g. rank 0 doing the
     logging, keeps its offset for the job's life and is never slow for it); from then on a rank whose
     step time, divided by its offset, is `job_slow_ratio` above the job's median so divided (and
     beyond `mad_k` MADs) is slow in that window."""
-    c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}))
+    c = Comparator(cfg.model_copy(update={"min_group_size": cfg.job_min_ranks}),
+                   unit_of=lambda member: member.rpartition("/")[0])
     c.specs = {"job_step_seconds": dataclasses.replace(JOB_SPEC, min_rel=cfg.job_slow_ratio - 1,
                                                          baseline_windows=cfg.job_baseline_windows)}
     return c
+
+
+def status_key(cluster: str) -> str:
+    """`status.<cluster>`: what the active analyzer judged last (`Analyzer.status`)."""
+    return f"status.{cluster}"
 
 
 def lease_key(cluster: str) -> str:
@@ -125,7 +144,13 @@ class Analyzer:
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.clock = clock
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
-        self.comparator = Comparator(self.cfg)
+        topology = load_topology(settings.policy.topology_file)
+        self.comparator = Comparator(self.cfg, domains_of=(lambda node: topology.domain(node).keys())
+                                     if len(topology) else None)
+        """Node metrics; failure domains from the topology file FleetGuard reads (`policy.topology_file`),
+        else inferred from co-occurrence (`fleetmend.analyzer.shared`)."""
+        self.shared_active: list[dict[str, Any]] = []
+        """Domain and version findings seen in the last judged window (the status lists them)."""
         self.jobs = job_comparator(self.cfg)
         """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
         self.job_steps = 0
@@ -135,6 +160,9 @@ class Analyzer:
         self.published: list[str] = []
         """event ids of fail_slow events published by this replica (tests, logs)."""
         self.small_groups: dict[tuple[str, str], int] = {}
+        """(group, metric) → nodes with a value, of the last judged window's groups too small to compare."""
+        self.small_groups_judged: dict[tuple[str, str], tuple[int, str]] = {}
+        """The same → (nodes, how they were judged instead: `expected`, `own_history`)."""
         self.nodes: dict[str, tuple[float, int]] = {}
         """node → (analyzer clock at its last valid perf sample, its GPU count): the nodes that may
         report job steps (bounded: forgotten `KNOWN_NODE_TTL_S` after their last sample)."""
@@ -144,6 +172,10 @@ class Analyzer:
         """(window, node) → job → ranks the node reported in that window: one node speaks for at most
         its GPU count of ranks per job and `MAX_JOBS_PER_WINDOW` jobs (pruned as windows close)."""
         self._small_logged: dict[tuple[str, str], float] = {}
+        self.skewed: dict[str, tuple[dict[str, int], float]] = {}
+        """node → (reason → samples and job steps dropped for their time: `late`, `future` (early),
+        `stale`; analyzer clock of the last drop), kept `SKEW_KEEP_S` (the status lists them)."""
+        self.last_window_end: float | None = None
         self._sub: Any = None
         self._job_sub: Any = None
         self._log = log.bind(cluster=self.cluster, holder=self.holder)
@@ -173,8 +205,9 @@ class Analyzer:
         return sub
 
     async def _on_job_msg(self, msg: Any) -> None:
-        """One batch of step times (`fleetmend.jobs`). A message speaks for one node only: every row
-        must name the same node, under its real name (`subjects.check_node_name`, no re-encoding),
+        """One batch of step times (`fleetmend.jobs`) on `fleet.<cluster>.job.<node token>.<job>`. A
+        message speaks for its sender only: every row must name the subject's node (whose credentials
+        allow no other node's subject, `subjects.node_job_subject`), under its real name,
         with at most `max(1, its GPU count)` distinct ranks of the job in a window (across messages)
         and steps of at most `MAX_JOBS_PER_WINDOW` jobs in a window, else it is dead-lettered whole
         with the reason; a node this analyzer has no perf sample from (a made-up name) is dropped and counted
@@ -188,7 +221,9 @@ class Analyzer:
             data = json.loads(msg.data)
             if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("steps"), list):
                 raise ValueError("expected {\"v\": 1, \"job\": ..., \"steps\": [[rank, node, step, seconds, time], ...]}")
-            job = subjects.job_subject(self.cluster, str(data.get("job"))).rsplit(".", 1)[1]
+            cluster, sender, job = subjects.parse_job_subject(msg.subject)
+            if cluster != self.cluster or str(data.get("job")) != job:
+                raise ValueError(f"message names job {str(data.get('job'))[:40]!r} but was published on {msg.subject}")
             rows = []
             for row in data["steps"]:
                 if not isinstance(row, list) or len(row) != 5:
@@ -203,6 +238,9 @@ class Analyzer:
             nodes = {node for _, node, _, _ in rows}
             if len(nodes) > 1:
                 raise ValueError(f"one job message names {len(nodes)} nodes ({', '.join(sorted(nodes)[:4])}): "
+                                 "a node reports for its own ranks only")
+            if nodes and nodes != {sender}:
+                raise ValueError(f"rows name node {next(iter(nodes))!r} but {sender!r} sent them ({msg.subject}): "
                                  "a node reports for its own ranks only")
             known = self.nodes.get(rows[0][1]) if rows else None
             if rows and known is None:
@@ -270,8 +308,11 @@ class Analyzer:
         now = self.clock()
         _busy, derived = derive(sample, self.cfg.busy_util_pct)
         self.samples += 1
-        self.nodes[sample.node] = (now, sample.hw.gpu_count)
-        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now)
+        if sample.node in self.nodes or len(self.nodes) < MAX_NODES_PER_WINDOW:
+            self.nodes[sample.node] = (now, sample.hw.gpu_count)
+        fp = {k: v for k, v in (("driver", sample.hw.driver), ("vbios", sample.hw.vbios)) if v}
+        return self.comparator.add(sample.node, sample.hw.key, sample.at.timestamp(), derived, now=now,
+                                   fingerprint=fp)
 
     async def _deadletter(self, msg: Any, reason: str) -> None:
         record = {"reason": reason, "subject": msg.subject, "at": datetime.now(timezone.utc).isoformat(),
@@ -333,15 +374,28 @@ class Analyzer:
         for w in self.comparator.due(now):
             res = self.comparator.close_window(w)
             results.append(res)
+            self.last_window_end = (w + 1) * self.cfg.window_s
+            skewed = self._collect_skewed(now)
+            if skewed:
+                worst = sorted(skewed.items(), key=lambda kv: -sum(kv[1].values()))[:20]
+                self._log.warning("analyzer_clock_skew", nodes=len(skewed), worst=dict(worst),
+                                  hint="samples dropped for their time: late = the node's clock behind or its "
+                                       "delivery slow, future = its clock ahead; check NTP/chrony on these nodes")
             self._report_small(res, now)
             metrics.ANALYZER_SMALL_GROUPS.labels(self.cluster).set(len({(g.group, g.metric) for g in res.small_groups}))
             self._log.info("window_judged", window_end=datetime.fromtimestamp((w + 1) * self.cfg.window_s,
                                                                               timezone.utc).isoformat(),
                            nodes=res.nodes, judged=res.judged, outliers=res.outliers, findings=len(res.findings),
                            small_groups=len(res.small_groups), small_job_groups=res.small_job_groups,
-                           no_job=res.no_job, active=active)
+                           no_job=res.no_job, explained=res.explained, shared=len(res.shared_seen),
+                           active=active)
+            self.shared_active = [f.evidence() for f in res.shared_seen][:STATUS_MAX_NODES]
             if not active:
                 continue
+            for g in res.shared_findings:  # one finding for many outliers: no node event, no drain
+                self._log.warning(f"fail_slow_{g.kind}", **g.evidence(),
+                                  hint="outliers sharing a failure domain or a version: not a node's fault, "
+                                       "nothing is drained; their nodes are judged again once it clears")
             for f in res.findings:
                 ev = finding_event(f, self.cluster)
                 await self.js.publish(subjects.fault_subject(self.cluster, f.node), ev.to_json_bytes(),
@@ -351,7 +405,10 @@ class Analyzer:
                 self._log.warning("fail_slow", node=f.node, **f.evidence())
             self.comparator.forget_reports_before(now)
             await self.save_state()
+            await self.save_status()
         for w in self.jobs.due(now):
+            # a rack event or a slow version slows the steps of its nodes too: not their ranks' fault
+            self.jobs.explained_units = set(self.comparator.explainer.explained_nodes)
             res = self.jobs.close_window(w)
             for key in [k for k in self._claims if k[0] <= w]:
                 del self._claims[key]
@@ -400,15 +457,52 @@ class Analyzer:
         for node in [n for n, (t, _) in self.nodes.items() if t < gone]:
             del self.nodes[node]
 
+    def _collect_skewed(self, now: float) -> dict[str, dict[str, int]]:
+        """Merge what the comparators dropped per node for its time since the last call (a rank key
+        `<node>/<rank>` counts for its node) into `skewed`; returns the new counts."""
+        new: dict[str, dict[str, int]] = {}
+        for key, reasons in [*self.comparator.take_skewed().items(), *self.jobs.take_skewed().items()]:
+            node = key.split("/", 1)[0]
+            for r, n in reasons.items():
+                new.setdefault(node, {})[r] = new.get(node, {}).get(r, 0) + n
+        for node, reasons in new.items():
+            old = self.skewed.get(node, ({}, now))[0]
+            self.skewed[node] = ({r: old.get(r, 0) + reasons.get(r, 0) for r in {*old, *reasons}}, now)
+        for node in [n for n, (_, t) in self.skewed.items() if now - t > SKEW_KEEP_S]:
+            del self.skewed[node]
+        return new
+
+    def status(self) -> dict[str, Any]:
+        """What the analyzer judged last, JSON-ready (KV `status.<cluster>`, written by the active
+        replica after each judged window): the groups too small to compare and how they were
+        judged instead, and the nodes whose samples were dropped for their time in the last
+        `SKEW_KEEP_S` (`late`: after their window was judged, the node's clock behind or its
+        delivery slow; `future`: ahead of this analyzer's clock beyond the allowed skew; `stale`)."""
+        worst = sorted(self.skewed.items(), key=lambda kv: -sum(kv[1][0].values()))[:STATUS_MAX_NODES]
+        return {"cluster": self.cluster, "holder": self.holder, "window_end": self.last_window_end,
+                "small_groups": [{"group": g, "metric": m, "nodes": n, "judged": j}
+                                 for (g, m), (n, j) in sorted(self.small_groups_judged.items())][:STATUS_MAX_NODES],
+                "shared_findings": self.shared_active,
+                "clock_skew": {node: reasons for node, (reasons, _) in worst},
+                "clock_skew_nodes": len(self.skewed)}
+
+    async def save_status(self) -> None:
+        await self.kv.put(status_key(self.cluster), json.dumps(self.status()).encode())
+
     def _report_small(self, res: WindowResult, now: float) -> None:
+        """The last judged window's small groups (`small_groups`), each logged once an hour at most."""
+        self.small_groups = {(g.group, g.metric): g.size for g in res.small_groups}
+        self.small_groups_judged = {(g.group, g.metric): (g.size, g.judged or "not judged") for g in res.small_groups}
+        for key in [k for k, t in self._small_logged.items() if now - t >= SMALL_GROUP_LOG_EVERY_S]:
+            del self._small_logged[key]
         for g in res.small_groups:
             key = (g.group, g.metric)
-            self.small_groups[key] = g.size
             if now - self._small_logged.get(key, -1e18) >= SMALL_GROUP_LOG_EVERY_S:
                 self._small_logged[key] = now
                 self._log.warning("group_too_small", group=g.group, metric=g.metric, nodes=g.size,
-                                  min_group_size=self.cfg.min_group_size,
-                                  hint="not judged: fewer comparable nodes than analyzer.min_group_size")
+                                  min_group_size=self.cfg.min_group_size, judged=g.judged or "not judged",
+                                  hint="fewer comparable nodes than analyzer.min_group_size: judged against "
+                                       "the class's fixed expectation or each node's own history")
 
     async def run(self, stop: asyncio.Event, tick_s: float = 1.0, started: bool = False) -> None:
         """`start` (unless `started`), then `tick` every `tick_s` (at most `lease_ttl_s / 3` apart, so

@@ -366,7 +366,7 @@ async def run_perf_sim(settings: Any, fleet: PerfFleet, duration_s: float, inter
                 job = fleet.job_of(i)
                 if job is not None:  # the node's own rank only, as a job's ranks report for themselves
                     row = [fleet.fleet[i].rank, s.node, int(now // interval_s), fleet.step_seconds(i, now), now]
-                    await nc.publish(subjects.job_subject(fleet.cluster, job),
+                    await nc.publish(subjects.job_subject(fleet.cluster, s.node, job),
                                      json.dumps({"v": 1, "cluster": fleet.cluster, "job": job, "steps": [row]}).encode())
                 sent += 1
                 if (i + 1) % batch == 0:

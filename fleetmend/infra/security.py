@@ -5,7 +5,7 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
 
     node <n> of cluster <c>
       publish    fleet.<c>.fault.<n>, fleet.<c>.hb.<n>          its own faults and heartbeats,
-                 fleet.<c>.perf.<n>, fleet.<c>.job.*              its telemetry, its jobs' step timings
+                 fleet.<c>.perf.<n>, fleet.<c>.job.<n>.*          its telemetry, its own ranks' step timings
                  allow_responses (1 reply per request received) answers its own diag requests only
       subscribe  fleet.<c>.diag.<n>                               its own diagnostics requests
                  _INBOX.<c>.<n>.>                                 replies to it (JetStream publish acks):
@@ -82,7 +82,7 @@ def node_permissions(cluster: str, node: str) -> dict:
     """nats-server `permissions` of one node's agent (see module docstring)."""
     return {
         "publish": {"allow": [subjects.fault_subject(cluster, node), subjects.heartbeat_subject(cluster, node),
-                              subjects.perf_subject(cluster, node), subjects.cluster_job_subject(cluster)]},
+                              subjects.perf_subject(cluster, node), subjects.node_job_subject(cluster, node)]},
         "subscribe": {"allow": [subjects.diag_subject(cluster, node), node_inbox_prefix(cluster, node) + ".>"]},
         "allow_responses": {"max": 1, "expires": "10m"},
     }

@@ -54,6 +54,13 @@ class SweepResult:
     not_judged: list[str] = field(default_factory=list)
     """Metrics reported by fewer than `MIN_NODES_TO_JUDGE` nodes."""
     incidents_opened: list[str] = field(default_factory=list)
+    noise_pct: dict[str, float] = field(default_factory=dict)
+    """Metric → median over the nodes of how far apart its repeated runs were (% of the best run):
+    an outlier within that noise is weak evidence."""
+    noise_max_pct: dict[str, float] = field(default_factory=dict)
+    """Metric → the largest spread any node saw."""
+    clipped: str | None = None
+    """Why some cells are left out (`fleetmend.sweep.clip_result`), or None."""
 
     @property
     def outliers(self) -> list[str]:

@@ -1,0 +1,136 @@
+"""Issue 28, points 2 and 3: domains and versions before nodes (the comparator, no servers).
+
+Outliers sharing a rack (from the topology, or inferred from co-occurrence without one) are one
+domain finding that drains nothing; a real fault inside the hot rack is still found, and the rack's
+nodes are judged again as soon as it clears. Outliers sharing a version are one version finding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fleetmend.analyzer.core import Comparator
+from fleetmend.analyzer.shared import GroupFinding
+from fleetmend.config import AnalyzerSettings
+from fleetmend.policy import FailureDomain, Topology
+
+T0 = 1_800_000_000.0
+W = 300.0
+
+
+def feed(c: Comparator, windows: int, value: Callable[[int, int], dict[str, float]], nodes: int = 64,
+         group: Callable[[int], str] = lambda n: "H", fp: Callable[[int], dict[str, str]] = lambda n: {},
+         job: bool = False) -> tuple[list[tuple[int, str, str]], list[GroupFinding]]:
+    """`windows` windows of 5 samples a node; value(window, node) → metric → value. Returns the node
+    findings (window, node, metric) and the domain/version findings reported."""
+    found, shared = [], []
+    for w in range(windows):
+        for k in range(5):
+            t = T0 + w * W + k * 60 + 1
+            for n in range(nodes):
+                c.add(f"n{n:02d}", group(n), t, {m: (v, "gpu:0") for m, v in value(w, n).items()}, fingerprint=fp(n))
+                if job:
+                    c.note_job(f"n{n:02d}", "j", t)
+        res = c.close_window(c.window_of(T0 + w * W + 1))
+        found += [(w, f.node, f.metric) for f in res.findings]
+        shared += res.shared_findings
+    return found, shared
+
+
+RACK = {f"n{n:02d}" for n in range(16, 32)}  # rack r1 of four racks of 16
+
+
+def rack_event(w: int, n: int) -> dict[str, float]:
+    """Rack r1's cooling fails in windows 2-7: its GPUs spend 10-20 % of the time in thermal
+    slowdown. n20 (in r1) has a real fault from window 4 on: 90 %. n21 (in r1) fails in window 9,
+    right after the rack recovered."""
+    name = f"n{n:02d}"
+    v = 0.0
+    if name in RACK and 2 <= w <= 7:
+        v = 0.1 + 0.1 * (n % 2)
+    if name == "n20" and w >= 4:
+        v = 0.9
+    if name == "n21" and w >= 9:
+        v = 0.5
+    return {"thermal_frac": v}
+
+
+def test_a_rack_event_is_one_domain_finding_a_real_fault_inside_it_is_still_found() -> None:
+    topo = Topology({f"n{n:02d}": FailureDomain(rack=f"r{n // 16}") for n in range(64)})
+    c = Comparator(AnalyzerSettings(), domains_of=lambda node: topo.domain(node).keys())
+    found, shared = feed(c, 14, rack_event)
+    assert [(f.kind, f.key, f.metric) for f in shared] == [("domain", "rack:r1", "thermal_frac")]
+    assert shared[0].windows == 3 and len(shared[0].nodes) == 15  # n20 is not explained by the rack
+    assert [(n, m) for _, n, m in found] == [("n20", "thermal_frac"), ("n21", "thermal_frac")]
+    assert dict((n, w) for w, n, _ in found) == {"n20": 6, "n21": 11}  # n21: 3 windows after it failed, no mute
+
+
+def test_without_a_topology_the_rack_is_inferred_from_co_occurrence() -> None:
+    c = Comparator(AnalyzerSettings())
+    found, shared = feed(c, 14, rack_event)
+    assert [(f.kind, f.metric) for f in shared] == [("domain", "thermal_frac")]
+    assert shared[0].key.startswith("inferred:") and set(shared[0].nodes) <= RACK
+    assert [(n, m) for _, n, m in found] == [("n20", "thermal_frac"), ("n21", "thermal_frac")]
+    # the control: explaining nothing (the rule before), every node of the hot rack is a node finding
+    d = Comparator(AnalyzerSettings())
+    d.explainer.enabled = False
+    before, _ = feed(d, 14, rack_event)
+    assert {n for _, n, _ in before} == RACK
+
+
+def test_a_version_shared_by_the_outliers_is_one_version_finding() -> None:
+    """A VBIOS on a quarter of a class (not in the class key) clocks 5 % lower under load."""
+    def clocks(w: int, n: int) -> dict[str, float]:
+        return {"sm_clock_ratio": 0.985 * (0.95 if n % 4 == 0 and w >= 1 else 1.0) + 0.001 * (n % 3)}
+
+    c = Comparator(AnalyzerSettings())
+    found, shared = feed(c, 8, clocks, fp=lambda n: {"driver": "570", "vbios": "96.00.B" if n % 4 == 0 else "96.00.A"},
+                         job=True)
+    assert found == []
+    assert [(f.kind, f.key, f.metric, len(f.nodes)) for f in shared] == [("version", "vbios=96.00.B", "sm_clock_ratio", 16)]
+    assert round(shared[0].value / shared[0].peer_median, 2) == 0.95
+
+
+def test_a_driver_that_splits_the_class_is_named() -> None:
+    """Half the class on a new driver (part of the class key: two groups, neither with outliers)
+    that spends 20 % of the time in HW slowdown. The driver is named; no node is."""
+    def slowdown(w: int, n: int) -> dict[str, float]:
+        return {"hw_slowdown_frac": 0.2 if n % 2 else 0.0, "pcie_width_ratio": 1.0}
+
+    c = Comparator(AnalyzerSettings())
+    found, shared = feed(c, 6, slowdown, group=lambda n: f"H200x8|{'575' if n % 2 else '570'}|MT4129")
+    assert found == []
+    assert [(f.kind, f.key, f.metric) for f in shared] == [("version", "driver=575", "hw_slowdown_frac")]
+
+
+def test_the_analyzer_reads_the_topology_file_fleetguard_reads(tmp_path) -> None:
+    from fleetmend.analyzer.service import Analyzer
+    from fleetmend.config import load_settings
+
+    topo = tmp_path / "topology.toml"
+    topo.write_text('[node.n00]\nrack = "r0"\npdu = "p1"\n')
+    s = load_settings(None, cluster="c", policy={"topology_file": str(topo)})
+    a = Analyzer(s, None, None, None, holder="t")
+    assert a.comparator.explainer.domains_of is not None
+    assert sorted(a.comparator.explainer.domains_of("n00")) == ["pdu:p1", "rack:r0"]
+    assert a.comparator.explainer.domains_of("elsewhere") == []  # inferred for it
+    assert Analyzer(load_settings(None, cluster="c"), None, None, None, holder="t").comparator.explainer.domains_of is None
+
+
+def test_the_ranks_of_nodes_a_domain_explains_are_not_blamed() -> None:
+    """A rack event slows its nodes' steps too: while the node comparator explains a node, the job
+    comparator counts none of its ranks' outlier windows (and judges them again once it clears)."""
+    from fleetmend.analyzer.service import job_comparator
+
+    cfg = AnalyzerSettings(window_s=60, windows=3)
+    c = job_comparator(cfg)
+    found = []
+    for w in range(12):
+        c.explained_units = {"n1"} if w < 8 else set()
+        for s in range(6):
+            t = T0 + w * 60 + s * 10 + 1
+            for rank in range(8):
+                sec = 2.0 * (1.08 if rank == 1 and w >= 4 else 1.0) + 0.01 * ((s + rank) % 3)
+                c.add(f"n{rank}/{rank}", "job:j", t, {"job_step_seconds": (sec, f"rank:{rank}")})
+        for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
+            found += [(x - c.window_of(T0), f.node) for f in c.close_window(x).findings]
+    assert found == [(10, "n1/1")]  # windows 8, 9, 10 after the domain cleared at window 8
