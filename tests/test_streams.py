@@ -66,6 +66,28 @@ async def test_an_existing_stream_is_never_rewritten_one_warning(own_nats: str) 
     await nc.close()
 
 
+async def test_a_stream_of_an_older_version_gets_todays_subjects_and_keeps_its_limits(own_nats: str) -> None:
+    """FLEET_JOBS made by 0.1 listened on `fleet.*.job.*`; job reports now name their sender
+    (`fleet.<c>.job.<node>.<job>`) and would be lost. The subjects are the code's contract: they are
+    moved on, the operator's limits are kept."""
+    from fleetmend.infra.jetstream import ensure_perf_stream
+    from fleetmend.subjects import JOB_STREAM, job_subject
+
+    nc = await nats.connect(own_nats)
+    js = nc.jetstream()
+    from nats.js.api import StreamConfig
+
+    await js.add_stream(StreamConfig(name=JOB_STREAM, subjects=["fleet.*.job.*"], max_age=7200.0))
+    with structlog.testing.capture_logs() as logs:
+        await ensure_perf_stream(js)
+    after = (await js.stream_info(JOB_STREAM)).config
+    assert after.subjects == ["fleet.*.job.*.*"] and after.max_age == 7200.0, after
+    assert any(e["event"] == "stream_subjects_updated" for e in logs), logs
+    ack = await js.publish(job_subject("c1", "gpu-1", "j7"), b"{}")
+    assert ack.stream == JOB_STREAM
+    await nc.close()
+
+
 async def test_agent_recreates_a_fault_stream_nats_lost(own_nats: str, tmp_path: Path) -> None:
     cluster, node = "clost", "n1"
     s = Settings(cluster=cluster, node=node, nats_url=own_nats, state_dir=tmp_path / "state",
@@ -187,18 +209,15 @@ async def _consumer(js, name: str):
 
 def test_a_stream_raised_to_three_replicas_is_reported_never_lowered():
     """A single test server cannot hold 3 replicas; the comparison that decides the warning can be
-    checked directly: the operator's 3 replicas differ from the configured 1, and `ensure_stream`
-    never sends an update (it has no update call at all)."""
-    import inspect
-
-    from fleetmend.infra.jetstream import differences, ensure_stream
+    checked directly: the operator's 3 replicas differ from the configured 1 (reported; `ensure_stream`
+    updates only a stream's subjects, sending back the server's own config, so its replicas stay)."""
+    from fleetmend.infra.jetstream import differences
 
     want = fault_stream_config(StreamSettings(replicas=1))
     have = fault_stream_config(StreamSettings(replicas=1))
     have.num_replicas = 3
     assert differences(want, have) == {"num_replicas": (3, 1)}
     assert differences(want, fault_stream_config(StreamSettings())) == {}
-    assert "update_stream" not in inspect.getsource(ensure_stream)
 
 
 async def test_kv_keys_lists_every_key_right_after_it_was_written(nc, unique):

@@ -65,8 +65,11 @@ def differences(want: StreamConfig, have: StreamConfig) -> dict[str, tuple[Any, 
 
 
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: float = 5.0) -> Any:
-    """Create stream `cfg.name` if it is missing; otherwise leave it as it is, with one warning per
-    process when its settings differ from `cfg` (`differences`).
+    """Create stream `cfg.name` if it is missing; otherwise leave its settings as they are (limits,
+    replicas, storage are the operator's), with one warning per process when they differ from `cfg`
+    (`differences`). Its `subjects` are the code's wire contract, not a setting: when they differ (a
+    stream created by an older version, e.g. `fleet.*.job.*` before job reports named their sender) they
+    are updated, and that is logged.
 
     Returns:
         `nats.js.api.StreamInfo` of the stream as it is on the server.
@@ -84,6 +87,12 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
             log.info("stream_created", stream=cfg.name, replicas=cfg.num_replicas, max_bytes=cfg.max_bytes,
                      max_age_s=cfg.max_age)
             return info
+    if cfg.subjects and sorted(info.config.subjects or []) != sorted(cfg.subjects):
+        old, info.config.subjects = info.config.subjects, list(cfg.subjects)
+        async with asyncio.timeout(timeout_s):
+            info = await js.update_stream(info.config)
+        log.warning("stream_subjects_updated", stream=cfg.name, old=old, new=cfg.subjects,
+                    note="the subjects are fleetmend's wire contract; a stream made by an older version is moved on")
     diff = differences(cfg, info.config)
     if diff and cfg.name not in _warned:
         _warned.add(cfg.name)
@@ -156,7 +165,8 @@ async def ensure_deadletter_stream(js: JetStreamContext, streams: Any = None, *,
 async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max_msgs_per_subject: int = 64,
                              timeout_s: float = 5.0) -> Any:
     """Create (or update) stream `PERF_STREAM` on `fleet.*.perf.*` (telemetry samples) and
-    `JOB_STREAM` on `fleet.*.job.*` (job step timings): file storage, limits retention, old
+    `JOB_STREAM` on `fleet.*.job.*.*` (job step timings, the sender's node token before the job):
+    file storage, limits retention, old
     messages discarded.
 
     Args:
