@@ -461,3 +461,16 @@ async def test_observe_only_drains_nothing_on_any_path(nats_server, temporal_ser
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await nc.close()
+
+
+def test_status_says_why_a_node_waits_from_the_pool_before_the_guard_took_it_up() -> None:
+    """In a burst the router starts incidents faster than FleetGuard takes their requests up: `fleetmend
+    status` then reads the permit pool itself (the budget's owner) for the nodes the guard does not list yet."""
+    from fleetmend.cli.breaker import _pool_reason
+
+    full = {"budget": 2, "open": True, "why": "", "holders": {"a": {}, "b": {}}}
+    assert _pool_reason(full, "c").startswith("budget: 2/2 permits held (permit pool")
+    assert _pool_reason(full, "a") == "holds a permit pool slot: its drain follows"
+    assert _pool_reason({**full, "open": False, "why": "paused by ops"}, "c") == "permit pool closed: paused by ops"
+    assert _pool_reason({**full, "budget": 5}, "c") is None  # room: the pool does not say why it waits
+    assert _pool_reason(None, "c") is None

@@ -110,6 +110,9 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
 """A channel down is retried for ~10 minutes, then noted in the timeline; the incident never waits on it
 (the activity runs alongside; the run waits for it only before it ends)."""
 
+FORWARDED_FIRST_WAIT_S = 30.0
+"""An incident whose permit request the router forwarded asks FleetGuard itself after this long without
+an answer (the forward may have failed), then every `permit_rerequest_s`."""
 MAX_HISTORY_EVENTS = 5_000
 """Continue-as-new past this many history events (Temporal warns at 10k, limits at 50k)."""
 MAX_RUN_BYTES = 64 * 1024
@@ -153,6 +156,7 @@ class NodeRemediation:
         self._sa_flush_due = False  # an upsert is queued for the end of this workflow task
         self._notifications: list = []
         self._run_bytes0 = 0  # history size in bytes when this run started (start event + carried state)
+        self._forwarded = False  # IncidentInput.permit_forwarded of a new incident
         self._noted_arrivals = -1  # `IncidentState.arrivals` when triage last noted "recorded, no drain"
 
     # ---------------------------------------------------------------- messages
@@ -254,6 +258,7 @@ class NodeRemediation:
     @workflow.run
     async def run(self, inp: IncidentInput) -> IncidentStatus:
         self._policy = inp.policy
+        self._forwarded = inp.permit_forwarded and inp.carried is None
         self._run_bytes0 = workflow.info().get_current_history_size()
         # An update handled in the first activation runs before this method and notes on a placeholder
         # state (see `_state`): keep those notes, they are the audit trail of who did what.
@@ -385,17 +390,26 @@ class NodeRemediation:
             s.permit_requested, s.permit_requested_at = True, self._now()
         req = PermitRequest(cluster=s.cluster, node=s.node, severity=s.severity, fault_class=s.fault_class or "",
                             reason="; ".join(s.decisions[-3:]), requested_at=s.permit_requested_at)
-        await self._ask_permit(req)
-        self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
-                   "blast-radius budget decides; `fleetmend breaker status` shows the pool and the queue")
+        wait_s = self._policy.permit_rerequest_s
+        if self._forwarded:  # the router sent our request already; ask ourselves only if no answer comes
+            self._forwarded = False
+            wait_s = min(wait_s, FORWARDED_FIRST_WAIT_S)
+            self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the router "
+                       "queued the request (no permit pool slot was free); `fleetmend breaker status` shows the "
+                       "pool and the queue")
+        else:
+            await self._ask_permit(req)
+            self._note(f"waiting for a drain permit from FleetGuard ({s.severity} {s.fault_class}): the fleet's "
+                       "blast-radius budget decides; `fleetmend breaker status` shows the pool and the queue")
         while True:
             if s.permit is None and self._abort is None and not self._pending:
                 try:
                     await workflow.wait_condition(
                         lambda: s.permit is not None or self._abort is not None or bool(self._pending),
-                        timeout=timedelta(seconds=self._policy.permit_rerequest_s))
+                        timeout=timedelta(seconds=wait_s))
                 except asyncio.TimeoutError:  # a guard terminated or reset lost us: ask again (idempotent)
                     await self._ask_permit(req)
+                    wait_s = self._policy.permit_rerequest_s
                     continue
             self._absorb()
             if self._abort is not None:

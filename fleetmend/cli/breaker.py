@@ -62,18 +62,42 @@ async def permit_waits(client: Any, cluster: str) -> dict[str, str]:
     return {q["node"]: q.get("waiting") or "" for q in queue}
 
 
-async def annotate_waits(client: Any, cluster: str, rows: list[dict[str, Any]]) -> None:
-    """Add `waiting` (why its permit waits) to each running `awaiting_permit` row of `fleetmend status`.
-    A node the guard does not know says so (its incident asks again every `policy.permit_rerequest_s`)."""
+async def annotate_waits(client: Any, cluster: str, rows: list[dict[str, Any]], settings: Settings | None = None) -> None:
+    """Add `waiting` (why its permit waits) to each running `awaiting_permit` row of `fleetmend status`:
+    FleetGuard's reason for the nodes it has queued; for the others (in a burst the router starts
+    incidents faster than the guard takes them up), the permit pool's own state when `settings` let it
+    be read (full, closed, or the node holding a slot already). A node neither knows says so (its
+    incident asks again)."""
     try:
         waits = await permit_waits(client, cluster)
     except Exception as e:  # noqa: BLE001 - the table still shows without the reasons
         waits, missing = {}, f"FleetGuard unreadable: {e}"
     else:
         missing = "not queued at FleetGuard yet (the incident asks again)"
-    for r in rows:
-        if r["phase"] == "awaiting_permit" and r["status"] == "running":
-            r["waiting"] = waits.get(r["node"]) or missing
+    waiting = [r for r in rows if r["phase"] == "awaiting_permit" and r["status"] == "running"]
+    pool = None
+    if settings is not None and any(r["node"] not in waits for r in waiting):
+        try:
+            pool = await _pool_status(settings.model_copy(update={"cluster": cluster}))
+        except Exception:  # noqa: BLE001 - NATS away: the guard's reasons only
+            pool = None
+    for r in waiting:
+        r["waiting"] = waits.get(r["node"]) or _pool_reason(pool, r["node"]) or missing
+
+
+def _pool_reason(pool: dict[str, Any] | None, node: str) -> str | None:
+    """Why `node` waits, from the permit pool alone (the budget's owner), or None when it does not say."""
+    if pool is None:
+        return None
+    held = len(pool["holders"])
+    if node in pool["holders"]:
+        return "holds a permit pool slot: its drain follows"
+    if not pool["open"]:
+        return f"permit pool closed: {pool['why']}"
+    if held >= pool["budget"]:
+        return (f"budget: {held}/{pool['budget']} permits held (permit pool; the router queued it, FleetGuard "
+                "takes it up next)")
+    return None
 
 
 async def _guard_handle(settings: Settings, *, start: bool) -> Any:

@@ -66,7 +66,7 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
                      "workflow_id": wf.id, "run_id": wf.run_id})
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
         for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
-            await annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl])  # each cluster's guard
+            await annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl], s)  # each cluster's guard
     return rows
 
 

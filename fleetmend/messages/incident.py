@@ -269,3 +269,8 @@ class IncidentInput:
     carried: IncidentState | None = None
     """State carried across continue-as-new."""
     pending: list[RoutedFault] = field(default_factory=list)
+    permit_forwarded: bool = False
+    """The router found no pool slot for this node's must-drain-now fault and forwards its permit request
+    to FleetGuard right after this start: the incident does not ask again at once (in a burst of
+    thousands, one signal and one activity less each), only after `FORWARDED_FIRST_WAIT_S` without an
+    answer."""

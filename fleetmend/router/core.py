@@ -48,7 +48,7 @@ import base64
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -425,6 +425,8 @@ class Router:
         parts = split_batch(faults)
         forward = await self._drain_now_under_pool(cluster, node, wid, items) if self._fast else None
         phase = Phase.AWAITING_PERMIT if forward is not None else Phase.TRIAGE
+        if forward is not None:  # its request goes to the guard from here: the incident need not ask at once
+            inp = replace(inp, permit_forwarded=True)
         async with self._sem:
             await self._keep_alive(items)  # after the wait for a slot, right before the call
             try:
