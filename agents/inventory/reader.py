@@ -173,7 +173,10 @@ def _nvml_settings(nvml: Any, settings: dict[str, str], versions: dict[str, str]
         return
     try:
         n = nvml.nvmlDeviceGetCount()
-        pm, ecc, mig, power = set(), set(), set(), set()
+        pm: set[str] = set()
+        ecc: set[str] = set()
+        mig: set[str] = set()
+        power: set[str] = set()
         for i in range(n):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
             for target, call in ((pm, _persistence), (ecc, _ecc), (mig, _mig), (power, _power)):
