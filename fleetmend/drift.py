@@ -1,6 +1,6 @@
 """Configuration drift: pure judging rules over node fingerprints (`fleetmend.messages.fingerprint.Fingerprint`).
 
-Three layers, in this order, per fact key (`../shared/notes/topology.md` §4.2):
+Three layers, in this order, per fact key (docs/fleet-shape.md):
 
 1. **Allowed sets** (`AllowedSet`, set by `fleetmend drift allow KEY VALUE… --who --why`): during a rollout the
    expected value of a key is a set ({old driver, new driver}); a value outside it deviates, and neither the policy

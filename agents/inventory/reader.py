@@ -2,7 +2,7 @@
 
 Every path is read under `host_root` (the agent's `agent.host_root`), so a recorded or synthesised tree stands in
 for a host (tests/fixtures/hosts/). A file that does not exist means "not applicable here": its key is left out
-of the fingerprint, never reported as a deviation. What is read, per check (`../shared/notes/topology.md` §1):
+of the fingerprint, never reported as a deviation. What is read, per check (docs/fleet-shape.md):
 
 Key, what is read, note:
 - `gpudirect.peermem`: `sys/module/nvidia_peermem/`, legacy `sys/kernel/mm/memory_peers/nv_mem/version`; only with

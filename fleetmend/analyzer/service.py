@@ -50,7 +50,9 @@ from pydantic import ValidationError
 
 from fleetmend import subjects
 from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, Comparator, WindowResult, finding_event
+from fleetmend.analyzer.drift import DriftJudge
 from fleetmend.analyzer.metrics import MetricSpec, derive
+from fleetmend.catalog import load_catalog
 from fleetmend.config import Settings
 from fleetmend.events import MAX_CLOCK_SKEW_S, Component
 from fleetmend.infra import metrics
@@ -126,6 +128,7 @@ class Analyzer:
         self.clock = clock
         self._lease = KvLease(kv, lease_key(self.cluster), self.holder, self.cfg.lease_ttl_s, clock=lease_clock)
         self.comparator = Comparator(self.cfg)
+        self.drift = DriftJudge(self.cluster, js, catalog=load_catalog(settings.catalog_overrides))  # analyzer/drift.py
         self.jobs = job_comparator(self.cfg)
         """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
         self.job_steps = 0
@@ -364,6 +367,8 @@ class Analyzer:
                 self.published.append(ev.event_id)
                 metrics.ANALYZER_FAIL_SLOW.labels(self.cluster, f.metric).inc()
                 self._log.warning("fail_slow_rank", node=ev.node, **ev.attrs)
+        if active:
+            await self.drift.maybe_tick()  # config drift of the cluster's fingerprints, every DRIFT_INTERVAL_S
         return results
 
     def job_event(self, f: Any) -> Any:

@@ -11,7 +11,7 @@ bucket and judges with the pure rules of `fleetmend.drift`.
 Settings and versions are flat `key → value` strings; a key that is absent means "not applicable on this
 node" (the file it is read from does not exist), never a deviation. Per-device keys carry the device's role
 (`compute`, `storage`, `management`, `gpu`, `nvme`) in their name (`pcie.link.compute.0000:18:00.0`) so a
-storage NIC is never compared with a compute NIC (NVSentinel's lesson, `../shared/notes/topology.md` §4.2).
+storage NIC is never compared with a compute NIC (NVSentinel's lesson, docs/fleet-shape.md).
 
 Wire format: JSON, `schema_version` = `FINGERPRINT_SCHEMA_VERSION`; unknown fields ignored. Imports only the
 contract and pydantic.
@@ -27,6 +27,10 @@ from fleetmend.events import utcnow
 
 FINGERPRINT_SCHEMA_VERSION = 1
 """Current fingerprint schema. Additive fields do not bump it."""
+
+RECONFIGURE_ACTIVITY = "reconfigure_node"
+"""Activity name of `activities.reconfigure.ReconfigureActivities.reconfigure_node` (to be listed in
+`fleetmend.messages.names.Activity` when the remediation workflow calls it)."""
 
 
 class TopoLevel(StrEnum):
@@ -216,6 +220,8 @@ class ReconfigureRequest(BaseModel):
     incident_id: str = ""
     fixes: dict[str, str]
     dry_run: bool = True
+    timeout_s: float = Field(default=60.0, gt=0, le=600)
+    """How long the activity waits for the agent's answer (a modprobe and a re-read take seconds)."""
 
 
 class FixResult(BaseModel):
