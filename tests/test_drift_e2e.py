@@ -94,7 +94,7 @@ async def test_only_the_misconfigured_node_gets_config_drift_and_a_split_opens_n
             h = client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(cluster, "gpu-3"))
             try:
                 return await h.query(NodeRemediation.status)
-            except Exception:  # noqa: BLE001 - not started yet
+            except Exception:
                 return None
 
         st = await assert_eventually(incident, timeout_s=60, what="config_drift incident")
