@@ -25,7 +25,7 @@ from fleetmend.analyzer.drift import DriftJudge
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
 from fleetmend.infra.connect import connect_nats, connect_temporal
-from fleetmend.infra.jetstream import ensure_fault_stream
+from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.messages.fingerprint import ReconfigureRequest
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
@@ -53,12 +53,16 @@ async def _agents(s: Any, tmp_path: Path, specs: dict[str, HostSpec], stop: asyn
     return tasks, probes
 
 
-def _drift_json(s: Any) -> dict[str, Any]:
+def _cli(s: Any, *args: str) -> dict[str, Any]:
     env = dict(os.environ, FLEETMEND_NATS_URL=s.nats_url, FLEETMEND_CLUSTER=s.cluster)
-    res = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", "drift", "--json"], env=env,
+    res = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", *args], env=env,
                          capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+def _drift_json(s: Any) -> dict[str, Any]:
+    return _cli(s, "drift", "--json")
 
 
 async def test_only_the_misconfigured_node_gets_config_drift_and_a_split_opens_none(
@@ -150,6 +154,21 @@ async def test_three_against_three_is_a_split_and_opens_nothing(nats_server, tmp
         assert out["deviations"] == [] and sorted(c["key"] for c in out["splits"]) == ["kernel.numa_balancing",
                                                                                        "mm.thp_enabled"]
         assert all(c["share"] == 0.5 and c["majority"] is None for c in out["splits"])
+        # the operator views: one node's fingerprint, the version distribution per class
+        inv = _cli(s, "inventory", "gpu-0", "--json")
+        assert inv["node"] == "gpu-0" and inv["gpus"][0]["nic_level"] == "PIX"
+        versions = _cli(s, "versions", "--json")
+        (hw,) = versions["classes"]
+        assert versions["classes"][hw]["nvidia_driver"] == {"550.90.07": 6}
+        # a fingerprint that does not parse is skipped with one line and dead-lettered, the rest still judged
+        kv = await js.key_value(subjects.FINGERPRINT_KV_BUCKET)
+        await kv.put(subjects.fingerprint_kv_key(cluster, "broken"), b'{"cluster": 1}')
+        await ensure_deadletter_stream(js)
+        dl = await nc.subscribe(subjects.DEADLETTER_SUBJECT)
+        again = await DriftJudge(cluster, js).tick()
+        assert len(again.splits) == 2
+        record = json.loads((await dl.next_msg(timeout=5)).data)
+        assert record["key"] == subjects.fingerprint_kv_key(cluster, "broken") and "fingerprint" in record["reason"]
     finally:
         stop.set()
         await asyncio.gather(*agent_tasks, return_exceptions=True)

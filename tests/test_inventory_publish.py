@@ -120,3 +120,19 @@ async def test_live_fix_dry_run_then_applied_and_verified(nc: Any, tmp_path: Pat
     again = await fixer.handle(ReconfigureRequest(cluster=unique, node="n1", fixes={"cpu.governor": "performance"},
                                                   dry_run=False))
     assert again.verified and again.results[0].detail == "already holds" and not again.results[0].applied
+
+
+async def test_reconfigure_activity_refuses_what_cannot_be_set_live(nc: Any, unique: str) -> None:
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.reconfigure import ReconfigureActivities
+
+    act = ReconfigureActivities(nc).reconfigure_node
+    with pytest.raises(ApplicationError, match="not live-fixable: iommu.mode") as e:
+        await ActivityEnvironment().run(act, ReconfigureRequest(cluster=unique, node="n1", fixes={"iommu.mode": "pt"}))
+    assert e.value.type == "InvalidRequest" and e.value.non_retryable
+    with pytest.raises(ApplicationError, match="no agent answers live fixes") as e:
+        await ActivityEnvironment().run(act, ReconfigureRequest(cluster=unique, node="n1",
+                                                                fixes={"cpu.governor": "performance"}, timeout_s=2))
+    assert e.value.type == "AgentUnreachable" and not e.value.non_retryable
