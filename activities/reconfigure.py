@@ -34,7 +34,7 @@ class ReconfigureActivities:
             Input: `ReconfigureRequest` (cluster, node, incident_id, `fixes` = fact key → wanted value, taken from a
                 `config_drift_*` event's attrs `key` and `wanted`; `dry_run`; `timeout_s`). Only keys
                 `fleetmend.drift.live_fixable` accepts are sent (governor, nvidia_peermem, NUMA balancing, THP, IRQ
-                affinity, persistence mode); others are refused here, before the agent is asked.
+                affinity, persistence mode, application clocks, power limit); others are refused here, before the agent is asked.
             Output: `ReconfigureReport` (one `FixResult` per key: before, wanted, after, applied, verified, detail).
             Verified: a fresh read of the node's fingerprint after the write equals the wanted value, for every key
                 (`report.verified`); the incident may then close without a drain, and the next fingerprint clears
@@ -55,7 +55,7 @@ class ReconfigureActivities:
             raise ApplicationError(f"reconfigure_node: {'no fixes' if not req.fixes else 'not live-fixable: '}"
                                    f"{', '.join(bad)}; live keys: cpu.governor, gpudirect.peermem, "
                                    "kernel.numa_balancing, mm.thp_enabled, mm.thp_defrag, gpu.persistence_mode, "
-                                   "irq.affinity.*", type="InvalidRequest", non_retryable=True)
+                                   "gpu.app_clocks, gpu.power_limit, irq.affinity.*", type="InvalidRequest", non_retryable=True)
         subject = subjects.reconfigure_subject(req.cluster, req.node)
         activity.heartbeat(f"reconfigure {sorted(req.fixes)} via {subject}")
         try:

@@ -82,6 +82,10 @@ class ReconfigureHandler:
         gpudirect.peermem       `loaded`: runs `peermem_command` (default `modprobe nvidia-peermem`); verified by
                                 `sys/module/nvidia_peermem/` appearing under `host_root`
         gpu.persistence_mode    `enabled`: NVML `nvmlDeviceSetPersistenceMode(h, 1)` on every GPU (`nvml=`)
+        gpu.app_clocks          `at max`: NVML `nvmlDeviceSetApplicationsClocks(h, max mem, max sm)` (what Azure's
+                                azure_gpu_app_clocks.nhc does with `nvidia-smi -ac`)
+        gpu.power_limit         `enforced=<W>W default=<W>W` with both equal: NVML
+                                `nvmlDeviceSetPowerManagementLimit(h, default)` on every GPU
     Anything else (IOMMU, ACS, kernel command line, BIOS, firmware) needs a reboot or a human: answered as not
     applied, with the reason.
 
@@ -176,6 +180,15 @@ class ReconfigureHandler:
             if wanted != "enabled" or self.nvml is None:
                 return "cannot: persistence mode is enabled through NVML only"
             return "enable persistence mode on every GPU (NVML)"
+        if key == "gpu.app_clocks":
+            if wanted != "at max" or self.nvml is None:
+                return "cannot: application clocks are set to max through NVML only"
+            return "set application clocks to max on every GPU (NVML)"
+        if key == "gpu.power_limit":
+            parts = wanted.replace("enforced=", "").replace("default=", "").split()
+            if self.nvml is None or len(parts) != 2 or parts[0] != parts[1]:
+                return "cannot: the power limit is only reset to the default, through NVML"
+            return "reset the enforced power limit to the default on every GPU (NVML)"
         return f"cannot: {key} is not set live (needs a reboot, firmware or a human)"
 
     async def _apply(self, key: str, wanted: str) -> None:
@@ -196,15 +209,22 @@ class ReconfigureHandler:
             if res is None or res[0] != 0:
                 raise RuntimeError(f"{' '.join(self.peermem_command)}: "
                                    + ("timed out" if res is None else f"exit {res[0]}: {tail(res[1])}"))
-        elif key == "gpu.persistence_mode":
-            await asyncio.to_thread(self._persistence_on)
+        elif key.startswith("gpu."):
+            await asyncio.to_thread(self._nvml_fix, key)
 
-    def _persistence_on(self) -> None:
+    def _nvml_fix(self, key: str) -> None:
         nvml = self.nvml
         nvml.nvmlInit()
         try:
             for i in range(nvml.nvmlDeviceGetCount()):
-                nvml.nvmlDeviceSetPersistenceMode(nvml.nvmlDeviceGetHandleByIndex(i), 1)
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                if key == "gpu.persistence_mode":
+                    nvml.nvmlDeviceSetPersistenceMode(h, 1)
+                elif key == "gpu.app_clocks":  # NVML_CLOCK_SM = 1, NVML_CLOCK_MEM = 2
+                    nvml.nvmlDeviceSetApplicationsClocks(h, nvml.nvmlDeviceGetMaxClockInfo(h, 2),
+                                                         nvml.nvmlDeviceGetMaxClockInfo(h, 1))
+                elif key == "gpu.power_limit":
+                    nvml.nvmlDeviceSetPowerManagementLimit(h, nvml.nvmlDeviceGetPowerManagementDefaultLimit(h))
         finally:
             nvml.nvmlShutdown()
 

@@ -84,7 +84,7 @@ CHECKS: tuple[Check, ...] = (
     Check("system_cpus", ("cgroup.system_cpus",), FixKind.REBOOT),
     Check("ecc", ("gpu.ecc",), FixKind.REBOOT),
     Check("mig", ("gpu.mig",), FixKind.REBOOT),
-    Check("power_limit", ("gpu.power_limit",), FixKind.LIVE),
+    Check("power_limit", ("gpu.power_limit", "gpu.app_clocks"), FixKind.LIVE),
     Check("pcie_link", ("pcie.link.*",), FixKind.REPAIR),
     Check("pcie_payload", ("pcie.payload.*",), FixKind.REBOOT),
     Check("ib_port", ("ib.*",), FixKind.REPAIR),
@@ -96,7 +96,7 @@ CHECKS: tuple[Check, ...] = (
 """Every check, first match wins; a fact no check covers is judged under `version` (a human looks)."""
 
 LIVE_FIX_KEYS = ("cpu.governor", "gpudirect.peermem", "kernel.numa_balancing", "mm.thp_enabled", "mm.thp_defrag",
-                 "gpu.persistence_mode", "irq.affinity.*")
+                 "gpu.persistence_mode", "gpu.app_clocks", "gpu.power_limit", "irq.affinity.*")
 """Fact keys the agent can set in place (agents/commands.py `ReconfigureHandler`)."""
 
 

@@ -129,3 +129,72 @@ def test_device_signature_changes_with_a_device(tmp_path: Path) -> None:
     before = device_signature(root)
     (root / "sys/bus/pci/devices/0000:1b:00.0").unlink()
     assert device_signature(root) != before
+
+
+class FakeNvml:
+    """A stand-in for `pynvml` with the calls the reader and the fixer make (values as NVML returns them)."""
+
+    def __init__(self, gpus: int = 8) -> None:
+        self.persistence = [0] + [1] * (gpus - 1)
+        self.app = [(1410, 1593)] * gpus
+        self.limit = [700_000] * gpus
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.persistence)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetPersistenceMode(self, h: int) -> int:
+        return self.persistence[h]
+
+    def nvmlDeviceSetPersistenceMode(self, h: int, mode: int) -> None:
+        self.persistence[h] = mode
+
+    def nvmlDeviceGetEccMode(self, h: int) -> tuple[int, int]:
+        return (1, 0) if h == 2 else (1, 1)
+
+    def nvmlDeviceGetMigMode(self, h: int) -> tuple[int, int]:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: int) -> int:
+        return self.limit[h]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h: int) -> int:
+        return 700_000
+
+    def nvmlDeviceGetApplicationsClock(self, h: int, clock: int) -> int:
+        return self.app[h][0 if clock == 1 else 1]
+
+    def nvmlDeviceGetMaxClockInfo(self, h: int, clock: int) -> int:
+        return 1980 if clock == 1 else 1593
+
+    def nvmlDeviceSetApplicationsClocks(self, h: int, mem: int, sm: int) -> None:
+        self.app[h] = (sm, mem)
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return 12040
+
+
+async def test_nvml_settings_and_their_live_fixes(tmp_path: Path) -> None:
+    from agents.commands import ReconfigureHandler
+    from fleetmend.messages.fingerprint import ReconfigureRequest
+
+    root = build_host(tmp_path / "h")
+    nv = FakeNvml()
+    fp = read_fingerprint(root, "local", "h", nvml=nv)
+    s = fp.settings
+    assert s["gpu.persistence_mode"] == "mixed:disabled,enabled"
+    assert s["gpu.ecc"] == "mixed:current=on pending=off,current=on pending=on"  # GPU 2 changes at next reboot
+    assert "gpu.mig" not in s  # NOT_SUPPORTED: not applicable
+    assert s["gpu.power_limit"] == "enforced=700W default=700W"
+    assert s["gpu.app_clocks"] == "sm 1410/1980 MHz mem 1593/1593 MHz"
+    assert fp.versions["cuda"] == "12.4"
+    fixer = ReconfigureHandler(root, "local", "h", enabled=True, nvml=nv)
+    report = await fixer.handle(ReconfigureRequest(cluster="local", node="h", dry_run=False,
+                                                   fixes={"gpu.persistence_mode": "enabled",
+                                                          "gpu.app_clocks": "at max"}))
+    assert report.verified, report
+    assert nv.persistence == [1] * 8 and nv.app == [(1980, 1593)] * 8

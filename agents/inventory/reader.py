@@ -27,8 +27,8 @@ Key, what is read, note:
   `sys/class/net/<if>/mtu`.
 - `roce.<role>.<dev>.traffic_class`, `roce.<role>.<if>.ecn`: `sys/class/infiniband/<dev>/tc/1/traffic_class`,
   `sys/class/net/<if>/ecn/roce_np/enable/<prio>` (Ethernet link layer only).
-- `gpu.persistence_mode`, `gpu.ecc`, `gpu.mig`, `gpu.power_limit`: NVML (`nvml=`), current vs pending, enforced vs
-  default limit.
+- `gpu.persistence_mode`, `gpu.ecc`, `gpu.mig`, `gpu.power_limit`, `gpu.app_clocks`: NVML (`nvml=`), current vs
+  pending, enforced vs default limit, application clocks vs max.
 
 Versions: `nvidia_driver` (`sys/module/nvidia/version`), `vbios` (`proc/driver/nvidia/gpus/<bdf>/information`),
 `cuda` (NVML), `hca_fw` (`sys/class/infiniband/*/fw_ver`), `ofed` (`sys/module/mlx5_core/version`), `kernel`
@@ -165,6 +165,14 @@ def _power(nvml: Any, h: Any) -> str:
             f"default={nvml.nvmlDeviceGetPowerManagementDefaultLimit(h) // 1000}W")
 
 
+def _app_clocks(nvml: Any, h: Any) -> str:
+    """`at max` or `sm 1410/1980 MHz mem 1593/1593 MHz` (application clocks against the max, NVML_CLOCK_SM=1,
+    NVML_CLOCK_MEM=2; Azure azure_gpu_app_clocks.nhc resets them to max)."""
+    app = [nvml.nvmlDeviceGetApplicationsClock(h, c) for c in (1, 2)]
+    top = [nvml.nvmlDeviceGetMaxClockInfo(h, c) for c in (1, 2)]
+    return "at max" if app == top else f"sm {app[0]}/{top[0]} MHz mem {app[1]}/{top[1]} MHz"
+
+
 def _nvml_settings(nvml: Any, settings: dict[str, str], versions: dict[str, str]) -> None:
     """Persistence, ECC and MIG (current vs pending), enforced vs default power limit, CUDA driver version."""
     try:
@@ -177,14 +185,17 @@ def _nvml_settings(nvml: Any, settings: dict[str, str], versions: dict[str, str]
         ecc: set[str] = set()
         mig: set[str] = set()
         power: set[str] = set()
+        clocks: set[str] = set()
         for i in range(n):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
-            for target, call in ((pm, _persistence), (ecc, _ecc), (mig, _mig), (power, _power)):
+            for target, call in ((pm, _persistence), (ecc, _ecc), (mig, _mig), (power, _power),
+                                 (clocks, _app_clocks)):
                 try:
                     target.add(call(nvml, h))
                 except Exception:  # noqa: BLE001 - NVML_ERROR_NOT_SUPPORTED on this GPU: not applicable
                     continue
-        for key, values in (("gpu.persistence_mode", pm), ("gpu.ecc", ecc), ("gpu.mig", mig), ("gpu.power_limit", power)):
+        for key, values in (("gpu.persistence_mode", pm), ("gpu.ecc", ecc), ("gpu.mig", mig), ("gpu.power_limit", power),
+                            ("gpu.app_clocks", clocks)):
             if values:
                 settings[key] = values.pop() if len(values) == 1 else "mixed:" + ",".join(sorted(values))
         try:
