@@ -17,7 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 from fleetmend import subjects
 from fleetmend.drift import live_fixable
-from fleetmend.messages.fingerprint import RECONFIGURE_ACTIVITY, ReconfigureReport, ReconfigureRequest
+from fleetmend.fingerprint import RECONFIGURE_ACTIVITY, ReconfigureReport, ReconfigureRequest
 
 
 class ReconfigureActivities:

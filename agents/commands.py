@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from fleetmend.messages.fingerprint import FixResult, ReconfigureReport, ReconfigureRequest
+from fleetmend.fingerprint import FixResult, ReconfigureReport, ReconfigureRequest
 
 OUTPUT_TAIL_BYTES = 2000
 """How much of a tool's output goes into a report (the end: where the verdict and errors are)."""

@@ -1,4 +1,4 @@
-"""Configuration drift: pure judging rules over node fingerprints (`fleetmend.messages.fingerprint.Fingerprint`).
+"""Configuration drift: pure judging rules over node fingerprints (`fleetmend.fingerprint.Fingerprint`).
 
 Three layers, in this order, per fact key (docs/fleet-shape.md):
 
@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from fleetmend.errors import ConfigError
-from fleetmend.messages.fingerprint import DeviceRole, Fingerprint
+from fleetmend.fingerprint import DeviceRole, Fingerprint
 
 DEFAULT_QUORUM = 5
 """Smallest cohort judged by majority: below it one odd node is a third of the vote (NVSentinel skips < 2; the

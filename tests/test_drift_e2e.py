@@ -24,9 +24,9 @@ from fleetmend import subjects
 from fleetmend.analyzer.drift import DriftJudge
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
+from fleetmend.fingerprint import ReconfigureRequest
 from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
-from fleetmend.messages.fingerprint import ReconfigureRequest
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
 from tests.conftest import assert_eventually

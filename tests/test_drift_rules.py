@@ -21,7 +21,7 @@ from fleetmend.drift import (
     load_invariants,
 )
 from fleetmend.errors import ConfigError
-from fleetmend.messages.fingerprint import DeviceRole, Fingerprint, HardwareClass
+from fleetmend.fingerprint import DeviceRole, Fingerprint, HardwareClass
 
 H100 = HardwareClass(gpu_model="NVIDIA H100 80GB HBM3", gpu_count=8, board="DGXH100", cpu_model="Xeon", cpu_sockets=2)
 A100 = HardwareClass(gpu_model="NVIDIA A100-SXM4-80GB", gpu_count=8, board="DGXA100", cpu_model="EPYC", cpu_sockets=2)

@@ -8,7 +8,7 @@ import pytest
 
 from agents.inventory import device_signature, read_fingerprint
 from agents.inventory.pci import acs_source_validation, payload_sizes
-from fleetmend.messages.fingerprint import DeviceRole, Fingerprint, TopoLevel, fingerprint_change
+from fleetmend.fingerprint import DeviceRole, Fingerprint, TopoLevel, fingerprint_change
 from tests.fixtures.hosts.synth import HostSpec, build_host, config_space
 
 
@@ -180,7 +180,7 @@ class FakeNvml:
 
 async def test_nvml_settings_and_their_live_fixes(tmp_path: Path) -> None:
     from agents.commands import ReconfigureHandler
-    from fleetmend.messages.fingerprint import ReconfigureRequest
+    from fleetmend.fingerprint import ReconfigureRequest
 
     root = build_host(tmp_path / "h")
     nv = FakeNvml()

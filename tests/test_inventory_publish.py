@@ -12,7 +12,7 @@ import pytest
 
 from agents.commands import ReconfigureHandler
 from agents.inventory.probe import InventoryProbe
-from fleetmend.messages.fingerprint import Fingerprint, FingerprintChange, ReconfigureReport, ReconfigureRequest
+from fleetmend.fingerprint import Fingerprint, FingerprintChange, ReconfigureReport, ReconfigureRequest
 from fleetmend.subjects import FINGERPRINT_KV_BUCKET, fingerprint_kv_key, fingerprint_subject, reconfigure_subject
 from tests.conftest import assert_eventually
 from tests.fixtures.hosts.synth import HostSpec, build_host

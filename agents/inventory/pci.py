@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fleetmend.messages.fingerprint import TopoLevel
+from fleetmend.fingerprint import TopoLevel
 
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 PCI_CAP_EXP = 0x10

@@ -29,8 +29,8 @@ import structlog
 from agents.commands import ReconfigureHandler
 from agents.inventory.reader import device_signature, read_fingerprint
 from fleetmend import __version__
+from fleetmend.fingerprint import Fingerprint, fingerprint_change
 from fleetmend.infra.jetstream import ensure_fingerprint_stores
-from fleetmend.messages.fingerprint import Fingerprint, fingerprint_change
 from fleetmend.subjects import fingerprint_kv_key, fingerprint_subject, reconfigure_subject
 
 CHANGE_POLL_S = 30.0

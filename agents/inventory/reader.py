@@ -59,7 +59,7 @@ from agents.inventory.pci import (
     topo_level,
 )
 from fleetmend import __version__
-from fleetmend.messages.fingerprint import (
+from fleetmend.fingerprint import (
     DeviceRole,
     Fingerprint,
     GpuPlacement,

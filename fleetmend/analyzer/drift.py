@@ -31,8 +31,8 @@ from fleetmend.drift import (
     judge,
 )
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+from fleetmend.fingerprint import Fingerprint
 from fleetmend.infra.jetstream import kv_keys, open_kv_bucket
-from fleetmend.messages.fingerprint import Fingerprint
 
 DRIFT_INTERVAL_S = 60.0
 """How often the judge re-reads the bucket: fingerprints change every 15 min at most per node, so a minute keeps

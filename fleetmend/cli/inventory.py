@@ -27,8 +27,8 @@ app = typer.Typer()
 async def _one(s: Settings, cluster: str, node: str) -> Any:
     from nats.js.errors import KeyNotFoundError
 
+    from fleetmend.fingerprint import Fingerprint  # lazy: fleetmend.messages (see fleetmend.cli.common)
     from fleetmend.infra.jetstream import open_kv_bucket
-    from fleetmend.messages.fingerprint import Fingerprint  # lazy: fleetmend.messages (see fleetmend.cli.common)
 
     nc = await connect_nats(s, name="fleetmend-cli")
     try:
