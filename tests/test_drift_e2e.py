@@ -169,6 +169,10 @@ async def test_three_against_three_is_a_split_and_opens_nothing(nats_server, tmp
         assert len(again.splits) == 2
         record = json.loads((await dl.next_msg(timeout=5)).data)
         assert record["key"] == subjects.fingerprint_kv_key(cluster, "broken") and "fingerprint" in record["reason"]
+        # leave the shared dead-letter stream as it was (other tests read it from its start)
+        last = await js.get_last_msg(subjects.DEADLETTER_STREAM, subjects.DEADLETTER_SUBJECT)
+        assert json.loads(last.data)["key"] == record["key"]
+        await js.delete_msg(subjects.DEADLETTER_STREAM, last.seq)
     finally:
         stop.set()
         await asyncio.gather(*agent_tasks, return_exceptions=True)
