@@ -349,3 +349,46 @@ def judge(fingerprints: list[Fingerprint], invariants: tuple[Invariant, ...] = D
                     hw, role, check.name, check.kind, check.fix, v.mode))
     report.deviations.sort(key=lambda d: (d.node, d.key))
     return report
+
+
+@dataclass(frozen=True)
+class NcclHcaCheck:
+    """What a job's `NCCL_IB_HCA` selects on one node against its GPU-local (compute) HCAs."""
+
+    selected: tuple[str, ...]
+    compute: tuple[str, ...]
+    missing: tuple[str, ...]
+    """Compute HCAs the setting leaves out (GPU traffic then crosses the CPU or another rail)."""
+    extra: tuple[str, ...]
+    """Non-compute HCAs it selects (storage or management NICs carrying collective traffic)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.extra
+
+
+def nccl_ib_hca(value: str | None, fp: Fingerprint) -> NcclHcaCheck:
+    """Check `NCCL_IB_HCA` against the node's compute HCAs (`NicInfo.role` compute, from the topology).
+
+    NCCL's syntax (NCCL environment variables docs): a comma list of HCA names, each optionally `:port`; a leading
+    `^` excludes the listed ones instead; a leading `=` makes the names exact, otherwise each is a prefix
+    (`mlx5` selects every `mlx5_*`). Unset or empty selects every HCA. Ports are ignored here (HCA level).
+    """
+    hcas = sorted(n.ib_device for n in fp.nics if n.ib_device)
+    compute = tuple(sorted(n.ib_device for n in fp.nics if n.ib_device and n.role is DeviceRole.COMPUTE))
+    spec = (value or "").strip()
+    exclude, exact = spec.startswith("^"), False
+    spec = spec.lstrip("^")
+    if spec.startswith("="):
+        exact, spec = True, spec[1:]
+    names = [p.split(":")[0].strip() for p in spec.split(",") if p.strip()]
+
+    def named(h: str) -> bool:
+        return any(h == n if exact else h.startswith(n) for n in names)
+
+    if not names:
+        selected = hcas
+    else:
+        selected = [h for h in hcas if named(h) != exclude]
+    return NcclHcaCheck(tuple(selected), compute, tuple(h for h in compute if h not in selected),
+                        tuple(h for h in selected if h not in compute))

@@ -157,6 +157,9 @@ async def test_three_against_three_is_a_split_and_opens_nothing(nats_server, tmp
         # the operator views: one node's fingerprint, the version distribution per class
         inv = _cli(s, "inventory", "gpu-0", "--json")
         assert inv["node"] == "gpu-0" and inv["gpus"][0]["nic_level"] == "PIX"
+        hca = _cli(s, "inventory", "gpu-0", "--nccl-ib-hca", "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+                   "--json")
+        assert hca["ok"] and hca["compute"] == [f"mlx5_{i}" for i in range(8)]
         versions = _cli(s, "versions", "--json")
         (hw,) = versions["classes"]
         assert versions["classes"][hw]["nvidia_driver"] == {"550.90.07": 6}

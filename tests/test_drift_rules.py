@@ -180,3 +180,18 @@ def test_checks_cover_the_issue_keys() -> None:
     assert check_of("version.hca_fw").fix is FixKind.REPAIR
     assert check_of("iommu.mode").fix is FixKind.REBOOT and check_of("pcie.acs").fix is FixKind.REBOOT
     assert check_of("something.new").name == "version"
+
+
+def test_nccl_ib_hca_against_the_gpu_local_hcas() -> None:
+    from fleetmend.drift import nccl_ib_hca
+    from fleetmend.fingerprint import NicInfo
+
+    nics = [NicInfo(pci_bus_id=f"0000:{i:02x}:00.0", role=DeviceRole.COMPUTE, ib_device=f"mlx5_{i}") for i in range(4)]
+    nics.append(NicInfo(pci_bus_id="0000:f0:00.0", role=DeviceRole.STORAGE, ib_device="mlx5_4"))
+    node = Fingerprint(cluster="c", node="n", hardware=H100, nics=nics)
+    assert nccl_ib_hca(None, node).extra == ("mlx5_4",)  # unset: the storage HCA carries collectives too
+    assert nccl_ib_hca("=mlx5_0,mlx5_1,mlx5_2,mlx5_3", node).ok
+    assert nccl_ib_hca("^=mlx5_4", node).ok
+    chk = nccl_ib_hca("mlx5_0:1,mlx5_1:1", node)
+    assert chk.missing == ("mlx5_2", "mlx5_3") and chk.extra == ()
+    assert nccl_ib_hca("mlx5", node).extra == ("mlx5_4",)  # a prefix selects every mlx5_*

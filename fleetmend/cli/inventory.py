@@ -44,9 +44,12 @@ async def _one(s: Settings, cluster: str, node: str) -> Any:
 
 @app.command()
 def inventory(node: str = typer.Argument(..., help="Node name."), cluster: Optional[str] = ClusterOpt,
+              nccl_ib_hca: Optional[str] = typer.Option(None, "--nccl-ib-hca", help="Check a job's NCCL_IB_HCA "
+                                                        "value against the node's GPU-local HCAs instead."),
               as_json: bool = JsonOpt, config: Optional[Path] = ConfigOpt) -> None:
     """A node's latest fingerprint: hardware class, versions, each GPU's nearest NIC and NVMe (PCIe level, NUMA)
-    and settings."""
+    and settings. With --nccl-ib-hca: which GPU-local HCAs that value leaves out and which others it selects
+    (exit 1 when either is not empty)."""
     s = settings(config, **({"cluster": cluster} if cluster else {}))
     try:
         subjects.check_node_name(node)
@@ -58,6 +61,19 @@ def inventory(node: str = typer.Argument(..., help="Node name."), cluster: Optio
         err.print(f"[red]no fingerprint of {escape(node)} in cluster {escape(s.cluster)}[/red] (is its agent running "
                   "with agent.inventory_enabled?)")
         raise typer.Exit(1)
+    if nccl_ib_hca is not None:
+        from fleetmend.drift import nccl_ib_hca as check_hca
+
+        chk = check_hca(nccl_ib_hca, fp)
+        result = {"node": node, "nccl_ib_hca": nccl_ib_hca, "selected": list(chk.selected),
+                  "compute": list(chk.compute), "missing": list(chk.missing), "extra": list(chk.extra), "ok": chk.ok}
+        if as_json:
+            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        else:
+            out.print(f"NCCL_IB_HCA={escape(nccl_ib_hca)} on {escape(node)}: selects {', '.join(chk.selected) or '-'}; "
+                      f"GPU-local {', '.join(chk.compute) or '-'}; left out {', '.join(chk.missing) or '-'}; "
+                      f"not GPU-local {', '.join(chk.extra) or '-'}")
+        raise typer.Exit(0 if chk.ok else 1)
     if as_json:
         sys.stdout.write(fp.model_dump_json(indent=2) + "\n")
         return
