@@ -101,9 +101,13 @@ async def test_only_the_misconfigured_node_gets_config_drift_and_a_split_opens_n
             except Exception:
                 return None
 
-        st = await assert_eventually(incident, timeout_s=60, what="config_drift incident")
-        kinds = {f["kind"] for f in st.faults}
-        assert {"config_drift_governor", "config_drift_peermem", "config_drift_numa_balancing"} <= kinds
+        want = {"config_drift_governor", "config_drift_peermem", "config_drift_numa_balancing"}
+
+        async def incident_with_all() -> Any:
+            st = await incident()
+            return st if st is not None and want <= {f["kind"] for f in st.faults} else None
+
+        st = await assert_eventually(incident_with_all, timeout_s=60, what="config_drift incident with the 3 faults")
         assert all(f["severity"] == "degraded" for f in st.faults if f["kind"].startswith("config_drift"))
 
         async def listed() -> list[str]:
@@ -121,10 +125,17 @@ async def test_only_the_misconfigured_node_gets_config_drift_and_a_split_opens_n
         await assert_eventually(lambda: probes["gpu-3"].published >= 2, what="fingerprint re-read after the fix")
         report = await judge.tick()
         assert report.deviations == []
-        resolved = [e for e in judge.published if e.kind == "config_drift_resolved"]
-        assert sorted(e.attrs["key"] for e in resolved) == ["cpu.governor", "gpudirect.peermem",
-                                                             "kernel.numa_balancing"]
-        assert all(e.healthy for e in resolved)
+        resolved = [e for e in judge.published if e.healthy]
+        assert sorted((e.kind, e.attrs["key"]) for e in resolved) == [
+            ("config_drift_governor", "cpu.governor"), ("config_drift_numa_balancing", "kernel.numa_balancing"),
+            ("config_drift_peermem", "gpudirect.peermem")]
+        assert all(e.attrs["clearing_kind"] == "config_drift_resolved" and e.severity == "info" for e in resolved)
+
+        async def cleared() -> bool:  # the incident records each clearing event beside its fault
+            st = await incident()
+            return st is not None and sum(1 for f in st.faults if f["healthy"]) >= 3
+
+        await assert_eventually(cleared, timeout_s=60, what="clearing events reached the incident")
     finally:
         stop.set()
         await asyncio.gather(*agent_tasks, return_exceptions=True)

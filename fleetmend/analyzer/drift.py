@@ -4,8 +4,8 @@ incident, FleetGuard's budget for what drains, a live fix for what can be set in
 
 Runs inside the analyzer's active replica (`fleetmend.analyzer.service.Analyzer.tick`), every `DRIFT_INTERVAL_S`.
 A deviation is published once while it lasts (again after a judge restart: the router collapses the repeat by its
-`ConditionKey`, device = the fact key); when the node's next fingerprint agrees, a `config_drift_resolved` clearing
-event with the same device follows. A cohort split is logged (`cohort_split`) and never published: humans decide.
+`ConditionKey`, device = the fact key); when the node's next fingerprint agrees, its clearing event follows (same
+kind and device, `healthy=True`, `clearing_kind` `config_drift_resolved`). A cohort split is logged (`cohort_split`) and never published: humans decide.
 A fingerprint in the bucket that does not parse is skipped with one warning line naming its key, and dead-lettered.
 """
 
@@ -61,12 +61,15 @@ def deviation_event(d: Deviation, cluster: str, digest: str, catalog: Catalog) -
 
 
 def resolved_event(cluster: str, node: str, key: str, kind: str, digest: str, catalog: Catalog) -> FaultEvent:
-    """The `config_drift_resolved` clearing event for `key` on `node` (healthy, info)."""
+    """The clearing event of `kind` for `key` on `node`: the same kind and device (`ConditionKey`), `healthy=True`,
+    severity info, `attrs["clearing_kind"] = "config_drift_resolved"` (the convention of agents/conditions.py)."""
     eid = hashlib.sha1(f"{cluster}/{node}/{key}/resolved/{digest}".encode()).hexdigest()[:24]
-    ev = FaultEvent(event_id=eid, cluster=cluster, node=node, component=Component.KERNEL, device=Device(name=key),
-                    kind="config_drift_resolved", severity=Severity.INFO, healthy=True, source=Source.ANALYZER,
-                    message=f"config drift resolved: {key} is as expected again (was {kind})",
-                    agent_version=__version__, attrs={"key": key, "cleared_kind": kind})
+    row = catalog.kinds.get(kind)
+    msg = f"config drift resolved: {key} is as expected again"
+    ev = FaultEvent(event_id=eid, cluster=cluster, node=node, component=row.component if row else Component.KERNEL,
+                    device=Device(name=key), kind=kind, severity=Severity.INFO, healthy=True, source=Source.ANALYZER,
+                    message=msg, raw=msg, agent_version=__version__,
+                    attrs={"key": key, "clearing_kind": "config_drift_resolved"})
     return catalog.stamp(ev)
 
 
