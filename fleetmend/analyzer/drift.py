@@ -5,7 +5,8 @@ incident, FleetGuard's budget for what drains, a live fix for what can be set in
 Runs inside the analyzer's active replica (`fleetmend.analyzer.service.Analyzer.tick`), every `DRIFT_INTERVAL_S`.
 A deviation is published once while it lasts (again after a judge restart: the router collapses the repeat by its
 `ConditionKey`, device = the fact key); when the node's next fingerprint agrees, its clearing event follows (same
-kind and device, `healthy=True`, `clearing_kind` `config_drift_resolved`). A cohort split is logged (`cohort_split`) and never published: humans decide.
+kind and device, `healthy=True`, `clearing_kind` `config_drift_resolved`). A cohort split is logged
+(`cohort_split`) and never published: humans decide.
 A fingerprint in the bucket that does not parse is skipped with one warning line naming its key, and dead-lettered.
 """
 
