@@ -90,7 +90,7 @@ async def test_only_the_misconfigured_node_gets_config_drift_and_a_split_opens_n
         assert {e.kind for e in judge.published} == {"config_drift_governor", "config_drift_peermem",
                                                      "config_drift_numa_balancing"}
         out = _drift_json(s)
-        assert out["nodes"] == 6 and out["splits"] == []
+        assert out["nodes"] == 6 and out["splits"] == [] and out["topology_changes"] == []
         assert sorted((d["node"], d["key"]) for d in out["deviations"]) == [
             ("gpu-3", "cpu.governor"), ("gpu-3", "gpudirect.peermem"), ("gpu-3", "kernel.numa_balancing")]
 

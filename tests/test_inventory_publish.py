@@ -63,6 +63,10 @@ async def test_published_at_start_and_on_change(nc: Any, tmp_path: Path, unique:
         await assert_eventually(lambda: probe.published >= 3, what="device change published")
         last = (await _changes(nc, unique, node))[-1]
         assert last.topology_changed and "(device change)" in last.seen_by
+        from fleetmend.cli.drift import topology_changes
+
+        flagged = await topology_changes(nc.jetstream(), unique)  # what `fleetmend drift` lists after a repair
+        assert [(t["node"], t["seen_by"]) for t in flagged] == [(node, last.seen_by)]
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -38,6 +38,14 @@ CHANGE_POLL_S = 30.0
 PUBLISH_TIMEOUT_S = 5.0
 
 
+def _reraise_cancel() -> None:
+    """Raise CancelledError when this task is being cancelled: a cancel that lands as an `asyncio.timeout` expires
+    can surface as TimeoutError (Python 3.11), and the loop must not swallow it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class InventoryProbe:
     """Fingerprint reader and publisher of one node (see the module docstring).
 
@@ -116,7 +124,7 @@ class InventoryProbe:
                     async with asyncio.timeout(wait_s):
                         await self._wake.wait()
                 except TimeoutError:
-                    pass
+                    _reraise_cancel()
                 sig = await asyncio.to_thread(device_signature, self.root)
                 if sig != signature:
                     signature = sig
@@ -125,11 +133,12 @@ class InventoryProbe:
                     self._reread = True
         finally:
             if self._sub is not None:
+                sub, self._sub = self._sub, None
                 try:
-                    await self._sub.unsubscribe()
+                    async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                        await sub.unsubscribe()
                 except Exception:  # noqa: BLE001 - the connection may be closing already
                     pass
-                self._sub = None
 
     async def _publish(self, fp: Fingerprint) -> None:
         """Put `fp` in the bucket and, when it differs from the last, its change in the stream. A failure keeps it
@@ -154,6 +163,7 @@ class InventoryProbe:
                                    changed=sorted(change.changed), seen_by=change.seen_by,
                                    topology_changed=change.topology_changed)
         except Exception as err:  # noqa: BLE001 - NATS away or refused: kept pending, retried on the next wake
+            _reraise_cancel()
             self._log.warning("fingerprint_not_published", error=repr(err)[:300])
             return
         self.last, self.pending = fp, None

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 app = typer.Typer(invoke_without_command=True, help="Configuration drift: cohorts, deviating nodes, allowed sets.")
 
 
-def report_json(report: DriftReport, cluster: str, nodes: int) -> dict[str, Any]:
+def report_json(report: DriftReport, cluster: str, nodes: int,
+                topology: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The `--json` shape: cluster, nodes, deviations (node, key, found, expected, layer, reason, source, check,
-    kind, fix, wanted, role, hardware), cohorts (hardware, role, key, size, majority, share, status) and splits."""
+    kind, fix, wanted, role, hardware), cohorts (hardware, role, key, size, majority, share, status), splits and
+    topology_changes (node, at, seen_by, changed: see `topology_changes`)."""
     cohorts = [{"hardware": c.hardware, "role": c.role.value, "key": c.key, "size": c.verdict.size,
                 "majority": c.verdict.mode, "share": round(c.verdict.share, 3), "status": c.verdict.status.value}
                for c in report.cohorts]
@@ -37,10 +39,15 @@ def report_json(report: DriftReport, cluster: str, nodes: int) -> dict[str, Any]
                             "layer": d.layer.value, "reason": d.reason, "source": d.source, "check": d.check,
                             "kind": d.kind, "fix": d.fix.value, "wanted": d.wanted, "role": d.role.value,
                             "hardware": d.hardware} for d in report.deviations],
-            "cohorts": cohorts, "splits": [c for c in cohorts if c["status"] == "split"]}
+            "cohorts": cohorts, "splits": [c for c in cohorts if c["status"] == "split"],
+            "topology_changes": topology or []}
 
 
-async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int]:
+TOPOLOGY_LOOKBACK_S = 30 * 24 * 3600.0
+"""How far back `fleetmend drift` looks for topology changes in `FINGERPRINT_STREAM` (a month of repairs)."""
+
+
+async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int, list[dict[str, Any]]]:
     from fleetmend.analyzer.drift import DriftJudge  # lazy: nats, fleetmend.messages (see fleetmend.cli.common)
     from fleetmend.drift import judge
 
@@ -48,9 +55,48 @@ async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int]:
     try:
         j = DriftJudge(cluster, nc.jetstream())
         fps = await j.fingerprints()
-        return judge(fps, j.invariants, await j.allowed(), j.quorum, j.majority), len(fps)
+        report = judge(fps, j.invariants, await j.allowed(), j.quorum, j.majority)
+        return report, len(fps), await topology_changes(nc.jetstream(), cluster)
     finally:
         await nc.close()
+
+
+async def topology_changes(js: Any, cluster: str, lookback_s: float = TOPOLOGY_LOOKBACK_S,
+                           limit: int = 10_000) -> list[dict[str, Any]]:
+    """Changes of a node's GPU/NIC/NVMe placement (`FingerprintChange.topology_changed`) in the last `lookback_s`,
+    oldest first: node, at, seen_by, changed keys. A node listed here after a repair was re-cabled or had a device
+    moved or swapped. [] when the stream does not exist yet."""
+    from datetime import timedelta
+
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from fleetmend.fingerprint import FingerprintChange
+
+    since = (datetime.now(timezone.utc) - timedelta(seconds=lookback_s)).isoformat()
+    try:
+        # nats-py sends opt_start_time as given: an RFC 3339 string is what the server reads (typed datetime there)
+        sub = await js.subscribe(f"fleet.{cluster}.fingerprint.*", ordered_consumer=True,
+                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME,
+                                                       opt_start_time=since))  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - no stream yet (no agent ever published): nothing changed
+        return []
+    out: list[dict[str, Any]] = []
+    try:
+        for _ in range(limit):
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except Exception:  # noqa: BLE001 - timeout: the stream is read to its end
+                break
+            try:
+                ch = FingerprintChange.model_validate_json(msg.data)
+            except ValueError:
+                continue
+            if ch.topology_changed:
+                out.append({"node": ch.node, "at": ch.at.isoformat(), "seen_by": ch.seen_by,
+                            "changed": sorted(ch.changed)})
+    finally:
+        await sub.unsubscribe()
+    return out
 
 
 @app.callback()
@@ -62,10 +108,13 @@ def drift(ctx: typer.Context, cluster: Optional[str] = ClusterOpt, as_json: bool
     if ctx.invoked_subcommand is not None:
         return
     s = settings(config, **({"cluster": cluster} if cluster else {}))
-    report, nodes = run(_judge(s, s.cluster))
+    report, nodes, topo = run(_judge(s, s.cluster))
     if as_json:
-        sys.stdout.write(json.dumps(report_json(report, s.cluster, nodes), indent=2) + "\n")
+        sys.stdout.write(json.dumps(report_json(report, s.cluster, nodes, topo), indent=2) + "\n")
         return
+    for tc in topo:
+        out.print(f"topology of {escape(tc['node'])} changed at {tc['at'][:19]} ({escape(tc['seen_by'])}): "
+                  f"{escape(', '.join(tc['changed'][:6]))}")
     if nodes == 0:
         out.print(f"no fingerprints for cluster {escape(s.cluster)} (agents publish one at start and every "
                   "agent.inventory_interval_s)")
