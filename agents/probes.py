@@ -95,6 +95,7 @@ PROBES: dict[str, str] = {
     "udev": "agents.udev:UdevProbe",
     "inject": "agents.probes:InjectProbe",
     "lastboot": "agents.lastboot:LastBootProbe",
+    "inventory": "agents.inventory.probe:InventoryProbe",
 }
 """Probe name → `module:Class`, imported lazily so one missing optional module (or a probe whose
 hardware library is absent) cannot stop the others."""
@@ -142,6 +143,22 @@ def _udev(cfg: UdevProbeSettings, ctx: ProbeContext) -> Probe:
     cls = probe_class("udev")
     return cls(cfg.source, include_virtual_net=cfg.include_virtual_net, cluster=ctx.cluster, node=ctx.node,
                agent_version=__version__, catalog=ctx.catalog)
+
+
+def _inventory(settings: Settings, ctx: ProbeContext) -> Probe:
+    """The fingerprint reader/publisher (agents/inventory): `agent.host_root`, `agent.inventory_interval_s`,
+    `policy.reconfigure` (live fixes, dry run by default); NVML only when `agent.nvml.enabled`."""
+    cls = probe_class("inventory")
+    nvml: object = None
+    if settings.agent.nvml.enabled:
+        try:
+            import pynvml  # lazy: the agent runs without it on GPU-less nodes
+
+            nvml = pynvml
+        except ImportError:
+            nvml = None
+    return cls(ctx.host_root, ctx.cluster, ctx.node, interval_s=settings.agent.inventory_interval_s,
+               reconfigure=settings.policy.reconfigure, nvml=nvml, agent_version=__version__)
 
 
 def _lastboot(cfg: LastbootProbeSettings, ctx: ProbeContext) -> Probe:
@@ -237,6 +254,11 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
                 probe = UnavailableProbe(name, f"{name} probe unavailable: {err}")
             if probe is not None:
                 probes.append(probe)
+        if settings.agent.inventory_enabled:
+            try:
+                probes.append(_inventory(settings, ctx))
+            except ImportError as err:
+                probes.append(UnavailableProbe("inventory", f"inventory probe unavailable: {err}"))
     if inject_file is not None:
         probes.append(InjectProbe(inject_file, settings.cluster, settings.node))
     return probes

@@ -254,6 +254,9 @@ class Agent:
             self.publisher.ensure_stream = lambda: ensure_fault_stream(js, settings,
                                                                        timeout_s=settings.agent.publish_timeout_s)
         self.publisher.attach(nc, js)
+        for probe in self.probes:  # the inventory probe keeps its own records (KV, stream) and answers live fixes
+            if hasattr(probe, "attach"):
+                await probe.attach(nc)
         self.log.info("nats_connected", url=settings.nats_url, spool_depth=self.spool.depth)
         await self._start_diag(nc)
         self.connected.set()

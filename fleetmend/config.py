@@ -326,6 +326,12 @@ class AgentSettings(_Section):
     host_root: Path = Path("/")
     """The host's `/` as the agent sees it (a container mounting the host at /host sets "/host"): pstore,
     kdump, journal files and /proc are read under it (the lastboot probe, the clean-stop record)."""
+    inventory_interval_s: float = Field(default=900.0, gt=0)
+    """Re-read and publish the node fingerprint (agents/inventory) this often; also at start and when the set of
+    PCI/RDMA/network devices changes. 15 min: configuration drifts by hand or by a reboot, rarely faster, and a
+    read costs < 200 ms (bench/inventory_cost.py). 0 is refused; turn it off with `agent.inventory_enabled`."""
+    inventory_enabled: bool = True
+    """Read and publish the node fingerprint (live agents only, like the hardware probes)."""
     # -- probes: hardware ones run when the agent runs live (no --once, no replayed file)
     kmsg: KmsgProbeSettings = Field(default_factory=KmsgProbeSettings)
     nvml: NvmlProbeSettings = Field(default_factory=NvmlProbeSettings)
@@ -564,6 +570,10 @@ class PolicySettings(_Section):
     a slot whose incident was terminated or reset keeps counting against the budget (the node is still
     cordoned) until `fleetmend breaker release NODE` returns it to service. So a cordon outlives its
     incident by at most about twice this."""
+    reconfigure: bool = False
+    """Agent side: apply live configuration fixes (governor, nvidia_peermem, NUMA balancing, THP, IRQ affinity,
+    persistence mode) asked for by a `config_drift` incident. False (the default) = dry run: the agent answers
+    what it would write and writes nothing, like `reboot_command`."""
     reboot_command: list[str] = Field(default_factory=list)
     """Agent side: argv the agent runs for a reboot request, e.g. ["systemctl", "reboot"]. Empty (the
     default) = dry run: the agent answers what it would do and reboots nothing, so `dev up` never

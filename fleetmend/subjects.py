@@ -32,6 +32,12 @@ PERF_STREAM = "FLEET_PERF"
 JOB_STREAM = "FLEET_JOBS"
 """JetStream stream of job step timings (`fleetmend.jobs`): short max age, file storage."""
 ANALYZER_KV_BUCKET = "fleetmend_analyzer"
+FINGERPRINT_KV_BUCKET = "fleetmend_fingerprints"
+"""Latest `fingerprint.Fingerprint` per node, key `fingerprint_kv_key(cluster, node)`."""
+FINGERPRINT_STREAM = "FLEET_FINGERPRINTS"
+"""`FingerprintChange` records on `fleet.*.fingerprint.*`: who changed what, when."""
+DRIFT_ALLOW_KV_BUCKET = "fleetmend_drift_allow"
+"""Allowed value sets per fact key (`fleetmend drift allow`), key `drift_allow_kv_key(cluster, fact)`."""
 """KV bucket of the fail-slow analyzer: `lease.<cluster>` (active replica) and `state.<cluster>`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -311,3 +317,32 @@ def parse_workflow_id(wid: str) -> tuple[str, str]:
 def msg_id(event_id: str) -> str:
     """JetStream `Nats-Msg-Id` for an event: the event id itself (dedupe across re-sends)."""
     return event_id
+
+
+def fingerprint_kv_key(cluster: str, node: str) -> str:
+    """`<cluster>.<node token>`: a node's key in `FINGERPRINT_KV_BUCKET`. Raises ValueError for bad names."""
+    return f"{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def parse_fingerprint_kv_key(key: str) -> tuple[str, str]:
+    """Inverse of `fingerprint_kv_key`: (cluster, node). Raises ValueError for other keys."""
+    return parse_drain_kv_key(key)
+
+
+def fingerprint_subject(cluster: str, node: str) -> str:
+    """`fleet.<cluster>.fingerprint.<node token>`: a node's `FingerprintChange` records."""
+    return f"fleet.{_check('cluster', cluster)}.fingerprint.{node_token(node)}"
+
+
+def all_fingerprints_subject() -> str:
+    return "fleet.*.fingerprint.*"
+
+
+def reconfigure_subject(cluster: str, node: str) -> str:
+    """`fleet.<cluster>.reconfigure.<node token>`: request/reply live fixes answered by the node's agent."""
+    return f"fleet.{_check('cluster', cluster)}.reconfigure.{node_token(node)}"
+
+
+def drift_allow_kv_key(cluster: str, fact: str) -> str:
+    """`<cluster>.<fact token>`: an allowed set in `DRIFT_ALLOW_KV_BUCKET` (the fact key token-encoded, as a node)."""
+    return f"{_check('cluster', cluster)}.{node_token(fact)}"

@@ -23,7 +23,7 @@ def test_registry_names_every_probe() -> None:
     assert set(PROBES) >= {"kmsg", "nvml", "sysfs", "udev", "inject"}
     for name in PROBES:
         assert probe_class(name).name == name
-    with pytest.raises(KeyError, match="expected inject, kmsg, lastboot, nvml, sysfs, udev"):
+    with pytest.raises(KeyError, match="expected inject, inventory, kmsg, lastboot, nvml, sysfs, udev"):
         probe_class("nvlm")
 
 
@@ -31,15 +31,15 @@ def test_build_probes_follows_the_enable_flags(tmp_path: Path) -> None:
     s = Settings(node="n1", agent=AgentSettings(kmsg_path=tmp_path / "k", nvml_poll_interval_s=5,
                                                 sysfs_root=tmp_path, udev_source="kernel"))
     probes = {p.name: p for p in build_probes(s)}
-    assert list(probes) == ["kmsg", *HARDWARE_PROBES]
+    assert list(probes) == ["kmsg", *HARDWARE_PROBES, "inventory"]
     assert probes["nvml"].poll_interval_s == 5 and probes["sysfs"].root == tmp_path
     assert probes["udev"].source == "kernel"
     off = s.model_copy(update={"agent": s.agent.model_copy(update={"nvml": s.agent.nvml.model_copy(
         update={"enabled": False}), "udev": s.agent.udev.model_copy(update={"enabled": False})})})
-    assert [p.name for p in build_probes(off)] == ["kmsg", "sysfs", "lastboot"]
+    assert [p.name for p in build_probes(off)] == ["kmsg", "sysfs", "lastboot", "inventory"]
     flat = Settings(node="n1", agent=AgentSettings(kmsg_path=tmp_path / "k", nvml_enabled=False,
                                                    udev={"enabled": False}))  # old flat key and new section
-    assert [p.name for p in build_probes(flat)] == ["kmsg", "sysfs", "lastboot"]
+    assert [p.name for p in build_probes(flat)] == ["kmsg", "sysfs", "lastboot", "inventory"]
     assert [p.name for p in build_probes(s, hardware=False)] == ["kmsg"]
 
 
@@ -79,7 +79,7 @@ async def test_live_agent_runs_every_probe_and_nvml_reports_once(nats_server, nc
     stop = asyncio.Event()
     agent = asyncio.create_task(run_agent(s, stop=stop))
     try:
-        hb = await assert_eventually(lambda: beats and set(beats[-1]["probes"]) == {"kmsg", *HARDWARE_PROBES}
+        hb = await assert_eventually(lambda: beats and set(beats[-1]["probes"]) == {"kmsg", *HARDWARE_PROBES, "inventory"}
                                      and beats[-1], timeout_s=20, what="heartbeat naming every probe")
         assert hb["probes"]["sysfs"] == "ok" and hb["probes"]["nvml"] == "ok"
         sub = await js.subscribe(fault_subject(cluster, node), ordered_consumer=True)

@@ -56,7 +56,9 @@ from pydantic import ValidationError
 
 from fleetmend import subjects
 from fleetmend.analyzer.core import MAX_JOBS_PER_WINDOW, MAX_NODES_PER_WINDOW, Comparator, WindowResult, finding_event
+from fleetmend.analyzer.drift import DriftJudge
 from fleetmend.analyzer.metrics import MetricSpec, derive
+from fleetmend.catalog import load_catalog
 from fleetmend.config import Settings
 from fleetmend.events import MAX_CLOCK_SKEW_S, Component
 from fleetmend.infra import metrics
@@ -151,6 +153,7 @@ class Analyzer:
         else inferred from co-occurrence (`fleetmend.analyzer.shared`)."""
         self.shared_active: list[dict[str, Any]] = []
         """Domain and version findings seen in the last judged window (the status lists them)."""
+        self.drift = DriftJudge(self.cluster, js, catalog=load_catalog(settings.catalog_overrides))  # analyzer/drift.py
         self.jobs = job_comparator(self.cfg)
         """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
         self.job_steps = 0
@@ -421,6 +424,8 @@ class Analyzer:
                 self.published.append(ev.event_id)
                 metrics.ANALYZER_FAIL_SLOW.labels(self.cluster, f.metric).inc()
                 self._log.warning("fail_slow_rank", node=ev.node, **ev.attrs)
+        if active:
+            await self.drift.maybe_tick()  # config drift of the cluster's fingerprints, every DRIFT_INTERVAL_S
         return results
 
     def job_event(self, f: Any) -> Any:

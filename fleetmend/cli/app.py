@@ -14,6 +14,8 @@
 | `fleetmend.cli.config` | `config check` |
 | `fleetmend.cli.temporal` | `temporal setup` |
 | `fleetmend.cli.creds` | `creds generate` |
+| `fleetmend.cli.inventory` | `inventory`, `versions` |
+| `fleetmend.cli.drift` | `drift`, `drift allow` |
 
 Each module holds a module-level `app = typer.Typer()` of plain decorated functions; a group's is added
 under its name, the top-level commands' without one. Shared options and helpers: `fleetmend.cli.common`.
@@ -32,9 +34,11 @@ from fleetmend.cli import (
     breaker,
     config,
     creds,
+    drift,
     explain,
     incidents,
     inject,
+    inventory,
     ledger,
     processes,
     runbook,
@@ -67,12 +71,14 @@ app.add_typer(explain.app)
 app.add_typer(runbook.app)
 app.add_typer(sweep.app)
 app.add_typer(sim.app)
+app.add_typer(inventory.app)
 # command groups
 app.add_typer(processes.dev_app, name="dev")
 app.add_typer(config.app, name="config")
 app.add_typer(temporal.app, name="temporal")
 app.add_typer(creds.app, name="creds")
 app.add_typer(breaker.app, name="breaker")
+app.add_typer(drift.app, name="drift")
 
 
 def _version(value: bool) -> None:

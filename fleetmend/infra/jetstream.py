@@ -23,9 +23,12 @@ from fleetmend.subjects import (
     DEADLETTER_STREAM,
     DEADLETTER_SUBJECT,
     FAULT_STREAM,
+    FINGERPRINT_KV_BUCKET,
+    FINGERPRINT_STREAM,
     JOB_STREAM,
     PERF_STREAM,
     all_faults_subject,
+    all_fingerprints_subject,
     all_jobs_subject,
     all_perf_subject,
 )
@@ -233,3 +236,28 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
                                                                 description=description))
             except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
                 return await js.key_value(bucket)
+
+
+# ---------------------------------------------------------------- fingerprints (issue 25): bucket + change stream
+
+FINGERPRINT_CHANGES_MAX_AGE_S = 90 * 24 * 3600.0
+"""How long `FINGERPRINT_STREAM` keeps change records: a quarter, long enough to ask "what changed on this node
+since its last repair"; changes are rare (a few per node per rollout), so this is small."""
+
+
+async def ensure_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0) -> Any:
+    """Create stream `FINGERPRINT_STREAM` on `fleet.*.fingerprint.*` (file storage, limits retention,
+    `FINGERPRINT_CHANGES_MAX_AGE_S`, 1,000 records per node) if missing, and open (or create) the KV bucket
+    `FINGERPRINT_KV_BUCKET` (latest fingerprint per node, history 1).
+
+    Returns:
+        `nats.js.kv.KeyValue` of the bucket.
+    Raises:
+        nats.js.errors.APIError, TimeoutError: as `ensure_fault_stream`.
+    """
+    await ensure_stream(js, StreamConfig(
+        name=FINGERPRINT_STREAM, subjects=[all_fingerprints_subject()], storage=StorageType.FILE,
+        retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=FINGERPRINT_CHANGES_MAX_AGE_S,
+        max_msgs_per_subject=1000, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S), timeout_s)
+    return await open_kv_bucket(js, FINGERPRINT_KV_BUCKET, "latest node fingerprint (fleetmend inventory)",
+                                timeout_s=max(timeout_s, 10.0))

@@ -11,6 +11,7 @@ per conversation; this package re-exports them all (`from fleetmend.messages imp
 | `fleetmend.messages.tickets` | → the ticket filer; → the agent for diagnostics and recovery |
 | `fleetmend.messages.notify` | → the notifier |
 | `fleetmend.messages.sweep` | the CLI → `Sweep` → agents benchmark sweep |
+| `fleetmend.messages.fingerprint` | agent → KV bucket and stream: the node fingerprint; → the agent: live fixes |
 
 Next to `fleetmend.events.FaultEvent` (agent → router), these are what the router, the workflows,
 the activities and the CLI say to each other. Payloads travel through Temporal's pydantic data
@@ -30,6 +31,15 @@ from fleetmend.messages.drain import (
     NodeInfo,
     UndrainRequest,
     UndrainResult,
+)
+from fleetmend.messages.fingerprint import (
+    DeviceRole,
+    Fingerprint,
+    FingerprintChange,
+    FixResult,
+    ReconfigureReport,
+    ReconfigureRequest,
+    TopoLevel,
 )
 from fleetmend.messages.guard import (
     GUARD_MAX_HISTORY_EVENTS,
@@ -158,6 +168,13 @@ __all__ = [
     "PermitRelease",
     "PermitReleaseCommand",
     "PermitRequest",
+    "DeviceRole",
+    "Fingerprint",
+    "FingerprintChange",
+    "FixResult",
+    "ReconfigureReport",
+    "ReconfigureRequest",
+    "TopoLevel",
     "Phase",
     "PoolClaim",
     "PoolReconcile",
