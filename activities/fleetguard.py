@@ -245,6 +245,19 @@ class FleetGuardActivities:
         activity.logger.warning("reconcile_pool: %s/%s was drained with no incident; opened one", cluster, node)
 
 
+async def announce_policy(client: Client, settings: Settings, task_queue: str | None = None) -> None:
+    """Tell the cluster's FleetGuard this worker's policy (signal-with-start of `GuardApi.POLICY`), so a
+    changed budget, rack cap or observe-only reaches the guard and the permit pool at the worker's start,
+    not with the next permit request. Raises what `Client.start_workflow` raises."""
+    topo = load_topology(settings.policy.topology_file)
+    policy = guard_policy(settings, topo)
+    await client.start_workflow(
+        GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy),
+        id=subjects.fleetguard_workflow_id(settings.cluster),
+        task_queue=guard_task_queue(task_queue or settings.task_queue), start_signal=GuardApi.POLICY,
+        start_signal_args=[policy], static_summary=f"FleetGuard {settings.cluster}: drain budget and breaker")
+
+
 def fault_summary(ev: FaultEvent) -> dict[str, Any]:
     """What the router records with its pool slot (`Holder.fault`): the event without its raw text and
     attributes, enough to open the incident later (`FleetGuardActivities.reconcile_pool`)."""
@@ -254,4 +267,4 @@ def fault_summary(ev: FaultEvent) -> dict[str, Any]:
     return d
 
 
-__all__ = ["FleetGuardActivities", "fault_summary", "guard_policy"]
+__all__ = ["FleetGuardActivities", "announce_policy", "fault_summary", "guard_policy"]

@@ -474,3 +474,45 @@ def test_status_says_why_a_node_waits_from_the_pool_before_the_guard_took_it_up(
     assert _pool_reason({**full, "open": False, "why": "paused by ops"}, "c") == "permit pool closed: paused by ops"
     assert _pool_reason({**full, "budget": 5}, "c") is None  # room: the pool does not say why it waits
     assert _pool_reason(None, "c") is None
+
+
+async def test_a_worker_s_policy_reaches_the_pool_at_its_start(nats_server, temporal_server, unique: str) -> None:
+    """A restarted worker with a lowered budget, then with observe-only: FleetGuard takes its policy at
+    once (the `policy` signal of `announce_policy`) and writes the pool, before any fault or request."""
+    from temporalio.worker import Worker
+
+    from activities.fleetguard import announce_policy
+    from fleetmend.messages import GuardPolicy, guard_task_queue
+    from fleetmend.worker import workflow_runner
+    from tests.activity_standins import real_guard
+    from workflows.fleetguard import FleetGuard
+
+    cluster, tq = f"ap{unique}", f"ap-{unique}"
+    base = dict(cluster=cluster, nats_url=nats_server.url, temporal_address=temporal_server.address, task_queue=tq)
+    s = load_settings(None, **base, policy={"max_drained_nodes": 6, "max_drained_percent": 100,
+                                            "cluster_nodes": 100})
+    nc = await connect_nats(s, name="announce")
+    client = await connect_temporal(s)
+    acts = real_guard(client, guard_task_queue(tq), GuardPolicy(), nc.jetstream())
+    pool = await PermitPool.open(nc.jetstream())
+    handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+    async with Worker(client, task_queue=guard_task_queue(tq), workflows=[FleetGuard], workflow_runner=workflow_runner(),
+                      activities=[acts.running_incidents, acts.sync_permit_pool, acts.reconcile_pool]):
+        await announce_policy(client, s)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: p.budget == 6 and p.open), timeout_s=30,
+                                what="the pool sized by the first worker")
+        lowered = load_settings(None, **base, policy={"max_drained_nodes": 1, "max_drained_percent": 100,
+                                                      "cluster_nodes": 100})
+        await announce_policy(client, lowered)
+        await assert_eventually(lambda: _when(pool.read(cluster), lambda p: p.budget == 1), timeout_s=30,
+                                what="the lowered budget in the pool, with no request")
+        observe = load_settings(None, **base, policy={"max_drained_nodes": 1, "max_drained_percent": 100,
+                                                      "cluster_nodes": 100, "observe_only": True})
+        await announce_policy(client, observe)
+        state = await assert_eventually(lambda: _when(pool.read(cluster), lambda p: not p.open), timeout_s=30,
+                                        what="observe-only closes the pool")
+        assert "observe-only" in state.why
+        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
+        assert st.observe_only and any("policy from a worker: max_drained_nodes 6 → 1" in line for line in st.log)
+        await handle.terminate("test done")
+    await nc.close()

@@ -117,3 +117,9 @@ async def _status(env: dict[str, str], pred):
     r = await asyncio.to_thread(cli, env, "breaker", "status", "--json")
     st = json.loads(r.output) if r.exit_code == 0 else None
     return st if st and pred(st) else None
+
+
+def test_breaker_release_refuses_a_bad_node_name_before_asking_anyone() -> None:
+    for bad in ("", "a b"):
+        r = CliRunner().invoke(app, ["breaker", "release", bad], env={"FLEETMEND_TEMPORAL_ADDRESS": "127.0.0.1:1"})
+        assert r.exit_code == 2 and "invalid node name" in r.output and "Traceback" not in r.output, r.output

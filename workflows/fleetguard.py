@@ -70,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         GuardCommand,
         GuardInput,
         GuardPhase,
+        GuardPolicy,
         GuardState,
         GuardStatus,
         Held,
@@ -210,6 +211,18 @@ class FleetGuard:
     @workflow.signal(name=GuardApi.RELEASE)
     def release(self, rel: PermitRelease) -> None:
         self._inbox.append(rel)
+
+    @workflow.signal(name=GuardApi.POLICY)
+    def policy(self, policy: GuardPolicy) -> None:
+        """A worker's policy at its start: the newest wins (as with requests), and a change is written to
+        the permit pool at once (a lowered budget, observe-only), not when the next request comes."""
+        s = self._state
+        if policy != s.policy:
+            old, s.policy = s.policy, policy
+            changed = [f"{k} {getattr(old, k)} → {getattr(policy, k)}" for k in vars(policy)
+                       if getattr(old, k) != getattr(policy, k)]
+            self._log(f"policy from a worker: {'; '.join(changed)}")
+            self._room_changed = self._dirty = True
 
     @workflow.update(name=GuardApi.RELEASE_PERMIT)
     async def release_permit(self, cmd: PermitReleaseCommand) -> str:

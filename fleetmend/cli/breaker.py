@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetmend import subjects
-from fleetmend.cli.common import ClusterOpt, ConfigOpt, JsonOpt, out, refusal, run, settings, who
+from fleetmend.cli.common import ClusterOpt, ConfigOpt, JsonOpt, node_name, out, refusal, run, settings, who
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
@@ -338,7 +338,8 @@ def breaker_reset(
 
 @app.command("release")
 def breaker_release(
-    node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free."),
+    node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free.",
+                               callback=node_name),
     note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
     force: bool = typer.Option(False, "--force", help="Release even while NODE's incident still runs."),
     as_json: bool = JsonOpt,

@@ -63,6 +63,9 @@ class GuardApi:
     """Permit requests, a list per signal: an incident's own (one), or the router's for the nodes of a
     burst it found no pool slot for (many); an empty list only starts the guard."""
     RELEASE = "release"
+    POLICY = "policy"
+    """A worker's `GuardPolicy` at its start (budget, rack cap, breaker, observe-only): a changed setting
+    reaches the guard, and the permit pool, before any request carries it."""
     STATUS = "status"
     RESET_BREAKER = "reset_breaker"
     PAUSE = "pause"

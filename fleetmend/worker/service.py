@@ -7,7 +7,9 @@ import asyncio
 from datetime import datetime, timezone
 
 import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
+from activities.fleetguard import announce_policy
 from activities.notify import Notifier, channels_from_settings, notify_breaker
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
@@ -25,6 +27,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     client = await connect_temporal(settings)
     worker = await build_worker(settings, client, nc)
     log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
+    announced = asyncio.create_task(_announce_policy(client, settings, stop), name="guard-policy")
     # -- metrics (fleetmend/infra/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
     watcher = metrics.IncidentWatcher(client, settings.cluster)
@@ -63,6 +66,24 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         if poll is not None:
             poll.cancel()
         await close_nats(nc)
+    announced.cancel()
     if failed is not None:
         raise SystemExit(1)
     log.info("worker_stopped")
+
+
+async def _announce_policy(client, settings: Settings, stop: asyncio.Event) -> None:  # noqa: ANN001
+    """Tell FleetGuard this worker's policy (`activities.fleetguard.announce_policy`), retrying (1 s
+    doubling to 60 s) until it is accepted or the worker stops: a lowered budget or observe-only must close
+    the permit pool without waiting for a fault."""
+    def logged(state: RetryCallState) -> None:
+        log.warning("guard_policy_not_announced", cluster=settings.cluster, attempt=state.attempt_number,
+                    error=repr(state.outcome.exception()) if state.outcome else None)
+
+    async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=1, max=60),
+                                       retry=retry_if_exception(lambda _e: not stop.is_set()),
+                                       before_sleep=logged, reraise=True):
+        with attempt:
+            await announce_policy(client, settings)
+    log.info("guard_policy_announced", cluster=settings.cluster, max_drained_nodes=settings.policy.max_drained_nodes,
+             observe_only=settings.policy.observe_only)
