@@ -36,6 +36,7 @@ BASELINE = {
     "remediation_lemon_returned", "remediation_storm_bytes", "remediation_abort_while_diagnosing",
     "fleetguard_breaker", "fleetguard_pause", "fleetguard_reask_after_reset",
     "fleetguard_pool",  # adoptions, pause, breaker, a forwarded request (tests/test_permit_pool.py records it)
+    "remediation_redelivered_after_close",  # before patch close-drops-seen
 }
 
 
@@ -178,6 +179,16 @@ async def test_record_abort_while_diagnosing(temporal_client) -> None:
     h, _st = await abort_while_diagnosing(temporal_client, Calls())
     _write("remediation_abort_while_diagnosing", await h.fetch_history())
 
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_redelivered_after_close(temporal_client) -> None:
+    """A redelivered event (already seen) arriving as the incident closes (recorded before patch
+    close-drops-seen: the run continued as new into a second incident that drained the node again)."""
+    from tests.test_workflow import redelivered_after_close
+
+    first, _calls = await redelivered_after_close(temporal_client, Calls())
+    _write("remediation_redelivered_after_close", await first.fetch_history())
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")

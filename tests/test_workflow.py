@@ -229,6 +229,47 @@ async def abort_while_diagnosing(client, calls: Calls):
     return h, st
 
 
+async def redelivered_after_close(client, calls: Calls):
+    """XID 79 drained; while its diagnostics run, an abort (undrain) and then the same event again (a
+    router's redelivery after a crash: same event id). Returns the first run's handle and the calls.
+    `test_a_redelivered_event_does_not_reopen_a_closed_incident` asserts what happens;
+    tests/test_policy_replay.py records it."""
+    calls.diag_gate = asyncio.Event()
+    tq, cluster = f"recr-{uuid.uuid4().hex[:8]}", "rec"
+    node = f"red-{uuid.uuid4().hex[:6]}"
+    f79 = fault(cluster, node, 79, drain=True)
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(client, tq, cluster, node, [f79])
+        await assert_eventually(lambda: bool(calls.diags), what="diagnostics running")
+        first_run = (await h.describe()).run_id
+        await h.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="done", undrain=True))
+        await h.signal(NodeRemediation.faults, FaultBatch(faults=[f79]))  # the redelivery
+        calls.diag_gate.set()
+        first = client.get_workflow_handle(h.id, run_id=first_run)
+        await assert_eventually(lambda: _closed_run(first), what="the first run ended")
+        await asyncio.sleep(3)  # a second run, if any, drains by now
+    return first, calls
+
+
+async def _closed_run(handle):
+    from temporalio.client import WorkflowExecutionStatus
+
+    d = await handle.describe()
+    return d if d.status != WorkflowExecutionStatus.RUNNING else None
+
+
+async def test_a_redelivered_event_does_not_reopen_a_closed_incident(temporal_client) -> None:
+    """Found by a fresh-eyes trial: a router killed after a cordon redelivers the event into the incident
+    the guard's reconciliation opened; the operator aborts, and the redelivery (already seen) was carried
+    into a new incident that drained the node again. Faults that arrive as an incident closes open the
+    next incident only when this one has not seen them."""
+    calls = Calls()
+    first, calls = await redelivered_after_close(temporal_client, calls)
+    d = await first.describe()
+    assert d.status.name == "COMPLETED", d.status  # not continued-as-new into a second incident
+    assert [op for op, _n in calls.log] == ["drain", "undrain"], calls.log
+
+
 async def test_abort_while_diagnosing_stops_recovery(temporal_client) -> None:
     """An abort that arrives while the initial diagnostics run: no reboot starts after it (the
     operator's hands are on the node), the node is undrained and the permit given back."""

@@ -32,7 +32,11 @@ patch folded in; nothing was deployed). Every later change to the command order 
 ==========================  =====================================================================
 patch id                    what changed
 ==========================  =====================================================================
-(none yet)
+close-drops-seen            faults still waiting when the incident closes open the node's next
+                            incident only if this one has not seen them (before: a router's
+                            redelivery of an event already recorded was carried into a new incident,
+                            which drained the node again after the operator's abort; found by a
+                            fresh-eyes trial). History: remediation_redelivered_after_close.json
 ==========================  =====================================================================
 """
 
@@ -109,6 +113,8 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
                            maximum_interval=timedelta(minutes=2), maximum_attempts=10)
 """A channel down is retried for ~10 minutes, then noted in the timeline; the incident never waits on it
 (the activity runs alongside; the run waits for it only before it ends)."""
+
+PATCH_CLOSE_DROPS_SEEN = "close-drops-seen"
 
 FORWARDED_FIRST_WAIT_S = 30.0
 """An incident whose permit request the router forwarded asks FleetGuard itself after this long without
@@ -295,6 +301,8 @@ class NodeRemediation:
         await self._notifications_done()
         if self._sa_flush_due:  # a queued upsert goes before the run's last command
             self._flush_search_attributes()
+        if self._pending and workflow.patched(PATCH_CLOSE_DROPS_SEEN):
+            self._pending = self._unseen(self._pending)
         if self._pending:
             # Faults that arrived as this incident closed open the node's next incident.
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
@@ -839,6 +847,22 @@ class NodeRemediation:
             s.faults = s.faults[:1] + s.faults[1 + drop:]
         if batch:
             self._upsert()
+
+    def _unseen(self, pending: list[RoutedFault]) -> list[RoutedFault]:
+        """`pending` without the occurrences this incident has recorded already (by event id): a
+        redelivery must not open a new incident. A fault whose first occurrence was seen keeps its unseen
+        repeats, the first of them as its event."""
+        seen = set(self._state.seen_ids)
+        out: list[RoutedFault] = []
+        for rf in pending:
+            repeats = [r for r in rf.repeats if r.event_id not in seen]
+            if rf.event.event_id not in seen:
+                out.append(RoutedFault(event=rf.event, repeats=repeats, stream_seq=rf.stream_seq))
+            elif repeats:
+                head = rf.event.model_copy(update={"event_id": repeats[0].event_id,
+                                                   "observed_at": repeats[0].observed_at})
+                out.append(RoutedFault(event=head, repeats=repeats[1:], stream_seq=rf.stream_seq))
+        return out
 
     def _cleared(self, f: FaultRecord) -> bool:
         """A clearing event of the same condition that arrived after the fault's latest occurrence
