@@ -85,8 +85,11 @@ def event(node: str) -> FaultEvent:
 def test_generate_permissions_files_and_reuse(tmp_path: Path):
     cs = security.generate(tmp_path, "c1", ["a", "b"])
     perms = security.node_permissions("c1", "a")
-    assert perms["publish"]["allow"] == ["fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.a.*"]
-    assert perms["subscribe"]["allow"] == ["fleet.c1.diag.a", "_INBOX.c1.a.>"]
+    assert perms["publish"]["allow"] == [
+        "fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.a.*", "fleet.c1.fingerprint.a",
+        "$KV.fleetmend_fingerprints.c1.a", "$JS.API.STREAM.INFO.FLEET_FINGERPRINTS",
+        "$JS.API.STREAM.INFO.KV_fleetmend_fingerprints"]
+    assert perms["subscribe"]["allow"] == ["fleet.c1.diag.a", "fleet.c1.reconfigure.a", "_INBOX.c1.a.>"]
     seed = cs.seed_file("node:c1/a")
     assert stat.S_IMODE(seed.stat().st_mode) == 0o600
     assert seed.read_bytes().startswith(b"SU")
@@ -296,3 +299,30 @@ async def test_agent_publishes_and_answers_with_node_credentials(secured, tmp_pa
         rc = await task
         await worker.close()
     assert rc == 0
+
+
+async def test_a_node_writes_only_its_own_fingerprint(secured):
+    """The analyzer's credentials create the fingerprint stores; a node's may read their info, write its
+    own key of the latest-fingerprint bucket and its own change records, and nothing of another node's."""
+    from fleetmend.infra.jetstream import ensure_fingerprint_stores
+
+    url, cs = secured
+    an = await nats.connect(url, nkeys_seed=str(cs.seed_file("analyzer")), inbox_prefix=security.role_inbox_prefix("analyzer"))
+    await ensure_fingerprint_stores(an.jetstream())
+    await an.close()
+    errors: list[str] = []
+    nc = await node_client(url, cs, "n1", errors)
+    try:
+        js = nc.jetstream()
+        kv = await ensure_fingerprint_stores(js)  # exists: the node only reads the stores' info
+        await kv.put(subjects.fingerprint_kv_key(CLUSTER, "n1"), b"{}")
+        ack = await js.publish(subjects.fingerprint_subject(CLUSTER, "n1"), b"{}")
+        assert ack.stream == subjects.FINGERPRINT_STREAM
+        with pytest.raises(Exception):  # refused by the server: no ack
+            await kv.put(subjects.fingerprint_kv_key(CLUSTER, "n2"), b"{}")
+        with pytest.raises(asyncio.TimeoutError):
+            await js.publish(subjects.fingerprint_subject(CLUSTER, "n2"), b"{}", timeout=1.0)
+        await assert_eventually(lambda: any("permissions violation for publish" in e and "fingerprint" in e
+                                            for e in errors), what="the other node's fingerprint refused")
+    finally:
+        await nc.close()

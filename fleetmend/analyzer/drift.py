@@ -33,7 +33,7 @@ from fleetmend.drift import (
 )
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 from fleetmend.fingerprint import Fingerprint
-from fleetmend.infra.jetstream import kv_keys, open_kv_bucket
+from fleetmend.infra.jetstream import ensure_fingerprint_stores, kv_keys, open_kv_bucket
 
 DRIFT_INTERVAL_S = 60.0
 """How often the judge re-reads the bucket: fingerprints change every 15 min at most per node, so a minute keeps
@@ -102,8 +102,8 @@ class DriftJudge:
         self._log = log.bind(cluster=cluster)
 
     async def _buckets(self) -> tuple[Any, Any]:
-        if self._fp_kv is None:
-            self._fp_kv = await open_kv_bucket(self.js, subjects.FINGERPRINT_KV_BUCKET, "latest node fingerprint")
+        if self._fp_kv is None:  # the stores: created here (secured agents may only write their own key)
+            self._fp_kv = await ensure_fingerprint_stores(self.js)
             self._allow_kv = await open_kv_bucket(self.js, subjects.DRIFT_ALLOW_KV_BUCKET,
                                                   "allowed drift values (fleetmend drift allow)")
         return self._fp_kv, self._allow_kv

@@ -82,8 +82,15 @@ def node_permissions(cluster: str, node: str) -> dict:
     """nats-server `permissions` of one node's agent (see module docstring)."""
     return {
         "publish": {"allow": [subjects.fault_subject(cluster, node), subjects.heartbeat_subject(cluster, node),
-                              subjects.perf_subject(cluster, node), subjects.node_job_subject(cluster, node)]},
-        "subscribe": {"allow": [subjects.diag_subject(cluster, node), node_inbox_prefix(cluster, node) + ".>"]},
+                              subjects.perf_subject(cluster, node), subjects.node_job_subject(cluster, node),
+                              # its fingerprint: the change record, its own key of the latest-fingerprint
+                              # bucket, and reading the two stores' info (the analyzer creates them)
+                              subjects.fingerprint_subject(cluster, node),
+                              f"$KV.{subjects.FINGERPRINT_KV_BUCKET}.{subjects.fingerprint_kv_key(cluster, node)}",
+                              *_api(f"STREAM.INFO.{subjects.FINGERPRINT_STREAM}",
+                                    f"STREAM.INFO.KV_{subjects.FINGERPRINT_KV_BUCKET}")]},
+        "subscribe": {"allow": [subjects.diag_subject(cluster, node), subjects.reconfigure_subject(cluster, node),
+                                node_inbox_prefix(cluster, node) + ".>"]},
         "allow_responses": {"max": 1, "expires": "10m"},
     }
 
@@ -117,7 +124,8 @@ def role_permissions(role: str) -> dict | None:
         buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
                    subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET)
         return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + [
-                    "fleet.*.diag.*", subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
+                    "fleet.*.diag.*", "fleet.*.reconfigure.*",  # diagnostics, sweeps, live fixes (reconfigure_node)
+                    subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "analyzer":
         ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"
@@ -126,7 +134,10 @@ def role_permissions(role: str) -> dict | None:
                    f"CONSUMER.CREATE.{js_}", f"CONSUMER.CREATE.{js_}.>", f"CONSUMER.DELETE.{js_}.>",
                    f"STREAM.INFO.{kv}", f"STREAM.CREATE.{kv}", f"STREAM.MSG.GET.{kv}", f"DIRECT.GET.{kv}",
                    f"DIRECT.GET.{kv}.>")
-        return {"publish": {"allow": [*api, f"$KV.{subjects.ANALYZER_KV_BUCKET}.>", f"$JS.FC.{ps}.>",
+        fs = subjects.FINGERPRINT_STREAM  # the drift judge creates the fingerprint stores and reads them
+        api += _api(f"STREAM.INFO.{fs}", f"STREAM.CREATE.{fs}")
+        drift = [*_kv_bucket(subjects.FINGERPRINT_KV_BUCKET), *_kv_bucket(subjects.DRIFT_ALLOW_KV_BUCKET)]
+        return {"publish": {"allow": [*api, *drift, f"$KV.{subjects.ANALYZER_KV_BUCKET}.>", f"$JS.FC.{ps}.>",
                                       f"$JS.FC.{js_}.>", subjects.all_faults_subject(), subjects.DEADLETTER_SUBJECT]},
                 "subscribe": {"allow": [role_inbox_prefix("analyzer") + ".>"]}}
     if role == "admin":
