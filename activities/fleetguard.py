@@ -259,11 +259,15 @@ async def announce_policy(client: Client, settings: Settings, task_queue: str | 
 
 
 def fault_summary(ev: FaultEvent) -> dict[str, Any]:
-    """What the router records with its pool slot (`Holder.fault`): the event without its raw text and
-    attributes, enough to open the incident later (`FleetGuardActivities.reconcile_pool`)."""
-    d = ev.model_dump(mode="json", include={"event_id", "component", "device", "kind", "code", "severity",
-                                            "message", "observed_at", "source", "verdict"})
-    d["message"] = d["message"][:200]
+    """What the router records with its pool slot (`Holder.fault`, ~150 bytes): the event's identity
+    (id, kind, code, device, component, severity, time, source), enough to open the incident later
+    (`FleetGuardActivities.reconcile_pool`, which classifies it again). No text, attributes or verdict:
+    the pool's one document is rewritten by every claim, so each holder must stay small."""
+    d = ev.model_dump(mode="json", include={"event_id", "component", "kind", "code", "severity", "observed_at",
+                                            "source"}, exclude_none=True)
+    dev = ev.device.model_dump(mode="json", exclude_none=True)
+    if dev:
+        d["device"] = dev
     return d
 
 

@@ -40,7 +40,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 import structlog
@@ -93,7 +93,13 @@ class PoolState:
         return {n: h.rack for n, h in self.holders.items() if h.by == BY_ROUTER}
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """The document as stored (compact JSON; holders written by hand, not `asdict`: every claim
+        rewrites the whole document, so its cost is on the drain path)."""
+        holders = {n: {"rack": h.rack, "by": h.by, "at": h.at, **({"fault": h.fault} if h.fault else {})}
+                   for n, h in self.holders.items()}
+        return json.dumps({"budget": self.budget, "rack_cap": self.rack_cap, "open": self.open, "why": self.why,
+                           "closed_domains": self.closed_domains, "holders": holders},
+                          separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "PoolState":
