@@ -198,6 +198,9 @@ class FleetGuardActivities:
           stranded.
         - An incident that is no longer running (terminated, reset, timed out): stranded, still counted
           (its node is still cordoned) until `fleetmend breaker release NODE` returns it to service.
+        - A node the router refused a slot and noted as waiting (`PermitPool.note_waiting`) whose incident
+          never started (its fault dead-lettered while Temporal was away): its incident is started with the
+          noted fault, and it asks for its permit. Its wait key goes either way.
 
         Returns:
             `PoolReconciled`. Raises: RPCError (Temporal away: retried), PoolBusyError."""
@@ -229,6 +232,19 @@ class FleetGuardActivities:
                 continue
             await self._open_incident(q.cluster, node, holder.fault)
             out.given.append(node)
+        pool = await self.gate.pool()
+        for (cluster, node), w in sorted((await pool.waiting(q.cluster)).items()):
+            if float(w.get("at") or 0) > cutoff:
+                continue  # the router is still starting it
+            try:
+                await self._client.get_workflow_handle(subjects.workflow_id(cluster, node)).describe()
+            except RPCError as err:
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                if w.get("fault") and self._catalog is not None:
+                    await self._open_incident(cluster, node, w["fault"])
+                    out.opened_waiting.append(node)
+            await pool.clear_waiting(cluster, node)  # started (by the router or here), or gone
         return out
 
     async def _open_incident(self, cluster: str, node: str, fault: dict[str, Any]) -> None:

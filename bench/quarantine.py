@@ -256,15 +256,17 @@ async def _heartbeat_window(nc, cluster: str, router_pid: int, a: argparse.Names
 
 async def _burst_window(s, client, cluster: str, measured: list[str], seen: dict[str, float],
                         t0: float, window_s: float) -> dict:
-    """Poll, as `fleetmend status` sees it (phase, and the reason the permit waits), until every measured
-    node is drained or visibly queued, or `window_s` after the burst began."""
+    """Poll, as `fleetmend status` sees it (phase, and the reason the permit waits: FleetGuard's, or the
+    permit pool's for a node whose incident the router is still starting), until every measured node is
+    drained or visibly queued, or `window_s` after the burst began."""
     from fleetmend.cli.incidents import list_incidents
 
     result: dict = {}
     while True:
         elapsed = time.monotonic() - t0
         try:
-            rows = {r["node"]: r for r in await list_incidents(s, 100_000) if r["status"] == "running"}
+            # running incidents, and the nodes the router refused a slot whose incidents it is still starting
+            rows = {r["node"]: r for r in await list_incidents(s, 100_000) if r["status"] in ("running", "starting")}
         except Exception as err:  # noqa: BLE001 - a slow visibility read: try again
             result["error"] = str(err)
             rows = {}

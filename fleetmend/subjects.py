@@ -190,6 +190,20 @@ def permit_kv_key(cluster: str) -> str:
     return _check("cluster", cluster)
 
 
+def permit_wait_kv_key(cluster: str, node: str) -> str:
+    """`<cluster>.wait.<node token>`: in the permit pool bucket, a node the router refused a slot whose
+    incident it is still starting (`fleetmend.infra.permit_pool.PermitPool.note_waiting`)."""
+    return f"{_check('cluster', cluster)}.wait.{node_token(node)}"
+
+
+def parse_permit_wait_kv_key(key: str) -> tuple[str, str]:
+    """Inverse of `permit_wait_kv_key`: (cluster, node). Raises ValueError for other keys."""
+    cluster, sep, token = key.partition(".wait.")
+    if not sep or not cluster or not token:
+        raise ValueError(f"not a permit wait key: {key!r}")
+    return cluster, token_node(token)
+
+
 def drain_kv_key(cluster: str, node: str) -> str:
     """`<cluster>.<node token>`: a node's key in the standalone drain bucket (`DRAIN_KV_BUCKET`).
 

@@ -53,6 +53,8 @@ class Calls:
     """The stand-in guard's `PermitDecision.lemon` (a lemon node goes straight to RMA)."""
     notifications: list = field(default_factory=list)
     """`Notification`s the workflow asked to send, in order."""
+    reconfigures: list = field(default_factory=list)
+    """`ReconfigureRequest`s (live fixes of config_drift incidents), in order."""
     diag_gate: asyncio.Event | None = None
     """When set, `run_diagnostics` waits for it (an incident held in a phase while the test acts)."""
 
@@ -131,8 +133,18 @@ def stand_ins(calls: Calls) -> list:
         calls.notifications.append(n)
         return NotifyResult(sent=["stand-in"])
 
+    @activity.defn(name="reconfigure_node")
+    async def reconfigure_node(req):
+        """An agent whose policy.reconfigure is on: every key is written and reads back as wanted."""
+        from fleetmend.fingerprint import FixResult, ReconfigureReport
+
+        calls.reconfigures.append(req)
+        return ReconfigureReport(node=req.node, dry_run=False, results=[
+            FixResult(key=k, before="powersave", wanted=v, after=v, applied=True, verified=True)
+            for k, v in req.fixes.items()])
+
     return [drain_node, undrain_node, file_ticket, update_ticket, run_diagnostics, request_drain_permit,
-            release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify]
+            release_drain_permit, reset_gpu, reboot_node, poll_ticket, notify, reconfigure_node]
 
 
 GUARD_ACTIVITIES = ("request_drain_permit", "release_drain_permit", "running_incidents", "drain_node")

@@ -227,3 +227,48 @@ async def _phase(h, phase: str):
     except Exception:
         return None
     return st if st.phase == phase else None
+
+
+async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_one(
+        temporal_client, nc, nats_server, temporal_server, tmp_path) -> None:
+    """The router refused a node a pool slot and noted it waiting (`note_waiting`, with its fault), then
+    its incident never started (Temporal away past the router's deliveries: the fault was dead-lettered).
+    `fleetmend status` lists it as `starting` with the pool's reason, and FleetGuard's reconciliation
+    opens its incident (which asks for its permit) and drops the note."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from activities.fleetguard import fault_summary
+    from fleetmend.catalog import default_catalog
+    from fleetmend.cli.app import app
+    from fleetmend.infra.permit_pool import PermitPool
+    from fleetmend.messages import GuardApi, GuardInput
+    from tests.test_router import xid_event
+
+    policy = GuardPolicy(**ONE_AT_A_TIME, permit_reconcile_s=1.0)
+    async with Fleet(temporal_client, nc, policy) as f:
+        pool = await PermitPool.open(nc.jetstream())
+        ev = default_catalog().stamp(xid_event(f.cluster, "w1", 79))
+        await pool.note_waiting(f.cluster, "w1", "budget: 1/1 permits held", "xid79", "fatal", fault=fault_summary(ev))
+        env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
+               "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
+        r = await asyncio.to_thread(CliRunner().invoke, app, ["status", "--json"], env=env, catch_exceptions=False)
+        rows = {x["node"]: x for x in json.loads(r.output)}
+        assert rows["w1"]["status"] == "starting" and rows["w1"]["phase"] == "awaiting_permit", rows
+        assert rows["w1"]["waiting"].startswith("budget: 1/1 permits held (permit pool"), rows["w1"]
+        await f.client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=f.cluster, policy=policy),
+                                      id=subjects.fleetguard_workflow_id(f.cluster), task_queue=f.tq,
+                                      start_signal=GuardApi.REQUEST_PERMITS, start_signal_args=[[]])
+        h = f.client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(f.cluster, "w1"))
+        st = await assert_eventually(lambda: _phase(h, "awaiting_repair"), timeout_s=60,
+                                     what="its incident opened by reconciliation, drained under the budget")
+        assert [x["event_id"] for x in st.faults] == [ev.event_id]
+        assert await assert_eventually(lambda: _true_if_empty(pool, f.cluster), what="the note dropped")
+        g = await f.status()
+        assert any("w1: refused a slot by the router and its incident never started; opened it" in line
+                   for line in g.log), g.log
+
+
+async def _true_if_empty(pool, cluster: str):
+    return (await pool.waiting(cluster)) == {} or None

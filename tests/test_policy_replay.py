@@ -37,6 +37,7 @@ BASELINE = {
     "fleetguard_breaker", "fleetguard_pause", "fleetguard_reask_after_reset",
     "fleetguard_pool",  # adoptions, pause, breaker, a forwarded request (tests/test_permit_pool.py records it)
     "remediation_redelivered_after_close",  # before patch close-drops-seen
+    "remediation_config_drift_recorded",  # before patch live-fix
 }
 
 
@@ -189,6 +190,15 @@ async def test_record_redelivered_after_close(temporal_client) -> None:
 
     first, _calls = await redelivered_after_close(temporal_client, Calls())
     _write("remediation_redelivered_after_close", await first.fetch_history())
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_config_drift(temporal_client) -> None:
+    """A config_drift incident with a live-fixable key (recorded before patch live-fix: recorded only)."""
+    from tests.test_workflow import config_drift_incident
+
+    h, _st = await config_drift_incident(temporal_client, Calls())
+    _write("remediation_config_drift_recorded", await h.fetch_history())
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")

@@ -229,6 +229,44 @@ async def abort_while_diagnosing(client, calls: Calls):
     return h, st
 
 
+def drift_fault(cluster: str, node: str) -> RoutedFault:
+    """A `config_drift_governor` fault as the drift judge publishes it (a live fix: `performance`)."""
+    from fleetmend.catalog import default_catalog
+
+    ev = FaultEvent(cluster=cluster, node=node, component=Component.CPU, kind="config_drift_governor",
+                    severity=Severity.DEGRADED, source=Source.ANALYZER, device=Device(name="cpu.governor"),
+                    message="config drift: cpu.governor = 'powersave', expected 'performance'",
+                    attrs={"key": "cpu.governor", "found": "powersave", "expected": "performance", "layer": "policy",
+                           "fix": "live", "wanted": "performance"})
+    return RoutedFault(event=default_catalog().stamp(ev))
+
+
+async def config_drift_incident(client, calls: Calls):
+    """A config_drift incident (a live-fixable governor) on a record-only close; the handle and its
+    status. `test_a_live_config_drift_is_fixed_in_place_without_a_drain` asserts what it did;
+    tests/test_policy_replay.py records it."""
+    tq, cluster = f"recf-{uuid.uuid4().hex[:8]}", "rec"
+    node = f"cfg-{uuid.uuid4().hex[:6]}"
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(client, tq, cluster, node, [drift_fault(cluster, node)], close_after_idle_s=2,
+                        close_info_after_s=2)
+        st = await assert_eventually(lambda: phase_is(h, "closed"))
+        await h.result()
+    return h, st
+
+
+async def test_a_live_config_drift_is_fixed_in_place_without_a_drain(temporal_client) -> None:
+    """Issue 25: the agent sets the governor and re-reads it; the incident notes it verified, drains
+    nothing and closes; each key is asked once."""
+    calls = Calls()
+    _h, st = await config_drift_incident(temporal_client, calls)
+    assert [r.fixes for r in calls.reconfigures] == [{"cpu.governor": "performance"}]
+    assert calls.drains == [] and calls.tickets == [] and st.outcome == "recorded"
+    texts = [e["text"] for e in st.timeline]
+    assert any(t.startswith("live fix cpu.governor: 'powersave' → 'performance': verified") for t in texts), texts
+    assert "live fix verified: the next fingerprint clears the drift; no drain" in texts
+
+
 async def redelivered_after_close(client, calls: Calls):
     """XID 79 drained; while its diagnostics run, an abort (undrain) and then the same event again (a
     router's redelivery after a crash: same event id). Returns the first run's handle and the calls.

@@ -564,6 +564,8 @@ class FleetGuard:
         s.pool_holders = r.holders
         for node in r.given:
             self._log(f"{node}: drained by the router but its incident never started; opened it (it adopts the drain)")
+        for node in r.opened_waiting:
+            self._log(f"{node}: refused a slot by the router and its incident never started; opened it")
         for node, why in r.stranded.items():
             if s.stranded.get(node) != why:
                 self._log(f"{node}: STRANDED: {why}")

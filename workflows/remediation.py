@@ -32,6 +32,12 @@ patch folded in; nothing was deployed). Every later change to the command order 
 ==========================  =====================================================================
 patch id                    what changed
 ==========================  =====================================================================
+live-fix                    a `config_drift` fault that can be set live (governor, nvidia_peermem,
+                            NUMA balancing, THP, IRQ affinity, persistence, clocks, power limit) is
+                            fixed in place by the agent (`reconfigure_node`, dry run unless the
+                            agent's policy.reconfigure), once per key, and the incident closes
+                            without a drain when the next fingerprint agrees (before: recorded
+                            only). History: remediation_config_drift_recorded.json
 close-drops-seen            faults still waiting when the incident closes open the node's next
                             incident only if this one has not seen them (before: a router's
                             redelivery of an event already recorded was carried into a new incident,
@@ -62,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         recovery_steps,
     )
     from fleetmend.events import MAX_CLOCK_SKEW_S, Recovery, Severity, Urgency, Verdict, condition_key
+    from fleetmend.fingerprint import ReconfigureReport, ReconfigureRequest
     from fleetmend.messages import (
         KEY_CLUSTER,
         KEY_DRAINED,
@@ -115,6 +122,7 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
 (the activity runs alongside; the run waits for it only before it ends)."""
 
 PATCH_CLOSE_DROPS_SEEN = "close-drops-seen"
+PATCH_LIVE_FIX = "live-fix"
 
 FORWARDED_FIRST_WAIT_S = 30.0
 """An incident whose permit request the router forwarded asks FleetGuard itself after this long without
@@ -337,6 +345,7 @@ class NodeRemediation:
                 return
             if self._retest is not None:
                 self._retest = None
+            await self._live_fixes()
             wait_s = self._policy.close_after_idle_s
             if self._policy.close_info_after_s and not any(
                     not f.healthy and f.severity is not Severity.INFO for f in s.faults):
@@ -575,6 +584,37 @@ class NodeRemediation:
         elif plan:
             self._recovery_note("recovery did not hold; escalating to a ticket")
         return False
+
+    async def _live_fixes(self) -> None:
+        """`config_drift` faults that can be set live and were not tried yet: ask the agent to set them and
+        re-read them (`reconfigure_node`; dry run unless the agent's policy.reconfigure). Verified fixes clear
+        with the next fingerprint (`config_drift_resolved`) and the incident closes without a drain; a dry run,
+        a refusal or a fix that did not hold is noted and the fault stays recorded."""
+        s = self._state
+        fixes = {f.device: f.wanted for f in s.faults
+                 if f.wanted is not None and f.device and not f.healthy and not self._cleared(f)
+                 and f.device not in s.live_fixes_tried}
+        if not fixes or not workflow.patched(PATCH_LIVE_FIX):
+            return
+        s.live_fixes_tried.extend(sorted(fixes))
+        req = ReconfigureRequest(cluster=s.cluster, node=s.node, incident_id=self._incident_id,
+                                 fixes=dict(sorted(fixes.items())), dry_run=False)
+        try:
+            rep: ReconfigureReport = await workflow.execute_activity(
+                Activity.RECONFIGURE_NODE, req, result_type=ReconfigureReport,
+                start_to_close_timeout=timedelta(seconds=req.timeout_s + 10), retry_policy=DIAG_RETRY,
+                summary=f"live fix on {s.node}: {', '.join(sorted(fixes))}")
+        except ActivityError as err:
+            self._note(f"live fix not carried out: {err.cause or err}; the drift stays recorded")
+            return
+        for r in rep.results:
+            what = ("verified" if r.verified else "did not hold") if r.applied else \
+                ("dry run (the agent's policy.reconfigure is off)" if rep.dry_run else
+                 ("already set" if r.verified else "not applied"))
+            self._note(f"live fix {r.key}: {r.before!r} → {r.wanted!r}: {what}"
+                       + (f" ({r.detail[:200]})" if r.detail else ""))
+        if rep.verified and not rep.dry_run:
+            self._note("live fix verified: the next fingerprint clears the drift; no drain")
 
     def _aborted_recovery(self, op: RecoveryOp | None) -> bool:
         """True when an abort arrived: the recovery plan stops before `op` (None: before verifying the
@@ -833,7 +873,9 @@ class NodeRemediation:
                 event_id=ev.event_id, kind=ev.kind, code=ev.code, component=ev.component, device=key.device,
                 healthy=ev.healthy, raw=ev.raw[:4000], message=ev.message, observed_at=ev.observed_at, verdict=v,
                 count=len(new_times), times=new_times[-MAX_TIMES_KEPT:], arrived_at=self._now(),
-                last_seq=s.arrivals, stream_seq=rf.stream_seq))
+                last_seq=s.arrivals, stream_seq=rf.stream_seq,
+                wanted=str(ev.attrs["wanted"]) if ev.kind.startswith("config_drift") and ev.attrs.get("fix") == "live"
+                and ev.attrs.get("wanted") not in (None, "") else None))
             if not ev.healthy:
                 s.severity = Severity.worst(s.severity, v.severity)
             if s.fault_class is None and not ev.healthy:

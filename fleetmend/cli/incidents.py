@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,7 +37,7 @@ from fleetmend.cli.ledger import deadletter_line
 from fleetmend.cli.lookup import NoIncidentError, find_incidents, node_history, open_cluster
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
-from fleetmend.infra.connect import connect_nats, connect_temporal
+from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
 
 app = typer.Typer()
 """Top-level commands (added to the root app without a group name)."""
@@ -67,7 +68,39 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
         for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
             await annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl], s)  # each cluster's guard
+    if len(rows) < limit:
+        running = {(str(r["cluster"]), str(r["node"])) for r in rows if r["status"] == "running"}
+        rows += await _starting(s, cluster, running, limit - len(rows))
     return rows
+
+
+async def _starting(s: Settings, cluster: str | None, running: set[tuple[str, str]], limit: int) -> list[dict[str, Any]]:
+    """Rows for the nodes the router refused a permit pool slot and is still starting an incident for
+    (`PermitPool.waiting`): in a burst the router starts incidents at the Temporal server's rate, and these
+    wait for the budget before their incident exists. Status `starting`, phase `awaiting_permit`, with the
+    pool's reason. [] when NATS cannot be read (the Temporal rows stand alone)."""
+    from fleetmend.infra.permit_pool import PermitPool  # lazy: nats
+
+    try:
+        nc = await connect_nats(s, name="fleetmend-cli")
+    except Exception:  # noqa: BLE001 - NATS away: the incidents alone
+        return []
+    try:
+        waiting = await (await PermitPool.open(nc.jetstream())).waiting(cluster)
+    except Exception:  # noqa: BLE001 - no bucket yet, or no permission: nothing is starting
+        waiting = {}
+    finally:
+        await close_nats(nc)
+    out: list[dict[str, Any]] = []
+    for (cl, node), w in sorted(waiting.items()):
+        if (cl, node) in running or len(out) >= limit:
+            continue
+        since = datetime.fromtimestamp(float(w.get("at") or 0), timezone.utc).isoformat(timespec="seconds")
+        out.append({"node": node, "cluster": cl, "phase": "awaiting_permit", "drained": False, "ticket": None,
+                    "fault_class": w.get("fault_class"), "severity": w.get("severity"), "status": "starting",
+                    "started": since, "workflow_id": None, "run_id": None,
+                    "waiting": f"{w.get('reason')} (permit pool; the router is starting its incident)"})
+    return out
 
 
 async def _count_beyond(s: Settings, cluster: str | None) -> str:
@@ -122,7 +155,7 @@ def status(
         t.add_column(col, no_wrap=True, min_width=widths.get(col), max_width=60 if col == "phase" else None)
     for r in rows:
         phase = r["phase"] or "?"
-        if r["status"] not in ("running", "completed", "continued_as_new", None):
+        if r["status"] not in ("running", "completed", "continued_as_new", "starting", None):
             phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
         elif r.get("waiting"):
             phase = f"{phase}: {r['waiting']}"  # why the drain permit waits (FleetGuard)

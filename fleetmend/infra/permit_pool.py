@@ -47,7 +47,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from fleetmend import subjects
-from fleetmend.infra.jetstream import open_kv_bucket
+from fleetmend.infra.jetstream import kv_keys, open_kv_bucket
 
 log = structlog.get_logger("fleetmend.infra.permit_pool")
 
@@ -136,14 +136,17 @@ class PermitPool:
     """Claims and releases against one bucket (`permit_bucket`). Safe to share in one process and to run
     in any number of processes at once."""
 
-    def __init__(self, kv: Any) -> None:
+    def __init__(self, kv: Any, js: Any = None, bucket: str = subjects.PERMIT_KV_BUCKET) -> None:
         self.kv = kv
+        self.bucket = bucket
+        self.js = js
+        """JetStream, to list the wait keys (`waiting`); None: `waiting` returns {}."""
         self._waiting: dict[str, list[tuple[str, str | None, str, list[str], dict | None, asyncio.Future]]] = {}
         self._committers: dict[str, asyncio.Task[None]] = {}
 
     @classmethod
     async def open(cls, js: Any, bucket: str = subjects.PERMIT_KV_BUCKET) -> "PermitPool":
-        return cls(await permit_bucket(js, bucket))
+        return cls(await permit_bucket(js, bucket), js, bucket)
 
     async def _get(self, cluster: str) -> tuple[PoolState | None, int]:
         try:
@@ -257,6 +260,43 @@ class PermitPool:
         state.holders[node] = Holder(rack=rack, by=by, at=time.time(), fault=fault if by == BY_ROUTER else None)
         return Claim(True, f"permit {held + 1}/{state.budget} ({by})", new=True, holders=held + 1,
                      budget=state.budget, by=by)
+
+    async def note_waiting(self, cluster: str, node: str, reason: str, fault_class: str, severity: str,
+                           fault: dict[str, Any] | None = None) -> None:
+        """The router refused `node` a slot and is starting its incident: `fleetmend status` shows it as
+        waiting, with `reason`, before the incident exists (in a burst the router starts incidents at the
+        Temporal server's rate, and the guard takes their requests up later still). With `fault` (as
+        `Holder.fault`), a key whose incident never starts (Temporal away past the router's deliveries)
+        gets one from FleetGuard's reconciliation. A plain put per node, outside the pool's document.
+        Raises what a KV put raises."""
+        await self.kv.put(subjects.permit_wait_kv_key(cluster, node), json.dumps(
+            {"reason": reason, "fault_class": fault_class, "severity": severity, "at": time.time(),
+             **({"fault": fault} if fault else {})}, separators=(",", ":")).encode())
+
+    async def clear_waiting(self, cluster: str, node: str) -> None:
+        """`node`'s incident has started (or its fault was dead-lettered): its wait key goes. Idempotent."""
+        try:
+            await self.kv.delete(subjects.permit_wait_kv_key(cluster, node))
+        except KeyNotFoundError:
+            pass
+
+    async def waiting(self, cluster: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+        """(cluster, node) → {reason, fault_class, severity, at} of the nodes the router refused a slot and
+        has not started an incident for yet; `cluster` None: every cluster's."""
+        if self.js is None:
+            return {}
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for key in await kv_keys(self.js, self.bucket, prefix=f"{cluster}.wait." if cluster else ""):
+            if ".wait." not in key:
+                continue
+            try:
+                entry = await self.kv.get(key)
+                where = subjects.parse_permit_wait_kv_key(key)
+            except (KeyNotFoundError, ValueError):
+                continue
+            if entry.value:
+                out[where] = json.loads(entry.value)
+        return out
 
     async def release(self, cluster: str, node: str) -> bool:
         """Give `node`'s slot back. Returns whether it held one. Idempotent.

@@ -280,6 +280,9 @@ class PoolReconciled:
     """Drained nodes whose incident had never started: one was started for each (it adopts the drain)."""
     stranded: dict[str, str] = field(default_factory=dict)
     """Drained nodes whose incident is closed (terminated, reset, ...) → why: still counted."""
+    opened_waiting: list[str] = field(default_factory=list)
+    """Nodes the router refused a slot whose incident never started (their fault dead-lettered while
+    Temporal was away): one was started for each (it asks for its permit)."""
 
 
 GUARD_MAX_HISTORY_EVENTS = 2_000

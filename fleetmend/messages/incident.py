@@ -154,6 +154,9 @@ class FaultRecord:
     """Arrival order of the latest occurrence (`IncidentState.arrivals`)."""
     stream_seq: int | None = None
     """Fault-stream sequence of the first occurrence (the full `raw` text: `fleetmend show`, the NATS tools)."""
+    wanted: str | None = None
+    """A `config_drift_*` fault that can be set live (its attrs `fix` = live): the value the fix writes to
+    its settings key (the record's `device`)."""
 
     @property
     def key(self) -> ConditionKey:
@@ -258,6 +261,8 @@ class IncidentState:
     permit: PermitDecision | None = None
     lemon: str | None = None
     recovery_tried: list[RecoveryOp] = field(default_factory=list)
+    live_fixes_tried: list[str] = field(default_factory=list)
+    """Settings keys of `config_drift` faults this incident asked the agent to set live (once each)."""
     recovery_log: list[str] = field(default_factory=list)
 
 

@@ -41,6 +41,9 @@ class Activity:
     OPEN_FAIL_SLOW = "open_fail_slow"
     """`Sweep --act`: publish fail_slow for the outliers (`fleetmend.messages.sweep.FailSlowRequest` → node names)."""
     NOTIFY = "notify"
+    RECONFIGURE_NODE = "reconfigure_node"
+    """A `config_drift` incident's live fix: the agent sets the settings and re-reads them
+    (`fleetmend.fingerprint.ReconfigureRequest` → `ReconfigureReport`; `activities.reconfigure`)."""
 
 
 class RemediationApi:

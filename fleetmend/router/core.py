@@ -192,6 +192,7 @@ class Router:
         self._topology: Topology | None = None
         self._guard_ensured_at = -1e9
         self._forwards: list[Any] = []  # PermitRequest, waiting for `_forward_loop`
+        self._bg: set[asyncio.Task[None]] = set()  # wait-key deletes in flight (kept: a dropped task is collected)
         self._forwarder: asyncio.Task[None] | None = None
 
     async def _setup_fast_path(self) -> None:
@@ -445,6 +446,7 @@ class Router:
         self.stats.signals += len(parts)
         if forward is not None:  # the incident exists now: the guard's answer has somewhere to go
             self._forward(forward)
+            self._clear_waiting(cluster, node)
         bound.info("events_routed", kinds=sorted({ev.kind for _m, ev, _t in items}), faults=len(faults))
 
     def _drain_now(self, items: list[tuple[Any, FaultEvent, float]]) -> tuple[FaultEvent, str] | None:
@@ -494,6 +496,11 @@ class Router:
             if claim.reason.startswith("no permit pool yet"):
                 await self._ensure_guard()
             bound.info("drain_now_refused", reason=claim.reason)
+            try:  # visible in `fleetmend status` before its incident exists (a burst starts them at Temporal's rate)
+                await pool.note_waiting(cluster, node, claim.reason, fault_class, ev.severity.value,
+                                        fault=fault_summary(ev))
+            except Exception as err:  # noqa: BLE001 - only the early view is lost
+                bound.warning("permit_wait_not_noted", error=repr(err))
             return PermitRequest(
                 cluster=cluster, node=node, severity=ev.severity, fault_class=fault_class,
                 reason=f"router: {fault_class} must drain now; no permit pool slot ({claim.reason})",
@@ -518,6 +525,21 @@ class Router:
         bound.info("drained_now", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
                    operator_drained=res.operator_drained, detail=res.detail)
         return None
+
+    def _clear_waiting(self, cluster: str, node: str) -> None:
+        """Drop `node`'s wait key in the background (its incident started, or its fault was dead-lettered)."""
+        if self._pool is None:
+            return
+
+        async def clear() -> None:
+            try:
+                await self._pool.clear_waiting(cluster, node)  # type: ignore[union-attr]
+            except Exception as err:  # noqa: BLE001 - a stale key says "incident starting" with its age
+                log.warning("permit_wait_not_cleared", cluster=cluster, node=node, error=repr(err))
+
+        task = asyncio.create_task(clear())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     async def _keep_alive(self, items: list[tuple[Any, FaultEvent, float]]) -> None:
         """Tell JetStream that messages held past half their ack wait are still being worked on

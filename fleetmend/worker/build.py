@@ -16,6 +16,7 @@ from activities.diagnostics import DiagnosticsActivities
 from activities.fleetguard import FleetGuardActivities
 from activities.notify import Notifier, NotifyActivities, channels_from_settings
 from activities.quarantine import PooledDrainActivities
+from activities.reconfigure import ReconfigureActivities
 from activities.recovery import RecoveryActivities
 from activities.scheduler import NodeEvents, SchedulerActivities, build_scheduler
 from activities.sweep import SweepActivities
@@ -54,6 +55,7 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
     # every drain under a permit finds (or takes) its slot in the cluster's permit pool first
     drain = PooledDrainActivities(sched.drain_node, guard.gate)
     recovery = RecoveryActivities(nc)
+    reconfigure = ReconfigureActivities(nc)
     sweep = SweepActivities(nc)
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
@@ -61,7 +63,8 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
         client, task_queue=tq, workflows=[NodeRemediation, Sweep], workflow_runner=workflow_runner(),
         activities=[drain.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics, guard.request_drain_permit, guard.release_drain_permit,
-                    recovery.reset_gpu, recovery.reboot_node, sweep.bench_node, sweep.open_fail_slow, notify.notify],
+                    recovery.reset_gpu, recovery.reboot_node, reconfigure.reconfigure_node, sweep.bench_node,
+                    sweep.open_fail_slow, notify.notify],
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
         max_cached_workflows=settings.worker.max_cached_workflows,
