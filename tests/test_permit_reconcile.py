@@ -236,12 +236,12 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
     `fleetmend status` lists it as `starting` with the pool's reason, and FleetGuard's reconciliation
     opens its incident (which asks for its permit) and drops the note."""
     import json
-
-    from typer.testing import CliRunner
+    import os
+    import subprocess
+    import sys
 
     from activities.fleetguard import fault_summary
     from fleetmend.catalog import default_catalog
-    from fleetmend.cli.app import app
     from fleetmend.infra.permit_pool import PermitPool
     from fleetmend.messages import GuardApi, GuardInput
     from tests.test_router import xid_event
@@ -253,8 +253,9 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
         await pool.note_waiting(f.cluster, "w1", "budget: 1/1 permits held", "xid79", "fatal", fault=fault_summary(ev))
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
-        r = await asyncio.to_thread(CliRunner().invoke, app, ["status", "--json"], env=env, catch_exceptions=False)
-        rows = {x["node"]: x for x in json.loads(r.output)}
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status", "--json"],
+                                    env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+        rows = {x["node"]: x for x in json.loads(r.stdout)}  # a subprocess: this process's own logs stay out
         assert rows["w1"]["status"] == "starting" and rows["w1"]["phase"] == "awaiting_permit", rows
         assert rows["w1"]["waiting"].startswith("budget: 1/1 permits held (permit pool"), rows["w1"]
         await f.client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=f.cluster, policy=policy),

@@ -76,13 +76,19 @@ async def annotate_waits(client: Any, cluster: str, rows: list[dict[str, Any]], 
         missing = "not queued at FleetGuard yet (the incident asks again)"
     waiting = [r for r in rows if r["phase"] == "awaiting_permit" and r["status"] == "running"]
     pool = None
-    if settings is not None and any(r["node"] not in waits for r in waiting):
+    if settings is not None and any(waits.get(r["node"], NEXT) == NEXT for r in waiting):
         try:
             pool = await _pool_status(settings.model_copy(update={"cluster": cluster}))
         except Exception:  # noqa: BLE001 - NATS away: the guard's reasons only
             pool = None
     for r in waiting:
-        r["waiting"] = waits.get(r["node"]) or _pool_reason(pool, r["node"]) or missing
+        guard = waits.get(r["node"])
+        # "next in the queue" is the guard's view as of its last pool write; the pool says whether it is full now
+        r["waiting"] = (guard if guard and guard != NEXT else None) or _pool_reason(pool, r["node"]) or guard or missing
+
+
+NEXT = "next in the queue"
+"""FleetGuard's reason for a queued node when its last pool write left room (`FleetGuard._waiting`)."""
 
 
 def _pool_reason(pool: dict[str, Any] | None, node: str) -> str | None:

@@ -96,6 +96,8 @@ FORWARD_LINGER_S = 0.05
 MAX_FORWARD_BATCH = 200
 """Forwarding: permit requests per `request_permits` signal (~0.5 KiB each; Temporal's payload limit
 is 2 MiB)."""
+WAIT_KEY_LINGER_S = 30.0
+"""How long a refused node's wait key outlives the start of its incident (`_clear_waiting`)."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
 
@@ -283,6 +285,8 @@ class Router:
             await asyncio.gather(*self._senders.values(), return_exceptions=True)
         if self._forwarder is not None:
             await asyncio.gather(self._forwarder, return_exceptions=True)
+        for task in list(self._bg):  # wait-key deletes still lingering: FleetGuard's reconciliation drops them
+            task.cancel()
         log.info("router_stopped", **self.stats.__dict__)
 
     async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
@@ -527,11 +531,15 @@ class Router:
         return None
 
     def _clear_waiting(self, cluster: str, node: str) -> None:
-        """Drop `node`'s wait key in the background (its incident started, or its fault was dead-lettered)."""
+        """Drop `node`'s wait key in the background, `WAIT_KEY_LINGER_S` after its incident started: the
+        Temporal server lists a new workflow a while after accepting it (seconds in a storm), and until then
+        the key is what shows the node in `fleetmend status`. A key this router does not drop (it stopped)
+        is dropped by FleetGuard's reconciliation."""
         if self._pool is None:
             return
 
         async def clear() -> None:
+            await asyncio.sleep(WAIT_KEY_LINGER_S)
             try:
                 await self._pool.clear_waiting(cluster, node)  # type: ignore[union-attr]
             except Exception as err:  # noqa: BLE001 - a stale key says "incident starting" with its age
