@@ -11,6 +11,7 @@ from temporalio import activity
 from activities.quarantine import PooledDrainActivities
 from fleetmend import subjects
 from fleetmend.diagnostics import CheckResult, DiagLevel, DiagReport, DiagResult, RecoveryReport, RecoveryResult
+from fleetmend.fingerprint import FixResult, ReconfigureReport, ReconfigureRequest
 from fleetmend.messages import (
     DiagActivityRequest,
     DrainRequest,
@@ -134,10 +135,8 @@ def stand_ins(calls: Calls) -> list:
         return NotifyResult(sent=["stand-in"])
 
     @activity.defn(name="reconfigure_node")
-    async def reconfigure_node(req):
+    async def reconfigure_node(req: ReconfigureRequest) -> ReconfigureReport:
         """An agent whose policy.reconfigure is on: every key is written and reads back as wanted."""
-        from fleetmend.fingerprint import FixResult, ReconfigureReport
-
         calls.reconfigures.append(req)
         return ReconfigureReport(node=req.node, dry_run=False, results=[
             FixResult(key=k, before="powersave", wanted=v, after=v, applied=True, verified=True)
