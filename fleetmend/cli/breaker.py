@@ -19,7 +19,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetmend import subjects
-from fleetmend.cli.common import ClusterOpt, ConfigOpt, JsonOpt, node_name, out, refusal, run, settings, who
+from fleetmend.cli.common import (
+    ClusterOpt,
+    ConfigOpt,
+    JsonOpt,
+    node_name,
+    out,
+    refusal,
+    run,
+    scheduler_adapter,
+    settings,
+    who,
+)
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
@@ -193,26 +204,17 @@ async def _undrain_for_release(settings: Settings, node: str) -> str:
 
     Raises:
         FleetmendError: the scheduler adapter failed (nothing is released then)."""
-    from activities.scheduler import build_scheduler  # lazy: the adapters' libraries (see common)
     from fleetmend.messages import OWNER_FLEETMEND
 
-    nc = None
     try:
-        js = None
-        if settings.scheduler.value == "standalone":
-            nc = await connect_nats(settings, name="fleetmend-cli")
-            js = nc.jetstream()
-        sched = build_scheduler(settings, js=js)
-        info = next((n for n in await sched.list_nodes() if n.name == node), None)
-        if info is None or info.owner != OWNER_FLEETMEND or not info.incident_id:
-            return "not drained by fleetmend" if info is None or info.owner is None else \
-                f"drained by the {info.owner}: left as is"
-        res = await sched.undrain(node, info.incident_id)
+        async with scheduler_adapter(settings) as sched:
+            info = next((n for n in await sched.list_nodes() if n.name == node), None)
+            if info is None or info.owner != OWNER_FLEETMEND or not info.incident_id:
+                return "not drained by fleetmend" if info is None or info.owner is None else \
+                    f"drained by the {info.owner}: left as is"
+            res = await sched.undrain(node, info.incident_id)
     except Exception as e:
         raise FleetmendError(f"{node}: could not return it to service first ({e}); its permit is kept") from e
-    finally:
-        if nc is not None:
-            await close_nats(nc)
     if not res.resumed and not res.operator_drained:
         raise FleetmendError(f"{node}: not returned to service ({res.detail}); its permit is kept")
     return f"returned to service ({res.detail})" if res.resumed else f"left as is ({res.detail})"

@@ -12,11 +12,12 @@ start. Everything else is imported at the top of each module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
@@ -98,6 +99,21 @@ def refusal(e: Any) -> str:
     cause (the validator's or handler's `ApplicationError`), else the error itself."""
     cause = e.cause
     return str(getattr(cause, "message", cause)) if cause else str(e)
+
+
+@contextlib.asynccontextmanager
+async def scheduler_adapter(s: Settings) -> AsyncIterator[Any]:
+    """The cluster's scheduler adapter (`activities.scheduler.build_scheduler`) for a command, with the NATS
+    connection the standalone scheduler keeps its drains in (closed on exit)."""
+    from activities.scheduler import build_scheduler  # lazy: the adapters' libraries
+    from fleetmend.infra.connect import close_nats, connect_nats
+
+    nc = await connect_nats(s, name="fleetmend-cli") if s.scheduler.value == "standalone" else None
+    try:
+        yield build_scheduler(s, js=nc.jetstream() if nc is not None else None)
+    finally:
+        if nc is not None:
+            await close_nats(nc)
 
 
 def short_time(iso: str | None) -> str:

@@ -29,6 +29,7 @@ from fleetmend.cli.common import (
     out,
     refusal,
     run,
+    scheduler_adapter,
     settings,
     short_time,
     who,
@@ -269,19 +270,8 @@ def history(
 
 async def _nodes(s: Settings, with_incidents: bool) -> tuple[list[dict[str, Any]], str | None]:
     """Scheduler rows joined with open incidents. Returns (rows, warning or None)."""
-    from activities.scheduler import build_scheduler  # lazy: the adapters' libraries (see common)
-
-    nc = None
-    try:
-        js = None
-        if s.scheduler.value == "standalone":
-            nc = await connect_nats(s, name="fleetmend-cli")
-            js = nc.jetstream()
-        sched = build_scheduler(s, js=js)
+    async with scheduler_adapter(s) as sched:
         rows = [asdict(r) for r in await sched.list_nodes()]
-    finally:
-        if nc is not None:
-            await nc.close()
     warning = None
     if with_incidents:
         try:
