@@ -254,7 +254,7 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
         r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status", "--json"],
-                                    env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+                                    env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
         rows = {x["node"]: x for x in json.loads(r.stdout)}  # a subprocess: this process's own logs stay out
         assert rows["w1"]["status"] == "starting" and rows["w1"]["phase"] == "awaiting_permit", rows
         assert rows["w1"]["waiting"].startswith("budget: 1/1 permits held (permit pool"), rows["w1"]

@@ -88,7 +88,8 @@ def test_generate_permissions_files_and_reuse(tmp_path: Path):
     assert perms["publish"]["allow"] == [
         "fleet.c1.fault.a", "fleet.c1.hb.a", "fleet.c1.perf.a", "fleet.c1.job.a.*", "fleet.c1.fingerprint.a",
         "$KV.fleetmend_fingerprints.c1.a", "$JS.API.STREAM.INFO.FLEET_FINGERPRINTS",
-        "$JS.API.STREAM.INFO.KV_fleetmend_fingerprints"]
+        "$JS.API.STREAM.INFO.KV_fleetmend_fingerprints",
+        "$JS.API.DIRECT.GET.KV_fleetmend_fingerprints.$KV.fleetmend_fingerprints.c1.a"]
     assert perms["subscribe"]["allow"] == ["fleet.c1.diag.a", "fleet.c1.reconfigure.a", "_INBOX.c1.a.>"]
     seed = cs.seed_file("node:c1/a")
     assert stat.S_IMODE(seed.stat().st_mode) == 0o600
@@ -316,6 +317,7 @@ async def test_a_node_writes_only_its_own_fingerprint(secured):
         js = nc.jetstream()
         kv = await ensure_fingerprint_stores(js)  # exists: the node only reads the stores' info
         await kv.put(subjects.fingerprint_kv_key(CLUSTER, "n1"), b"{}")
+        assert (await kv.get(subjects.fingerprint_kv_key(CLUSTER, "n1"))).value == b"{}"  # its own, read back
         ack = await js.publish(subjects.fingerprint_subject(CLUSTER, "n1"), b"{}")
         assert ack.stream == subjects.FINGERPRINT_STREAM
         with pytest.raises((asyncio.TimeoutError, nats.errors.Error)):  # refused by the server: no ack

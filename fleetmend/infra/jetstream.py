@@ -217,9 +217,12 @@ async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "", timeout_s
     return sorted(s[len(pre):] for s in subjects_ if s.startswith(pre))
 
 
-async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, timeout_s: float = 10.0) -> Any:
+async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, timeout_s: float = 10.0,
+                         direct: bool = False) -> Any:
     """A KV bucket of fleetmend's, created on first use (file storage, history 1); a bucket another
-    process created meanwhile is opened.
+    process created meanwhile is opened. `direct`: created with direct gets, whose API subject names the
+    key (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), so credentials can let a node read its own
+    key only.
 
     Returns:
         `nats.js.kv.KeyValue`.
@@ -233,7 +236,7 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
         except BucketNotFoundError:
             try:
                 return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
-                                                                description=description))
+                                                                description=description, direct=direct or None))
             except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
                 return await js.key_value(bucket)
 
@@ -260,4 +263,4 @@ async def ensure_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=FINGERPRINT_CHANGES_MAX_AGE_S,
         max_msgs_per_subject=1000, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S), timeout_s)
     return await open_kv_bucket(js, FINGERPRINT_KV_BUCKET, "latest node fingerprint (fleetmend inventory)",
-                                timeout_s=max(timeout_s, 10.0))
+                                timeout_s=max(timeout_s, 10.0), direct=True)  # a node reads its own key only

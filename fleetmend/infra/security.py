@@ -88,7 +88,9 @@ def node_permissions(cluster: str, node: str) -> dict:
                               subjects.fingerprint_subject(cluster, node),
                               f"$KV.{subjects.FINGERPRINT_KV_BUCKET}.{subjects.fingerprint_kv_key(cluster, node)}",
                               *_api(f"STREAM.INFO.{subjects.FINGERPRINT_STREAM}",
-                                    f"STREAM.INFO.KV_{subjects.FINGERPRINT_KV_BUCKET}")]},
+                                    f"STREAM.INFO.KV_{subjects.FINGERPRINT_KV_BUCKET}",
+                                    f"DIRECT.GET.KV_{subjects.FINGERPRINT_KV_BUCKET}.$KV.{subjects.FINGERPRINT_KV_BUCKET}."
+                                    f"{subjects.fingerprint_kv_key(cluster, node)}")]},
         "subscribe": {"allow": [subjects.diag_subject(cluster, node), subjects.reconfigure_subject(cluster, node),
                                 node_inbox_prefix(cluster, node) + ".>"]},
         "allow_responses": {"max": 1, "expires": "10m"},
