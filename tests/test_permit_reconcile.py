@@ -253,9 +253,13 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
         await pool.note_waiting(f.cluster, "w1", "budget: 1/1 permits held", "xid79", "fatal", fault=fault_summary(ev))
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
-        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status", "--json"],
-                                    env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
-        rows = {x["node"]: x for x in json.loads(r.stdout)}  # a subprocess: this process's own logs stay out
+        async def listed():  # a subprocess: this process's own logs stay out of its stdout
+            r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status", "--json"],
+                                        env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+            rows = {x["node"]: x for x in json.loads(r.stdout)}
+            return rows if "w1" in rows else None  # NATS unreadable for a moment: the Temporal rows only
+
+        rows = await assert_eventually(listed, timeout_s=120, what="status lists the refused node")
         assert rows["w1"]["status"] == "starting" and rows["w1"]["phase"] == "awaiting_permit", rows
         assert rows["w1"]["waiting"].startswith("budget: 1/1 permits held (permit pool"), rows["w1"]
         await f.client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=f.cluster, policy=policy),
