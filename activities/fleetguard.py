@@ -28,7 +28,7 @@ from fleetmend import subjects
 from fleetmend.catalog import Catalog, load_catalog
 from fleetmend.config import Settings
 from fleetmend.events import FaultEvent, Severity
-from fleetmend.infra.incidents import start_incident
+from fleetmend.infra.incidents import signal_guard, start_incident
 from fleetmend.infra.permit_pool import BY_ROUTER
 from fleetmend.messages import (
     KEY_CLUSTER,
@@ -39,7 +39,6 @@ from fleetmend.messages import (
     Activity,
     FaultBatch,
     GuardApi,
-    GuardInput,
     GuardPolicy,
     IncidentInput,
     IncidentPolicy,
@@ -97,11 +96,7 @@ class FleetGuardActivities:
                    catalog=load_catalog(settings.catalog_overrides))
 
     async def _signal_with_start(self, cluster: str, signal: str, arg: Any) -> None:
-        await self._client.start_workflow(
-            GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=self._policy),
-            id=subjects.fleetguard_workflow_id(cluster), task_queue=self._task_queue,
-            start_signal=signal, start_signal_args=[arg],
-            static_summary=f"FleetGuard {cluster}: drain budget and breaker")
+        await signal_guard(self._client, cluster, self._task_queue, self._policy, signal, arg)
 
     @activity.defn(name=Activity.REQUEST_DRAIN_PERMIT)
     async def request_drain_permit(self, req: PermitRequest) -> None:
@@ -265,13 +260,9 @@ async def announce_policy(client: Client, settings: Settings, task_queue: str | 
     """Tell the cluster's FleetGuard this worker's policy (signal-with-start of `GuardApi.POLICY`), so a
     changed budget, rack cap or observe-only reaches the guard and the permit pool at the worker's start,
     not with the next permit request. Raises what `Client.start_workflow` raises."""
-    topo = load_topology(settings.policy.topology_file)
-    policy = guard_policy(settings, topo)
-    await client.start_workflow(
-        GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy),
-        id=subjects.fleetguard_workflow_id(settings.cluster),
-        task_queue=guard_task_queue(task_queue or settings.task_queue), start_signal=GuardApi.POLICY,
-        start_signal_args=[policy], static_summary=f"FleetGuard {settings.cluster}: drain budget and breaker")
+    policy = guard_policy(settings, load_topology(settings.policy.topology_file))
+    await signal_guard(client, settings.cluster, guard_task_queue(task_queue or settings.task_queue), policy,
+                       GuardApi.POLICY, policy)
 
 
 def fault_summary(ev: FaultEvent) -> dict[str, Any]:

@@ -228,12 +228,17 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
                                 what="a second burst node drained")
         assert _replay(records) <= 3 and not await drained("c0")
     finally:
-        stop.set()
-        await worker.shutdown()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await nc.close()
+        await _stop_stack(stop, worker, tasks, nc)
+
+
+async def _stop_stack(stop: asyncio.Event, worker, tasks: list, nc) -> None:
+    """Stop a test's router (`stop`), its worker and tasks, then its NATS connection."""
+    stop.set()
+    await worker.shutdown()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await nc.close()
 
 
 async def _when(coro, pred):
@@ -455,12 +460,7 @@ async def test_observe_only_drains_nothing_on_any_path(nats_server, temporal_ser
             entry = None
         assert entry is None or not entry.value, "observe-only drained n0"
     finally:
-        stop.set()
-        await worker.shutdown()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await nc.close()
+        await _stop_stack(stop, worker, tasks, nc)
 
 
 def test_status_says_why_a_node_waits_from_the_pool_before_the_guard_took_it_up() -> None:

@@ -1,5 +1,6 @@
-"""Starting a node's incident (`NodeRemediation`) with its faults: the one signal-with-start that the router
-and FleetGuard's reconciliation (a drained node whose incident never started) both make."""
+"""Signal-with-start of the two workflows, made from several places: a node's incident (`NodeRemediation`)
+with its faults (the router; FleetGuard's reconciliation for a drain whose incident never started), and a
+cluster's FleetGuard (incidents' permit requests and releases, the router's forwards, a worker's policy)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ from typing import Any
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from fleetmend import subjects
-from fleetmend.messages import KEY_CLUSTER, KEY_NODE, KEY_PHASE, FaultBatch, IncidentInput, Phase, RemediationApi
+from fleetmend.messages import (
+    KEY_CLUSTER,
+    KEY_NODE,
+    KEY_PHASE,
+    FaultBatch,
+    GuardApi,
+    GuardInput,
+    GuardPolicy,
+    IncidentInput,
+    Phase,
+    RemediationApi,
+)
 
 
 async def start_incident(client: Any, task_queue: str, inp: IncidentInput, batch: FaultBatch,
@@ -30,4 +42,15 @@ async def start_incident(client: Any, task_queue: str, inp: IncidentInput, batch
         static_summary=f"{inp.node} ({inp.cluster}): remediation incident")
 
 
-__all__ = ["start_incident"]
+async def signal_guard(client: Any, cluster: str, task_queue: str, policy: GuardPolicy, signal: str,
+                       arg: Any) -> None:
+    """Signal-with-start `cluster`'s FleetGuard (`subjects.fleetguard_workflow_id`) on `task_queue` (the guard's
+    own, `messages.guard_task_queue`) with `signal` and its one argument; a guard that does not run yet is
+    started with `policy`. Raises what `temporalio.client.Client.start_workflow` raises."""
+    await client.start_workflow(
+        GuardApi.WORKFLOW, GuardInput(cluster=cluster, policy=policy), id=subjects.fleetguard_workflow_id(cluster),
+        task_queue=task_queue, start_signal=signal, start_signal_args=[arg],
+        static_summary=f"FleetGuard {cluster}: drain budget and breaker")
+
+
+__all__ = ["signal_guard", "start_incident"]

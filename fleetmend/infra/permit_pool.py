@@ -88,10 +88,6 @@ class PoolState:
     def in_rack(self, rack: str | None) -> int:
         return sum(1 for h in self.holders.values() if rack and h.rack == rack)
 
-    def router_holders(self) -> dict[str, str | None]:
-        """The router's holders, node → rack."""
-        return {n: h.rack for n, h in self.holders.items() if h.by == BY_ROUTER}
-
     def to_json(self) -> bytes:
         """The document as stored (compact JSON; holders written by hand, not `asdict`: every claim
         rewrites the whole document, so its cost is on the drain path)."""

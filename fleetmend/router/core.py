@@ -65,14 +65,13 @@ from fleetmend.config import Settings
 from fleetmend.errors import InvalidEventError
 from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condition_key, json_nesting_depth
 from fleetmend.infra import metrics
-from fleetmend.infra.incidents import start_incident
+from fleetmend.infra.incidents import signal_guard, start_incident
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
 from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
 from fleetmend.messages import (
     MAX_SIGNAL_BYTES,
     FaultBatch,
     GuardApi,
-    GuardInput,
     GuardPolicy,
     IncidentInput,
     IncidentPolicy,
@@ -214,7 +213,7 @@ class Router:
             return
         self._guard_ensured_at = now
         try:
-            await self._signal_guard(GuardApi.REQUEST_PERMITS, [[]])
+            await self._signal_guard(GuardApi.REQUEST_PERMITS, [])
         except Exception as err:  # noqa: BLE001 - Temporal away: the first incident starts the guard
             log.warning("fleetguard_ensure_failed", cluster=self.s.cluster, error=repr(err))
 
@@ -222,15 +221,12 @@ class Router:
         assert self._topology is not None, "_setup_fast_path first"
         return GuardPolicy.from_settings(self.s.policy, len(self._topology))
 
-    async def _signal_guard(self, signal: str, args: list[Any]) -> None:
+    async def _signal_guard(self, signal: str, arg: Any) -> None:
         """Signal-with-start this router's cluster's FleetGuard (started with this router's policy when
         absent). Raises what `Client.start_workflow` raises, or TimeoutError."""
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
-            await self.client.start_workflow(
-                GuardApi.WORKFLOW, GuardInput(cluster=self.s.cluster, policy=self._guard_policy()),
-                id=subjects.fleetguard_workflow_id(self.s.cluster), task_queue=guard_task_queue(self.s.task_queue),
-                start_signal=signal, start_signal_args=args,
-                static_summary=f"FleetGuard {self.s.cluster}: drain budget and breaker")
+            await signal_guard(self.client, self.s.cluster, guard_task_queue(self.s.task_queue), self._guard_policy(),
+                               signal, arg)
 
     def _forward(self, req) -> None:  # noqa: ANN001 - PermitRequest
         """Queue `req` for FleetGuard (`_forward_loop`, started when none runs)."""
@@ -246,7 +242,7 @@ class Router:
             await asyncio.sleep(FORWARD_LINGER_S)
             batch, self._forwards = self._forwards[:MAX_FORWARD_BATCH], self._forwards[MAX_FORWARD_BATCH:]
             try:
-                await self._signal_guard(GuardApi.REQUEST_PERMITS, [batch])
+                await self._signal_guard(GuardApi.REQUEST_PERMITS, batch)
             except Exception as err:  # noqa: BLE001 - the incidents ask for themselves
                 log.warning("permit_forward_failed", cluster=self.s.cluster, nodes=len(batch), error=repr(err))
                 continue
