@@ -49,7 +49,8 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
 
     Returns one dict per run: node, cluster, phase, drained, ticket, fault_class, severity, status (the
     run's, lower case), started (ISO), workflow_id, run_id; a running `awaiting_permit` row also has
-    `waiting` (why its permit waits).
+    `waiting` (why its permit waits). The nodes the router is still starting an incident for come first
+    (`_starting`), then the incidents; `limit` rows at most in all.
     """
     from fleetmend.messages import RemediationApi  # lazy: temporalio.common (see common)
 
@@ -69,10 +70,11 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
         for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
             await annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl], s)  # each cluster's guard
-    if len(rows) < limit:
-        running = {(str(r["cluster"]), str(r["node"])) for r in rows if r["status"] == "running"}
-        rows += await _starting(s, cluster, running, limit - len(rows))
-    return rows
+    # The nodes still starting are the newest rows, and live state: listed first whatever the history holds
+    # (behind `limit` recent incidents they were never read, and a burst's refused nodes went unseen).
+    running = {(str(r["cluster"]), str(r["node"])) for r in rows if r["status"] == "running"}
+    starting = await _starting(s, cluster, running, limit)
+    return (starting + rows)[:limit]
 
 
 async def _starting(s: Settings, cluster: str | None, running: set[tuple[str, str]], limit: int) -> list[dict[str, Any]]:
