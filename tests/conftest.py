@@ -2,6 +2,9 @@
 
 Never mocks: every test that touches NATS or Temporal talks to the real processes started here
 (the same `fleetmend.dev.servers` code that `fleetmend dev up` uses).
+
+Under pytest-xdist (`./scripts/test -n 2`, what `.ci/run` runs) each worker process starts its own servers;
+the tests on the one host-wide Slurm/munge daemons run in one worker (`pytest_collection_modifyitems`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,16 @@ from fleetmend.dev import servers
 pytest_plugins = ["tests.fixtures_slurm"]
 
 IN_CI = os.environ.get("CI") == "true"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist's `--dist loadgroup`, every test on the session Slurm cluster runs in one worker: the
+    cluster's munged is host-wide (`/run/munge`), and a second worker's teardown would stop it under the
+    first one's tests."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 # Property tests assert properties, not speed: on a loaded 2-core box one example can take longer
 # than hypothesis's 200 ms default deadline (a hostlist property test failed that way once).
