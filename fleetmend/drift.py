@@ -91,6 +91,8 @@ CHECKS: tuple[Check, ...] = (
     Check("mtu", ("net.*.mtu",), FixKind.REPAIR),
     Check("roce", ("roce.*",), FixKind.REPAIR),
     Check("topology", ("topology.hash",), FixKind.REPAIR),
+    Check("fabric_manager", ("fabric.manager",), FixKind.REBOOT),
+    Check("irqbalance", ("irq.balance",), FixKind.REPAIR),
     Check("version", ("version.*",), FixKind.REPAIR),
 )
 """Every check, first match wins; a fact no check covers is judged under `version` (a human looks)."""
@@ -155,6 +157,12 @@ DEFAULT_INVARIANTS: tuple[Invariant, ...] = (
     Invariant("gpu.ecc", frozenset({"current=on pending=on"}),
               "ECC off (or pending a change at the next reboot) trades silent corruption for memory",
               "DCGM dcgmi config (Target vs Current ECC)"),
+    Invariant("fabric.manager", frozenset({"running"}),
+              "On NVSwitch boards the fabric manager sets up the NVLink fabric: without it CUDA programs fail to "
+              "start or GPUs lose their NVLink peers (and NCCL's NVLS); its fabric state in NVML/DCGM stays "
+              "latched healthy after it dies", "AWS awsome-distributed-training 3-topology-check.sh (systemctl "
+              "is-active nvidia-fabricmanager: RESET); DCGM diag 'Fabric Manager'; leptonai/gpud fabric-manager; "
+              "NVIDIA/NVSentinel#883 (FM dead 2.5 weeks, fabric state still healthy)"),
     Invariant("gpu.mig", frozenset({"current=off pending=off"}),
               "MIG partitions a training GPU; a pending change alters the node at its next reboot",
               "AWS gpu-cluster-healthcheck 0-nvidia-smi-check.sh; DCGM L4 requires MIG off"),
