@@ -598,3 +598,36 @@ def nccl_ib_hca(value: str | None, fp: Fingerprint) -> NcclHcaCheck:
     selected = [h for h in hcas if flt.selects(h)]
     return NcclHcaCheck(tuple(selected), compute, tuple(h for h in compute if h not in selected),
                         tuple(h for h in selected if h not in compute))
+
+
+def placements(fp: Fingerprint) -> dict[str, str]:
+    """GPU PCI address → `nic <bdf> <level> nvme <bdf> <level> numa <n>`: the part of the fingerprint the topology
+    hash is made of, readable (for saying *what* moved after a repair)."""
+    return {g.pci_bus_id: f"nic {g.nearest_nic or '-'} {g.nic_level.value if g.nic_level else '-'} "
+                          f"nvme {g.nearest_nvme or '-'} {g.nvme_level.value if g.nvme_level else '-'} "
+                          f"numa {g.numa_node if g.numa_node is not None else '-'}"
+            for g in fp.gpus}
+
+
+def placement_changes(before: dict[str, str], after: dict[str, str], limit: int = 16) -> list[str]:
+    """`GPU <bdf>: <before> -> <after>` for each GPU whose placement differs (`-` for a GPU gone or new), at most
+    `limit` lines."""
+    out = [f"GPU {g}: {before.get(g, '-')} -> {after.get(g, '-')}" for g in sorted(before.keys() | after.keys())
+           if before.get(g) != after.get(g)]
+    return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
+
+
+def topology_like_peers(report: DriftReport, hardware: str, value: str,
+                        allowed: dict[str, AllowedSet] | None = None) -> bool:
+    """True when topology hash `value` is what the node's peers have: the `topology.hash` cohort of class
+    `hardware` (of at least two nodes) is uniform or has a clear majority with that value, or an allowed set
+    (`fleetmend drift allow topology.hash …`) holds it. A repair that leaves a node like its peers made it right,
+    whatever it was before."""
+    a = (allowed or {}).get("topology.hash")
+    if a is not None:
+        return value in a.values
+    for c in report.cohorts:
+        if c.key == "topology.hash" and c.hardware == hardware:
+            return (c.verdict.status in (CohortStatus.UNIFORM, CohortStatus.DRIFT) and c.verdict.mode == value
+                    and c.verdict.size >= 2)  # alone in its class, a node is like nobody
+    return False
