@@ -544,7 +544,9 @@ def nccl_env_findings(env: dict[str, str], fp: Fingerprint) -> list[NcclFinding]
             add(gdr_var, None, "LOC, PIX, PXB, PHB or SYS", value, str(e))
         else:
             if rank < 0:
-                add(gdr_var, None, "PXB or further (the GPU-NIC paths here)", value,
+                paths = [_nccl_rank(g.nic_level) for g in fp.gpus if g.nic_level is not None]
+                need = next(k for k, r in GDR_LEVELS.items() if r == max(paths)) if paths else "PIX"
+                add(gdr_var, None, f"at least {need} (the GPU-NIC paths here)", value,
                     "LOC turns GPUDirect RDMA off for every GPU: NIC traffic is staged through host memory")
             else:
                 for g in fp.gpus:
