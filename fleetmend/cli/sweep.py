@@ -5,8 +5,8 @@ a job's nodes come from Slurm (`activities.slurm.SlurmScheduler.expand`, `.job_n
 `--nccl-env 'NCCL_IB_HCA=...'` (repeatable; `@FILE` reads `KEY=VALUE` lines, e.g. `/etc/nccl.conf` or a job's
 `env` dump) also checks the job's NCCL environment against each node's fingerprint from the KV bucket
 (`fleetmend.drift.nccl_env_findings`: the GPU-local NICs, their roles and NUMA nodes). That check needs no
-workflow and no agent round trip; `--nccl-only` skips the benchmark. Slurm does not show a job's environment
-(`scontrol show job` lists its command and paths, not its variables), so the values are given here.
+workflow and no agent round trip; `--nccl-only` skips the benchmark. `scontrol show job` does not show a job's
+variables, so they are given here (`sacct -j JOB --env-vars`, where accounting keeps them, saved as `@FILE`).
 """
 
 from __future__ import annotations
