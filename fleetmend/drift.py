@@ -602,20 +602,40 @@ def nccl_ib_hca(value: str | None, fp: Fingerprint) -> NcclHcaCheck:
                         tuple(h for h in selected if h not in compute))
 
 
-def placements(fp: Fingerprint) -> dict[str, str]:
-    """GPU PCI address → `nic <bdf> <level> nvme <bdf> <level> numa <n>`: the part of the fingerprint the topology
-    hash is made of, readable (for saying *what* moved after a repair)."""
-    return {g.pci_bus_id: f"nic {g.nearest_nic or '-'} {g.nic_level.value if g.nic_level else '-'} "
-                          f"nvme {g.nearest_nvme or '-'} {g.nvme_level.value if g.nvme_level else '-'} "
-                          f"numa {g.numa_node if g.numa_node is not None else '-'}"
-            for g in fp.gpus}
+def placements(fp: Fingerprint) -> dict[str, list[str | int | None]]:
+    """GPU PCI address → [nearest NIC, its level, nearest NVMe, its level, NUMA node]: the part of the fingerprint
+    the topology hash is made of, kept to say *what* moved after a repair (JSON-friendly)."""
+    return {g.pci_bus_id: [g.nearest_nic, g.nic_level.value if g.nic_level else None, g.nearest_nvme,
+                           g.nvme_level.value if g.nvme_level else None, g.numa_node] for g in fp.gpus}
 
 
-def placement_changes(before: dict[str, str], after: dict[str, str], limit: int = 16) -> list[str]:
-    """`GPU <bdf>: <before> -> <after>` for each GPU whose placement differs (`-` for a GPU gone or new), at most
-    `limit` lines."""
-    out = [f"GPU {g}: {before.get(g, '-')} -> {after.get(g, '-')}" for g in sorted(before.keys() | after.keys())
-           if before.get(g) != after.get(g)]
+def _render(p: list[str | int | None]) -> str:
+    return (f"nic {p[0] or '-'} {p[1] or '-'} nvme {p[2] or '-'} {p[3] or '-'} "
+            f"numa {p[4] if p[4] is not None else '-'}")
+
+
+def _farther_or_other(dev_before: str | int | None, level_before: str | int | None, dev_after: str | int | None,
+                      level_after: str | int | None) -> bool:
+    def rank(level: str | int | None) -> int:
+        return TopoLevel(level).rank if isinstance(level, str) and level in TopoLevel.__members__ else 99
+
+    rb, ra = rank(level_before), rank(level_after)
+    return ra > rb or (ra == rb and dev_after != dev_before)
+
+
+def placement_changes(before: dict[str, list[str | int | None]], after: dict[str, list[str | int | None]],
+                      limit: int = 16) -> list[str]:
+    """`GPU <bdf>: <before> -> <after>` for each GPU that was there before and is gone, or whose nearest NIC or NVMe
+    is now farther, or as near through another device; at most `limit` lines. A GPU that is new, or now nearer its
+    NIC/NVMe than before, is no change: the fault that drained the node may have taken that device away, and the
+    repair brought it back."""
+    out = []
+    for g in sorted(before):
+        b, a = before[g], after.get(g)
+        if a is None:
+            out.append(f"GPU {g}: {_render(b)} -> gone")
+        elif _farther_or_other(b[0], b[1], a[0], a[1]) or _farther_or_other(b[2], b[3], a[2], a[3]):
+            out.append(f"GPU {g}: {_render(b)} -> {_render(a)}")
     return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
 
 

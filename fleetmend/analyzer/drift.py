@@ -12,7 +12,9 @@ A fingerprint in the bucket that does not parse is skipped with one warning line
 A topology changed across a repair (`RepairWatch`, same tick): a node drained by fleetmend holds a slot of the
 cluster's permit pool (`fleetmend.infra.permit_pool`, read only here) from its drain until its incident returns it;
 the judge notes each holder's GPU/NIC/NVMe placement and topology hash when it first sees it drained, and when the
-node leaves the pool compares them with its fingerprint then. A node that comes back with another placement gets a
+node leaves the pool compares them with its fingerprint then (`fleetmend.drift.placement_changes`: a GPU gone, or
+farther from its NIC/NVMe, or as near through another device; a device back or nearer is no change, since the
+drain's fault may have taken it away). A node that comes back with another placement gets a
 `config_drift_topology_repair` fault (degraded, never drains: a human checks the cabling or slot the repair touched;
 attrs: before, after, the GPUs whose nearest NIC/NVMe moved, when it was drained), logged
 `topology_changed_after_repair` and listed by `fleetmend drift` (`after_repair`). Not flagged: a node whose new
@@ -202,8 +204,12 @@ class RepairWatch:
             w, fp = doc["watch"].pop(node), latest.get(node)
             if fp is None or fp.topology_hash == w["topology"]:
                 continue
+            changed = placement_changes(w["placements"], placements(fp))
+            if not changed:  # only devices back or nearer (the drain's fault had taken one away)
+                self._log.info("topology_back_after_repair", node=node, before=w["topology"], after=fp.topology_hash)
+                continue
             finding = {"node": node, "drained_at": w["at"], "at": now, "before": w["topology"],
-                       "after": fp.topology_hash, "changed": placement_changes(w["placements"], placements(fp)),
+                       "after": fp.topology_hash, "changed": changed,
                        "like_peers": topology_like_peers(report, fp.hardware.key, fp.topology_hash, allowed)}
             doc["recent"] = (doc["recent"] + [finding])[-REPAIR_RECENT:]
             if finding["like_peers"]:
