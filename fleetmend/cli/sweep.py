@@ -118,6 +118,8 @@ def sweep(
 
 NCCL_CHECKED = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "NCCL_NET_GDR_LEVEL", "NCCL_IB_GDR_LEVEL")
 """The variables `fleetmend.drift.nccl_env_findings` judges; other NCCL_* given are listed as not checked."""
+NCCL_GETS_AT_ONCE = 64
+"""Fingerprint reads in flight at once (one KV get each)."""
 MAX_NCCL_NODES_LISTED = 200
 """Nodes whose findings the answer lists (each at most `fleetmend.drift.MAX_NCCL_FINDINGS_PER_NODE`); beyond,
 only their count: a 4,000-node job with one wrong variable stays a readable answer."""
@@ -166,11 +168,19 @@ async def _nccl_check(s: Settings, nodes: list[str], env: dict[str, str]) -> dic
     nc = await connect_nats(s, name="fleetmend-cli")
     try:
         kv = await open_kv_bucket(nc.jetstream(), subjects.FINGERPRINT_KV_BUCKET, "latest node fingerprint")
-        for node in nodes:
+
+        async def one(node: str) -> Fingerprint | None:
             try:
                 entry = await kv.get(subjects.fingerprint_kv_key(s.cluster, node))
-                fp = Fingerprint.model_validate_json(entry.value)
+                return Fingerprint.model_validate_json(entry.value)
             except (KeyNotFoundError, ValueError):
+                return None
+
+        fps: list[Fingerprint | None] = []
+        for i in range(0, len(nodes), NCCL_GETS_AT_ONCE):
+            fps += await asyncio.gather(*(one(n) for n in nodes[i:i + NCCL_GETS_AT_ONCE]))
+        for node, fp in zip(nodes, fps, strict=True):
+            if fp is None:
                 missing.append(node)
                 continue
             got = nccl_env_findings(env, fp)
