@@ -147,7 +147,8 @@ def _udev(cfg: UdevProbeSettings, ctx: ProbeContext) -> Probe:
 
 def _inventory(settings: Settings, ctx: ProbeContext) -> Probe:
     """The fingerprint reader/publisher (agents/inventory): `agent.host_root`, `agent.inventory_interval_s`,
-    `policy.reconfigure` (live fixes, dry run by default); NVML only when `agent.nvml.enabled`."""
+    `policy.reconfigure` (live fixes, dry run by default); NVML only when `agent.nvml.enabled`; uevents from
+    `agent.udev.source` when `agent.udev.enabled` (else the device poll alone)."""
     cls = probe_class("inventory")
     nvml: object = None
     if settings.agent.nvml.enabled:
@@ -158,7 +159,8 @@ def _inventory(settings: Settings, ctx: ProbeContext) -> Probe:
         except ImportError:
             nvml = None
     return cls(ctx.host_root, ctx.cluster, ctx.node, interval_s=settings.agent.inventory_interval_s,
-               reconfigure=settings.policy.reconfigure, nvml=nvml, agent_version=__version__)
+               reconfigure=settings.policy.reconfigure, nvml=nvml, agent_version=__version__,
+               udev_source=settings.agent.udev.source if settings.agent.udev.enabled else None)
 
 
 def _lastboot(cfg: LastbootProbeSettings, ctx: ProbeContext) -> Probe:

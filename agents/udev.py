@@ -17,6 +17,9 @@ Subsystems `pci` and `net`. Judgement per uevent:
 An add of a device whose removal this probe did not see publishes nothing (boot, hotplug of new
 hardware). Other actions (bind, unbind, change, move) are ignored.
 
+`open_monitor(source, subsystems)` is also what the fingerprint reader listens on (`DEVICE_SUBSYSTEMS`: a
+fresh fingerprint on every add/remove, agents/inventory/probe.py).
+
 What a restart loses: uevents are not replayed, so a removal while the agent was down is not seen
 here (the NVML probe's GPU count and the sysfs probe's links still see the result), and an add
 after a restart does not clear a removal published before it (the fault clears by repair: the
@@ -44,9 +47,33 @@ UDEV_CONTROL = Path("/run/udev/control")
 SOURCES = ("auto", "udev", "kernel")
 
 
+DEVICE_SUBSYSTEMS = ("pci", "net", "infiniband", "nvme")
+"""What a fresh fingerprint follows (agents.inventory.probe): the devices whose add or remove changes the node's
+shape (PCI functions, netdevs, RDMA devices, NVMe controllers)."""
+
+
 def default_source(control: Path = UDEV_CONTROL) -> str:
     """'udev' where udevd runs (its control socket exists), else 'kernel'."""
     return "udev" if control.exists() else "kernel"
+
+
+def open_monitor(source: str, subsystems: tuple[str, ...], context: Any = None) -> Any:
+    """A started `pyudev.Monitor` on `source` ("auto", "udev" or "kernel") filtered to `subsystems`.
+
+    Raises:
+        ValueError: unknown source; ImportError: no pyudev/libudev; OSError: the netlink socket cannot be
+        opened (no CAP_NET_ADMIN, or not in the host's network namespace).
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown udev source {source!r}; expected {', '.join(SOURCES)}")
+    import pyudev  # lazy: a host without libudev loses the uevents only
+
+    ctx = context or pyudev.Context()
+    mon = pyudev.Monitor.from_netlink(ctx, source=default_source() if source == "auto" else source)
+    for sub in subsystems:
+        mon.filter_by(sub)
+    mon.start()
+    return mon
 
 
 def classify_uevent(action: str, subsystem: str, props: dict[str, str], include_virtual_net: bool = False
@@ -115,14 +142,7 @@ class UdevProbe:
         self._log = structlog.get_logger("fleetmend.agent.udev").bind(cluster=cluster, node=node)
 
     def monitor(self) -> Any:
-        import pyudev  # lazy: a host without libudev loses this probe only (agents.probes)
-
-        ctx = self.context or pyudev.Context()
-        mon = pyudev.Monitor.from_netlink(ctx, source=self.source)
-        for sub in self.subsystems:
-            mon.filter_by(sub)
-        mon.start()
-        return mon
+        return open_monitor(self.source, self.subsystems, self.context)
 
     def handle(self, action: str, subsystem: str, props: dict[str, str]) -> list[FaultEvent]:
         """One uevent → the events to publish (a removal, or the clearing of one)."""

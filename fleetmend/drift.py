@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from fleetmend.errors import ConfigError
-from fleetmend.fingerprint import DeviceRole, Fingerprint
+from fleetmend.fingerprint import DeviceRole, Fingerprint, TopoLevel
 
 DEFAULT_QUORUM = 5
 """Smallest cohort judged by majority: below it one odd node is a third of the vote (NVSentinel skips < 2; the
@@ -91,6 +91,8 @@ CHECKS: tuple[Check, ...] = (
     Check("mtu", ("net.*.mtu",), FixKind.REPAIR),
     Check("roce", ("roce.*",), FixKind.REPAIR),
     Check("topology", ("topology.hash",), FixKind.REPAIR),
+    Check("fabric_manager", ("fabric.manager",), FixKind.REBOOT),
+    Check("irqbalance", ("irq.balance",), FixKind.REPAIR),
     Check("version", ("version.*",), FixKind.REPAIR),
 )
 """Every check, first match wins; a fact no check covers is judged under `version` (a human looks)."""
@@ -155,6 +157,12 @@ DEFAULT_INVARIANTS: tuple[Invariant, ...] = (
     Invariant("gpu.ecc", frozenset({"current=on pending=on"}),
               "ECC off (or pending a change at the next reboot) trades silent corruption for memory",
               "DCGM dcgmi config (Target vs Current ECC)"),
+    Invariant("fabric.manager", frozenset({"running"}),
+              "On NVSwitch boards the fabric manager sets up the NVLink fabric: without it CUDA programs fail to "
+              "start or GPUs lose their NVLink peers (and NCCL's NVLS); its fabric state in NVML/DCGM stays "
+              "latched healthy after it dies", "AWS awsome-distributed-training 3-topology-check.sh (systemctl "
+              "is-active nvidia-fabricmanager: RESET); DCGM diag 'Fabric Manager'; leptonai/gpud fabric-manager; "
+              "NVIDIA/NVSentinel#883 (FM dead 2.5 weeks, fabric state still healthy)"),
     Invariant("gpu.mig", frozenset({"current=off pending=off"}),
               "MIG partitions a training GPU; a pending change alters the node at its next reboot",
               "AWS gpu-cluster-healthcheck 0-nvidia-smi-check.sh; DCGM L4 requires MIG off"),
@@ -351,6 +359,214 @@ def judge(fingerprints: list[Fingerprint], invariants: tuple[Invariant, ...] = D
     return report
 
 
+NCCL_DOCS = "NCCL user guide, Environment Variables (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html)"
+MAX_NCCL_FINDINGS_PER_NODE = 16
+"""Findings one node may carry (`nccl_env_findings`): 8 GPUs each with a left-out NIC plus a few node-wide ones fit;
+beyond, the rest are summed up in one last finding."""
+
+
+@dataclass(frozen=True)
+class NcclFilter:
+    """A parsed NCCL interface filter (`NCCL_IB_HCA`, `NCCL_SOCKET_IFNAME`), NCCL's documented syntax:
+
+    a comma list of names, each a prefix (`mlx5` selects `mlx5_0` … `mlx5_17`) unless the list starts with `=` (exact
+    names); a leading `^` (before the `=`: `^=mlx5_1`) turns it into an exclude list; an HCA name may carry a port
+    (`mlx5_0:1`: that port only). Unset or empty selects everything."""
+
+    exclude: bool = False
+    exact: bool = False
+    items: tuple[tuple[str, int | None], ...] = ()
+    """(name, port or None for every port)."""
+
+    def matches(self, name: str, item: str) -> bool:
+        return name == item if self.exact else name.startswith(item)
+
+    def selects(self, name: str, port: int | None = None) -> bool:
+        """Whether NCCL uses `name` (port `port`; None: the device as a whole, any of its ports)."""
+        if not self.items:
+            return True
+        hit = any(self.matches(name, n) and (p is None or port is None or p == port) for n, p in self.items)
+        if self.exclude and port is None:  # the device stays usable unless every port of it is excluded
+            hit = any(self.matches(name, n) and p is None for n, p in self.items)
+        return hit != self.exclude
+
+
+def parse_nccl_filter(value: str | None, *, ports: bool = True) -> NcclFilter:
+    """`NcclFilter` of an `NCCL_IB_HCA` (ports=True) or `NCCL_SOCKET_IFNAME` (ports=False) value.
+
+    Raises:
+        ValueError: a port that is not a number (`mlx5_0:x`).
+    """
+    spec = (value or "").strip()
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    items: list[tuple[str, int | None]] = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        name, sep, port = tok.partition(":") if ports else (tok, "", "")
+        if sep and not port.isdigit():
+            raise ValueError(f"NCCL_IB_HCA token {tok!r}: the port after ':' must be a number")
+        items.append((name, int(port) if sep else None))
+    return NcclFilter(exclude, exact, tuple(items))
+
+
+GDR_LEVELS = {"LOC": -1, "PIX": TopoLevel.PIX.rank, "PXB": TopoLevel.PXB.rank, "PHB": TopoLevel.PHB.rank,
+              "SYS": TopoLevel.SYS.rank}
+"""`NCCL_NET_GDR_LEVEL` (formerly `NCCL_IB_GDR_LEVEL`) names: GPUDirect RDMA is used when the GPU-NIC path is at
+most this far (LOC never, SYS always). The deprecated integers 0-4 are LOC, PIX, PXB, PHB, SYS. NCCL has no NODE
+level: a path between host bridges of one NUMA node (nvidia-smi's NODE) is PHB to it."""
+
+
+def parse_gdr_level(value: str) -> tuple[str, int]:
+    """(name, rank) of an `NCCL_NET_GDR_LEVEL` value. Raises ValueError for anything else."""
+    v = value.strip().upper()
+    if v.isdigit() and int(v) <= 4:
+        v = ("LOC", "PIX", "PXB", "PHB", "SYS")[int(v)]
+    if v not in GDR_LEVELS:
+        raise ValueError(f"NCCL_NET_GDR_LEVEL={value!r}: expected LOC, PIX, PXB, PHB, SYS (or 0-4)")
+    return v, GDR_LEVELS[v]
+
+
+def _nccl_rank(level: TopoLevel) -> int:
+    return TopoLevel.PHB.rank if level is TopoLevel.NODE else level.rank
+
+
+@dataclass(frozen=True)
+class NcclFinding:
+    """One thing a job's NCCL environment gets wrong on one node: which variable, which GPU (None: node-wide),
+    the value expected and the value given, and why."""
+
+    node: str
+    variable: str
+    gpu: str | None
+    expected: str
+    given: str
+    why: str
+
+
+def _hca_ports(fp: Fingerprint) -> dict[str, list[int]]:
+    """RDMA device → its port numbers, from the `ib.<role>.<dev>.<port>.state` settings ([1] when unknown)."""
+    out: dict[str, list[int]] = {n.ib_device: [] for n in fp.nics if n.ib_device}
+    for key in fp.settings:
+        parts = key.split(".")
+        if len(parts) == 5 and parts[0] == "ib" and parts[2] in out and parts[3].isdigit():
+            out[parts[2]].append(int(parts[3]))
+    return {h: sorted(set(p)) or [1] for h, p in out.items()}
+
+
+def nccl_env_findings(env: dict[str, str], fp: Fingerprint) -> list[NcclFinding]:
+    """Check a job's NCCL environment against one node's fingerprint (its GPUs' nearest NICs, their roles and NUMA
+    nodes). Only the variables present in `env` are checked; syntax: `NcclFilter`, `GDR_LEVELS` (NCCL_DOCS).
+
+    - `NCCL_IB_HCA`: a GPU whose nearest compute NIC (PIX/PXB) is not selected gets a finding naming the GPU, the
+      NIC expected and what NCCL is left with (the nearest selected NIC, SYS when it is on the other NUMA node); a
+      selected storage or management HCA, a name matching no RDMA device, and a filter selecting none are findings.
+    - `NCCL_SOCKET_IFNAME`: an include list matching none of the node's PCI network interfaces (bootstrap fails or
+      takes a virtual interface).
+    - `NCCL_NET_GDR_LEVEL` (or `NCCL_IB_GDR_LEVEL`): LOC turns GPUDirect RDMA off for every GPU; a level below a
+      GPU's path to its NIC turns it off for that GPU (traffic staged through host memory).
+    At most `MAX_NCCL_FINDINGS_PER_NODE` findings; an unparsable value is one finding.
+    """
+    out: list[NcclFinding] = []
+    node = fp.node
+
+    def add(var: str, gpu: str | None, expected: str, given: str, why: str) -> None:
+        out.append(NcclFinding(node, var, gpu, expected, given, why))
+
+    by_bdf = {n.pci_bus_id: n for n in fp.nics}
+    hcas = {n.ib_device: n for n in fp.nics if n.ib_device}
+    nearest_used: dict[str, tuple[str, str]] = {}
+    """GPU → (HCA NCCL would use, its level as NCCL names it)."""
+    if "NCCL_IB_HCA" in env and hcas:
+        value = env["NCCL_IB_HCA"]
+        try:
+            flt = parse_nccl_filter(value)
+        except ValueError as e:
+            flt = None
+            add("NCCL_IB_HCA", None, "HCA names, optional :port", value, str(e))
+        if flt is not None:
+            ports = _hca_ports(fp)
+            selected = sorted(h for h in hcas if any(flt.selects(h, p) for p in ports[h]))
+            if not flt.exclude:
+                for name, _port in flt.items:
+                    if not any(flt.matches(h, name) for h in hcas):
+                        add("NCCL_IB_HCA", None, "names of this node's RDMA devices: " + ", ".join(sorted(hcas)),
+                            name, f"{name!r} matches no RDMA device here")
+            if not selected:
+                add("NCCL_IB_HCA", None, ", ".join(sorted(h for h in hcas if hcas[h].role is DeviceRole.COMPUTE)),
+                    value or "(unset)", "selects no RDMA device: NCCL falls back to TCP sockets")
+            for h in selected:
+                n = hcas[h]
+                if n.role in (DeviceRole.STORAGE, DeviceRole.MANAGEMENT):
+                    add("NCCL_IB_HCA", None, "compute HCAs only", f"{h} ({n.role.value}, {n.pci_bus_id})",
+                        f"selects the {n.role.value} NIC {h}: collective traffic shares the {n.role.value} network "
+                        "and leaves no GPU through its own rail")
+            for g in fp.gpus:
+                nic = by_bdf.get(g.nearest_nic or "")
+                if nic is None or not nic.ib_device or g.nic_level is None:
+                    continue
+                if g.nic_level.rank > TopoLevel.PXB.rank or nic.role is not DeviceRole.COMPUTE:
+                    continue  # no GPU-local NIC for this GPU: nothing to expect
+                if nic.ib_device in selected:
+                    nearest_used[g.pci_bus_id] = (nic.ib_device, g.nic_level.value)
+                    continue
+                others = [hcas[h] for h in selected]
+                same = [o for o in others if g.numa_node is not None and o.numa_node == g.numa_node]
+                if same:
+                    use, level = min(same, key=lambda o: o.ib_device or ""), "PHB"
+                    where = f"{use.ib_device} on the same NUMA node {g.numa_node} (through the CPU, PHB at best)"
+                elif others:
+                    use, level = min(others, key=lambda o: o.ib_device or ""), "SYS"
+                    where = (f"{use.ib_device} on NUMA node {use.numa_node if use.numa_node is not None else '?'}"
+                             f" (SYS: across the socket interconnect)")
+                else:
+                    continue
+                nearest_used[g.pci_bus_id] = (use.ib_device or "", level)
+                add("NCCL_IB_HCA", g.pci_bus_id, f"{nic.ib_device} ({g.nic_level.value}, NUMA {g.numa_node})",
+                    value or "(unset)", f"GPU {g.pci_bus_id}'s own NIC {nic.ib_device} is left out; its traffic "
+                    f"goes through {where}")
+    if "NCCL_SOCKET_IFNAME" in env:
+        value = env["NCCL_SOCKET_IFNAME"]
+        flt_s = parse_nccl_filter(value, ports=False)
+        ifs = sorted({i for n in fp.nics for i in n.netdevs})
+        if ifs and flt_s.items and not flt_s.exclude and not any(flt_s.selects(i) for i in ifs):
+            add("NCCL_SOCKET_IFNAME", None, "one of " + ", ".join(ifs), value,
+                "matches none of this node's PCI network interfaces (bootstrap fails, or uses a virtual one)")
+    gdr_var = "NCCL_NET_GDR_LEVEL" if "NCCL_NET_GDR_LEVEL" in env else "NCCL_IB_GDR_LEVEL"
+    if gdr_var in env and fp.gpus and hcas:
+        value = env[gdr_var]
+        try:
+            name, rank = parse_gdr_level(value)
+        except ValueError as e:
+            add(gdr_var, None, "LOC, PIX, PXB, PHB or SYS", value, str(e))
+        else:
+            if rank < 0:
+                paths = [_nccl_rank(g.nic_level) for g in fp.gpus if g.nic_level is not None]
+                need = next(k for k, r in GDR_LEVELS.items() if r == max(paths)) if paths else "PIX"
+                add(gdr_var, None, f"at least {need} (the GPU-NIC paths here)", value,
+                    "LOC turns GPUDirect RDMA off for every GPU: NIC traffic is staged through host memory")
+            else:
+                for g in fp.gpus:
+                    used = nearest_used.get(g.pci_bus_id)
+                    if used is None and g.nearest_nic in by_bdf and g.nic_level is not None:
+                        used = (by_bdf[g.nearest_nic].ib_device or g.nearest_nic, g.nic_level.value)
+                    if used is None:
+                        continue
+                    path = TopoLevel(used[1])
+                    if _nccl_rank(path) > rank:
+                        add(gdr_var, g.pci_bus_id, f"at least {path.value if path is not TopoLevel.NODE else 'PHB'}",
+                            value, f"GPU {g.pci_bus_id} reaches {used[0]} over {path.value}, beyond {name}: "
+                            "GPUDirect RDMA is off for it (staged through host memory)")
+    if len(out) > MAX_NCCL_FINDINGS_PER_NODE:
+        rest = len(out) - (MAX_NCCL_FINDINGS_PER_NODE - 1)
+        out = out[:MAX_NCCL_FINDINGS_PER_NODE - 1] + [NcclFinding(node, "-", None, "-", "-",
+                                                                  f"{rest} more findings left out")]
+    return out
+
+
 @dataclass(frozen=True)
 class NcclHcaCheck:
     """What a job's `NCCL_IB_HCA` selects on one node against its GPU-local (compute) HCAs."""
@@ -372,23 +588,68 @@ def nccl_ib_hca(value: str | None, fp: Fingerprint) -> NcclHcaCheck:
 
     NCCL's syntax (NCCL environment variables docs): a comma list of HCA names, each optionally `:port`; a leading
     `^` excludes the listed ones instead; a leading `=` makes the names exact, otherwise each is a prefix
-    (`mlx5` selects every `mlx5_*`). Unset or empty selects every HCA. Ports are ignored here (HCA level).
+    (`mlx5` selects every `mlx5_*`). Unset or empty selects every HCA. HCA level (`parse_nccl_filter`); the
+    per-GPU check with ports and GDR level is `nccl_env_findings`.
+
+    Raises:
+        ValueError: a port that is not a number.
     """
     hcas = sorted(n.ib_device for n in fp.nics if n.ib_device)
     compute = tuple(sorted(n.ib_device for n in fp.nics if n.ib_device and n.role is DeviceRole.COMPUTE))
-    spec = (value or "").strip()
-    exclude, exact = spec.startswith("^"), False
-    spec = spec.lstrip("^")
-    if spec.startswith("="):
-        exact, spec = True, spec[1:]
-    names = [p.split(":")[0].strip() for p in spec.split(",") if p.strip()]
-
-    def named(h: str) -> bool:
-        return any(h == n if exact else h.startswith(n) for n in names)
-
-    if not names:
-        selected = hcas
-    else:
-        selected = [h for h in hcas if named(h) != exclude]
+    flt = parse_nccl_filter(value)
+    selected = [h for h in hcas if flt.selects(h)]
     return NcclHcaCheck(tuple(selected), compute, tuple(h for h in compute if h not in selected),
                         tuple(h for h in selected if h not in compute))
+
+
+def placements(fp: Fingerprint) -> dict[str, list[str | int | None]]:
+    """GPU PCI address → [nearest NIC, its level, nearest NVMe, its level, NUMA node]: the part of the fingerprint
+    the topology hash is made of, kept to say *what* moved after a repair (JSON-friendly)."""
+    return {g.pci_bus_id: [g.nearest_nic, g.nic_level.value if g.nic_level else None, g.nearest_nvme,
+                           g.nvme_level.value if g.nvme_level else None, g.numa_node] for g in fp.gpus}
+
+
+def _render(p: list[str | int | None]) -> str:
+    return (f"nic {p[0] or '-'} {p[1] or '-'} nvme {p[2] or '-'} {p[3] or '-'} "
+            f"numa {p[4] if p[4] is not None else '-'}")
+
+
+def _farther_or_other(dev_before: str | int | None, level_before: str | int | None, dev_after: str | int | None,
+                      level_after: str | int | None) -> bool:
+    def rank(level: str | int | None) -> int:
+        return TopoLevel(level).rank if isinstance(level, str) and level in TopoLevel.__members__ else 99
+
+    rb, ra = rank(level_before), rank(level_after)
+    return ra > rb or (ra == rb and dev_after != dev_before)
+
+
+def placement_changes(before: dict[str, list[str | int | None]], after: dict[str, list[str | int | None]],
+                      limit: int = 16) -> list[str]:
+    """`GPU <bdf>: <before> -> <after>` for each GPU that was there before and is gone, or whose nearest NIC or NVMe
+    is now farther, or as near through another device; at most `limit` lines. A GPU that is new, or now nearer its
+    NIC/NVMe than before, is no change: the fault that drained the node may have taken that device away, and the
+    repair brought it back."""
+    out = []
+    for g in sorted(before):
+        b, a = before[g], after.get(g)
+        if a is None:
+            out.append(f"GPU {g}: {_render(b)} -> gone")
+        elif _farther_or_other(b[0], b[1], a[0], a[1]) or _farther_or_other(b[2], b[3], a[2], a[3]):
+            out.append(f"GPU {g}: {_render(b)} -> {_render(a)}")
+    return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
+
+
+def topology_like_peers(report: DriftReport, hardware: str, value: str,
+                        allowed: dict[str, AllowedSet] | None = None) -> bool:
+    """True when topology hash `value` is what the node's peers have: the `topology.hash` cohort of class
+    `hardware` (of at least two nodes) is uniform or has a clear majority with that value, or an allowed set
+    (`fleetmend drift allow topology.hash …`) holds it. A repair that leaves a node like its peers made it right,
+    whatever it was before."""
+    a = (allowed or {}).get("topology.hash")
+    if a is not None:
+        return value in a.values
+    for c in report.cohorts:
+        if c.key == "topology.hash" and c.hardware == hardware:
+            return (c.verdict.status in (CohortStatus.UNIFORM, CohortStatus.DRIFT) and c.verdict.mode == value
+                    and c.verdict.size >= 2)  # alone in its class, a node is like nobody
+    return False

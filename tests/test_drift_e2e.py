@@ -53,11 +53,11 @@ async def _agents(s: Any, tmp_path: Path, specs: dict[str, HostSpec], stop: asyn
     return tasks, probes
 
 
-def _cli(s: Any, *args: str) -> dict[str, Any]:
+def _cli(s: Any, *args: str, rc: int = 0) -> dict[str, Any]:
     env = dict(os.environ, FLEETMEND_NATS_URL=s.nats_url, FLEETMEND_CLUSTER=s.cluster)
     res = subprocess.run([sys.executable, "-m", "fleetmend.cli.main", *args], env=env,
                          capture_output=True, text=True, timeout=60, check=False)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == rc, res.stderr
     return json.loads(res.stdout)
 
 
@@ -171,6 +171,14 @@ async def test_three_against_three_is_a_split_and_opens_nothing(nats_server, tmp
         hca = _cli(s, "inventory", "gpu-0", "--nccl-ib-hca", "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
                    "--json")
         assert hca["ok"] and hca["compute"] == [f"mlx5_{i}" for i in range(8)]
+        # a job's NCCL_IB_HCA against its nodes' fingerprints (no benchmark): which GPU, which NIC, what is given
+        nccl = _cli(s, "sweep", "gpu-0", "gpu-1", "gpu-9", "--nccl-only", "--nccl-env", "NCCL_IB_HCA=^=mlx5_3",
+                    "--nccl-env", "NCCL_DEBUG=INFO", "--json", rc=1)["nccl"]
+        assert [(f["node"], f["gpu"], f["expected"]) for f in nccl["findings"]] == [
+            ("gpu-0", "0000:61:00.0", "mlx5_3 (PIX, NUMA 0)"), ("gpu-1", "0000:61:00.0", "mlx5_3 (PIX, NUMA 0)")]
+        assert nccl["without_fingerprint"] == ["gpu-9"] and nccl["not_checked"] == ["NCCL_DEBUG"]
+        ok = _cli(s, "sweep", "gpu-0", "gpu-1", "--nccl-only", "--nccl-env", "NCCL_IB_HCA=mlx5", "--json")["nccl"]
+        assert ok["findings"] == [] and ok["nodes"] == 2
         versions = _cli(s, "versions", "--json")
         (hw,) = versions["classes"]
         assert versions["classes"][hw]["nvidia_driver"] == {"550.90.07": 6}

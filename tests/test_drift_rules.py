@@ -195,3 +195,22 @@ def test_nccl_ib_hca_against_the_gpu_local_hcas() -> None:
     chk = nccl_ib_hca("mlx5_0:1,mlx5_1:1", node)
     assert chk.missing == ("mlx5_2", "mlx5_3") and chk.extra == ()
     assert nccl_ib_hca("mlx5", node).extra == ("mlx5_4",)  # a prefix selects every mlx5_*
+
+
+def test_placement_changes_after_a_repair() -> None:
+    """Only what got worse or moved counts: a GPU gone, a NIC/NVMe farther, or as near through another device; a
+    device back (the drain's fault had taken it) or a GPU new is no change."""
+    from fleetmend.drift import placement_changes
+
+    before = {"g0": ["n0", "PIX", "d0", "PIX", 0], "g1": ["n1", "PIX", None, None, 0], "g2": ["n9", "SYS", None, None, 1]}
+    assert placement_changes(before, dict(before)) == []
+    after = {"g0": ["n0", "PIX", "d0", "PIX", 0], "g1": ["n1", "PIX", "d1", "PXB", 0], "g2": ["n2", "PIX", None, None, 1],
+             "g3": ["n3", "PIX", None, None, 1]}
+    assert placement_changes(before, after) == []  # g1 gained an NVMe, g2 its own NIC back, g3 is new
+    moved = {"g0": ["n5", "PIX", "d0", "PIX", 0], "g1": ["n1", "NODE", None, None, 0]}
+    assert placement_changes(before, moved) == [
+        "GPU g0: nic n0 PIX nvme d0 PIX numa 0 -> nic n5 PIX nvme d0 PIX numa 0",
+        "GPU g1: nic n1 PIX nvme - - numa 0 -> nic n1 NODE nvme - - numa 0",
+        "GPU g2: nic n9 SYS nvme - - numa 1 -> gone"]
+    many = {f"g{i}": ["n", "PIX", None, None, 0] for i in range(20)}
+    assert placement_changes(many, {}, limit=3)[-1] == "17 more"

@@ -98,3 +98,54 @@ def test_source_selection(tmp_path: Path) -> None:
     assert default_source(tmp_path / "control") == "udev"
     with pytest.raises(ValueError, match="expected auto, udev, kernel"):
         UdevProbe("udevd")
+
+
+def test_a_uevent_burst_triggers_one_fresh_fingerprint(netns: str, tmp_path: Path) -> None:
+    """The inventory probe listens to real kernel uevents (pyudev source='kernel', here inside a network namespace):
+    a veth pair created and deleted (four net uevents within a second) gives exactly one fresh read, after the
+    debounce, with the poll and the interval an hour away."""
+    import json
+
+    from tests.fixtures.hosts.synth import build_host
+
+    root = build_host(tmp_path / "host")
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "tests.udev_inventory_child",
+                             str(root)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()  # type: ignore[union-attr]
+    if line != "ready":
+        proc.kill()
+        raise AssertionError(f"child did not start: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
+    subprocess.run(["ip", "-n", netns, "link", "add", "fmi0", "type", "veth", "peer", "name", "fmi1"], check=True)
+    subprocess.run(["ip", "-n", netns, "link", "del", "fmi0"], check=True)
+    out, err = proc.communicate(timeout=40)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["reads"] == 2, (got, err[-2000:])
+    assert got["reasons"][0] == "start" and got["last_reason"].startswith("udev add net fmi"), got
+    assert "udev add net" in got["pending_by"]
+
+
+def test_without_a_uevent_socket_the_poll_stays(tmp_path: Path) -> None:
+    """A monitor that cannot be opened (an unknown source here; no permission or no pyudev on a host) is logged
+    and the device poll carries on."""
+    import asyncio
+
+    from agents.inventory.probe import InventoryProbe
+    from tests.fixtures.hosts.synth import build_host
+
+    async def go() -> InventoryProbe:
+        probe = InventoryProbe(build_host(tmp_path / "h"), "c", "n", interval_s=3600, change_poll_s=0.05,
+                               udev_source="nonsense")
+        task = asyncio.create_task(probe.run(None))
+        while probe.reads < 1:
+            await asyncio.sleep(0.02)
+        (tmp_path / "h/sys/class/net/fmx0").mkdir(parents=True)  # a new netdev: the poll sees it
+        for _ in range(200):
+            if probe.reads >= 2:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return probe
+
+    probe = asyncio.run(go())
+    assert not probe.udev_listening.is_set() and probe.reads == 2 and probe.last_reason == "device poll"

@@ -58,6 +58,12 @@ class PciDevice:
         return (self.pci_class >> 8) == 0x0108
 
     @property
+    def is_nvswitch(self) -> bool:
+        """An NVSwitch: vendor 0x10de, class 0x068000 ("Bridge: other"), as NVIDIA's go-nvlib tells them apart
+        (pkg/nvpci/nvpci.go `PCINvSwitchClass`; NCCL's src/transport/nvlink reads the same class file)."""
+        return self.vendor == 0x10DE and self.pci_class == 0x068000
+
+    @property
     def is_bridge(self) -> bool:
         return (self.pci_class >> 8) == 0x0604
 

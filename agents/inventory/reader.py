@@ -27,6 +27,11 @@ Key, what is read, note:
   `sys/class/net/<if>/mtu`.
 - `roce.<role>.<dev>.traffic_class`, `roce.<role>.<if>.ecn`: `sys/class/infiniband/<dev>/tc/1/traffic_class`,
   `sys/class/net/<if>/ecn/roce_np/enable/<prio>` (Ethernet link layer only).
+- `fabric.manager`: `running` or `stopped`, only where NVSwitches are on the PCI bus (vendor 0x10de, class
+  0x068000) and `proc/<pid>/comm` can be read: the fabric manager's process is `nv-fabricmanager` (comm keeps 15
+  characters: `nv-fabricmanage`).
+- `irq.balance`: `running` or `stopped` (a process `irqbalance` in `proc/<pid>/comm`); left out where no process
+  can be read (a recorded tree without `proc/<pid>`).
 - `gpu.persistence_mode`, `gpu.ecc`, `gpu.mig`, `gpu.power_limit`, `gpu.app_clocks`: NVML (`nvml=`), current vs
   pending, enforced vs default limit, application clocks vs max.
 
@@ -36,7 +41,7 @@ Versions: `nvidia_driver` (`sys/module/nvidia/version`), `vbios` (`proc/driver/n
 (`information` "Model:" or the PCI id) and count, `sys/class/dmi/id/product_name`, `proc/cpuinfo` model name and
 distinct physical ids, HCA `board_id` (PSID).
 
-Not read here (no file to read; left for a later probe): fabric manager unit state, irqbalance, NCCL environment.
+Not read here: the NCCL environment (a job's, not the node's: `fleetmend sweep --nccl-env`).
 """
 
 from __future__ import annotations
@@ -127,6 +132,20 @@ def _nic_role(nic: PciDevice, gpus: list[PciDevice], default_route_ifs: set[str]
     if default_route_ifs & set(netdevs):
         return DeviceRole.MANAGEMENT
     return DeviceRole.STORAGE
+
+
+def process_names(root: Path) -> set[str] | None:
+    """The `comm` of every process under `root/proc` (kernel threads included), or None when there is no
+    numeric `proc/<pid>` to read (not applicable: a recorded tree, a container without the host's PID namespace).
+    A few hundred small reads: ~2 ms."""
+    pids = [p for p in _listdir(root / "proc") if p.isdigit()]
+    if not pids:
+        return None
+    return {c for p in pids if (c := read_text(root / "proc" / p / "comm"))}
+
+
+FABRIC_MANAGER_COMM = "nv-fabricmanage"
+"""`/proc/<pid>/comm` of `nv-fabricmanager` (TASK_COMM_LEN 16: 15 characters kept)."""
 
 
 def _default_route_ifs(root: Path) -> set[str]:
@@ -377,6 +396,13 @@ def read_fingerprint(host_root: Path | str, cluster: str, node: str, *, nvml: An
             if prios:
                 on = [p for p in prios if read_text(ecn / p) == "1"]
                 put(f"roce.{role.value}.{ifname}.ecn", "on:" + ",".join(on) if on else "off", role)
+
+    # --- services: the fabric manager on NVSwitch boards, irqbalance (it rewrites the IRQ affinity above)
+    procs = process_names(root)
+    if procs is not None:
+        if any(d.is_nvswitch for d in devices.values()):
+            put("fabric.manager", "running" if any(c.startswith(FABRIC_MANAGER_COMM) for c in procs) else "stopped")
+        put("irq.balance", "running" if "irqbalance" in procs else "stopped")
 
     if nvml is not None and gpus:
         _nvml_settings(nvml, settings, versions)

@@ -27,10 +27,14 @@ app = typer.Typer(invoke_without_command=True, help="Configuration drift: cohort
 
 
 def report_json(report: DriftReport, cluster: str, nodes: int,
-                topology: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                topology: list[dict[str, Any]] | None = None,
+                repairs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `--json` shape: cluster, nodes, deviations (node, key, found, expected, layer, reason, source, check,
-    kind, fix, wanted, role, hardware), cohorts (hardware, role, key, size, majority, share, status), splits and
-    topology_changes (node, at, seen_by, changed: see `topology_changes`)."""
+    kind, fix, wanted, role, hardware), cohorts (hardware, role, key, size, majority, share, status), splits,
+    topology_changes (node, at, seen_by, changed: see `topology_changes`) and after_repair: `open` (nodes whose
+    topology changed across a repair and is not their peers': a `config_drift_topology_repair` fault each) and
+    `recent` findings (node, drained_at, at, before, after, changed, like_peers; unix times), from the drift
+    judge's repair watch (`fleetmend.analyzer.drift.RepairWatch`)."""
     cohorts = [{"hardware": c.hardware, "role": c.role.value, "key": c.key, "size": c.verdict.size,
                 "majority": c.verdict.mode, "share": round(c.verdict.share, 3), "status": c.verdict.status.value}
                for c in report.cohorts]
@@ -40,14 +44,16 @@ def report_json(report: DriftReport, cluster: str, nodes: int,
                             "kind": d.kind, "fix": d.fix.value, "wanted": d.wanted, "role": d.role.value,
                             "hardware": d.hardware} for d in report.deviations],
             "cohorts": cohorts, "splits": [c for c in cohorts if c["status"] == "split"],
-            "topology_changes": topology or []}
+            "topology_changes": topology or [],
+            "after_repair": {"open": sorted((repairs or {}).get("open", {}).values(), key=lambda f: f["node"]),
+                             "recent": list((repairs or {}).get("recent", []))}}
 
 
 TOPOLOGY_LOOKBACK_S = 30 * 24 * 3600.0
 """How far back `fleetmend drift` looks for topology changes in `FINGERPRINT_STREAM` (a month of repairs)."""
 
 
-async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int, list[dict[str, Any]]]:
+async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int, list[dict[str, Any]], dict[str, Any]]:
     from fleetmend.analyzer.drift import DriftJudge  # lazy: nats, fleetmend.messages (see fleetmend.cli.common)
     from fleetmend.drift import judge
 
@@ -56,9 +62,21 @@ async def _judge(s: Settings, cluster: str) -> tuple[DriftReport, int, list[dict
         j = DriftJudge(cluster, nc.jetstream())
         fps = await j.fingerprints()
         report = judge(fps, j.invariants, await j.allowed(), j.quorum, j.majority)
-        return report, len(fps), await topology_changes(nc.jetstream(), cluster)
+        return report, len(fps), await topology_changes(nc.jetstream(), cluster), await repair_findings(
+            nc.jetstream(), cluster)
     finally:
         await nc.close()
+
+
+async def repair_findings(js: Any, cluster: str) -> dict[str, Any]:
+    """The drift judge's repair watch document (`repairs.<cluster>` in the analyzer bucket), {} before it wrote one."""
+    from fleetmend.analyzer.drift import repair_key
+
+    try:
+        kv = await js.key_value(subjects.ANALYZER_KV_BUCKET)
+        return dict(json.loads((await kv.get(repair_key(cluster))).value or b"{}"))
+    except Exception:  # noqa: BLE001 - no analyzer bucket or no document yet: nothing found
+        return {}
 
 
 async def topology_changes(js: Any, cluster: str, lookback_s: float = TOPOLOGY_LOOKBACK_S,
@@ -108,10 +126,14 @@ def drift(ctx: typer.Context, cluster: Optional[str] = ClusterOpt, as_json: bool
     if ctx.invoked_subcommand is not None:
         return
     s = settings(config, **({"cluster": cluster} if cluster else {}))
-    report, nodes, topo = run(_judge(s, s.cluster))
+    report, nodes, topo, repairs = run(_judge(s, s.cluster))
     if as_json:
-        sys.stdout.write(json.dumps(report_json(report, s.cluster, nodes, topo), indent=2) + "\n")
+        sys.stdout.write(json.dumps(report_json(report, s.cluster, nodes, topo, repairs), indent=2) + "\n")
         return
+    for f in sorted(repairs.get("open", {}).values(), key=lambda f: f["node"]):
+        out.print(f"[red]topology of {escape(f['node'])} changed across its repair[/red] (drained "
+                  f"{datetime.fromtimestamp(f['drained_at'], timezone.utc):%Y-%m-%d %H:%M}Z; hash {escape(f['before'])}"
+                  f" -> {escape(f['after'])}, not its peers'): {escape('; '.join(f['changed'][:4]))}")
     for tc in topo:
         out.print(f"topology of {escape(tc['node'])} changed at {tc['at'][:19]} ({escape(tc['seen_by'])}): "
                   f"{escape(', '.join(tc['changed'][:6]))}")

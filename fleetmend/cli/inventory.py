@@ -64,7 +64,11 @@ def inventory(node: str = typer.Argument(..., help="Node name."), cluster: Optio
     if nccl_ib_hca is not None:
         from fleetmend.drift import nccl_ib_hca as check_hca
 
-        chk = check_hca(nccl_ib_hca, fp)
+        try:
+            chk = check_hca(nccl_ib_hca, fp)
+        except ValueError as e:
+            err.print(f"[red]{escape(str(e))}[/red]")
+            raise typer.Exit(2) from e
         result = {"node": node, "nccl_ib_hca": nccl_ib_hca, "selected": list(chk.selected),
                   "compute": list(chk.compute), "missing": list(chk.missing), "extra": list(chk.extra), "ok": chk.ok}
         if as_json:

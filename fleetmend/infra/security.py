@@ -138,6 +138,8 @@ def role_permissions(role: str) -> dict | None:
                    f"DIRECT.GET.{kv}.>")
         fs = subjects.FINGERPRINT_STREAM  # the drift judge creates the fingerprint stores and reads them
         api += _api(f"STREAM.INFO.{fs}", f"STREAM.CREATE.{fs}")
+        pool = f"KV_{subjects.PERMIT_KV_BUCKET}"  # the drift judge's repair watch reads (only) who is drained
+        api += _api(f"STREAM.INFO.{pool}", f"STREAM.MSG.GET.{pool}", f"DIRECT.GET.{pool}", f"DIRECT.GET.{pool}.>")
         drift = [*_kv_bucket(subjects.FINGERPRINT_KV_BUCKET), *_kv_bucket(subjects.DRIFT_ALLOW_KV_BUCKET)]
         return {"publish": {"allow": [*api, *drift, f"$KV.{subjects.ANALYZER_KV_BUCKET}.>", f"$JS.FC.{ps}.>",
                                       f"$JS.FC.{js_}.>", subjects.all_faults_subject(), subjects.DEADLETTER_SUBJECT]},
