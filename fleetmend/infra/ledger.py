@@ -184,6 +184,11 @@ class LedgerStore:
         device = note.get("device")
         part, serial = L.part_of(device, serials, note.get("serial"))
         superseded: list[tuple[Head, Detail]] = []
+        # the note of another occurrence (the router notes a condition once a minute) dates this fault's routing
+        # only when it was routed after this fault line: else the time to detect is unknown, never made up
+        routed_at = note.get("routed_at")
+        if routed_at is not None and observed_at is not None and routed_at < observed_at:
+            routed_at = None
 
         def change(head: Head | None, detail: Detail) -> tuple[Head, Detail] | None:
             superseded.clear()
@@ -199,7 +204,7 @@ class LedgerStore:
                 "rack": self.topology.domain(node).rack, "hw_class": _hw_key(hw) if hw else None,
                 "gpu_count": int(hw.get("gpu_count") or 0) or None, "fault_class": note.get("fault_class") or fault_class,
                 "kind": note.get("kind"), "code": note.get("code"), "device": device, "severity": note.get("severity"),
-                "routed_at": note.get("routed_at"), "drained_at": router_claim_at if by_router else now,
+                "routed_at": routed_at, "drained_at": router_claim_at if by_router else now,
                 "drained_by": "router" if by_router else "incident", "drain_state": state,
                 "versions_drain": fp.get("versions") or {}, "part": part, "part_serial_drain": serial,
             })
