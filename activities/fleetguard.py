@@ -163,7 +163,8 @@ class FleetGuardActivities:
         await self.gate.release(rel.cluster, rel.node)
         await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)
         if self.ledger is not None:
-            await self.ledger.closed(cluster=rel.cluster, node=rel.node, workflow_id=activity.info().workflow_id,
+            wid = activity.info().workflow_id or subjects.workflow_id(rel.cluster, rel.node)
+            await self.ledger.closed(cluster=rel.cluster, node=rel.node, workflow_id=wid,
                                      outcome=rel.outcome.value)
 
     @activity.defn(name=Activity.SYNC_PERMIT_POOL)

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from fleetmend import subjects
 from fleetmend.infra.ledger import LedgerStore
 from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
 from fleetmend.messages import Activity, DrainRequest, DrainResult, UndrainRequest, UndrainResult
@@ -105,7 +106,8 @@ class PooledDrainActivities:
                 claimed = None
             res.repeat_part = await self._ledger.drained(
                 cluster=req.cluster, node=req.node, incident_id=req.incident_id,
-                workflow_id=activity.info().workflow_id, observed_at=req.observed_at, reason=req.reason,
+                workflow_id=activity.info().workflow_id or subjects.workflow_id(req.cluster, req.node),
+                observed_at=req.observed_at, reason=req.reason,
                 drained=res.drained, state=res.state, router_claim_at=claimed)
         return res
 

@@ -176,8 +176,9 @@ class NotifySettings(_Section):
     pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
     """PagerDuty Events API v2 endpoint."""
     events: list[str] = Field(default_factory=lambda: ["drained", "ticket_filed", "breaker_open", "lemon",
-                                                       "returned"])
-    """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned)."""
+                                                       "returned", "version_finding"])
+    """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned, version_finding: a fault class
+    concentrated on one driver/firmware value, from the incident ledger)."""
     pagerduty_events: list[str] = Field(default_factory=lambda: ["ticket_filed", "breaker_open", "lemon",
                                                                  "returned"])
     """Which events reach PagerDuty (a page): by default not every drain, only what needs a human

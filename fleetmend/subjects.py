@@ -41,7 +41,7 @@ DRIFT_ALLOW_KV_BUCKET = "fleetmend_drift_allow"
 LEDGER_KV_BUCKET = "fleetmend_ledger"
 """The incident ledger (`fleetmend.ledger`, `fleetmend.infra.ledger`): one record per drained incident, kept
 `ledger.max_age_days` (beyond Temporal's retention). Keys: `ledger_open_key`, `ledger_closed_key`,
-`ledger_route_key`, `ledger_part_key`, `ledger_finding_key`."""
+`ledger_route_key`, `ledger_part_key`."""
 """KV bucket of the fail-slow analyzer: `lease.<cluster>` (active replica) and `state.<cluster>`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -389,11 +389,6 @@ def ledger_part_key(serial: str) -> str:
     import hashlib
 
     return "part." + hashlib.sha1(serial.encode()).hexdigest()[:24]
-
-
-def ledger_finding_key(finding_id: str) -> str:
-    """`finding.<id>`: a version finding already notified (`fleetmend.report.Finding.id`, `[A-Za-z0-9_-]`)."""
-    return f"finding.{_check('finding', finding_id)}"
 
 
 def ledger_cluster_prefixes(cluster: str | None) -> tuple[str, str]:

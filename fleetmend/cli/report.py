@@ -138,7 +138,8 @@ def _print(rep: dict[str, Any]) -> None:
         out.print(f"part not replaced: {escape(x['node'])} {escape(str(x['part']))} serial {escape(str(x['serial']))} "
                   f"(ticket {escape(str(x['ticket']))}, {escape(str(x['fault_class']))})")
     for f in rep["findings"]:
-        out.print(f"[yellow]version finding {f['id']}[/yellow]: {escape(f['fault_class'])} on {f['nodes_with_fault_and_value']} of "
+        out.print(f"[yellow]version finding {f['id']}[/yellow]: {escape(f['fault_class'])} on "
+                  f"{f['nodes_with_fault_and_value']} of "
                   f"{f['nodes_with_fault']} faulty nodes with {escape(f['key'])}={escape(f['value'])} (fleet: "
                   f"{f['fleet_nodes_with_value']} of {f['fleet_nodes']}); {escape(f['test'])}; "
                   f"`fleetmend report --vendor-bundle {f['id']} DIR`")
