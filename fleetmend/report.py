@@ -65,14 +65,22 @@ class ReportParams:
 
 
 def hypergeom_sf(k: int, population: int, successes: int, draws: int) -> float:
-    """P(X ≥ k) for X ~ Hypergeometric(N=`population`, K=`successes`, n=`draws`), exact (math.comb)."""
+    """P(X ≥ k) for X ~ Hypergeometric(N=`population`, K=`successes`, n=`draws`): the first term exact
+    (`math.comb`, integer arithmetic), the rest by the pmf's ratio recurrence
+    pmf(x+1)/pmf(x) = (K−x)(n−x) / ((x+1)(N−K−n+x+1)), in floats (relative error ~1e-15 per term)."""
     if k <= 0:
         return 1.0
     hi = min(draws, successes)
     if k > hi:
         return 0.0
-    num = sum(math.comb(successes, x) * math.comb(population - successes, draws - x) for x in range(k, hi + 1))
-    return num / math.comb(population, draws)
+    term = math.comb(successes, k) * math.comb(population - successes, draws - k) / math.comb(population, draws)
+    total = 0.0
+    for x in range(k, hi + 1):
+        total += term
+        if term < total * 1e-17:
+            break  # the rest cannot change the sum
+        term *= (successes - x) * (draws - x) / ((x + 1) * (population - successes - draws + x + 1))
+    return min(1.0, total)
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
@@ -165,6 +173,7 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
     """
     recs = [r for r in records if r.get("drained_at") is not None]
     by: dict[str, dict[str, float]] = {k: defaultdict(float) for k in ("fault_class", "rack", "hw_class", "node")}
+    by_fc, by_rack, by_hw, by_node = by["fault_class"], by["rack"], by["hw_class"], by["node"]
     by_version: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     total = 0.0
     mttr, ttd, ttdrain, turnaround = [], [], [], []
@@ -175,53 +184,65 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
     not_replaced, slowness = [], []
     slow_total = 0.0
     window = []
+    since, now, default_gpus = p.since, p.now, p.default_gpus_per_node
     for r in recs:
-        h = gpu_hours_of(r, p)
-        span = out_of_service(r, p.now)
-        assert span is not None
-        overlaps = span[0] <= p.now and span[1] >= p.since
-        if not overlaps:
-            continue
+        drained = r["drained_at"]
+        end = r.get("returned_at") or r.get("closed_at") or now
+        if end < drained:
+            end = drained  # a clock step: never negative
+        if drained > now or end < since:
+            continue  # out of service wholly outside the window
         window.append(r)
+        g = r.get("gpu_count")
+        gpus = g if isinstance(g, int) and g > 0 else default_gpus
+        lo, hi = max(drained, since), min(end, now)
+        h = gpus * (hi - lo) / 3600.0 if hi > lo else 0.0
         total += h
-        by["fault_class"][r.get("fault_class") or "unknown"] += h
-        by["rack"][r.get("rack") or "-"] += h
-        by["hw_class"][r.get("hw_class") or "unknown"] += h
-        by["node"][r["node"]] += h
+        fc = r.get("fault_class") or "unknown"
+        by_fc[fc] += h
+        by_rack[r.get("rack") or "-"] += h
+        by_hw[r.get("hw_class") or "unknown"] += h
+        by_node[r["node"]] += h
         for key, value in (r.get("versions_drain") or {}).items():
             by_version[key][value] += h
-        if _in(r.get("returned_at"), p):
-            mttr.append((r["returned_at"] - r["drained_at"]) / 3600.0)
-        if _in(r["drained_at"], p):
-            if r.get("observed_at") is not None:
-                ttdrain.append(max(0.0, r["drained_at"] - r["observed_at"]))
+        returned = r.get("returned_at")
+        if returned is not None and since <= returned <= now:
+            mttr.append((returned - drained) / 3600.0)
+        drained_in = since <= drained <= now
+        if drained_in:
+            obs = r.get("observed_at")
+            if obs is not None:
+                ttdrain.append(max(0.0, drained - obs))
                 if r.get("routed_at") is not None:
-                    ttd.append(max(0.0, r["routed_at"] - r["observed_at"]))
-            per_node_class[(r["node"], r.get("fault_class") or "unknown")] += 1
-        if _in(r.get("ticket_closed_at"), p) and r.get("ticket_filed_at") is not None:
-            turnaround.append(max(0.0, r["ticket_closed_at"] - r["ticket_filed_at"]) / 3600.0)
-        if r.get("outcome") is None:
+                    ttd.append(max(0.0, r["routed_at"] - obs))
+            per_node_class[(r["node"], fc)] += 1
+            for why in (r.get("lemon"), r.get("repeat_part")):
+                if why:
+                    lemons[r["node"]].append(why)
+        tc = r.get("ticket_closed_at")
+        if tc is not None and since <= tc <= now and r.get("ticket_filed_at") is not None:
+            turnaround.append(max(0.0, tc - r["ticket_filed_at"]) / 3600.0)
+        outcome = r.get("outcome")
+        if outcome is None:
             outcomes["still_out"] += 1
-        elif _in(r.get("closed_at"), p):
-            outcomes[r["outcome"]] += 1
-            closed_after_drain += 1
-        for why in (r.get("lemon"), r.get("repeat_part")):
-            if why and _in(r["drained_at"], p):
-                lemons[r["node"]].append(why)
+        else:
+            closed = r.get("closed_at")
+            if closed is not None and since <= closed <= now:
+                outcomes[outcome] += 1
+                closed_after_drain += 1
         if r.get("part_not_replaced"):
             not_replaced.append({"node": r["node"], "fault_class": r.get("fault_class"), "part": r.get("part"),
                                  "serial": r.get("part_serial_drain"), "ticket": r.get("ticket"),
                                  "returned_at": r.get("returned_at")})
         slow = r.get("slow")
-        if slow and slow.get("ratio") and _in(r["drained_at"], p):
+        if slow and slow.get("ratio") and drained_in:
             ratio = float(slow["ratio"])
             lost = 1.0 - min(ratio, 1.0 / ratio) if ratio > 0 else 0.0
-            gpus = int(slow.get("job_gpus") or 0) if slow.get("job") else 0
-            gpus = gpus or gpus_of(r, p)
-            gh = lost * float(slow.get("slow_s") or 0) / 3600.0 * gpus
+            sgpus = (int(slow.get("job_gpus") or 0) if slow.get("job") else 0) or gpus
+            gh = lost * float(slow.get("slow_s") or 0) / 3600.0 * sgpus
             slow_total += gh
             slowness.append({"node": r["node"], "metric": slow.get("metric"), "ratio": ratio, "lost_pace": round(lost, 4),
-                             "slow_h": round(float(slow.get("slow_s") or 0) / 3600.0, 3), "gpus": gpus,
+                             "slow_h": round(float(slow.get("slow_s") or 0) / 3600.0, 3), "gpus": sgpus,
                              "job": slow.get("job") or None, "gpu_hours": round(gh, 3)})
     for (node, fc), n in per_node_class.items():
         if n >= p.lemon_repairs:

@@ -454,22 +454,22 @@ async def scan(js: Any, bucket: str, prefix: str, take: Callable[[str, bytes], N
     if not info.state.messages:
         return 0
     done = asyncio.Event()
-    seen = [0, -1]  # delivered, expected
+    seen = [0]
 
     async def on_msg(m: Any) -> None:
         seen[0] += 1
         if m.data and not (m.headers and m.headers.get("KV-Operation") in ("DEL", "PURGE")):
             take(m.subject[len(pre):], m.data)
-        if seen[0] == seen[1]:
+        if m.metadata.num_pending == 0:  # the server's count after this message: it was the last
             done.set()
 
     sub = await js.subscribe(f"{pre}{prefix}>", stream=stream, ordered_consumer=True,
                              deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=on_msg, pending_msgs_limit=-1,
                              pending_bytes_limit=-1)
     try:
-        seen[1] = seen[0] + (await sub.consumer_info()).num_pending
-        if seen[0] >= seen[1]:
-            done.set()
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and not info.delivered.consumer_seq:
+            done.set()  # nothing under this prefix
         async with asyncio.timeout(timeout_s):
             await done.wait()
     finally:
