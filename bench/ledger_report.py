@@ -104,7 +104,7 @@ async def phase(url: str, which: str) -> dict:
     import nats
 
     from fleetmend.infra.ledger import LedgerStore, scan
-    from fleetmend.report import ReportParams, build_report
+    from fleetmend.report import FIELDS, ReportParams, build_report
 
     nc = await nats.connect(url)
     store = LedgerStore(nc.jetstream())
@@ -120,7 +120,7 @@ async def phase(url: str, which: str) -> dict:
         await scan(nc.jetstream(), subjects.LEDGER_KV_BUCKET, f"inc.{CLUSTER}.", take)
         out = {"records": got[0], "bytes": got[1]}
     else:
-        heads = await store.read_heads(CLUSTER)
+        heads = await store.read_heads(CLUSTER, fields=FIELDS)
         fleet = await store.fleet(CLUSTER)
         now = time.time()
         rep = build_report(heads, ReportParams(since=now - 30 * 86400, now=now), fleet=fleet, cluster=CLUSTER)

@@ -51,6 +51,12 @@ HOW: dict[str, str] = {
 }
 
 
+FIELDS = ("cluster", "node", "incident_id", "fault_class", "rack", "hw_class", "gpu_count", "observed_at", "routed_at",
+          "drained_at", "returned_at", "closed_at", "outcome", "ticket", "ticket_filed_at", "ticket_closed_at", "lemon",
+          "repeat_part", "part", "part_serial_drain", "part_not_replaced", "slow", "versions_drain")
+"""The record keys the report reads (`fleetmend.ledger`): a reader may keep only these."""
+
+
 @dataclass(frozen=True)
 class ReportParams:
     """The knobs of one report (from `LedgerSettings` and `PolicySettings`)."""
@@ -277,4 +283,4 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
     }
 
 
-__all__ = ["HOW", "ReportParams", "build_report", "finding_id", "gpu_hours_of", "hypergeom_sf", "version_findings"]
+__all__ = ["FIELDS", "HOW", "ReportParams", "build_report", "finding_id", "gpu_hours_of", "hypergeom_sf", "version_findings"]

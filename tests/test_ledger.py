@@ -162,3 +162,47 @@ async def test_a_ledger_write_never_fails_its_caller(nats_server):
     assert got is None and time.monotonic() - t < 6
     assert metrics.LEDGER_WRITE_FAILURES.labels(phase="drained")._value.get() == before + 1
     await store.note_routed("c", "n", [{"observed_at": 1.0, "kind": "xid"}])  # no exception either
+
+
+class RecordingChannel:
+    """A notification channel (the `activities.notify.Channel` plug-in) that keeps what it was sent."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def wants(self, n) -> bool:
+        return True
+
+    async def send(self, client, n) -> None:
+        self.sent.append(n)
+
+
+async def test_the_elected_worker_exports_the_report_and_notifies_each_finding_once(nc, unique, tmp_path):
+    from activities.notify import Notifier
+    from fleetmend.config import load_settings
+    from fleetmend.worker.service import report_refresh
+
+    cluster = f"w{unique}"
+    js = nc.jetstream()
+    for i in range(12):
+        drv = "535.104.05" if i >= 9 else "550.90.07"
+        await put_fingerprint(js, fingerprint(cluster, f"n{i}", f"GPU-{i}", driver=drv))
+    store = LedgerStore(js)
+    for i in (9, 10, 11):
+        await incident(store, cluster, f"n{i}", f"remediate/{cluster}/n{i}/r", datetime.now(timezone.utc),
+                       resolve=False)
+    s = load_settings(None, cluster=cluster, notify={"webhook_url": "http://127.0.0.1:9/unused"})
+    channel = RecordingChannel()
+    notifier = Notifier([channel], js)
+    rep = await report_refresh(s, store, notifier)
+    again = await report_refresh(s, store, notifier)
+    assert [f["value"] for f in rep["findings"]] == ["535.104.05"] and again["findings"] == rep["findings"]
+    assert len(channel.sent) == 1 and channel.sent[0].event.value == "version_finding"
+    assert "--vendor-bundle" in channel.sent[0].summary and "535.104.05" in channel.sent[0].summary
+    gauge = metrics.REPORT_GPU_HOURS.labels(cluster=cluster, by="fault_class", group="xid79")._value.get()
+    assert gauge == pytest.approx(again["gpu_hours_by_fault_class"]["xid79"])  # the latest refresh
+    assert metrics.REPORT_FIGURE.labels(cluster=cluster, figure="version_findings")._value.get() == 1
+    metrics.forget_report(cluster)
+    assert not [s for s in metrics.REPORT_FIGURE.collect()[0].samples if s.labels["cluster"] == cluster]

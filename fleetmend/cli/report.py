@@ -18,7 +18,7 @@ from rich.table import Table
 
 from fleetmend.cli.common import ConfigOpt, JsonOpt, err, out, run, settings
 from fleetmend.config import Settings
-from fleetmend.report import ReportParams, build_report
+from fleetmend.report import FIELDS, ReportParams, build_report
 
 app = typer.Typer()
 """`fleetmend report` (top-level)."""
@@ -47,7 +47,8 @@ async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False) 
     try:
         store = LedgerStore(nc.jetstream(), s.ledger)
         async with asyncio.timeout(120):
-            return await store.read_heads(cluster, with_detail=with_detail), await store.fleet(cluster)
+            fields = None if with_detail else FIELDS
+            return await store.read_heads(cluster, with_detail=with_detail, fields=fields), await store.fleet(cluster)
     finally:
         await nc.close()
 

@@ -14,6 +14,7 @@ Stored value: `<head JSON>\\n<detail JSON>` (orjson); the report decodes the hea
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from datetime import datetime
 from typing import Any, Awaitable, Callable
@@ -397,22 +398,37 @@ class LedgerStore:
         await self._safely("closed", work, cluster=cluster, node=node)
 
     # ------------------------------------------------------------------ reading
-    async def read_heads(self, cluster: str | None = None, *, with_detail: bool = False) -> list[Head]:
+    async def read_heads(self, cluster: str | None = None, *, with_detail: bool = False,
+                         fields: tuple[str, ...] | None = None) -> list[Head]:
         """Every record's head (closed and open) of `cluster` (None: all), read from the bucket's stream by
-        `scan`. With `with_detail`, each head carries its detail under `_detail` and its key under `_key`."""
+        `scan`. With `with_detail`, each head carries its detail under `_detail` and its key under `_key`. With
+        `fields` (e.g. `fleetmend.report.FIELDS`), a head keeps only those keys, and equal `versions_drain` maps
+        are one object: 100,000 records fit in ~150 MiB instead of ~500 (bench/ledger_report.py)."""
         heads: list[Head] = []
+        shared: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
 
         def take(key: str, data: bytes) -> None:
             head, _, detail = data.partition(b"\n")
             h = orjson.loads(head)
+            if fields is not None:
+                h = {k: h[k] for k in fields if h.get(k) is not None}
+                v = h.get("versions_drain")
+                if v:
+                    h["versions_drain"] = shared.setdefault(tuple(sorted(v.items())), v)
             if with_detail:
                 h["_detail"] = orjson.loads(detail) if detail else {}
                 h["_key"] = key
             heads.append(h)
 
         await self.kv()
-        for prefix in subjects.ledger_cluster_prefixes(cluster):
-            await scan(self.js, subjects.LEDGER_KV_BUCKET, prefix, take)
+        gc_was = gc.isenabled()
+        gc.disable()  # 100,000 new dicts would run the cycle collector over all of them again and again
+        try:
+            for prefix in subjects.ledger_cluster_prefixes(cluster):
+                await scan(self.js, subjects.LEDGER_KV_BUCKET, prefix, take)
+        finally:
+            if gc_was:
+                gc.enable()
         return heads
 
     async def read_record(self, key: str) -> tuple[Head, Detail] | None:

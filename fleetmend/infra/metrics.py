@@ -139,8 +139,14 @@ def export_report(cluster: str, report: dict[str, Any]) -> None:
 
 def forget_report(cluster: str) -> None:
     """Remove `cluster`'s report gauges (this replica no longer publishes them)."""
-    export_report(cluster, {})
-    _report_series.pop(cluster, None)
+    for series in _report_series.pop(cluster, set()):
+        try:
+            if series[0] == "g":
+                REPORT_GPU_HOURS.remove(cluster, series[1], series[2])
+            else:
+                REPORT_FIGURE.remove(cluster, series[1])
+        except KeyError:
+            pass
 
 
 SET_BY: dict[str, str] = {

@@ -15,7 +15,7 @@ from activities.notify import Notifier, channels_from_settings, notify_breaker, 
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
-from fleetmend.report import ReportParams, build_report
+from fleetmend.report import FIELDS, ReportParams, build_report
 from fleetmend.worker.build import build_ledger, build_worker
 
 log = structlog.get_logger("fleetmend.worker")
@@ -90,7 +90,7 @@ async def report_refresh(settings: Settings, ledger, notifier: Notifier) -> dict
     (`fleetmend_report_*`) and each version finding as a notification (once per finding). Returns the report."""
     now = time.time()
     c = settings.cluster
-    rep = build_report(await ledger.read_heads(c), ReportParams(
+    rep = build_report(await ledger.read_heads(c, fields=FIELDS), ReportParams(
         since=now - settings.ledger.findings_window_days * 86400.0, now=now,
         default_gpus_per_node=settings.ledger.default_gpus_per_node, lemon_repairs=settings.policy.lemon_repairs,
         p_level=settings.ledger.finding_p, min_nodes=settings.ledger.finding_min_nodes),
