@@ -206,3 +206,36 @@ async def test_the_elected_worker_exports_the_report_and_notifies_each_finding_o
     assert metrics.REPORT_FIGURE.labels(cluster=cluster, figure="version_findings")._value.get() == 1
     metrics.forget_report(cluster)
     assert not [s for s in metrics.REPORT_FIGURE.collect()[0].samples if s.labels["cluster"] == cluster]
+
+
+async def test_the_ticket_update_says_part_not_replaced(nc, unique, tmp_path):
+    """The real ticket activities (Temporal's ActivityEnvironment runs them) over the local ticket store: the
+    resolving update's comment says the part was not replaced when its serial is the one at the drain, and says
+    nothing when the part was swapped."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.ticket_store import LocalTicketStore
+    from activities.tickets import TicketActivities
+    from fleetmend.messages import TicketRequest, TicketUpdate
+
+    js = nc.jetstream()
+    store = LedgerStore(js)
+    acts = TicketActivities(LocalTicketStore(tmp_path / "tickets"), ledger=store)
+    env = ActivityEnvironment()
+    comments = {}
+    for node, swapped in (("same", False), ("swapped", True)):
+        cluster = f"t{unique}"
+        await put_fingerprint(js, fingerprint(cluster, node, "GPU-old"))
+        iid = f"remediate/{cluster}/{node}/run"
+        await incident(store, cluster, node, iid, datetime.now(timezone.utc), resolve=False)
+        ref = await env.run(acts.file_ticket, TicketRequest(incident_id=iid, cluster=cluster, node=node,
+                                                           title=f"[fleetmend] {node}: xid79 (fatal)", severity="fatal",
+                                                           fault_class="xid79", evidence={"raw": "Xid 79"}))
+        if swapped:  # the repair put in another GPU: the agent's next fingerprint has its UUID
+            await put_fingerprint(js, fingerprint(cluster, node, "GPU-new"))
+        await env.run(acts.update_ticket, TicketUpdate(ticket_id=ref.ticket_id, incident_id=iid, status="resolved",
+                                                       comment="Verification passed; node returned to service."))
+        doc = await acts.filer.get(ref.ticket_id)
+        comments[node] = doc["history"][-1]["comment"]
+    assert "Part not replaced: 0000:3b:00.0 has serial GPU-old" in comments["same"]
+    assert "not replaced" not in comments["swapped"]
