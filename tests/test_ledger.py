@@ -111,6 +111,10 @@ async def test_an_incident_phase_by_phase_then_the_same_part_again(nc, nats_serv
     why = await incident(store, cluster, node, f"remediate/{cluster}/{node}/run2", t0 + timedelta(seconds=5),
                          resolve=False)
     assert why is not None and "repeat part" in why and "xid79" in why
+    again = await store.drained(cluster=cluster, node=node, incident_id=f"remediate/{cluster}/{node}/run2",
+                                workflow_id=subjects.workflow_id(cluster, node), observed_at=t0 + timedelta(seconds=5),
+                                reason="xid79 incident", drained=True, state="drained")
+    assert again == why, "a retried drain answers the same"
     rep = json.loads((await cli(nats_server.url, "report", "--json", "--cluster", cluster, "--since", "1h")).stdout)
     assert rep["gpu_hours_by_fault_class"]["xid79"] > 0 and rep["incidents"] == 2
     assert rep["outcomes"] == {"returned_after_repair": 1, "still_out": 1}

@@ -183,6 +183,7 @@ class LedgerStore:
         device = note.get("device")
         part, serial = L.part_of(device, serials, note.get("serial"))
         superseded: list[tuple[Head, Detail]] = []
+        retried: list[Head] = []
         # the note of another occurrence (the router notes a condition once a minute) dates this fault's routing
         # only when it was routed after this fault line: else the time to detect is unknown, never made up
         routed_at = note.get("routed_at")
@@ -192,6 +193,7 @@ class LedgerStore:
         def change(head: Head | None, detail: Detail) -> tuple[Head, Detail] | None:
             superseded.clear()
             if head is not None and L.same_incident(head, incident_id, observed_at):
+                retried.append(head)
                 return None  # a retried drain: recorded already
             if head is not None:
                 old = dict(head, outcome=L.Outcome.SUPERSEDED.value, closed_at=now)
@@ -214,6 +216,8 @@ class LedgerStore:
         out = await self._update(subjects.ledger_open_key(cluster, node), change)
         for old in superseded:
             await self._archive(*old)
+        if retried:
+            return retried[-1].get("repeat_part")  # a retried drain answers what the first attempt found
         if out is None or not serial:
             return None
         rec = out[0]
