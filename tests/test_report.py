@@ -180,3 +180,17 @@ def test_html_page_shows_the_json_figures_in_a_browser(tmp_path):
     subprocess.run([*common, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
     print(f"\nreport screenshot: {shot}")
+
+
+def test_the_fingerprint_names_each_gpu_by_its_uuid(tmp_path):
+    """The agent's reader takes the GPU's UUID from the driver's information file (the part's identity the
+    ledger compares at the drain and the return); the judged facts and the digest do not include it."""
+    gpu = "0000:1b:00.0"  # the first GPU of a synthesised host
+    info = "Model: \t\t NVIDIA H100 80GB HBM3\nGPU UUID: \t GPU-1234-abcd\nVideo BIOS: \t 96.00.74.00.0B\n"
+    a = read_fingerprint(build_host(tmp_path / "a", HostSpec(gpus=2, cpus=2, extra={
+        f"proc/driver/nvidia/gpus/{gpu}/information": info})), "c", "a")
+    assert a.serials.get(gpu) == "GPU-1234-abcd", a.serials
+    b = read_fingerprint(build_host(tmp_path / "b", HostSpec(gpus=2, cpus=2, extra={
+        f"proc/driver/nvidia/gpus/{gpu}/information": info.replace("1234", "9999")})), "c", "a")
+    assert b.serials[gpu] != a.serials[gpu] and b.digest == a.digest
+    assert not any("GPU-" in v for v in a.facts().values())
