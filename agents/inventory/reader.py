@@ -383,14 +383,14 @@ def read_fingerprint(host_root: Path | str, cluster: str, node: str, *, nvml: An
 
     # --- part identities (the incident ledger: was the faulty part replaced?): GPU UUID, NVMe serial, HCA GUID
     serials = {g.bdf: u for g in gpus if (u := infos[g.bdf].get("GPU UUID"))}
-    for m in nvmes:
-        for ctrl in _listdir(m.path / "nvme"):
-            if (sn := read_text(m.path / "nvme" / ctrl / "serial")):
-                serials[m.bdf] = serials[ctrl] = sn
-    for nic in nics:
-        for ib in _listdir(nic.path / "infiniband"):
-            if (guid := read_text(nic.path / "infiniband" / ib / "node_guid")):
-                serials[nic.bdf] = serials[ib] = guid
+    for nvme in nvmes:
+        for ctrl in _listdir(nvme.path / "nvme"):
+            if (sn := read_text(nvme.path / "nvme" / ctrl / "serial")):
+                serials[nvme.bdf] = serials[ctrl] = sn
+    for hca in nics:
+        for rdma in _listdir(hca.path / "infiniband"):
+            if (guid := read_text(hca.path / "infiniband" / rdma / "node_guid")):
+                serials[hca.bdf] = serials[rdma] = guid
     return Fingerprint(cluster=cluster, node=node, agent_version=agent_version, hardware=hardware,
                        versions=versions, gpus=placements, nics=nic_infos, topology_hash=topo, settings=settings,
                        roles=roles, read_ms=round((time.perf_counter() - t0) * 1000, 3), serials=serials)
