@@ -128,7 +128,9 @@ def role_permissions(role: str) -> dict | None:
                    subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET, subjects.LEDGER_KV_BUCKET)
         fp = f"KV_{subjects.FINGERPRINT_KV_BUCKET}"  # the ledger reads fingerprints (versions, serials): reads only
         return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + _api(
-                    f"STREAM.INFO.{fp}", f"DIRECT.GET.{fp}", f"DIRECT.GET.{fp}.>", f"STREAM.MSG.GET.{fp}") + [
+                    f"STREAM.INFO.{fp}", f"DIRECT.GET.{fp}", f"DIRECT.GET.{fp}.>", f"STREAM.MSG.GET.{fp}",
+                    f"CONSUMER.CREATE.{fp}", f"CONSUMER.CREATE.{fp}.>", f"CONSUMER.INFO.{fp}.>",
+                    f"CONSUMER.DELETE.{fp}.>") + [f"$JS.FC.{fp}.>",
                     "fleet.*.diag.*", "fleet.*.reconfigure.*",  # diagnostics, sweeps, live fixes (reconfigure_node)
                     subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
