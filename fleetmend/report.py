@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from fleetmend.config import Settings
 from fleetmend.ledger import FINDING_KEYS, Outcome, out_of_service
 
 HOW: dict[str, str] = {
@@ -68,6 +69,13 @@ class ReportParams:
     lemon_repairs: int = 2
     p_level: float = 0.01
     min_nodes: int = 3
+
+    @classmethod
+    def from_settings(cls, s: Settings, since: float, now: float) -> ReportParams:
+        """The window `since`..`now` with the deployment's `[ledger]` and `policy.lemon_repairs`."""
+        return cls(since=since, now=now, default_gpus_per_node=s.ledger.default_gpus_per_node,
+                   lemon_repairs=s.policy.lemon_repairs, p_level=s.ledger.finding_p,
+                   min_nodes=s.ledger.finding_min_nodes)
 
 
 def hypergeom_sf(k: int, population: int, successes: int, draws: int) -> float:

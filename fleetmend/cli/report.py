@@ -53,12 +53,6 @@ async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False) 
         await nc.close()
 
 
-def params(s: Settings, since: float, now: float) -> ReportParams:
-    return ReportParams(since=since, now=now, default_gpus_per_node=s.ledger.default_gpus_per_node,
-                        lemon_repairs=s.policy.lemon_repairs, p_level=s.ledger.finding_p,
-                        min_nodes=s.ledger.finding_min_nodes)
-
-
 @app.command()
 def report(
     since: str = typer.Option("7d", "--since", help="Window start: a span (7d, 12h, 30m, 2w) or an ISO-8601 time."),
@@ -85,7 +79,7 @@ def report(
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from e
     heads, fleet = run(_read(s, cluster, with_detail=vendor_bundle is not None))
-    rep = build_report(heads, params(s, start, now), fleet=fleet, cluster=cluster or "")
+    rep = build_report(heads, ReportParams.from_settings(s, start, now), fleet=fleet, cluster=cluster or "")
     if vendor_bundle is not None:
         finding, directory = vendor_bundle
         found = [f for f in rep["findings"] if f["id"] == finding or f["id"].startswith(finding)]

@@ -90,11 +90,11 @@ async def report_refresh(settings: Settings, ledger, notifier: Notifier) -> dict
     (`fleetmend_report_*`) and each version finding as a notification (once per finding). Returns the report."""
     now = time.time()
     c = settings.cluster
-    rep = build_report(await ledger.read_heads(c, fields=FIELDS), ReportParams(
-        since=now - settings.ledger.findings_window_days * 86400.0, now=now,
-        default_gpus_per_node=settings.ledger.default_gpus_per_node, lemon_repairs=settings.policy.lemon_repairs,
-        p_level=settings.ledger.finding_p, min_nodes=settings.ledger.finding_min_nodes),
-        fleet=await ledger.fleet(c), cluster=c)
+    params = ReportParams.from_settings(settings, now - settings.ledger.findings_window_days * 86400.0, now)
+    heads, fleet = await ledger.read_heads(c, fields=FIELDS), await ledger.fleet(c)
+    # the arithmetic in a thread: at 100,000 records it takes seconds, which the worker's event loop (activities,
+    # heartbeats) must not wait out
+    rep = await asyncio.to_thread(build_report, heads, params, fleet=fleet, cluster=c)
     metrics.export_report(c, rep)
     if rep["findings"] and settings.notify.any:
         await notify_findings(c, rep["findings"], notifier)
