@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from activities.scheduler import NodeEventRecorder
 from fleetmend import subjects
 from fleetmend.diagnostics import DiagReport, DiagRequest, DiagResult
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.messages import Activity, DiagActivityRequest
 
 T = TypeVar("T", bound=BaseModel)
@@ -51,8 +52,10 @@ async def ask_agent(nc: NATS, cluster: str, node: str, body: bytes, timeout_s: f
 class DiagnosticsActivities:
     """Runs diagnostics on a node by asking its agent. Takes a connected `nats.aio.client.Client`."""
 
-    def __init__(self, nc: NATS, node_events: NodeEventRecorder | None = None) -> None:
+    def __init__(self, nc: NATS, node_events: NodeEventRecorder | None = None, ledger: LedgerStore | None = None) -> None:
         self._nc = nc
+        self._ledger = ledger
+        """The incident ledger: each report is added to the incident's record (never fails the activity)."""
         self._node_events = node_events
         """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's
         `record_event`): each report becomes a `FleetmendDiagnostics` Event on the Node."""
@@ -77,4 +80,10 @@ class DiagnosticsActivities:
                 req.node, "diagnostics", f"{req.level} diagnostics: {report.result}"
                 + (f" (failed: {', '.join(failed[:10])})" if failed else ""),
                 key=f"{req.incident_id}|diagnostics|{activity.info().workflow_run_id}|{activity.info().activity_id}")
+        if self._ledger is not None:
+            info = activity.info()
+            await self._ledger.diagnosed(
+                cluster=req.cluster, node=req.node, incident_id=req.incident_id,
+                attempt=f"{info.workflow_run_id}/{info.activity_id}", result=report.result.value,
+                checks=[c.model_dump(mode="json") for c in report.checks])
         return report

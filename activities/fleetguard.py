@@ -29,6 +29,7 @@ from fleetmend.catalog import Catalog, load_catalog
 from fleetmend.config import Settings
 from fleetmend.events import FaultEvent, Severity
 from fleetmend.infra.incidents import signal_guard, start_incident
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.infra.permit_pool import BY_ROUTER
 from fleetmend.messages import (
     KEY_CLUSTER,
@@ -73,8 +74,11 @@ class FleetGuardActivities:
 
     def __init__(self, client: Client, task_queue: str, policy: GuardPolicy, gate: PoolGate,
                  topology: Topology | None = None, *, incident_task_queue: str | None = None,
-                 incident_policy: IncidentPolicy | None = None, catalog: Catalog | None = None) -> None:
+                 incident_policy: IncidentPolicy | None = None, catalog: Catalog | None = None,
+                 ledger: LedgerStore | None = None) -> None:
         self._client = client
+        self.ledger = ledger
+        """The incident ledger: `release_drain_permit` closes the incident's record (never fails it)."""
         self._task_queue = task_queue
         self._policy = policy
         self._topology = topology or Topology()
@@ -158,6 +162,10 @@ class FleetGuardActivities:
         `release` (lemon history, the queue served). Idempotent."""
         await self.gate.release(rel.cluster, rel.node)
         await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)
+        if self.ledger is not None:
+            wid = activity.info().workflow_id or subjects.workflow_id(rel.cluster, rel.node)
+            await self.ledger.closed(cluster=rel.cluster, node=rel.node, workflow_id=wid,
+                                     outcome=rel.outcome.value)
 
     @activity.defn(name=Activity.SYNC_PERMIT_POOL)
     async def sync_permit_pool(self, sync: PoolSync) -> PoolSynced:

@@ -74,7 +74,7 @@ class WebhookChannel:
 def slack_text(n: Notification) -> str:
     icon = {NotifyEvent.DRAINED: ":construction:", NotifyEvent.TICKET_FILED: ":ticket:",
             NotifyEvent.BREAKER_OPEN: ":rotating_light:", NotifyEvent.LEMON: ":lemon:",
-            NotifyEvent.RETURNED: ":white_check_mark:"}[n.event]
+            NotifyEvent.RETURNED: ":white_check_mark:", NotifyEvent.VERSION_FINDING: ":mag:"}[n.event]
     lines = [f"{icon} *{n.event.value.replace('_', ' ')}* — {n.summary}"]
     if n.ticket:
         lines.append(f"ticket: <{n.ticket_url}|{n.ticket}>" if n.ticket_url else f"ticket: {n.ticket}")
@@ -267,3 +267,22 @@ async def notify_breaker(client: Any, cluster: str, notifier: Notifier) -> Notif
         summary=f"cluster {cluster}: drain breaker open since {at}: {get('breaker_reason') or ''}; no new drains "
                 "until `fleetmend breaker reset`",
         details={"queued": len(get("queue", []) or []), "held": len(get("held", []) or [])}))
+
+
+async def notify_findings(cluster: str, findings: list[dict[str, Any]], notifier: Notifier) -> int:
+    """One `version_finding` notification per finding of `fleetmend.report.build_report` (dedup key: the finding's
+    id, so a finding still there at the next refresh is not sent again). Called by the worker's elected replica.
+
+    Returns: how many channels accepted a notification now. Raises: NotifyError (the next refresh retries)."""
+    sent = 0
+    for f in findings:
+        key = f"fleetmend/{cluster}/version_finding/{f['id']}"
+        res = await notifier.send(Notification(
+            event=NotifyEvent.VERSION_FINDING, cluster=cluster, severity="degraded", dedup_key=key, alert_key=key,
+            summary=(f"{f['fault_class']} concentrates on {f['key']}={f['value']}: {f['nodes_with_fault_and_value']} of "
+                     f"{f['nodes_with_fault']} faulty nodes hold it, against {f['fleet_nodes_with_value']} of "
+                     f"{f['fleet_nodes']} in the fleet ({f['test']}); for the vendor: `fleetmend report --cluster "
+                     f"{cluster} --vendor-bundle {f['id']} DIR`"),
+            details={k: f[k] for k in ("id", "fault_class", "key", "value", "p_value", "nodes")}))
+        sent += len(res.sent)
+    return sent

@@ -18,11 +18,14 @@ from typing import Any, Awaitable, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from fleetmend import subjects
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
-from fleetmend.messages import Activity, DrainRequest, DrainResult
+from fleetmend.messages import Activity, DrainRequest, DrainResult, UndrainRequest, UndrainResult
 from fleetmend.policy import Topology
 
 Drain = Callable[[DrainRequest], Awaitable[DrainResult]]
+Undrain = Callable[[UndrainRequest], Awaitable[UndrainResult]]
 
 
 class PoolGate:
@@ -69,16 +72,53 @@ class PoolGate:
         return await (await self.pool()).release(cluster, node)
 
 
+    async def router_claim_at(self, cluster: str, node: str) -> float | None:
+        """When the router took `node`'s slot (Unix seconds: right before its must-drain-now cordon), or None
+        when the router does not hold it."""
+        state = await (await self.pool()).read(cluster)
+        holder = state.holders.get(node) if state is not None else None
+        return holder.at if holder is not None and holder.by == BY_ROUTER and holder.at else None
+
+
 class PooledDrainActivities:
     """`drain_node` under the permit pool: the node's slot first (`PoolGate.claim`), then the scheduler's
-    drain. NodeRemediation runs `drain_node` only under a granted permit."""
+    drain. NodeRemediation runs `drain_node` only under a granted permit.
 
-    def __init__(self, drain: Drain, gate: PoolGate) -> None:
+    With a `ledger` (`fleetmend.infra.ledger.LedgerStore`), the drain opens the incident's ledger record and
+    `undrain_node` (the scheduler's, wrapped) records the return; a ledger write never fails either."""
+
+    def __init__(self, drain: Drain, gate: PoolGate, *, undrain: Undrain | None = None,
+                 ledger: LedgerStore | None = None) -> None:
         self._drain = drain
+        self._undrain = undrain
         self._gate = gate
+        self._ledger = ledger
 
     @activity.defn(name=Activity.DRAIN_NODE)
     async def drain_node(self, req: DrainRequest) -> DrainResult:
         """Raises: what `SchedulerActivities.drain_node` raises, and "DrainSlotWait"."""
         await self._gate.claim(req.cluster, req.node)
-        return await self._drain(req)
+        res = await self._drain(req)
+        if self._ledger is not None and res.drained and not res.operator_drained:
+            try:
+                claimed = await self._gate.router_claim_at(req.cluster, req.node)
+            except Exception:  # noqa: BLE001 - the pool read only dates a router's cordon: the drain counts from now
+                claimed = None
+            res.repeat_part = await self._ledger.drained(
+                cluster=req.cluster, node=req.node, incident_id=req.incident_id,
+                workflow_id=activity.info().workflow_id or subjects.workflow_id(req.cluster, req.node),
+                observed_at=req.observed_at, reason=req.reason,
+                drained=res.drained, state=res.state, router_claim_at=claimed)
+        return res
+
+    @activity.defn(name=Activity.UNDRAIN_NODE)
+    async def undrain_node(self, req: UndrainRequest) -> UndrainResult:
+        """The scheduler's `undrain_node`, then the ledger's return (versions and serials at the return).
+
+        Raises: what `SchedulerActivities.undrain_node` raises."""
+        assert self._undrain is not None, "PooledDrainActivities(undrain=...) to register undrain_node"
+        res = await self._undrain(req)
+        if self._ledger is not None:
+            await self._ledger.returned(cluster=req.cluster, node=req.node, incident_id=req.incident_id,
+                                        resumed=res.resumed)
+        return res

@@ -14,21 +14,30 @@ from temporalio.exceptions import ApplicationError
 
 from activities.diagnostics import ask_agent
 from fleetmend.diagnostics import RecoveryReport, RecoveryRequest
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.messages import Activity, RecoveryActivityRequest
 
 
 class RecoveryActivities:
-    """Takes a connected `nats.aio.client.Client`."""
+    """Takes a connected `nats.aio.client.Client`, and the incident ledger (each answer is added to the
+    incident's record; never fails the activity)."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, ledger: LedgerStore | None = None) -> None:
         self._nc = nc
+        self._ledger = ledger
 
     async def _ask(self, req: RecoveryActivityRequest) -> RecoveryReport:
         body = RecoveryRequest(op=req.op, pci_bus_id=req.pci_bus_id, incident_id=req.incident_id,
                                deadline_s=req.timeout_s).model_dump_json().encode()
         # An agent without recovery support answers diagnostics instead: InvalidReport, not retried.
-        return await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, RecoveryReport,
-                               what=req.op.value)
+        report = await ask_agent(self._nc, req.cluster, req.node, body, req.timeout_s, RecoveryReport,
+                                 what=req.op.value)
+        if self._ledger is not None:
+            info = activity.info()
+            await self._ledger.recovered(cluster=req.cluster, node=req.node, incident_id=req.incident_id,
+                                         attempt=f"{info.workflow_run_id}/{info.activity_id}", op=req.op.value,
+                                         result=report.result.value)
+        return report
 
     @activity.defn(name=Activity.RESET_GPU)
     async def reset_gpu(self, req: RecoveryActivityRequest) -> RecoveryReport:

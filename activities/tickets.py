@@ -28,6 +28,7 @@ from fleetmend.catalog.runbooks import runbook_ref
 from fleetmend.config import Settings, TicketKind
 from fleetmend.errors import ConfigError, TicketNotFoundError, TicketRejectedError
 from fleetmend.infra import metrics
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.messages import Activity, TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
 
@@ -85,8 +86,12 @@ class TicketActivities:
         node_events: see below.
     """
 
-    def __init__(self, filer: TicketFiler, node_events: NodeEventRecorder | None = None) -> None:
+    def __init__(self, filer: TicketFiler, node_events: NodeEventRecorder | None = None,
+                 ledger: LedgerStore | None = None) -> None:
         self.filer = filer
+        self._ledger = ledger
+        """The incident ledger: the ticket's filing and status; on `resolved`, the faulty part's serial then and
+        at the drain ("part not replaced" goes into the ticket's comment). Never fails the activity."""
         self._node_events = node_events
         """Optional `async (node, step, message, key=...)` recorder (the Kubernetes adapter's
         `record_event`): a filed ticket becomes a `FleetmendTicketFiled` Event on the Node."""
@@ -115,6 +120,10 @@ class TicketActivities:
         if self._node_events is not None:
             await self._node_events(req.node, "ticket", f"ticket {ref.ticket_id} filed ({self.filer.name})",
                                     key=f"{req.incident_id}|ticket|{ref.ticket_id}")
+        if self._ledger is not None:
+            await self._ledger.ticket_filed(cluster=req.cluster, node=req.node, incident_id=req.incident_id,
+                                            ticket=ref.ticket_id, title=req.title, fault_class=req.fault_class,
+                                            evidence=req.evidence)
         return ref
 
     @activity.defn(name=Activity.UPDATE_TICKET)
@@ -125,6 +134,11 @@ class TicketActivities:
             ApplicationError: "TicketNotFound" or "TicketRejected", non-retryable.
         """
         activity.heartbeat({"phase": "updating", "ticket_id": upd.ticket_id})
+        if self._ledger is not None:
+            said = await self._ledger.ticket_updated(incident_id=upd.incident_id, ticket=upd.ticket_id,
+                                                     status=upd.status)
+            if said and said not in upd.comment:
+                upd.comment = f"{upd.comment}\n{said[0].upper()}{said[1:]}."
         try:
             await self.filer.update(upd)
         except TicketRejectedError as err:

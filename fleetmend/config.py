@@ -176,8 +176,9 @@ class NotifySettings(_Section):
     pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
     """PagerDuty Events API v2 endpoint."""
     events: list[str] = Field(default_factory=lambda: ["drained", "ticket_filed", "breaker_open", "lemon",
-                                                       "returned"])
-    """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned)."""
+                                                       "returned", "version_finding"])
+    """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned, version_finding: a fault class
+    concentrated on one driver/firmware value, from the incident ledger)."""
     pagerduty_events: list[str] = Field(default_factory=lambda: ["ticket_filed", "breaker_open", "lemon",
                                                                  "returned"])
     """Which events reach PagerDuty (a page): by default not every drain, only what needs a human
@@ -476,6 +477,29 @@ class AnalyzerSettings(_Section):
     only against its own start in the job; one slow from the start is not found from step times."""
 
 
+class LedgerSettings(_Section):
+    """The incident ledger (`fleetmend.ledger`) and `fleetmend report`."""
+
+    max_age_days: float = Field(default=400.0, gt=0)
+    """Days the ledger keeps a record (JetStream KV bucket `fleetmend_ledger`): beyond Temporal's retention
+    (`temporal_retention_days`), so a year's compute lost can be counted; 400 days covers a year plus a quarter."""
+    max_bytes: int = Field(default=2 * 1024**3, ge=64 * 1024 * 1024)
+    """Byte limit of the ledger bucket: ~2 KB a record (head ~0.8 KB, detail ≤ ~5 KB), so 2 GiB holds ≥ 400,000
+    incidents; the oldest go first beyond it. Read at creation only (an existing bucket is the operator's)."""
+    default_gpus_per_node: int = Field(default=8, ge=1)
+    """GPUs counted for a node whose fingerprint was not known at the drain (an HGX/DGX node has 8)."""
+    finding_p: float = Field(default=0.01, gt=0, lt=1)
+    """A version finding needs p × the number of tests made ≤ this (one-sided hypergeometric, Bonferroni)."""
+    finding_min_nodes: int = Field(default=3, ge=1)
+    """...and at least this many faulty nodes holding the value (a pattern a vendor can act on)."""
+    findings_window_days: float = Field(default=30.0, gt=0)
+    """The worker's elected replica looks for version findings (and exports the report's gauges) over this many
+    days, every `refresh_s`; each new finding is notified once (`version_finding`)."""
+    refresh_s: float = Field(default=600.0, gt=0)
+    """How often the elected worker replica reads the ledger for the gauges and findings (a read of 100,000
+    records takes seconds: bench/RESULTS.md)."""
+
+
 class WorkerSettings(_Section):
     """The Temporal worker process (`fleetmend/worker/`)."""
 
@@ -547,6 +571,10 @@ class PolicySettings(_Section):
     """The same fault class returning after this many repairs within `lemon_window_s` → RMA."""
     lemon_window_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     """30 days: a part that fails again within a month of two repairs is the part, not bad luck."""
+    repeat_part_window_days: float = Field(default=30.0, gt=0)
+    """The same part (a GPU's UUID or serial, from the node's fingerprint) failing again with the same fault class
+    within this many days goes to RMA like a lemon (the incident ledger, `fleetmend.ledger.repeat_part`): a repair
+    that did not replace the part did not repair it. 30 days, the lemon rule's window."""
     # --- recovery before RMA ------------------------------------------------------------------
     recovery_settle_s: float = Field(default=120.0, ge=0)
     """After a GPU reset or reboot, wait this long (for late XIDs, driver re-init) before verifying."""
@@ -676,6 +704,7 @@ class Settings(BaseSettings):
     streams: StreamSettings = Field(default_factory=StreamSettings)
     analyzer: AnalyzerSettings = Field(default_factory=AnalyzerSettings)
     policy: PolicySettings = Field(default_factory=PolicySettings)
+    ledger: LedgerSettings = Field(default_factory=LedgerSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     catalog_overrides: Path | None = None
     """TOML file of operator overrides to the fault catalog."""

@@ -144,6 +144,11 @@ class Fingerprint(BaseModel):
     settings: dict[str, str] = Field(default_factory=dict)
     roles: dict[str, DeviceRole] = Field(default_factory=dict)
     read_ms: float = 0.0
+    serials: dict[str, str] = Field(default_factory=dict)
+    """Device → identity that moves with the part: a GPU's PCI bus id → its UUID (`/proc/driver/nvidia/gpus/<bdf>/
+    information`), an NVMe controller's bus id → its serial, an HCA's bus id → its node GUID. Not a fact (not
+    judged, not in the `digest`: every part differs); the incident ledger compares it at the drain and at the
+    return ("part not replaced")."""
 
     def facts(self) -> dict[str, str]:
         """Every judged fact as one flat map: `settings`, `version.<name>` and `topology.hash`."""

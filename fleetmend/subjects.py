@@ -38,6 +38,10 @@ FINGERPRINT_STREAM = "FLEET_FINGERPRINTS"
 """`FingerprintChange` records on `fleet.*.fingerprint.*`: who changed what, when."""
 DRIFT_ALLOW_KV_BUCKET = "fleetmend_drift_allow"
 """Allowed value sets per fact key (`fleetmend drift allow`), key `drift_allow_kv_key(cluster, fact)`."""
+LEDGER_KV_BUCKET = "fleetmend_ledger"
+"""The incident ledger (`fleetmend.ledger`, `fleetmend.infra.ledger`): one record per drained incident, kept
+`ledger.max_age_days` (beyond Temporal's retention). Keys: `ledger_open_key`, `ledger_closed_key`,
+`ledger_route_key`, `ledger_part_key`."""
 """KV bucket of the fail-slow analyzer: `lease.<cluster>` (active replica) and `state.<cluster>`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -360,3 +364,35 @@ def reconfigure_subject(cluster: str, node: str) -> str:
 def drift_allow_kv_key(cluster: str, fact: str) -> str:
     """`<cluster>.<fact token>`: an allowed set in `DRIFT_ALLOW_KV_BUCKET` (the fact key token-encoded, as a node)."""
     return f"{_check('cluster', cluster)}.{node_token(fact)}"
+
+
+# ---------------------------------------------------------------- the incident ledger (issue 26)
+
+def ledger_open_key(cluster: str, node: str) -> str:
+    """`open.<cluster>.<node token>`: the node's open incident record in `LEDGER_KV_BUCKET` (one at a time)."""
+    return f"open.{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def ledger_closed_key(cluster: str, node: str, drained_ms: int) -> str:
+    """`inc.<cluster>.<node token>.<drained at, epoch ms>`: a closed incident record in `LEDGER_KV_BUCKET`."""
+    return f"inc.{_check('cluster', cluster)}.{node_token(node)}.{int(drained_ms)}"
+
+
+def ledger_route_key(cluster: str, node: str) -> str:
+    """`route.<cluster>.<node token>`: the router's recent drain-worthy routings of the node (when each fault
+    reached an incident), read by the drain that opens the node's record."""
+    return f"route.{_check('cluster', cluster)}.{node_token(node)}"
+
+
+def ledger_part_key(serial: str) -> str:
+    """`part.<sha1 of the serial, 24 hex>`: the failures of one part (a GPU's UUID or serial), fleet-wide."""
+    import hashlib
+
+    return "part." + hashlib.sha1(serial.encode()).hexdigest()[:24]
+
+
+def ledger_cluster_prefixes(cluster: str | None) -> tuple[str, str]:
+    """The key prefixes of closed and open records (`inc.<cluster>.`, `open.<cluster>.`; every cluster: `inc.`,
+    `open.`)."""
+    c = f"{_check('cluster', cluster)}." if cluster else ""
+    return f"inc.{c}", f"open.{c}"

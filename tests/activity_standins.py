@@ -56,6 +56,8 @@ class Calls:
     """`Notification`s the workflow asked to send, in order."""
     reconfigures: list = field(default_factory=list)
     """`ReconfigureRequest`s (live fixes of config_drift incidents), in order."""
+    repeat_part: str | None = None
+    """What `drain_node` says of the faulty part (`DrainResult.repeat_part`: the incident ledger's repeat part)."""
     diag_gate: asyncio.Event | None = None
     """When set, `run_diagnostics` waits for it (an incident held in a phase while the test acts)."""
 
@@ -69,7 +71,7 @@ def _drain_stand_in(calls: Calls):
             return DrainResult(node=req.node, drained=True, owned=False, operator_drained=True, state="DRAINED",
                                detail="operator reason")
         return DrainResult(node=req.node, drained=True, owned=True, operator_drained=False, state="DRAINED",
-                           detail="ok")
+                           detail="ok", repeat_part=calls.repeat_part)
 
     return drain_node
 

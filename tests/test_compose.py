@@ -82,7 +82,7 @@ def test_grafana_dashboard_queries_known_metrics() -> None:
               metrics.ROUTER_NAKS, metrics.ROUTER_LAG, metrics.ROUTER_ACCEPT, metrics.INCIDENTS,
               metrics.DRAINS_IN_FORCE, metrics.BREAKER_OPEN, metrics.DRAINS, metrics.UNDRAINS,
               metrics.TIME_TO_QUARANTINE, metrics.MTTR, metrics.TICKETS, metrics.TIME_BETWEEN_INCIDENTS,
-              fleetgauges.PUBLISHER):
+              metrics.REPORT_GPU_HOURS, metrics.REPORT_FIGURE, fleetgauges.PUBLISHER):
         for fam in m.describe():
             known |= {fam.name, fam.name + "_total", fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

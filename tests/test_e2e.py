@@ -140,6 +140,15 @@ async def test_fatal_xid_drains_tickets_and_returns_after_repair(nats_server, te
         slurm_cluster.wait_idle(["node2"])
         assert "DRAIN" not in slurm_cluster.state("node2")
         assert [t["status"] for t in await KvTicketStore(js).list_all() if t["cluster"] == cluster] == ["resolved"]
+
+        # The incident ledger (issue 26): the report counts it, written by the router and the activities.
+        page = tmp_path / "report.html"
+        rep = json.loads((await cli(env, "report", "--json", "--cluster", cluster, "--html", str(page))).stdout)
+        assert rep["incidents"] == 1 and rep["gpu_hours"] > 0, rep
+        assert list(rep["gpu_hours_by_fault_class"]) == ["xid79"] and rep["outcomes"] == {"returned_after_repair": 1}
+        assert rep["mttr_h"]["n"] == 1 and rep["time_to_detect_s"]["n"] == 1 and rep["time_to_drain_s"]["n"] == 1
+        assert rep["ticket_turnaround_h"]["n"] == 1 and 'data-figure="gpu_hours_by_fault_class" data-group="xid79"' \
+            in page.read_text()
     finally:
         stop.set()
         agent_stop.set()

@@ -165,6 +165,19 @@ async def test_xid48_with_63_resets_the_gpu_settles_verifies_and_returns_without
     assert any("recovered by reset_gpu" in line for line in st.recovery_log)
 
 
+async def test_a_repeat_part_goes_to_rma_without_a_recovery_loop(wenv):
+    """Patch repeat-part: the drain's result names a part that came back unchanged and failed again (the
+    incident ledger's `repeat_part`): no GPU reset or reboot, an RMA ticket, a lemon notification."""
+    env, tq, calls, c = wenv
+    calls.repeat_part = "repeat part: the same device failed with gsp_error 1 time(s) within 30 days (last on r9)"
+    h = await start(env.client, tq, c, "r9", [ev(c, "r9", kind="gsp_error", drain=True, severity="fatal",
+                                                  action="RESET_GPU")])
+    st = await assert_eventually(lambda: phase(h, "awaiting_repair"), what="RMA ticket filed")
+    assert calls.recoveries == [] and st.lemon == calls.repeat_part
+    assert calls.tickets[0].title.startswith("[fleetmend] RMA r9") and calls.tickets[0].evidence["lemon"]
+    assert [n.event.value for n in calls.notifications if n.event.value == "lemon"] == ["lemon"]
+
+
 async def test_refused_reset_then_dry_run_reboot_escalates_to_a_ticket(wenv):
     env, tq, calls, c = wenv
     calls.recovery_results = [RecoveryResult.REFUSED, RecoveryResult.DRY_RUN]

@@ -328,3 +328,47 @@ async def test_a_node_writes_only_its_own_fingerprint(secured):
                                             for e in errors), what="the other node's fingerprint refused")
     finally:
         await nc.close()
+
+
+async def test_router_and_worker_credentials_keep_the_incident_ledger(secured, unique):
+    """The router notes a routed fault, the worker opens, closes and reads the record, reads the fleet's
+    fingerprints for version findings: all under their own credentials, no ledger write failing (issue 26)."""
+    from datetime import datetime, timezone
+
+    from fleetmend.fingerprint import Fingerprint
+    from fleetmend.infra import metrics
+    from fleetmend.infra.jetstream import ensure_fingerprint_stores
+    from fleetmend.infra.ledger import LedgerStore
+
+    url, cs = secured
+    admin = await nats.connect(url, nkeys_seed=str(cs.seed_file("admin")))
+    router = await nats.connect(url, nkeys_seed=str(cs.seed_file("router")),
+                                inbox_prefix=security.role_inbox_prefix("router"))
+    worker = await nats.connect(url, nkeys_seed=str(cs.seed_file("worker")),
+                                inbox_prefix=security.role_inbox_prefix("worker"))
+    n2 = await node_client(url, cs, "n2")
+    failures = sum(s.value for s in metrics.LEDGER_WRITE_FAILURES.collect()[0].samples if s.name.endswith("_total"))
+    try:
+        await ensure_fingerprint_stores(admin.jetstream())  # the analyzer creates the stores
+        kv = await n2.jetstream().key_value(subjects.FINGERPRINT_KV_BUCKET)
+        await kv.put(subjects.fingerprint_kv_key(CLUSTER, "n2"), Fingerprint(
+            cluster=CLUSTER, node="n2", versions={"nvidia_driver": "550.90.07"}, serials={"0000:3b:00.0": "GPU-1"}
+        ).to_json_bytes())
+        now = datetime.now(timezone.utc)
+        await LedgerStore(router.jetstream()).note_routed(CLUSTER, "n2", [
+            {"observed_at": now.timestamp(), "routed_at": now.timestamp(), "fault_class": "xid79", "kind": "xid",
+             "code": 79, "device": "0000:3b:00.0"}])
+        store = LedgerStore(worker.jetstream())
+        iid = f"remediate/{CLUSTER}/n2/{unique}"
+        await store.drained(cluster=CLUSTER, node="n2", incident_id=iid, workflow_id=f"remediate/{CLUSTER}/n2",
+                            observed_at=now, reason="xid79 incident", drained=True, state="drained")
+        await store.closed(cluster=CLUSTER, node="n2", workflow_id=f"remediate/{CLUSTER}/n2", outcome="aborted")
+        heads = [h for h in await store.read_heads(CLUSTER) if h["incident_id"] == iid]
+        assert len(heads) == 1 and heads[0]["part_serial_drain"] == "GPU-1" and heads[0]["outcome"] == "aborted"
+        assert heads[0]["routed_at"] == pytest.approx(now.timestamp())
+        assert [f["node"] for f in await store.fleet(CLUSTER)] == ["n2"]
+        after = sum(s.value for s in metrics.LEDGER_WRITE_FAILURES.collect()[0].samples if s.name.endswith("_total"))
+        assert after == failures, "a ledger write was refused"
+    finally:
+        for c in (admin, router, worker, n2):
+            await c.close()

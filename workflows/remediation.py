@@ -43,6 +43,12 @@ close-drops-seen            faults still waiting when the incident closes open t
                             redelivery of an event already recorded was carried into a new incident,
                             which drained the node again after the operator's abort; found by a
                             fresh-eyes trial). History: remediation_redelivered_after_close.json
+repeat-part                 a drain whose result names a repeat part (`DrainResult.repeat_part`: the
+                            incident ledger saw the same part, by serial, fail with the same fault
+                            class within policy.repeat_part_window_days) goes to RMA like a lemon:
+                            no recovery loop, an RMA ticket, a `lemon` notification (before: the
+                            field did not exist). Taken only when the field is set, which no earlier
+                            history holds: the baseline histories replay unchanged.
 ==========================  =====================================================================
 """
 
@@ -123,6 +129,7 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
 
 PATCH_CLOSE_DROPS_SEEN = "close-drops-seen"
 PATCH_LIVE_FIX = "live-fix"
+PATCH_REPEAT_PART = "repeat-part"
 
 FORWARDED_FIRST_WAIT_S = 30.0
 """An incident whose permit request the router forwarded asks FleetGuard itself after this long without
@@ -468,6 +475,10 @@ class NodeRemediation:
             start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
             retry_policy=ACTIVITY_RETRY, summary=f"drain {s.node}: {s.fault_class}")
         self._drain_state(res)
+        if res.repeat_part and s.lemon is None and workflow.patched(PATCH_REPEAT_PART):
+            s.lemon, s.recovery = res.repeat_part, Recovery.RMA  # the part came back unchanged and failed again
+            self._note(res.repeat_part)
+            self._notify(NotifyEvent.LEMON, f"{s.node}: repeat part, straight to RMA ({res.repeat_part})")
         if res.operator_drained:
             self._note(f"node already drained by an operator ({res.detail}); left as is, never undrained")
         else:

@@ -407,9 +407,19 @@ def read_fingerprint(host_root: Path | str, cluster: str, node: str, *, nvml: An
     if nvml is not None and gpus:
         _nvml_settings(nvml, settings, versions)
 
+    # --- part identities (the incident ledger: was the faulty part replaced?): GPU UUID, NVMe serial, HCA GUID
+    serials = {g.bdf: u for g in gpus if (u := infos[g.bdf].get("GPU UUID"))}
+    for nvme in nvmes:
+        for ctrl in _listdir(nvme.path / "nvme"):
+            if (sn := read_text(nvme.path / "nvme" / ctrl / "serial")):
+                serials[nvme.bdf] = serials[ctrl] = sn
+    for hca in nics:
+        for rdma in _listdir(hca.path / "infiniband"):
+            if (guid := read_text(hca.path / "infiniband" / rdma / "node_guid")):
+                serials[hca.bdf] = serials[rdma] = guid
     return Fingerprint(cluster=cluster, node=node, agent_version=agent_version, hardware=hardware,
                        versions=versions, gpus=placements, nics=nic_infos, topology_hash=topo, settings=settings,
-                       roles=roles, read_ms=round((time.perf_counter() - t0) * 1000, 3))
+                       roles=roles, read_ms=round((time.perf_counter() - t0) * 1000, 3), serials=serials)
 
 
 def device_signature(host_root: Path | str) -> tuple[tuple[str, ...], ...]:

@@ -16,6 +16,7 @@
 | `fleetmend.cli.creds` | `creds generate` |
 | `fleetmend.cli.inventory` | `inventory`, `versions` |
 | `fleetmend.cli.drift` | `drift`, `drift allow` |
+| `fleetmend.cli.report` | `report` |
 
 Each module holds a module-level `app = typer.Typer()` of plain decorated functions; a group's is added
 under its name, the top-level commands' without one. Shared options and helpers: `fleetmend.cli.common`.
@@ -41,6 +42,7 @@ from fleetmend.cli import (
     inventory,
     ledger,
     processes,
+    report,
     runbook,
     sim,
     sweep,
@@ -72,6 +74,7 @@ app.add_typer(runbook.app)
 app.add_typer(sweep.app)
 app.add_typer(sim.app)
 app.add_typer(inventory.app)
+app.add_typer(report.app)
 # command groups
 app.add_typer(processes.dev_app, name="dev")
 app.add_typer(config.app, name="config")

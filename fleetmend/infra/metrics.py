@@ -91,6 +91,63 @@ TIME_BETWEEN_INCIDENTS = Histogram(
     "Per node: previous incident closed → next incident opened (MTBF-style; the node is not a label).",
     ["cluster"], buckets=MTTR_BUCKETS_S)
 
+LEDGER_WRITE_FAILURES = Counter("fleetmend_ledger_write_failures", "Incident-ledger writes that failed (logged; the "
+                                "drain, diagnostics or ticket went on), by phase.", ["phase"])
+_REPORT_WINDOW = " Over the last ledger.findings_window_days, refreshed every ledger.refresh_s."
+REPORT_GPU_HOURS = Gauge("fleetmend_report_gpu_hours", "GPU-hours out of service (fleetmend report): GPUs × hours from "
+                         "the drain to the return, clipped to the window; `by` is fault_class, rack, hw_class or "
+                         "version:<key>, `group` its value." + _REPORT_WINDOW, ["cluster", "by", "group"])
+REPORT_FIGURE = Gauge("fleetmend_report_figure", "A figure of fleetmend report: mttr_h, time_to_detect_s, "
+                      "time_to_drain_s, ticket_turnaround_h (means), false_drain_rate, lemon_nodes, "
+                      "parts_not_replaced, slowness_gpu_hours, version_findings, gpu_hours (docs/compute-lost.md "
+                      "says how each is computed)." + _REPORT_WINDOW, ["cluster", "figure"])
+_report_series: dict[str, set[tuple[str, ...]]] = {}
+
+
+def export_report(cluster: str, report: dict[str, Any]) -> None:
+    """Set the report gauges of `cluster` from `fleetmend.report.build_report`'s dict (series no longer in it are
+    removed)."""
+    old = _report_series.pop(cluster, set())
+    now: set[tuple[str, ...]] = set()
+    groups = [(by, report.get(f"gpu_hours_by_{by}") or {}) for by in ("fault_class", "rack", "hw_class")]
+    groups += [(f"version:{k}", v) for k, v in (report.get("gpu_hours_by_version") or {}).items()]
+    for by, values in groups:
+        for group, h in values.items():
+            REPORT_GPU_HOURS.labels(cluster=cluster, by=by, group=group).set(h)
+            now.add(("g", by, group))
+    figures = {"gpu_hours": report.get("gpu_hours"), "false_drain_rate": report.get("false_drain_rate"),
+               "lemon_nodes": len(report.get("lemons") or []),
+               "parts_not_replaced": len(report.get("parts_not_replaced") or []),
+               "slowness_gpu_hours": report.get("slowness_gpu_hours"),
+               "version_findings": len(report.get("findings") or [])}
+    for name in ("mttr_h", "time_to_detect_s", "time_to_drain_s", "ticket_turnaround_h"):
+        figures[name] = (report.get(name) or {}).get("mean")
+    for name, value in figures.items():
+        if value is not None:
+            REPORT_FIGURE.labels(cluster=cluster, figure=name).set(float(value))
+            now.add(("f", name))
+    for series in old - now:
+        try:
+            if series[0] == "g":
+                REPORT_GPU_HOURS.remove(cluster, series[1], series[2])
+            else:
+                REPORT_FIGURE.remove(cluster, series[1])
+        except KeyError:
+            pass
+    _report_series[cluster] = now
+
+
+def forget_report(cluster: str) -> None:
+    """Remove `cluster`'s report gauges (this replica no longer publishes them)."""
+    for series in _report_series.pop(cluster, set()):
+        try:
+            if series[0] == "g":
+                REPORT_GPU_HOURS.remove(cluster, series[1], series[2])
+            else:
+                REPORT_FIGURE.remove(cluster, series[1])
+        except KeyError:
+            pass
+
 
 SET_BY: dict[str, str] = {
     "fleetmend_agent_events_total": "agent (each event a probe emits)",
@@ -114,6 +171,9 @@ SET_BY: dict[str, str] = {
     "fleetmend_mttr_seconds": "undrain activity: drained_at → returned",
     "fleetmend_time_between_incidents_seconds": "worker poller: a node's previous incident closed → next opened",
     "fleetmend_tickets_total": "ticket activities",
+    "fleetmend_ledger_write_failures_total": "router and activities: incident-ledger writes that failed",
+    "fleetmend_report_gpu_hours": "worker's elected replica: `fleetmend report` over the ledger, every ledger.refresh_s",
+    "fleetmend_report_figure": "worker's elected replica: `fleetmend report` over the ledger, every ledger.refresh_s",
     "fleetmend_analyzer_active": "analyzer (1 while this replica holds the lease)",
     "fleetmend_analyzer_small_groups": "analyzer: (group, metric) pairs too small to judge, last window",
     "fleetmend_analyzer_fail_slow_total": "analyzer: fail_slow events published",

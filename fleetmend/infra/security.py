@@ -119,13 +119,18 @@ def role_permissions(role: str) -> dict | None:
                    f"CONSUMER.DURABLE.CREATE.{fs}.{dur}", f"CONSUMER.MSG.NEXT.{fs}.{dur}", f"STREAM.MSG.GET.{fs}")
         return {"publish": {"allow": [*api, f"$JS.ACK.{fs}.{dur}.>", subjects.DEADLETTER_SUBJECT,
                                       subjects.all_faults_subject(), *_kv_bucket(subjects.LEASE_KV_BUCKET),
-                                      *_kv_bucket(subjects.PERMIT_KV_BUCKET), *_kv_bucket(subjects.DRAIN_KV_BUCKET)]},
+                                      *_kv_bucket(subjects.PERMIT_KV_BUCKET), *_kv_bucket(subjects.DRAIN_KV_BUCKET),
+                                      *_kv_bucket(subjects.LEDGER_KV_BUCKET)]},  # the incident ledger's notes
                 "subscribe": {"allow": [subjects.all_heartbeats_subject(), subjects.max_deliveries_advisory(fs, dur),
                                         role_inbox_prefix("router") + ".>"]}}
     if role == "worker":
         buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
-                   subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET)
-        return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + [
+                   subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET, subjects.LEDGER_KV_BUCKET)
+        fp = f"KV_{subjects.FINGERPRINT_KV_BUCKET}"  # the ledger reads fingerprints (versions, serials): reads only
+        return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + _api(
+                    f"STREAM.INFO.{fp}", f"DIRECT.GET.{fp}", f"DIRECT.GET.{fp}.>", f"STREAM.MSG.GET.{fp}",
+                    f"CONSUMER.CREATE.{fp}", f"CONSUMER.CREATE.{fp}.>", f"CONSUMER.INFO.{fp}.>",
+                    f"CONSUMER.DELETE.{fp}.>") + [f"$JS.FC.{fp}.>",
                     "fleet.*.diag.*", "fleet.*.reconfigure.*",  # diagnostics, sweeps, live fixes (reconfigure_node)
                     subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}

@@ -42,6 +42,9 @@ class DrainResult:
     """The scheduler's current drain reason (without Slurm's `[user@time]` suffix)."""
     raw_state: str = ""
     """The scheduler's own state text, e.g. Slurm `ALLOCATED+DRAIN`."""
+    repeat_part: str | None = None
+    """Set by the drain when the incident ledger shows the faulty part (by serial) failed with the same fault
+    class within `policy.repeat_part_window_days`: the reason, and the incident goes to RMA like a lemon."""
 
 
 @dataclass

@@ -18,6 +18,8 @@ class NotifyEvent(StrEnum):
     BREAKER_OPEN = "breaker_open"
     LEMON = "lemon"
     RETURNED = "returned"
+    VERSION_FINDING = "version_finding"
+    """A fault class concentrated on one driver/firmware/kernel/BIOS value beyond chance (`fleetmend report`)."""
 
 
 @dataclass

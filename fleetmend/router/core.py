@@ -67,7 +67,9 @@ from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condit
 from fleetmend.infra import metrics
 from fleetmend.infra.incidents import signal_guard, start_incident
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
+from fleetmend.ledger import slow_of
 from fleetmend.messages import (
     MAX_SIGNAL_BYTES,
     FaultBatch,
@@ -195,6 +197,7 @@ class Router:
         self._forwards: list[Any] = []  # PermitRequest, waiting for `_forward_loop`
         self._bg: set[asyncio.Task[None]] = set()  # wait-key deletes in flight (kept: a dropped task is collected)
         self._forwarder: asyncio.Task[None] | None = None
+        self._ledger = LedgerStore(js, settings.ledger)  # the incident ledger: `_note_ledger`, nothing else
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the drains this router makes."""
@@ -444,6 +447,7 @@ class Router:
             metrics.router_accepted(_ev)
         self.stats.routed += len(items)
         self.stats.signals += len(parts)
+        self._note_ledger(cluster, node, faults, datetime.now(timezone.utc))  # background, never Temporal
         if forward is not None:  # the incident exists now: the guard's answer has somewhere to go
             self._forward(forward)
             self._clear_waiting(cluster, node)
@@ -525,6 +529,29 @@ class Router:
         bound.info("drained_now", fault_class=fault_class, permit=claim.reason, state=res.state, owned=res.owned,
                    operator_drained=res.operator_drained, detail=res.detail)
         return None
+
+    # ---------------------------------------------------------------- the incident ledger (issue 26)
+    def _note_ledger(self, cluster: str, node: str, faults: list[RoutedFault], routed_at: datetime | None) -> None:
+        """The router's one ledger call: the batch's drain-worthy faults reach the node's incident now (when the
+        fault line was seen and when it was routed: the report's time to detect; a fail_slow's cost). Written
+        in the background (a NATS KV write, never Temporal), never raising: the drain path does not wait on it;
+        the incident's `drain_node` reads the note later (`fleetmend.infra.ledger.LedgerStore.drained`)."""
+        notes = []
+        for rf in faults:
+            ev, v = rf.event, rf.event.verdict
+            if ev.healthy or v is None or not v.drain:
+                continue
+            notes.append({"observed_at": ev.observed_at.timestamp(), "routed_at": (routed_at or datetime.now(
+                timezone.utc)).timestamp(), "fault_class": v.fault_class, "kind": ev.kind, "code": ev.code,
+                "device": condition_key(ev).device, "serial": ev.device.serial or ev.device.uuid,
+                "severity": ev.severity.value, "raw": ev.raw[:1000], "slow": slow_of(ev.kind, ev.attrs)})
+            if len(notes) == 4:
+                break
+        if not notes:
+            return
+        task = asyncio.create_task(self._ledger.note_routed(cluster, node, notes))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _clear_waiting(self, cluster: str, node: str) -> None:
         """Drop `node`'s wait key in the background, `WAIT_KEY_LINGER_S` after its incident started: the

@@ -22,7 +22,9 @@ from activities.scheduler import NodeEvents, SchedulerActivities, build_schedule
 from activities.sweep import SweepActivities
 from activities.tickets import TicketActivities, build_ticket_filer
 from fleetmend.config import Settings
+from fleetmend.infra.ledger import LedgerStore
 from fleetmend.messages import guard_task_queue
+from fleetmend.policy import load_topology
 from workflows.fleetguard import FleetGuard
 from workflows.remediation import NodeRemediation
 from workflows.sweep import Sweep
@@ -48,20 +50,22 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
     node_events = adapter.record_event if isinstance(adapter, NodeEvents) else None  # Kubernetes: Events on the Node
-    tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events)
-    diag = DiagnosticsActivities(nc, node_events=node_events)
+    ledger = build_ledger(settings, nc)  # the incident ledger: written by the activities below, phase by phase
+    tickets = TicketActivities(build_ticket_filer(settings, js=nc.jetstream()), node_events=node_events, ledger=ledger)
+    diag = DiagnosticsActivities(nc, node_events=node_events, ledger=ledger)
     tq = task_queue or settings.task_queue
     guard = FleetGuardActivities.from_settings(client, settings, nc.jetstream(), task_queue=tq)
+    guard.ledger = ledger
     # every drain under a permit finds (or takes) its slot in the cluster's permit pool first
-    drain = PooledDrainActivities(sched.drain_node, guard.gate)
-    recovery = RecoveryActivities(nc)
+    drain = PooledDrainActivities(sched.drain_node, guard.gate, undrain=sched.undrain_node, ledger=ledger)
+    recovery = RecoveryActivities(nc, ledger=ledger)
     reconfigure = ReconfigureActivities(nc)
     sweep = SweepActivities(nc)
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
     main = Worker(
         client, task_queue=tq, workflows=[NodeRemediation, Sweep], workflow_runner=workflow_runner(),
-        activities=[drain.drain_node, sched.undrain_node, tickets.file_ticket, tickets.update_ticket,
+        activities=[drain.drain_node, drain.undrain_node, tickets.file_ticket, tickets.update_ticket,
                     tickets.poll_ticket, diag.run_diagnostics, guard.request_drain_permit, guard.release_drain_permit,
                     recovery.reset_gpu, recovery.reboot_node, reconfigure.reconfigure_node, sweep.bench_node,
                     sweep.open_fail_slow, notify.notify],
@@ -77,6 +81,13 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
         max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
     )
     return Workers(main, guard_worker)
+
+
+def build_ledger(settings: Settings, nc: NATS) -> LedgerStore:
+    """The incident ledger (`fleetmend.infra.ledger.LedgerStore`) with the deployment's topology (racks) and
+    repeat-part window."""
+    return LedgerStore(nc.jetstream(), settings.ledger, topology=load_topology(settings.policy.topology_file),
+                       repeat_part_window_s=settings.policy.repeat_part_window_days * 86400.0)
 
 
 GUARD_WORKFLOW_TASKS = 2

@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import datetime, timezone
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from activities.fleetguard import announce_policy
-from activities.notify import Notifier, channels_from_settings, notify_breaker
+from activities.notify import Notifier, channels_from_settings, notify_breaker, notify_findings
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
-from fleetmend.worker.build import build_worker
+from fleetmend.report import FIELDS, ReportParams, build_report
+from fleetmend.worker.build import build_ledger, build_worker
 
 log = structlog.get_logger("fleetmend.worker")
 
@@ -37,14 +39,20 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
 
     notifier = Notifier(channels_from_settings(settings.notify), nc.jetstream(), settings.notify.timeout_s)
 
+    ledger = build_ledger(settings, nc)
+    report_due = [0.0]
+
     async def refresh() -> None:
         await watcher.refresh()
         if settings.notify.any:  # breaker open: one notification per trip, from the elected replica
             await notify_breaker(client, settings.cluster, notifier)
+        if time.monotonic() >= report_due[0]:  # the ledger's report: gauges and version findings
+            report_due[0] = time.monotonic() + settings.ledger.refresh_s
+            await report_refresh(settings, ledger, notifier)
 
     poll = asyncio.create_task(fleetgauges.run_elected(
         nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, refresh,
-        lambda: fleetgauges.forget_cluster_gauges(settings.cluster), settings.metrics.poll_interval_s, stop, log,
+        lambda: forget_all(settings.cluster), settings.metrics.poll_interval_s, stop, log,
         on_elected=elected)) if settings.metrics.worker_port or settings.notify.any else None
     running = asyncio.create_task(worker.run(), name="temporal-worker")
     beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
@@ -70,6 +78,27 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     if failed is not None:
         raise SystemExit(1)
     log.info("worker_stopped")
+
+
+def forget_all(cluster: str) -> None:
+    fleetgauges.forget_cluster_gauges(cluster)
+    metrics.forget_report(cluster)
+
+
+async def report_refresh(settings: Settings, ledger, notifier: Notifier) -> dict:  # noqa: ANN001 - LedgerStore
+    """`fleetmend report` of the cluster over `ledger.findings_window_days`: its figures as gauges
+    (`fleetmend_report_*`) and each version finding as a notification (once per finding). Returns the report."""
+    now = time.time()
+    c = settings.cluster
+    params = ReportParams.from_settings(settings, now - settings.ledger.findings_window_days * 86400.0, now)
+    heads, fleet = await ledger.read_heads(c, fields=FIELDS), await ledger.fleet(c)
+    # the arithmetic in a thread: at 100,000 records it takes seconds, which the worker's event loop (activities,
+    # heartbeats) must not wait out
+    rep = await asyncio.to_thread(build_report, heads, params, fleet=fleet, cluster=c)
+    metrics.export_report(c, rep)
+    if rep["findings"] and settings.notify.any:
+        await notify_findings(c, rep["findings"], notifier)
+    return rep
 
 
 async def _announce_policy(client, settings: Settings, stop: asyncio.Event) -> None:  # noqa: ANN001
