@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, runtime_checkable
-
-import orjson
 
 from agents.perf import PerfSampler
 from fleetmend import __version__
@@ -70,8 +69,8 @@ class InjectProbe:
             if not line.strip():
                 continue
             try:
-                data = orjson.loads(line)
-            except orjson.JSONDecodeError as err:
+                data = json.loads(line)
+            except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
                 raise ValueError(f"{self.source} line {lineno}: not JSON ({err})") from err
             data.setdefault("source", Source.INJECT.value)
             data.update(cluster=self.cluster, node=self.node, agent_version=self.agent_version)

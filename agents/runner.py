@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import structlog
 
 from agents.bench import GpuTools
@@ -316,7 +316,7 @@ class Agent:
               "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
               "spool_error": self.spool.error, **({"leaving": True} if leaving else {})}
         with contextlib.suppress(Exception):
-            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node), orjson.dumps(hb))
+            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node), json.dumps(hb, separators=(",", ":")).encode())
 
     async def perf(self) -> None:
         """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
