@@ -264,7 +264,7 @@ class NvmlProbe:
         return self._nvml
 
     @property
-    def NVMLError(self) -> type[BaseException]:  # noqa: N802 - pynvml's name
+    def NVMLError(self) -> type[BaseException]:  # pynvml's name
         if self._nvml_error is None:
             self._nvml_error = _nvml_error_type(self.nvml)
         return self._nvml_error

@@ -348,7 +348,8 @@ class Agent:
               "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
               "spool_error": self.spool.error, **({"leaving": True} if leaving else {})}
         with contextlib.suppress(Exception):
-            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node), json.dumps(hb, separators=(",", ":")).encode())
+            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node),
+                             json.dumps(hb, separators=(",", ":")).encode())
 
     async def perf(self) -> None:
         """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,
