@@ -341,9 +341,10 @@ class NvmlProbe:
         if self.host_root is not None:
             self.gpus_on_bus = await asyncio.to_thread(nvidia_gpus_on_bus, self.host_root)
             if self.gpus_on_bus == 0:
-                self.not_applicable = (f"no NVIDIA GPU on the PCI bus ({Path(self.host_root) / 'sys/bus/pci/devices'}: "
-                                       "no vendor 0x10de, class 0x03xxxx)")
-                self._log.info("nvml_not_applicable", reason=self.not_applicable)
+                self.not_applicable = "no NVIDIA GPU on the PCI bus"  # in every heartbeat: short
+                self._log.info("nvml_not_applicable", reason=self.not_applicable,
+                               read=str(Path(self.host_root) / "sys/bus/pci/devices"),
+                               looked_for="vendor 0x10de, class 0x03xxxx")
                 return
 
         async def init_and_emit() -> bool:
