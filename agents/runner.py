@@ -98,7 +98,8 @@ class _RestartWait:
     def __call__(self, state: RetryCallState) -> float:
         if time.monotonic() - self.started > PROBE_RESTART_MAX_S:
             self.first_failure = state.attempt_number
-        return min(PROBE_RESTART_MIN_S * 2 ** (state.attempt_number - self.first_failure), PROBE_RESTART_MAX_S)
+        doublings = min(state.attempt_number - self.first_failure, 30)  # a probe failing for weeks stays bounded
+        return min(PROBE_RESTART_MIN_S * 2 ** doublings, PROBE_RESTART_MAX_S)
 
 
 async def _supervise(probe: Probe, emit: Emit, status: dict[str, str], restart: bool, log: Any) -> None:
