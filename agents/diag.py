@@ -111,7 +111,7 @@ class DiagResponder:
         self.nc = nc
         self.cluster, self.node = cluster, node
         self.subject = diag_subject(cluster, node)
-        self.nvml = _real_pynvml() if nvml == "default" else nvml
+        self._nvml = nvml
         self.expected_gpus = expected_gpus
         self.sysfs_root = Path(sysfs_root)
         self.kmsg_path = Path(kmsg_path)
@@ -126,6 +126,18 @@ class DiagResponder:
         self._log = structlog.get_logger("fleetmend.agent.diag").bind(cluster=cluster, node=node)
 
     # ------------------------------------------------------------------ serving
+
+    @property
+    def nvml(self) -> Any:
+        """The `pynvml` module (imported at the first check that needs it: an idle agent does not load it)
+        or the stand-in given; None without one."""
+        if isinstance(self._nvml, str) and self._nvml == "default":
+            self._nvml = _real_pynvml()
+        return self._nvml
+
+    @nvml.setter
+    def nvml(self, value: Any) -> None:
+        self._nvml = value
 
     async def start(self) -> None:
         """Subscribe on the node's diag subject (requests are answered in their own tasks)."""

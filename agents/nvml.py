@@ -34,10 +34,15 @@ nvmlEventTypeXidCriticalError, nvmlEventSetWait_v2 with a `xid_wait_ms` timeout 
 noticed) and each XID becomes a `kind="xid"` event (source nvml; the kmsg probe reports the same
 XID with its text, the router coalesces them by fault key).
 
-No NVML (no driver, no GPU, nvmlInit raising): ONE `nvml_unavailable` event (component agent;
-info when the library or driver is absent, which is a CPU node; degraded when NVML is there but
-fails), then the probe retries `nvmlInit` every `retry_interval_s` silently; when NVML comes up
-the event is cleared. Other probes are unaffected (each probe runs in its own task).
+Not applicable: given the host root (`host_root`, the agent's `agent.host_root`), the probe first looks
+for NVIDIA GPUs on the PCI bus (`sys/bus/pci/devices/*/vendor` 0x10de, `class` 0x03xxxx). With none, it
+publishes nothing, does not load NVML and returns, saying why in `not_applicable` (the heartbeat shows it):
+a CPU node or a dev box is not a fault. Where the bus cannot be read, it goes on as below.
+
+No NVML (no driver, nvmlInit raising): ONE `nvml_unavailable` event (component agent; degraded when
+NVIDIA GPUs are on the bus or NVML is there but fails; info when the library or driver is absent and
+the bus was not read), then the probe retries `nvmlInit` every `retry_interval_s` silently (tenacity);
+when NVML comes up the event is cleared. Other probes are unaffected (each probe runs in its own task).
 
 What a restart loses: the debounce state (first readings are republished; at-least-once) and XID
 events raised while no event set was registered (the kmsg probe still reads those from the log).
@@ -54,9 +59,11 @@ import ctypes
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
+from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
 from agents.conditions import UNKNOWN, Conditions, Reading
 from agents.kmsg.matchers import normalize_bdf
@@ -95,6 +102,31 @@ def _real_pynvml() -> Any:
     except ImportError:
         return None
     return pynvml
+
+
+NVIDIA_VENDOR = 0x10DE
+DISPLAY_CLASS = 0x03
+"""PCI vendor id of NVIDIA and base class of display controllers (VGA 0x0300, 3D 0x0302: every data-center GPU)."""
+
+
+def nvidia_gpus_on_bus(host_root: Path) -> int | None:
+    """How many NVIDIA GPUs the PCI bus shows under `host_root` (`sys/bus/pci/devices/*/vendor` 0x10de and
+    `class` 0x03xxxx; Linux Documentation/ABI/testing/sysfs-bus-pci), or None when the bus cannot be read
+    (no sysfs there): then nobody knows, and NVML decides."""
+    devices = Path(host_root) / "sys/bus/pci/devices"
+    try:
+        entries = list(devices.iterdir())
+    except OSError:
+        return None
+    n = 0
+    for dev in entries:
+        try:
+            vendor = int((dev / "vendor").read_text().strip(), 16)
+            pci_class = int((dev / "class").read_text().strip(), 16)
+        except (OSError, ValueError):
+            continue
+        n += vendor == NVIDIA_VENDOR and pci_class >> 16 == DISPLAY_CLASS
+    return n
 
 
 def _nvml_error_type(nvml: Any) -> type[BaseException]:
@@ -191,6 +223,8 @@ class NvmlProbe:
         temperature_max_c: used where the GPU reports no slowdown threshold.
         nvlink_error_step: a rise of an NVLink error counter by at least this much within one poll
             is published (DL recovery errors always count from 1).
+        host_root: the host's `/` (`agent.host_root`): with no NVIDIA GPU on its PCI bus the probe is not
+            applicable (nothing published, NVML not loaded); None: the bus is not looked at.
     """
 
     name = "nvml"
@@ -199,9 +233,14 @@ class NvmlProbe:
                  agent_version: str = __version__, catalog: Catalog | None = None,
                  poll_interval_s: float = 30.0, retry_interval_s: float = 300.0, xid_wait_ms: int = 1000,
                  xid_events: bool = True, pcie_gen_min_util_pct: int = 50, temperature_max_c: int = 87,
-                 nvlink_error_step: int = 100) -> None:
-        self.nvml = _real_pynvml() if nvml == "default" else nvml
-        self.NVMLError = _nvml_error_type(self.nvml)
+                 nvlink_error_step: int = 100, host_root: Path | None = None) -> None:
+        self._nvml = nvml
+        self._nvml_error: type[BaseException] | None = None
+        self.host_root = host_root
+        self.gpus_on_bus: int | None = None
+        """NVIDIA GPUs on the PCI bus (read at `run`), None when not looked at or unreadable."""
+        self.not_applicable: str | None = None
+        """Why the probe does not apply to this host (no NVIDIA GPU on the bus), else None."""
         self.cluster, self.node, self.agent_version = cluster, node, agent_version
         self.catalog = catalog or default_catalog()
         self.poll_interval_s, self.retry_interval_s = poll_interval_s, retry_interval_s
@@ -216,17 +255,35 @@ class NvmlProbe:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def nvml(self) -> Any:
+        """The `pynvml` module (imported at first use: a host without NVIDIA GPUs never loads it) or the
+        stand-in given."""
+        if isinstance(self._nvml, str) and self._nvml == "default":
+            self._nvml = _real_pynvml()
+        return self._nvml
+
+    @property
+    def NVMLError(self) -> type[BaseException]:  # pynvml's name
+        if self._nvml_error is None:
+            self._nvml_error = _nvml_error_type(self.nvml)
+        return self._nvml_error
+
     def init(self) -> list[FaultEvent]:
-        """nvmlInit and enumerate GPUs. Returns the nvml_unavailable event or its clearing (debounced)."""
+        """nvmlInit and enumerate GPUs. Returns the nvml_unavailable event or its clearing (debounced).
+        No driver is info where the bus was not read, degraded where NVIDIA GPUs are on it."""
+        on_bus = f"{self.gpus_on_bus} NVIDIA GPU(s) on the PCI bus but " if self.gpus_on_bus else ""
+        absent = Severity.DEGRADED if self.gpus_on_bus else Severity.INFO
         if self.nvml is None:
-            return self.conditions.observe("nvml", self._unavailable("pynvml (nvidia-ml-py) is not installed",
-                                                                     Severity.INFO, None))
+            return self.conditions.observe("nvml", self._unavailable(
+                f"{on_bus}pynvml (nvidia-ml-py) is not installed", absent, None))
         try:
             self.nvml.nvmlInit()
         except self.NVMLError as err:
             code = _code(err)
-            sev = Severity.INFO if code in ABSENT else Severity.DEGRADED
-            what = ("no NVIDIA driver on this host" if code in ABSENT else "NVML is present but nvmlInit failed")
+            sev = absent if code in ABSENT else Severity.DEGRADED
+            what = (f"{on_bus}no NVIDIA driver on this host" if code in ABSENT
+                    else "NVML is present but nvmlInit failed")
             return self.conditions.observe("nvml", self._unavailable(f"{what}: {err}", sev, code))
         except OSError as err:  # ctypes load problems outside pynvml's own error mapping
             return self.conditions.observe("nvml", self._unavailable(f"NVML could not be loaded: {err}",
@@ -279,13 +336,24 @@ class NvmlProbe:
     # ------------------------------------------------------------------ run
 
     async def run(self, emit: Emit) -> None:
-        """Init (retrying every `retry_interval_s`), start the XID thread, poll until cancelled."""
-        while True:
+        """Return at once where no NVIDIA GPU is on the bus (`not_applicable`); else init (retrying every
+        `retry_interval_s`, tenacity), start the XID thread, poll until cancelled."""
+        if self.host_root is not None:
+            self.gpus_on_bus = await asyncio.to_thread(nvidia_gpus_on_bus, self.host_root)
+            if self.gpus_on_bus == 0:
+                self.not_applicable = "no NVIDIA GPU on the PCI bus"  # in every heartbeat: short
+                self._log.info("nvml_not_applicable", reason=self.not_applicable,
+                               read=str(Path(self.host_root) / "sys/bus/pci/devices"),
+                               looked_for="vendor 0x10de, class 0x03xxxx")
+                return
+
+        async def init_and_emit() -> bool:
             for ev in await asyncio.to_thread(self.init):
                 await emit(ev)
-            if self.initialised:
-                break
-            await asyncio.sleep(self.retry_interval_s)
+            return self.initialised
+
+        await AsyncRetrying(retry=retry_if_result(lambda up: not up), wait=wait_fixed(self.retry_interval_s))(
+            init_and_emit)
         loop = asyncio.get_running_loop()
         xids: asyncio.Queue[FaultEvent] = asyncio.Queue(maxsize=1000)
         stop = threading.Event()

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, runtime_checkable
-
-import orjson
 
 from agents.perf import PerfSampler
 from fleetmend import __version__
@@ -70,8 +69,8 @@ class InjectProbe:
             if not line.strip():
                 continue
             try:
-                data = orjson.loads(line)
-            except orjson.JSONDecodeError as err:
+                data = json.loads(line)
+            except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
                 raise ValueError(f"{self.source} line {lineno}: not JSON ({err})") from err
             data.setdefault("source", Source.INJECT.value)
             data.update(cluster=self.cluster, node=self.node, agent_version=self.agent_version)
@@ -130,7 +129,16 @@ def _nvml(cfg: NvmlProbeSettings, ctx: ProbeContext) -> Probe:
                poll_interval_s=cfg.poll_interval_s, retry_interval_s=cfg.retry_interval_s,
                xid_events=cfg.xid_events, xid_wait_ms=cfg.xid_wait_ms,
                pcie_gen_min_util_pct=cfg.pcie_gen_min_util_pct, temperature_max_c=cfg.temperature_max_c,
-               nvlink_error_step=cfg.nvlink_error_step)
+               nvlink_error_step=cfg.nvlink_error_step, host_root=ctx.host_root)
+
+
+def nvml_applies(settings: Settings) -> bool:
+    """NVML is worth loading here: `agent.nvml.enabled`, and NVIDIA GPUs on the PCI bus under `agent.host_root`
+    (or the bus unreadable). False on a CPU node or a dev box: the inventory and the perf sampler then run
+    without NVML, and the NVML probe says it does not apply."""
+    from agents.nvml import nvidia_gpus_on_bus  # lazy, like the probe modules
+
+    return settings.agent.nvml.enabled and nvidia_gpus_on_bus(settings.agent.host_root) != 0
 
 
 def _sysfs(cfg: SysfsProbeSettings, ctx: ProbeContext) -> Probe:
@@ -151,7 +159,7 @@ def _inventory(settings: Settings, ctx: ProbeContext) -> Probe:
     `agent.udev.source` when `agent.udev.enabled` (else the device poll alone)."""
     cls = probe_class("inventory")
     nvml: object = None
-    if settings.agent.nvml.enabled:
+    if nvml_applies(settings):
         try:
             import pynvml  # lazy: the agent runs without it on GPU-less nodes
 
@@ -269,9 +277,10 @@ def build_probes(settings: Settings, kmsg_file: Path | None = None, state_dir: P
 def build_perf_sampler(settings: Settings, nvml: object = "default") -> PerfSampler | None:
     """The perf sampler from `agent.perf` (interval) and `agent.sysfs.root`; None when `agent.perf.enabled`
     is false. `nvml` is the `pynvml` module or a stand-in ("default": import it); it is not used when
-    `agent.nvml.enabled` is false. Raises ValueError for a non-positive interval."""
+    `agent.nvml.enabled` is false or no NVIDIA GPU is on the bus (`nvml_applies`). Raises ValueError for a
+    non-positive interval."""
     a = settings.agent
     if not a.perf.enabled:
         return None
-    return PerfSampler(nvml if a.nvml.enabled else None, a.sysfs.root, cluster=settings.cluster,
+    return PerfSampler(nvml if nvml_applies(settings) else None, a.sysfs.root, cluster=settings.cluster,
                        node=settings.node, interval_s=a.perf.interval_s)

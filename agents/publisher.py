@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 import nats.errors
 import nats.js.errors
 import structlog
+from tenacity import AsyncRetrying, retry_if_result, wait_exponential
 
 from agents.spool import Spool
 from fleetmend.errors import SpoolError
@@ -45,6 +47,8 @@ from fleetmend.infra import metrics
 from fleetmend.subjects import fault_subject, msg_id
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+REPLAY_RETRY_MIN_S, REPLAY_RETRY_MAX_S = 0.5, 30.0
+"""A failed replay pass while connected is retried after 0.5 s, doubling to 30 s (or at the next wake)."""
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,  # includes nats.errors.TimeoutError
@@ -261,26 +265,30 @@ class Publisher:
     # ------------------------------------------------------------ replay
 
     async def replay(self) -> None:
-        """Drain the spool, in order, whenever NATS is connected; forever (cancel to stop)."""
-        backoff_s = 0.5
+        """Drain the spool, in order, whenever NATS is connected; forever (cancel to stop). A pass that fails
+        while connected is retried (tenacity) after 0.5 s doubling to 30 s, or sooner when a reconnect or
+        an append wakes the replay."""
+        retrying = AsyncRetrying(retry=retry_if_result(lambda drained: drained is False),
+                                 wait=wait_exponential(multiplier=REPLAY_RETRY_MIN_S, max=REPLAY_RETRY_MAX_S),
+                                 sleep=self._sleep_or_wake)
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self.spool.depth:
-                continue
-            await self._online.wait()
-            if await self.replay_once():
-                backoff_s = 0.5
-                continue
-            # Connected but JetStream did not answer (not ready after a restart, stream missing):
-            # retry after a backoff, or sooner when a reconnect wakes us.
-            try:
-                async with asyncio.timeout(backoff_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.set()
-            backoff_s = min(backoff_s * 2, 30.0)
+            await retrying(self._replay_when_online)
+
+    async def _replay_when_online(self) -> bool:
+        """One replay pass once connected; True when there was nothing (left) to replay."""
+        if not self.spool.depth:
+            return True
+        await self._online.wait()
+        return await self.replay_once()
+
+    async def _sleep_or_wake(self, seconds: float) -> None:
+        """tenacity's sleep between failed replay passes: `seconds`, or until a reconnect or append wakes us."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        self._wake.clear()
 
     async def replay_once(self) -> bool:
         """Publish spooled events oldest first until empty. Returns False if NATS failed midway."""

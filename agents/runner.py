@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_never
 
 from agents.bench import GpuTools
 from agents.diag import DiagResponder
@@ -82,28 +83,60 @@ def apply_process_limits(agent: AgentSettings, log: Any) -> dict[str, Any]:
     return applied
 
 
+class _RestartWait:
+    """tenacity wait of a failed probe's restarts: 1 s doubling to 5 min, counted afresh after a run that
+    lasted longer than 5 min (a probe failing once a day restarts after 1 s, not after 5 min)."""
+
+    def __init__(self) -> None:
+        self.first_failure = 1
+        """Attempt number of the first failure of the current streak."""
+        self.started = time.monotonic()
+
+    def before(self, state: RetryCallState) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, state: RetryCallState) -> float:
+        if time.monotonic() - self.started > PROBE_RESTART_MAX_S:
+            self.first_failure = state.attempt_number
+        doublings = min(state.attempt_number - self.first_failure, 30)  # a probe failing for weeks stays bounded
+        return min(PROBE_RESTART_MIN_S * 2 ** doublings, PROBE_RESTART_MAX_S)
+
+
 async def _supervise(probe: Probe, emit: Emit, status: dict[str, str], restart: bool, log: Any) -> None:
     """Run one probe; on failure record it for the heartbeat and (unless `restart` is False)
-    restart it with a doubling backoff. A restarted kmsg probe resumes from its cursor, so a restart
-    loses nothing unless the kernel ring buffer wrapped in the meantime."""
-    delay = PROBE_RESTART_MIN_S
-    while True:
+    restart it with a doubling backoff (tenacity, `_RestartWait`). A restarted kmsg probe resumes from its
+    cursor, so a restart loses nothing unless the kernel ring buffer wrapped in the meantime."""
+    wait = _RestartWait()
+
+    async def run_once() -> None:
         status[probe.name] = "ok"
-        started = time.monotonic()
         try:
             await probe.run(emit)
-            log.info("probe_finished", probe=probe.name)
-            return
-        except Exception as err:  # noqa: BLE001 - any probe bug is contained here and reported
+        except Exception as err:
             status[probe.name] = f"failed: {err}"[:300]
-            log.error("probe_failed", probe=probe.name, error=repr(err), restart_in_s=delay if restart else None)
-            if not restart:
-                return
-        if time.monotonic() - started > PROBE_RESTART_MAX_S:
-            delay = PROBE_RESTART_MIN_S
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, PROBE_RESTART_MAX_S)
-        log.info("probe_restarted", probe=probe.name)
+            raise
+
+    def before(state: RetryCallState) -> None:
+        wait.before(state)
+        if state.attempt_number > 1:
+            log.info("probe_restarted", probe=probe.name)
+
+    def failed(state: RetryCallState) -> None:
+        err = state.outcome.exception() if state.outcome is not None else None
+        log.error("probe_failed", probe=probe.name, error=repr(err),
+                  restart_in_s=state.next_action.sleep if state.next_action is not None else None)
+
+    retrying = AsyncRetrying(retry=retry_if_exception_type(Exception), wait=wait, before=before,
+                             before_sleep=failed, stop=stop_never if restart else stop_after_attempt(1), reraise=True)
+    try:
+        await retrying(run_once)
+    except Exception as err:  # noqa: BLE001 - any probe bug is contained here and reported
+        log.error("probe_failed", probe=probe.name, error=repr(err), restart_in_s=None)  # restart=False: once
+        return
+    not_applicable = getattr(probe, "not_applicable", None)  # e.g. nvml on a host without NVIDIA GPUs
+    if not_applicable:
+        status[probe.name] = f"not applicable: {not_applicable}"
+    log.info("probe_finished", probe=probe.name)
 
 
 class Agent:
@@ -316,7 +349,8 @@ class Agent:
               "spool_dropped": self.spool.dropped_count, "faults_lost": self.publisher.lost_count,
               "spool_error": self.spool.error, **({"leaving": True} if leaving else {})}
         with contextlib.suppress(Exception):
-            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node), orjson.dumps(hb))
+            await nc.publish(heartbeat_subject(self.settings.cluster, self.settings.node),
+                             json.dumps(hb, separators=(",", ":")).encode())
 
     async def perf(self) -> None:
         """Publish a `PerfSample` every `agent.perf.interval_s` on the node's perf subject (core NATS,

@@ -1,20 +1,26 @@
-"""Where the node agent's memory goes: RSS after each layer, each measured in a fresh interpreter.
+"""Where the node agent's memory goes: RSS after each layer, each measured in a fresh interpreter, and the
+live agent itself.
 
-    python bench/agent_memory.py
+    python bench/agent_memory.py [--live-s 8]
 
 Prints, per step, VmRSS and its parts from /proc/self/status: RssAnon (private heap: what the
 process itself costs) and RssFile (mapped files, mostly shared-library code that every process
 on the node maps from the same page cache). Steps:
 
     interpreter        python -c pass
-    asyncio+ssl        the floor of any asyncio Python process that can speak TLS (nats-py imports ssl)
+    asyncio+ssl        the raw limit: any asyncio Python process that can speak TLS (asyncio imports ssl)
     nats+structlog     the floor of any asyncio NATS client in Python (bench/agent_cost.py's "bare")
-    +pydantic          the event schema's library (imported; its model machinery loads with the first model)
-    +settings          fleetmend.config loaded (pydantic-settings and the first models built)
-    +contract          fleetmend.events + the fault catalog loaded
-    +agent modules     every module the agent imports (runner, probes, parsers, spool, publisher)
+    +pydantic model    + one pydantic model class: the floor of any process that speaks the pydantic contract
+    +FaultEvent        + the event contract (fleetmend.events)
+    +settings          + fleetmend.config loaded (pydantic-settings and the settings tree)
+    +catalog           + the fault catalog loaded (every XID and kind row)
+    +agent modules     every module the live agent imports (runner, probes, kmsg parser, spool, publisher,
+                       inventory, metrics)
+    live agent         `python -m agents --hardware` itself, NATS away (it spools and keeps retrying), after
+                       `--live-s` seconds: every probe running (on a host without NVIDIA GPUs the NVML probe
+                       does not apply and NVML is not loaded)
 
-Every step except the bare interpreter and "nvml alone" uses the agent's lean imports
+Every step except the bare interpreter, the raw limit and "nvml alone" uses the agent's lean imports
 (agents/__main__.py: no aiohttp, no rich), as the agent does.
     nvml alone         interpreter + pynvml + nvmlInit(): the floor any in-process NVML reader pays
     +nvml init         the agent's modules plus nvmlInit, GPU handles and the XID event set, then
@@ -71,25 +77,26 @@ LEAN = "import sys\nsys.modules.setdefault('aiohttp', None)\nsys.modules.setdefa
 """Every step but the bare interpreter and `nvml alone` runs with the agent's lean imports (no aiohttp,
 no rich), as the agent does, so each row adds to the one before."""
 
+AGENT_MODULES = ("from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
+                 "import asyncio, nats, structlog\nfrom fleetmend.config import load_settings\nload_settings()\n"
+                 "from fleetmend.catalog import default_catalog\ndefault_catalog()\n"
+                 "import agents.runner, agents.nvml, agents.kmsg.probe, agents.sysfs, agents.udev, agents.spool, "
+                 "agents.publisher, agents.diag, agents.recovery, agents.lastboot, agents.inventory.probe\n")
+
 STEPS: list[tuple[str, str]] = [
     ("interpreter", "note = ''"),
     ("asyncio+ssl", "import asyncio, ssl; note = ''"),
     ("nats+structlog", LEAN + "import asyncio, nats, structlog; note = ''"),
-    ("+pydantic", LEAN + "import asyncio, nats, structlog, pydantic; note = ''"),
+    ("+pydantic model", LEAN + "import asyncio, nats, structlog, pydantic\nclass M(pydantic.BaseModel):\n"
+                        "    x: int\nnote = ''"),
+    ("+FaultEvent", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.events import FaultEvent; note = ''"),
     ("+settings", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.config import load_settings\n"
                   "load_settings(); note = ''"),
-    ("+contract", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.events import FaultEvent\n"
-                  "from fleetmend.catalog import default_catalog\ndefault_catalog(); note = ''"),
-    ("+agent modules", "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
-                       "import asyncio, nats, structlog\nfrom fleetmend.catalog import default_catalog\n"
-                       "default_catalog()\nimport agents.runner, agents.nvml, agents.kmsg.probe, agents.sysfs, "
-                       "agents.udev, agents.spool, agents.publisher, agents.diag, agents.recovery, agents.lastboot\nnote = ''"),
+    ("+catalog", LEAN + "import asyncio, nats, structlog\nfrom fleetmend.config import load_settings\n"
+                 "load_settings()\nfrom fleetmend.catalog import default_catalog\ndefault_catalog(); note = ''"),
+    ("+agent modules", AGENT_MODULES + "note = ''"),
     ("nvml alone", "FULL = False\n" + _NVML),
-    ("+nvml init", "from agents.__main__ import lean_imports\nlean_imports('nats://x:4222')\n"
-                   "import asyncio, nats, structlog\nfrom fleetmend.catalog import default_catalog\n"
-                   "default_catalog()\nimport agents.runner, agents.nvml, agents.kmsg.probe, agents.sysfs, "
-                   "agents.udev, agents.spool, agents.publisher, agents.diag, agents.recovery, agents.lastboot\n"
-                   "FULL = True\n" + _NVML),
+    ("+nvml init", AGENT_MODULES + "FULL = True\n" + _NVML),
 ]
 
 
@@ -108,23 +115,54 @@ def measure(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def live_agent(seconds: float) -> dict:
+    """VmRSS/RssAnon/RssFile (MiB) of `python -m agents --hardware` after `seconds`, NATS away (a closed local
+    port: the agent spools and keeps reconnecting), in a temporary state directory."""
+    import os
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="fm-agent-mem-") as tmp:
+        env = {**os.environ, "FLEETMEND_NATS_URL": "nats://127.0.0.1:1", "FLEETMEND_STATE_DIR": tmp,
+               "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_AGENT__NICE": "0",
+               "PYTHONPATH": str(REPO) + ":" + os.environ.get("PYTHONPATH", "")}
+        proc = subprocess.Popen([sys.executable, "-m", "agents", "--node", "mem", "--cluster", "bench", "--hardware"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            time.sleep(seconds)
+            if proc.poll() is not None:
+                return {"error": f"the agent exited with {proc.returncode}"}
+            out: dict = {}
+            for line in open(f"/proc/{proc.pid}/status"):
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "RssAnon", "RssFile"):
+                    out[k] = int(v.split()[0]) / 1024
+            return {**out, "note": f"after {seconds:g} s, every probe running"}
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+
+
 def main() -> int:
     import argparse
 
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--live-s", type=float, default=8.0, help="how long the live agent runs before its RSS is read")
+    args = ap.parse_args()
     print(f"{'step (MiB)':18s} {'VmRSS':>8s} {'RssAnon':>8s} {'RssFile':>8s}  note")
     rows = {}
-    for name, code in STEPS:
-        r = measure(code)
+    for name, r in [*((n, measure(c)) for n, c in STEPS), ("live agent", live_agent(args.live_s))]:
         if "error" in r:
             print(f"{name:18s} error: {r['error']}")
             continue
         rows[name] = r
         print(f"{name:18s} {r['VmRSS']:8.1f} {r['RssAnon']:8.1f} {r['RssFile']:8.1f}  {r['note']}")
-    if "+agent modules" in rows and "interpreter" in rows and "asyncio+ssl" in rows:
-        agent, bare, floor = (rows[k]["VmRSS"] for k in ("+agent modules", "interpreter", "asyncio+ssl"))
-        print(f"\nagent without NVML {agent:.1f} MiB beside: bare interpreter {bare:.1f}, asyncio+ssl floor "
-              f"{floor:.1f}, target {TARGET_MIB:.0f} (issue 30); {agent - floor:.1f} MiB above the floor")
+    if {"live agent", "interpreter", "asyncio+ssl", "+pydantic model"} <= set(rows):
+        agent, bare, floor, contract = (rows[k]["VmRSS"] for k in ("live agent", "interpreter", "asyncio+ssl",
+                                                                   "+pydantic model"))
+        print(f"\nlive agent {agent:.1f} MiB beside: bare interpreter {bare:.1f}, raw limit asyncio+ssl {floor:.1f}, "
+              f"asyncio+nats+structlog+one pydantic model {contract:.1f}; target {TARGET_MIB:.0f} (issue 30): "
+              f"{agent - floor:.1f} MiB above the raw limit, {agent - contract:.1f} above the stack's floor")
     return 0
 
 

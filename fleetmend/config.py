@@ -221,7 +221,8 @@ class NvmlProbeSettings(_Section):
     """`agent.nvml`: the NVML probe."""
 
     enabled: bool = True
-    """On a host without the NVIDIA driver it publishes one nvml_unavailable (info) and goes quiet."""
+    """Where `agent.host_root`'s PCI bus shows no NVIDIA GPU the probe does not apply (nothing published, NVML not
+    loaded); without a driver it publishes one nvml_unavailable (degraded where GPUs are on the bus) and goes quiet."""
     poll_interval_s: float = 30.0
     """ECC/remap/PCIe/NVLink/clock reads: ~20 NVML calls per GPU, microseconds each; 30 s finds a pending
     remap long before a scheduler would place the next job (XIDs arrive as events, not by polling)."""

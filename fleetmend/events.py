@@ -182,7 +182,8 @@ class Device(BaseModel):
 class ConditionKey(NamedTuple):
     """Identity of one condition on one node: what repeats and clearing events of it share.
 
-    `device` is the PCI bus id, else the kernel name, else the UUID, else `#<index>`, else None.
+    `device` is the PCI bus id, else the kernel name, else the UUID, else `gpu:<index>` (the form the analyzer's
+    findings name a GPU in), else None.
     A clearing event (`healthy=True`) has the key of the fault it clears. This is the one identity
     used everywhere: the agent's condition tracker, the router's coalescing, the workflow's records.
     """
@@ -200,7 +201,7 @@ def device_label(device: "Device") -> str | None:
     """The one string that names a device in keys and records (see `ConditionKey`)."""
     label = device.pci_bus_id or device.name or device.uuid
     if label is None and device.index is not None:
-        label = f"#{device.index}"
+        label = f"gpu:{device.index}"
     return label
 
 

@@ -94,3 +94,40 @@ async def test_live_agent_runs_every_probe_and_nvml_reports_once(nats_server, nc
     if ev.kind != "nvml_unavailable":
         pytest.skip("this host has a working NVML")
     assert ev.component.value == "agent" and ev.severity.value == "info" and ev.source.value == "nvml"
+
+
+async def test_agent_on_a_host_without_nvidia_gpus_reports_nvml_not_applicable(nats_server, nc, unique: str,
+                                                                                tmp_path: Path) -> None:
+    """Issue 30: `dev up` on a GPU-less box opened an incident for the host itself (`nvml_unavailable`). With the
+    host root's PCI bus showing no NVIDIA GPU, the heartbeat says "not applicable" and nothing is published."""
+    cluster, node = f"c{unique}", "n1"
+    (tmp_path / "kmsg").write_text("")
+    nic = tmp_path / "host/sys/bus/pci/devices/0000:3b:00.0"
+    nic.mkdir(parents=True)
+    (nic / "vendor").write_text("0x8086\n")
+    (nic / "class").write_text("0x020000\n")
+    s = Settings(cluster=cluster, node=node, nats_url=nats_server.url, state_dir=tmp_path / "state",
+                 agent=AgentSettings(nice=0, heartbeat_interval_s=0.2, kmsg_path=tmp_path / "kmsg",
+                                     nvml_retry_interval_s=0.05, sysfs_root=tmp_path / "host",
+                                     host_root=tmp_path / "host", inventory_enabled=False,
+                                     lastboot={"enabled": False}, udev={"enabled": False}))
+    beats: list[dict] = []
+
+    async def on_hb(msg) -> None:
+        beats.append(json.loads(msg.data))
+
+    await nc.subscribe(heartbeat_subject(cluster, node), cb=on_hb)
+    js = nc.jetstream()
+    await ensure_fault_stream(js)
+    sub = await js.subscribe(fault_subject(cluster, node), ordered_consumer=True)
+    stop = asyncio.Event()
+    agent = asyncio.create_task(run_agent(s, stop=stop, hardware=True))
+    try:
+        hb = await assert_eventually(lambda: beats and beats[-1]["probes"].get("nvml", "").startswith("not applicable")
+                                     and beats[-1], timeout_s=20, what="nvml not applicable in the heartbeat")
+        assert "no NVIDIA GPU on the PCI bus" in hb["probes"]["nvml"]
+        with pytest.raises(Exception):  # noqa: B017 - nats TimeoutError: nothing published
+            await sub.next_msg(timeout=1.0)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(agent, 15) == 0

@@ -4,8 +4,7 @@ JetStream even with two router replicas watching, and ONE clearing event when he
 from __future__ import annotations
 
 import asyncio
-
-import orjson
+import json
 
 from fleetmend.events import Component, FaultEvent, Severity, Source, utcnow
 from fleetmend.infra.jetstream import ensure_fault_stream
@@ -15,8 +14,8 @@ from tests.conftest import assert_eventually
 
 
 async def _beat(nc, cluster: str, node: str) -> None:
-    await nc.publish(heartbeat_subject(cluster, node), orjson.dumps(
-        {"node": node, "cluster": cluster, "agent_version": "9.9", "at": utcnow().isoformat(), "probes": {}}))
+    await nc.publish(heartbeat_subject(cluster, node), json.dumps(
+        {"node": node, "cluster": cluster, "agent_version": "9.9", "at": utcnow().isoformat(), "probes": {}}).encode())
 
 
 async def _faults(js, cluster: str, node: str) -> list[FaultEvent]:

@@ -340,3 +340,64 @@ def test_init_failure_is_degraded_and_clears_when_nvml_comes_up() -> None:
     nv.nvmlInit.side_effect = None
     ev = p.init()
     assert kinds(ev) == [("nvml_unavailable", True, None)] and ev[0].attrs["clearing_kind"] == "nvml_available"
+
+
+def pci_tree(root, devices: dict[str, tuple[str, str]]):
+    """`root/sys/bus/pci/devices/<bdf>/{vendor,class}` for each bdf → (vendor, class), as sysfs writes them."""
+    for bdf, (vendor, cls) in devices.items():
+        d = root / "sys/bus/pci/devices" / bdf
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(cls + "\n")
+    return root
+
+
+def test_nvidia_gpus_on_bus_counts_display_controllers_of_nvidia_only(tmp_path) -> None:
+    root = pci_tree(tmp_path, {"0000:17:00.0": ("0x10de", "0x030200"),  # H100: 3D controller
+                               "0000:17:00.1": ("0x10de", "0x040300"),  # NVIDIA HDMI audio: not a GPU
+                               "0000:3b:00.0": ("0x8086", "0x020000"),  # Intel NIC
+                               "0000:00:02.0": ("0x8086", "0x030000")})  # Intel VGA: not NVIDIA
+    assert nvml_mod.nvidia_gpus_on_bus(root) == 1
+    assert nvml_mod.nvidia_gpus_on_bus(tmp_path / "elsewhere") is None  # no sysfs there: unknown
+
+
+async def test_no_nvidia_gpu_on_the_bus_is_not_applicable_nothing_published(tmp_path) -> None:
+    """A CPU node or a dev box (issue 30: `dev up` opened an incident for the host itself): no event, NVML
+    not even loaded, and the probe says why."""
+    root = pci_tree(tmp_path, {"0000:3b:00.0": ("0x8086", "0x020000"), "0000:17:00.1": ("0x10de", "0x040300")})
+    nv = nvml_standin([])
+    nv.nvmlInit.side_effect = pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    got: list[FaultEvent] = []
+
+    async def emit(e: FaultEvent) -> None:
+        got.append(e)
+
+    p = NvmlProbe(nv, cluster="c", node="n1", retry_interval_s=0.01, host_root=root)
+    await asyncio.wait_for(p.run(emit), 5)  # returns: nothing to watch
+    assert got == [] and not nv.nvmlInit.called
+    assert p.not_applicable and "no NVIDIA GPU on the PCI bus" in p.not_applicable
+    lazy = NvmlProbe(cluster="c", node="n1", host_root=root)  # the real pynvml, never imported for it
+    await asyncio.wait_for(lazy.run(emit), 5)
+    assert lazy._nvml == "default" and got == []
+
+
+async def test_nvidia_gpu_on_the_bus_without_a_driver_is_a_fault(tmp_path) -> None:
+    """Where the bus shows an NVIDIA GPU, a missing driver is degraded (a GPU node that cannot be read), not info."""
+    root = pci_tree(tmp_path, {"0000:17:00.0": ("0x10de", "0x030200")})
+    nv = nvml_standin([])
+    nv.nvmlInit.side_effect = pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    got: list[FaultEvent] = []
+
+    async def emit(e: FaultEvent) -> None:
+        got.append(e)
+
+    p = NvmlProbe(nv, cluster="c", node="n1", retry_interval_s=0.01, host_root=root)
+    task = asyncio.create_task(p.run(emit))
+    await asyncio.sleep(0.2)  # ~20 retries of nvmlInit (tenacity): one event only
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert nv.nvmlInit.call_count > 2 and len(got) == 1
+    e = got[0]
+    assert (e.kind, e.severity, e.healthy) == ("nvml_unavailable", Severity.DEGRADED, False)
+    assert "1 NVIDIA GPU(s) on the PCI bus but no NVIDIA driver" in e.message and p.not_applicable is None

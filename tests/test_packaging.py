@@ -74,7 +74,8 @@ CONTROL_PLANE = AGENT | closure([], ("control-plane",))
 
 
 def test_the_agents_set_has_no_temporal_kubernetes_or_server_binary() -> None:
-    assert {"pydantic", "nats-py", "structlog", "nvidia-ml-py", "pyudev"} <= AGENT
+    assert {"pydantic", "nats-py", "structlog", "nvidia-ml-py", "pyudev", "tenacity"} <= AGENT
+    assert "orjson" not in AGENT  # one JSON library: the stdlib json
     assert not AGENT & NEVER_ON_A_NODE, AGENT & NEVER_ON_A_NODE
     assert PYPROJECT["project"]["optional-dependencies"]["agent"] == []  # `fleetmend[agent]` is the base set
     assert {"temporalio", "kubernetes", "httpx", "tenacity", "python-hostlist"} <= CONTROL_PLANE

@@ -479,7 +479,7 @@ class KmsgParser:
         serial = self._ctx.serial_by_bdf.get(c.bdf or "")
         message = c.message or c.kind
         if rec.count > 1:
-            message = f"{message} (x{rec.count})"
+            message = f"{message} ({rec.count} times)"  # not "(x16)": read as a PCIe width
         draft = FaultEvent(
             cluster=self.cluster,
             node=self.node,

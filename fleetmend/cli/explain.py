@@ -25,7 +25,7 @@ from typer.core import TyperCommand
 
 from fleetmend.catalog import Catalog, Classification, default_catalog
 from fleetmend.cli.common import err, out
-from fleetmend.events import FaultEvent, Severity
+from fleetmend.events import FaultEvent, Severity, device_label
 
 EXIT_OK, EXIT_DEGRADED, EXIT_FATAL, EXIT_UNREADABLE = 0, 1, 2, 3
 """Health-check convention (the Nagios plugin statuses OK, WARNING, CRITICAL, UNKNOWN): 0 nothing to act
@@ -227,7 +227,7 @@ def render_entry(x: Explained, console: Console) -> None:
     line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
                          (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
                          f"  → {action}" + (", drain" if drain_s == "yes" else ""),
-                         (f"  ×{x.event.attrs['count']}" if int(x.event.attrs.get("count") or 1) > 1 else "",
+                         (f"  {x.event.attrs['count']} times" if int(x.event.attrs.get("count") or 1) > 1 else "",
                           "dim"))
     console.print(line, overflow="fold")
     console.print(Text("    " + msg), overflow="fold")
@@ -244,7 +244,7 @@ def _row(x: Explained) -> list[str]:
                or ev.observed_at.strftime("%Y-%m-%d %H:%M:%S"))
     shown = str(ev.attrs.get("clearing_kind") or ev.kind) if ev.healthy else ev.kind
     kind = f"XID {ev.code}" if ev.kind == "xid" else (f"{shown} {ev.code}" if ev.code is not None else shown)
-    dev = ev.device.pci_bus_id or ev.device.name or ev.device.uuid or "-"
+    dev = device_label(ev.device) or "-"  # the one device form (a GPU by index: gpu:7)
     if ev.device.port is not None:
         dev = f"{dev} port {ev.device.port}"
     sev = "cleared" if ev.healthy else ev.severity.value

@@ -207,17 +207,28 @@ def _show_node(s: Settings, node: str, cluster: str | None, as_json: bool) -> No
     for e in d["timeline"]:
         t.add_row(short_time(e["at"]), e["phase"], escape(e["text"]), escape(e.get("by") or ""))
     out.print(t)
+    out.print(faults_table(d))
+    for ref in d.get("runbooks", {}).values():
+        out.print(f"runbook: {escape(ref)}")
+
+
+def seen(count: int) -> str:
+    """How often an incident saw a fault, in words ("once", "3 times"): a bare "×1" beside a kernel message
+    naming a PCIe width ("x16") read as one more width."""
+    return "once" if count == 1 else f"{count} times"
+
+
+def faults_table(d: dict) -> Table:
+    """The faults of one incident view (`find_incidents`): fault, device, severity, action, seen, message."""
     f = Table(title=f"faults (drained: {'yes' if d['drained'] else 'no'}, ticket: {d['ticket'] or '-'})")
-    for col in ("fault", "device", "severity", "action", "×"):
+    for col in ("fault", "device", "severity", "action", "seen"):
         f.add_column(col, no_wrap=True)
     f.add_column("message")
     for x in d["faults"]:
         what = f"XID {x['code']}" if x["kind"] == "xid" else x["kind"] + (f" {x['code']}" if x["code"] else "")
         f.add_row(what, x.get("device") or "", "cleared" if x.get("healthy") else x["severity"],
-                  x.get("immediate_action") or "", str(x.get("count", 1)), escape(x.get("message") or ""))
-    out.print(f)
-    for ref in d.get("runbooks", {}).values():
-        out.print(f"runbook: {escape(ref)}")
+                  x.get("immediate_action") or "", seen(int(x.get("count") or 1)), escape(x.get("message") or ""))
+    return f
 
 
 @app.command("show")

@@ -8,7 +8,6 @@ line or an early exit raises `ServerStartError` with the tail of the log.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import os
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from fleetmend.errors import FleetmendError
 
@@ -244,17 +245,15 @@ async def wait_temporal_ready(address: str, namespace: str = "default", timeout_
     """Wait until the frontend answers and the namespace exists (a TCP accept comes earlier)."""
     from temporalio.client import Client  # lazy: who starts only nats-server (tests, benches) skips temporalio
 
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            client = await Client.connect(address, namespace=namespace)
-            await client.count_workflows()
-            return
-        except Exception as err:  # noqa: BLE001 - retried until the deadline, then reported
-            last = err
-            await asyncio.sleep(0.2)
-    raise ServerStartError(f"Temporal at {address} not ready after {timeout_s:.0f}s: {last}")
+    async def ready() -> None:
+        client = await Client.connect(address, namespace=namespace)
+        await client.count_workflows()
+
+    try:  # every 0.2 s until the deadline (tenacity), then reported with the last error
+        await AsyncRetrying(retry=retry_if_exception_type(Exception), wait=wait_fixed(0.2),
+                            stop=stop_after_delay(timeout_s), reraise=True)(ready)
+    except Exception as err:  # any failure to answer is "not ready"
+        raise ServerStartError(f"Temporal at {address} not ready after {timeout_s:.0f}s: {err}") from err
 
 
 async def ensure_retention(client: Any, namespace: str, days: int) -> tuple[float, float]:

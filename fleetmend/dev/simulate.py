@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import random
 import time
 from collections import Counter
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import orjson
 import structlog
 
 from agents.kmsg import KmsgParser
@@ -202,7 +202,7 @@ class FleetSim:
             node = node_name(cfg, i % cfg.nodes)
             hb = {"node": node, "cluster": cfg.cluster, "agent_version": __version__, "sim": True,
                   "at": utcnow().isoformat()}
-            await self.nc.publish(subjects.heartbeat_subject(cfg.cluster, node), orjson.dumps(hb))
+            await self.nc.publish(subjects.heartbeat_subject(cfg.cluster, node), json.dumps(hb, separators=(",", ":")).encode())
             self.report.heartbeats_sent += 1
             i += 1
             if i % 100 == 0:

@@ -29,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-import orjson
 import structlog
 
 from fleetmend import __version__
@@ -96,10 +96,10 @@ class HeartbeatMonitor:
         if key is None:
             return
         try:
-            hb = orjson.loads(msg.data)
+            hb = json.loads(msg.data)
             at = datetime.fromisoformat(hb["at"]).astimezone(timezone.utc)
             version = str(hb.get("agent_version", "unknown"))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
             self._log.warning("heartbeat_invalid", subject=msg.subject)
             return
         if hb.get("leaving") is True:  # the agent stops on purpose (`--once` done, SIGTERM): not silent

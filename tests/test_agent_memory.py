@@ -1,0 +1,59 @@
+"""What the live agent keeps out of its process (issue 30 point 2, bench/agent_memory.py has the figures): on a host
+without NVIDIA GPUs it loads neither NVML nor the optional libraries its dependencies would pull in (aiohttp for
+nats-py's websockets, rich for structlog's tracebacks), nor the CLI's (typer), nor a second JSON library, nor
+anything of the control plane; and its RSS stays under the 60 MiB of the first target, a coarse guard against a
+heavy import slipping back in (the 30 MiB target is bounded by the stack itself: see bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NEVER_IN_THE_AGENT = {"aiohttp", "rich", "typer", "orjson", "pynvml", "temporalio", "kubernetes", "httpx"}
+
+_WRAPPER = """
+import json, os, sys, threading, time  # a module blocked by lean_imports is None in sys.modules
+def dump():
+    deadline = time.monotonic() + 45  # the probes are built (a loaded CI box starts slowly), then they run a while
+    while "agents.inventory.probe" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(float(os.environ["DUMP_AFTER_S"]))
+    rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) / 1024
+    with open(os.environ["DUMP_TO"], "w") as f:
+        json.dump({"rss_mib": rss, "modules": sorted(k for k, v in sys.modules.items() if v is not None)}, f)
+    sys.stdout.flush()
+    os._exit(0)
+threading.Thread(target=dump, daemon=True).start()
+from agents.__main__ import main
+sys.exit(main(["--node", "mem-1", "--cluster", "c", "--hardware"]))
+"""
+
+
+def test_the_live_agent_on_a_host_without_gpus_keeps_heavy_imports_out(tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    nic = host / "sys/bus/pci/devices/0000:3b:00.0"
+    nic.mkdir(parents=True)
+    (nic / "vendor").write_text("0x8086\n")
+    (nic / "class").write_text("0x020000\n")
+    (tmp_path / "kmsg").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
+    env.update(FLEETMEND_NATS_URL="nats://127.0.0.1:1", FLEETMEND_STATE_DIR=str(tmp_path / "state"),
+               FLEETMEND_AGENT__HOST_ROOT=str(host), FLEETMEND_AGENT__SYSFS__ROOT=str(host),
+               FLEETMEND_AGENT__KMSG__PATH=str(tmp_path / "kmsg"), FLEETMEND_AGENT__NICE="0",
+               DUMP_AFTER_S="3", DUMP_TO=str(tmp_path / "dump.json"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", _WRAPPER], capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=90)
+    assert (tmp_path / "dump.json").exists(), p.stderr[-3000:]
+    dump = json.loads((tmp_path / "dump.json").read_text())
+    top = {m.split(".")[0] for m in dump["modules"]}
+    assert not top & NEVER_IN_THE_AGENT, top & NEVER_IN_THE_AGENT
+    mods = set(dump["modules"])
+    assert {"agents.runner", "agents.kmsg.probe", "agents.spool", "agents.inventory.probe"} <= mods, \
+        (sorted(m for m in mods if m.startswith("agents")), p.stdout[-2000:])
+    assert "nvml_not_applicable" in p.stdout + p.stderr
+    assert dump["rss_mib"] < 60, dump["rss_mib"]
