@@ -28,7 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
+
+def _dumps(obj: object) -> bytes:
+    """Compact JSON bytes (the ledger's stored form)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,7 +70,7 @@ def record(i: int, now: float, rng: random.Random) -> tuple[str, bytes]:
               "diagnostics": [{"at": drained + 30, "result": "fail", "checks": [
                   {"name": "gpu_count", "result": "fail", "measured": "7", "expected": "8", "detail": ""}]}]}
     key = subjects.ledger_closed_key(CLUSTER, node, int(drained * 1000) + i % 1000)
-    return key, orjson.dumps(head) + b"\n" + orjson.dumps(detail)
+    return key, _dumps(head) + b"\n" + _dumps(detail)
 
 
 async def fill(url: str, n: int) -> int:

@@ -8,18 +8,18 @@ activity finds its attempt recorded, or sets what is set already). A write never
 full bucket or a bad record is logged (`ledger_write_failed`) and counted (`fleetmend_ledger_write_failures_total
 {phase}`), and the drain, diagnostics or ticket goes on. A write is bounded by `WRITE_TIMEOUT_S`.
 
-Stored value: `<head JSON>\\n<detail JSON>` (orjson); the report decodes the head only.
+Stored value: `<head JSON>\\n<detail JSON>` (stdlib json, compact); the report decodes the head only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import time
 from datetime import datetime
 from typing import Any, Awaitable, Callable
 
-import orjson
 import structlog
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
@@ -31,6 +31,12 @@ from fleetmend.infra import metrics
 from fleetmend.policy import Topology
 
 log = structlog.get_logger("fleetmend.infra.ledger")
+
+
+def _dumps(obj: object) -> bytes:
+    """Compact JSON bytes (the ledger's stored form)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
 
 WRITE_TIMEOUT_S = 5.0
 """One phase write (reads and a compare-and-set) gives up after this long: the caller's drain goes on."""
@@ -53,12 +59,12 @@ def ts(t: datetime | float | None) -> float | None:
 
 
 def encode(head: Head, detail: Detail) -> bytes:
-    return orjson.dumps(head) + b"\n" + orjson.dumps(detail)
+    return _dumps(head) + b"\n" + _dumps(detail)
 
 
 def decode(data: bytes) -> tuple[Head, Detail]:
     head, _, detail = data.partition(b"\n")
-    return orjson.loads(head), (orjson.loads(detail) if detail else {})
+    return json.loads(head), (json.loads(detail) if detail else {})
 
 
 class LedgerStore:
@@ -100,7 +106,7 @@ class LedgerStore:
             if self._fp is None:
                 self._fp = await self.js.key_value(subjects.FINGERPRINT_KV_BUCKET)
             entry = await self._fp.get(subjects.fingerprint_kv_key(cluster, node))
-            return orjson.loads(entry.value) if entry.value else None
+            return json.loads(entry.value) if entry.value else None
         except (KeyNotFoundError, BucketNotFoundError):
             return None
 
@@ -413,14 +419,14 @@ class LedgerStore:
 
         def take(key: str, data: bytes) -> None:
             head, _, detail = data.partition(b"\n")
-            h = orjson.loads(head)
+            h = json.loads(head)
             if fields is not None:
                 h = {k: h[k] for k in fields if h.get(k) is not None}
                 v = h.get("versions_drain")
                 if v:
                     h["versions_drain"] = shared.setdefault(tuple(sorted(v.items())), v)
             if with_detail:
-                h["_detail"] = orjson.loads(detail) if detail else {}
+                h["_detail"] = json.loads(detail) if detail else {}
                 h["_key"] = key
             heads.append(h)
 
@@ -448,8 +454,8 @@ class LedgerStore:
 
         def take(_key: str, data: bytes) -> None:
             try:
-                fp = orjson.loads(data)
-            except orjson.JSONDecodeError:
+                fp = json.loads(data)
+            except json.JSONDecodeError:
                 return  # not a fingerprint: the drift judge dead-letters it
             if not isinstance(fp, dict) or not fp.get("node"):
                 return
