@@ -179,3 +179,23 @@ class _Log:
         pass
 
     warning = info
+
+
+def test_status_cluster_rows_say_which_cluster_is_unserved() -> None:
+    from fleetmend.cli.incidents import _matches, cluster_rows
+
+    assert _matches("fleet.*.fault.*", "fleet.east.fault.n1") and not _matches("fleet.west.fault.*", "fleet.east.fault.n1")
+    assert _matches("fleet.>", "fleet.east.fault.n1") and not _matches("fleet.*.fault", "fleet.east.fault.n1")
+    alive = [{"role": "worker", "cluster": "east", "holder": "h:1", "age_s": 3.0, "alive": True},
+             {"role": "worker", "cluster": "west", "holder": "h:2", "age_s": 300.0, "alive": False},
+             {"role": "router", "cluster": "east", "holder": "h:3", "age_s": 1.0, "alive": True,
+              "filter": "fleet.*.fault.*"}]
+    rows = [{"cluster": "west", "node": "w1", "status": "running"}, {"cluster": "north", "node": "n1", "status": "running"},
+            {"cluster": "east", "node": "e1", "status": "completed"}]
+    by = {r["cluster"]: r for r in cluster_rows(rows, alive)}
+    assert by["east"] == {"cluster": "east", "workers": 1, "routers": 1, "open": 0, "note": ""}
+    assert by["west"]["workers"] == 0 and by["west"]["open"] == 1
+    assert by["west"]["note"] == ("no worker serves cluster west: start `fleetmend worker --cluster west` "
+                                  "(last worker seen 300 s ago)")
+    assert by["north"]["note"] == "no worker serves cluster north: start `fleetmend worker --cluster north`"
+    assert "no router alive" in cluster_rows(rows, alive[:2])[0]["note"]
