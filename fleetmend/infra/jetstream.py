@@ -2,10 +2,16 @@
 
 Streams are the operator's: whoever starts first (agent, router, `fleetmend dev up`) creates a
 stream that is missing, with the configured replicas and limits (`[streams]` in the settings,
-`StreamSettings`), and never changes one that exists. An existing stream whose settings differ from
-the configuration (e.g. raised to 3 replicas, or created by an older release without byte limits)
-is left exactly as it is and reported by one warning per process (`stream_settings_differ`), naming
-each difference; an operator changes a stream with the NATS tools (`nats stream edit`).
+`StreamSettings`), and does not change one that exists. An existing stream whose settings differ from
+the configuration (e.g. raised to 3 replicas, or a larger byte bound) is left as it is and reported by one
+warning per process (`stream_settings_differ`), naming each difference; an operator changes a stream with
+the NATS tools (`nats stream edit`). Two exceptions: the subjects, which are the wire contract, and a
+stream with no byte bound at all (made by a release before 0.3), which gets the configured one.
+
+Every stream and bucket has a byte bound (the constants below, `kv_config`): JetStream reserves a stream's
+`max_bytes` in the store when the stream is created (and refuses one that does not fit), so the streams
+together never use more than `max_file_store`, and one node's flood of telemetry or job timings evicts its
+own stream's oldest messages instead of refusing fault events ("insufficient resources").
 """
 
 from __future__ import annotations
