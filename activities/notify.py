@@ -27,13 +27,13 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import httpx
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from temporalio import activity
 from temporalio.service import RPCError
 
 from fleetmend import subjects
 from fleetmend.config import NotifySettings
+from fleetmend.infra.jetstream import kv_config
 from fleetmend.messages import Activity, GuardApi, Notification, NotifyEvent, NotifyResult
 
 
@@ -172,9 +172,8 @@ class Notifier:
                 try:
                     self._kv = await self.js.key_value(self.bucket)
                 except BucketNotFoundError:
-                    self._kv = await self.js.create_key_value(KeyValueConfig(
-                        bucket=self.bucket, history=1, storage=StorageType.FILE, ttl=30 * 86400,
-                        description="fleetmend notifications already delivered, per channel"))
+                    self._kv = await self.js.create_key_value(kv_config(  # bounded: issue 27
+                        self.bucket, "fleetmend notifications already delivered, per channel", ttl=30 * 86400))
         return self._kv
 
     @staticmethod

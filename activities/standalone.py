@@ -12,12 +12,11 @@ import json
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from fleetmend import subjects
 from fleetmend.errors import SchedulerError
-from fleetmend.infra.jetstream import kv_keys
+from fleetmend.infra.jetstream import kv_config, kv_keys
 from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
 if TYPE_CHECKING:
@@ -69,9 +68,8 @@ class StandaloneScheduler:
                 try:
                     self._kv = await self.js.key_value(self.bucket)
                 except BucketNotFoundError:
-                    self._kv = await self.js.create_key_value(KeyValueConfig(
-                        bucket=self.bucket, history=5, storage=StorageType.FILE,
-                        description="fleetmend drained nodes (standalone scheduler)"))
+                    self._kv = await self.js.create_key_value(kv_config(  # bounded: issue 27
+                        self.bucket, "fleetmend drained nodes (standalone scheduler)", history=5))
         return self._kv
 
     def key(self, node: str) -> str:

@@ -25,14 +25,13 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 import fleetmend
 from activities.ticket_store import DEFAULT_REPAIRED_STATUSES
 from fleetmend import subjects
 from fleetmend.errors import TicketError, TicketNotFoundError
-from fleetmend.infra.jetstream import kv_keys
+from fleetmend.infra.jetstream import kv_config, kv_keys
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
 
@@ -79,9 +78,8 @@ class KvTicketStore:
                 try:
                     self._kv = await self.js.key_value(self.bucket)
                 except BucketNotFoundError:
-                    self._kv = await self.js.create_key_value(KeyValueConfig(
-                        bucket=self.bucket, history=5, storage=StorageType.FILE,
-                        description="fleetmend ticket ledger (one per deployment)"))
+                    self._kv = await self.js.create_key_value(kv_config(  # bounded: issue 27
+                        self.bucket, "fleetmend ticket ledger (one per deployment)", history=5))
         return self._kv
 
     async def _get(self, key: str) -> tuple[Any, int]:

@@ -689,7 +689,8 @@ class Settings(BaseSettings):
     temporal_ui_port: int = 8233
     """Port of the Temporal Web UI (`dev up` serves it; `fleetmend` prints links to it)."""
     task_queue: str = "fleetmend"
-    """Temporal task queue of the worker; FleetGuard runs on `<task_queue>-guard`, which every worker also polls."""
+    """The deployment's Temporal task queue: a cluster's incidents run on `<task_queue>.<cluster>` and its FleetGuard on
+    `<task_queue>-guard.<cluster>`, both polled by that cluster's workers only (`subjects.cluster_task_queue`)."""
     state_dir: Path = Field(default_factory=default_state_dir)
     """Local state: `dev up`'s servers, logs, the agent's spool and last-boot record, file ledgers."""
     scheduler: SchedulerKind = SchedulerKind.STANDALONE

@@ -319,6 +319,40 @@ def workflow_id(cluster: str, node: str) -> str:
     return f"remediate/{_check('cluster', cluster)}/{check_node_name(node)}"
 
 
+def cluster_task_queue(task_queue: str, cluster: str) -> str:
+    """`<task_queue>.<cluster>`: the Temporal task queue of `cluster`'s workflows, which only a worker of that
+    cluster polls (`fleetmend.worker.build_worker`), so an incident's drain reaches its own cluster's scheduler
+    adapter. `task_queue` is the deployment's `Settings.task_queue` for incidents and sweeps (`fleetmend` →
+    `fleetmend.east`), or its guard queue for FleetGuard (`fleetmend-guard` → `fleetmend-guard.east`,
+    `messages.guard_task_queue`). A cluster name holds no `.`, so two clusters never share a queue.
+
+    Raises:
+        ValueError: an invalid cluster name, or an empty `task_queue`.
+    """
+    if not task_queue:
+        raise ValueError("empty task queue")
+    return f"{task_queue}.{_check('cluster', cluster)}"
+
+
+PRESENCE_KEY_PREFIX = "alive"
+"""Presence keys in the lease bucket (`LEASE_KV_BUCKET`): `alive.<role>.<cluster>.<holder token>`."""
+
+
+def presence_kv_key(role: str, cluster: str, holder: str) -> str:
+    """`alive.<role>.<cluster>.<holder token>`: one running process's announcement that it serves `cluster`
+    (`fleetmend.infra.lease.Presence`; `role` is `worker` or `router`, `holder` is `<host>:<pid>`, encoded as
+    `node_token` encodes a node name). Raises ValueError for an invalid name."""
+    return f"{PRESENCE_KEY_PREFIX}.{_check('role', role)}.{_check('cluster', cluster)}.{node_token(holder)}"
+
+
+def parse_presence_kv_key(key: str) -> tuple[str, str, str]:
+    """Inverse of `presence_kv_key`: (role, cluster, holder). Raises ValueError for other keys."""
+    parts = key.split(".")
+    if len(parts) != 4 or parts[0] != PRESENCE_KEY_PREFIX:
+        raise ValueError(f"not a presence key: {key!r} (expected alive.<role>.<cluster>.<holder token>)")
+    return _check("role", parts[1]), _check("cluster", parts[2]), token_node(parts[3])
+
+
 def fleetguard_workflow_id(cluster: str) -> str:
     """`fleetguard/<cluster>`: the one `FleetGuard` workflow (drain budget, breaker) of a cluster."""
     return f"fleetguard/{_check('cluster', cluster)}"

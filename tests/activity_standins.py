@@ -161,12 +161,13 @@ def guard_activities(guard, calls: Calls | None = None) -> list:
             guard.sync_permit_pool, guard.reconcile_pool, drain.drain_node]
 
 
-def real_guard(client, task_queue: str, policy, js, topology=None):
+def real_guard(client, task_queue: str, policy, js, topology=None, incident_task_queue: str | None = None):
     """The real `FleetGuardActivities` over the real permit pool (JetStream `js`), its guard and the
-    incidents on one `task_queue` (the tests' single worker)."""
+    incidents on one deployment `task_queue` (the tests' single worker polls its cluster's,
+    `subjects.cluster_task_queue(task_queue, cluster)`), or the incidents on `incident_task_queue`."""
     from activities.fleetguard import FleetGuardActivities
     from activities.quarantine import PoolGate
     from fleetmend.catalog import default_catalog
 
     return FleetGuardActivities(client, task_queue, policy, PoolGate(js, topology), topology,
-                                incident_task_queue=task_queue, catalog=default_catalog())
+                                incident_task_queue=incident_task_queue or task_queue, catalog=default_catalog())

@@ -38,6 +38,7 @@ async def reask_after_reset(client, js) -> tuple[object, GuardStatus, GuardStatu
     calls = Calls()
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     guard = guard_activities(real_guard(client, tq, policy, js), calls)
+    tq = subjects.cluster_task_queue(tq, cluster)  # the cluster's queue: its incidents and its guard
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
 
     async def status(pred):

@@ -56,7 +56,8 @@ async def test_router_survives_nats_restart(nats_server, temporal_server, tempor
     stop = asyncio.Event()
     router = Router(s, nc, js, temporal_client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
                     durable=f"r-{unique}")
-    async with Worker(temporal_client, task_queue=s.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(s.task_queue, s.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(Calls())):
         task = asyncio.create_task(router.run(stop))
         try:
@@ -103,7 +104,8 @@ async def test_redelivery_after_crash_before_ack_applies_once(nc, temporal_serve
     await ensure_fault_stream(js)
     await ensure_deadletter_stream(js)
     ev = app_event(cluster, "n2")
-    async with Worker(temporal_client, task_queue=s.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(s.task_queue, s.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(Calls())):
         real_ack = Msg.ack
 

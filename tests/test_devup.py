@@ -93,6 +93,17 @@ def test_dev_up_stops_everything_and_resumes_open_incidents(tmp_path: Path):
     try:
         st = _wait_phase(env, "t1", "awaiting_repair")
         assert st["drained"] and st["ticket"] and st["faults"][0]["code"] == 95
+        # an agent of another cluster: dev up starts that cluster's worker, which drains it (issue 27)
+        east = subprocess.run(FLEETMEND + ["agent", "--cluster", "east", "--node", "e1", "--kmsg-file", str(dmesg),
+                                           "--once"], env=env, capture_output=True, text=True, timeout=120)
+        assert east.returncode == 0, east.stderr
+        deadline = time.monotonic() + 90
+        while not ((st := _status(env, "e1")) and st["drained"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert st and st["drained"] and st["cluster"] == "east", (st, log.read_text()[-3000:])
+        text = log.read_text()
+        assert "worker-east" in text and "(cluster east, reported by node e1" in text, text
+        pids += [int(x) for x in re.findall(r"worker-east\s+pid (\d+)", text)]
         server_pids = [int(x) for x in subprocess.run(["pgrep", "-f", str(state)], capture_output=True,
                                                       text=True).stdout.split()]
         _stop(p, signal.SIGTERM, pids + server_pids)

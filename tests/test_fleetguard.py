@@ -73,9 +73,10 @@ class Guarded:
     def __init__(self, env: WorkflowEnvironment, nc, policy: GuardPolicy, topology: Topology | None = None) -> None:
         self.env, self.client = env, env.client
         self.calls = Calls()
-        self.tq = f"fg-{uuid.uuid4().hex[:8]}"
         self.cluster = f"c{uuid.uuid4().hex[:8]}"
-        guard = real_guard(self.client, self.tq, policy, nc.jetstream(), topology)
+        base = f"fg-{uuid.uuid4().hex[:8]}"  # the deployment's queue; the cluster's is derived from it
+        self.tq = subjects.cluster_task_queue(base, self.cluster)
+        guard = real_guard(self.client, base, policy, nc.jetstream(), topology)
         acts = [a for a in stand_ins(self.calls)
                 if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(self.client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],

@@ -76,7 +76,8 @@ async def test_router_metrics_move(metrics_url, nats_server, temporal_server, te
     await ensure_deadletter_stream(js)
     before = await scrape(metrics_url)
     calls = Calls()
-    async with Worker(temporal_client, task_queue=s.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(s.task_queue, s.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(calls)):
         stop = asyncio.Event()
         router = Router(s, nc, js, temporal_client, load_catalog(), filter_subject=f"fleet.{s.cluster}.fault.*",

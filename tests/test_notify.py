@@ -18,6 +18,7 @@ from activities.notify import (
     WebhookChannel,
     channels_from_settings,
 )
+from fleetmend import subjects
 from fleetmend.config import NotifySettings
 from fleetmend.messages import Notification, NotifyEvent
 
@@ -201,6 +202,7 @@ async def test_breaker_open_is_notified_once_per_trip(hooks, temporal_client, nc
 
     calls, tq, cluster = Calls(), f"tq-{unique}", f"b{unique}"
     guard = real_guard(temporal_client, tq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100), nc.jetstream())
+    tq = subjects.cluster_task_queue(tq, cluster)  # the cluster's queue: its incidents and its guard
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     notifier = Notifier(channels(hooks))
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],

@@ -291,6 +291,7 @@ async def test_guard_adopts_router_drains_and_closes_the_pool(nats_server, tempo
                          breaker_distinct_nodes=2, lemon_repairs=1)
     tq = f"ga-{unique}"
     acts = real_guard(client, tq, policy, nc.jetstream())
+    tq = subjects.cluster_task_queue(tq, cluster)  # the guard's queue of its cluster
     pool = await PermitPool.open(nc.jetstream())
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
 
@@ -496,7 +497,8 @@ async def test_a_worker_s_policy_reaches_the_pool_at_its_start(nats_server, temp
     acts = real_guard(client, guard_task_queue(tq), GuardPolicy(), nc.jetstream())
     pool = await PermitPool.open(nc.jetstream())
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
-    async with Worker(client, task_queue=guard_task_queue(tq), workflows=[FleetGuard], workflow_runner=workflow_runner(),
+    async with Worker(client, task_queue=subjects.cluster_task_queue(guard_task_queue(tq), cluster),
+                      workflows=[FleetGuard], workflow_runner=workflow_runner(),
                       activities=[acts.running_incidents, acts.sync_permit_pool, acts.reconcile_pool]):
         await announce_policy(client, s)
         await assert_eventually(lambda: _when(pool.read(cluster), lambda p: p.budget == 6 and p.open), timeout_s=30,

@@ -28,9 +28,10 @@ ONE_AT_A_TIME = dict(max_drained_nodes=1, max_drained_percent=100.0, max_drained
 class Fleet:
     def __init__(self, client, nc, policy: GuardPolicy) -> None:
         self.client, self.calls = client, Calls()
-        self.tq = f"pr-{uuid.uuid4().hex[:8]}"
         self.cluster = f"r{uuid.uuid4().hex[:8]}"
-        guard = real_guard(client, self.tq, policy, nc.jetstream())
+        base = f"pr-{uuid.uuid4().hex[:8]}"  # the deployment's queue; the cluster's is derived from it
+        self.tq = subjects.cluster_task_queue(base, self.cluster)
+        guard = real_guard(client, base, policy, nc.jetstream())
         acts = [a for a in stand_ins(self.calls) if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
                              activities=acts + guard_activities(guard, self.calls))

@@ -70,8 +70,10 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
     calls = Calls()
     # as in a real worker, the guard runs on its own queue (the CLI starts it there)
     gtq = guard_task_queue(tq)
-    guard = real_guard(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100), nc.jetstream())
+    guard = real_guard(temporal_client, gtq, GuardPolicy(breaker_distinct_nodes=1, cluster_nodes=100), nc.jetstream(),
+                       incident_task_queue=tq)
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
+    tq, gtq = subjects.cluster_task_queue(tq, cluster), subjects.cluster_task_queue(gtq, cluster)
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
                       activities=acts + guard_activities(guard, calls)), \
             Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard, calls)):

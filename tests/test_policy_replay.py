@@ -224,6 +224,7 @@ async def _record_guard(client, js) -> None:
 
     calls, tq, cluster = Calls(), f"recg-{uuid.uuid4().hex[:8]}", f"recg{uuid.uuid4().hex[:6]}"
     guard = real_guard(client, tq, GuardPolicy(max_drained_nodes=1, breaker_distinct_nodes=2), js)
+    tq = subjects.cluster_task_queue(tq, cluster)  # the cluster's queue: its incidents and its guard
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
                       activities=acts + guard_activities(guard, calls)):
@@ -257,6 +258,7 @@ async def _record_guard_pause(client, js) -> None:
 
     calls, tq, cluster = Calls(), f"recp-{uuid.uuid4().hex[:8]}", f"recp{uuid.uuid4().hex[:6]}"
     guard = real_guard(client, tq, GuardPolicy(cluster_nodes=100), js)
+    tq = subjects.cluster_task_queue(tq, cluster)  # the cluster's queue: its incidents and its guard
     acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
     async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
                       activities=acts + guard_activities(guard, calls)):

@@ -88,7 +88,8 @@ async def test_bad_input_is_deadlettered_with_reason_and_good_input_routed(setti
     await ensure_deadletter_stream(js)
     cluster = settings.cluster
     calls = Calls()
-    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(settings.task_queue, settings.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(calls)):
         router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
         try:
@@ -229,7 +230,8 @@ async def test_a_nodes_storm_is_collapsed_and_every_event_counted(settings, nc, 
     calls = Calls()
     s = settings.model_copy(update={"policy": settings.policy.model_copy(update={"observe_only": True,
                                                                                  "debounce_s": 3600.0})})
-    async with Worker(temporal_client, task_queue=s.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(s.task_queue, s.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(calls)):
         router, stop, task = await run_router(s, nc, temporal_client, cluster, unique)
         try:
@@ -339,7 +341,8 @@ async def test_poison_messages_never_stop_the_router(settings, nc, temporal_clie
     for data in (first.to_json_bytes(), b"[" * 60_000, json.dumps(overflow).encode(), future.to_json_bytes(),
                  last.to_json_bytes()):
         await js.publish(subject, data)
-    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(settings.task_queue, settings.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(calls)):
         router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
         try:
@@ -423,7 +426,8 @@ async def test_400_distinct_15k_faults_then_xid79_still_drains(settings, nc, tem
     calls = Calls()
     settings = settings.model_copy(update={"policy": settings.policy.model_copy(
         update={"debounce_s": 0.0, "app_xid_repeats": 100})})
-    async with Worker(temporal_client, task_queue=settings.task_queue, workflows=[NodeRemediation],
+    async with Worker(temporal_client, task_queue=subjects.cluster_task_queue(settings.task_queue, settings.cluster),
+                      workflows=[NodeRemediation],
                       activities=stand_ins(calls)):
         router, stop, task = await run_router(settings, nc, temporal_client, cluster, unique)
         try:

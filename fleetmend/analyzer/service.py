@@ -50,7 +50,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import structlog
-from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import ValidationError
 
@@ -63,7 +63,7 @@ from fleetmend.config import Settings
 from fleetmend.events import MAX_CLOCK_SKEW_S, Component
 from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
-from fleetmend.infra.jetstream import ensure_perf_stream
+from fleetmend.infra.jetstream import ensure_perf_stream, kv_config
 from fleetmend.infra.lease import KvLease
 from fleetmend.policy import load_topology
 from fleetmend.telemetry import PerfSample
@@ -124,7 +124,7 @@ async def analyzer_kv(js: Any) -> Any:
     try:
         return await js.key_value(subjects.ANALYZER_KV_BUCKET)
     except BucketNotFoundError:
-        return await js.create_key_value(KeyValueConfig(bucket=subjects.ANALYZER_KV_BUCKET, history=1))
+        return await js.create_key_value(kv_config(subjects.ANALYZER_KV_BUCKET, "fail-slow analyzer: lease and state"))
 
 
 class Analyzer:

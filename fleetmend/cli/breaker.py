@@ -119,15 +119,15 @@ def _pool_reason(pool: dict[str, Any] | None, node: str) -> str | None:
 
 async def _guard_handle(settings: Settings, *, start: bool) -> Any:
     """The cluster's FleetGuard handle; `start`: start the guard first when it does not exist yet."""
-    from fleetmend.messages import GuardApi, GuardInput, GuardPolicy, guard_task_queue
+    from fleetmend.infra.incidents import signal_guard
+    from fleetmend.messages import GuardApi, GuardPolicy, guard_task_queue
 
     client = await connect_temporal(settings)
     wid = subjects.fleetguard_workflow_id(settings.cluster)
-    if start:  # the guard may not exist yet (no permit requested so far): start it, then update it
+    if start:  # the guard may not exist yet (no permit requested so far): start it, on its cluster's queue
         policy = GuardPolicy.from_settings(settings.policy, len(load_topology(settings.policy.topology_file)))
-        await client.start_workflow(GuardApi.WORKFLOW, GuardInput(cluster=settings.cluster, policy=policy), id=wid,
-                                    task_queue=guard_task_queue(settings.task_queue),
-                                    start_signal=GuardApi.REQUEST_PERMITS, start_signal_args=[[]])
+        await signal_guard(client, settings.cluster, guard_task_queue(settings.task_queue), policy,
+                           GuardApi.REQUEST_PERMITS, [])
     return client.get_workflow_handle(wid)
 
 

@@ -39,6 +39,7 @@ from fleetmend.cli.lookup import NoIncidentError, find_incidents, node_history, 
 from fleetmend.config import Settings
 from fleetmend.errors import FleetmendError
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.lease import presence, served_clusters, unserved_reason
 
 app = typer.Typer()
 """Top-level commands (added to the root app without a group name)."""
@@ -74,7 +75,62 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
     # (behind `limit` recent incidents they were never read, and a burst's refused nodes went unseen).
     running = {(str(r["cluster"]), str(r["node"])) for r in rows if r["status"] == "running"}
     starting = await _starting(s, cluster, running, limit)
-    return (starting + rows)[:limit]
+    rows = (starting + rows)[:limit]
+    served = await processes_alive(s)
+    if served is not None:  # an open incident of a cluster no live worker serves: nothing of it runs
+        workers = served_clusters(served)
+        for r in rows:
+            if r["status"] in ("running", "starting") and r["cluster"] and r["cluster"] not in workers:
+                r["unserved"] = unserved_reason(str(r["cluster"]))
+    return rows
+
+
+async def processes_alive(s: Settings) -> list[dict[str, Any]] | None:
+    """Every worker's and router's presence (`fleetmend.infra.lease.presence`: cluster, holder, age_s, alive,
+    ...), or None when NATS cannot be read (status then says nothing of which clusters are served)."""
+    try:
+        nc = await connect_nats(s, name="fleetmend-cli")
+    except Exception:  # noqa: BLE001 - NATS away: the incidents alone
+        return None
+    try:
+        return await presence(nc.jetstream())
+    except Exception:  # noqa: BLE001 - no permission or no answer: unknown
+        return None
+    finally:
+        await close_nats(nc)
+
+
+def cluster_rows(rows: list[dict[str, Any]], alive: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cluster (those with an incident listed or a process announced): its live workers and the live routers
+    whose subjects take its faults, open incidents listed, and what an operator must do when no worker serves
+    it. A router routes every cluster its filter matches (the default `fleet.*.fault.*`: all)."""
+    names = sorted({str(r["cluster"]) for r in rows if r["cluster"]} | {p["cluster"] for p in alive})
+    routers = [p for p in alive if p["role"] == "router" and p["alive"]]
+    out = []
+    for c in names:
+        workers = [p for p in alive if p["role"] == "worker" and p["cluster"] == c]
+        live = [p for p in workers if p["alive"]]
+        routing = [p for p in routers if _matches(str(p.get("filter") or subjects.all_faults_subject()),
+                                                   subjects.fault_subject(c, "x"))]
+        last = min((p["age_s"] for p in workers), default=None)
+        note = "" if live else unserved_reason(c) + (f" (last worker seen {last:.0f} s ago)" if last is not None else "")
+        if not routing:
+            note = (note + "; " if note else "") + "no router alive: start `fleetmend router`"
+        out.append({"cluster": c, "workers": len(live), "routers": len(routing),
+                    "open": sum(1 for r in rows if r["cluster"] == c and r["status"] in ("running", "starting")),
+                    "note": note})
+    return out
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching (`*` one token, `>` the rest)."""
+    ps, ss = pattern.split("."), subject.split(".")
+    for i, p in enumerate(ps):
+        if p == ">":
+            return len(ss) > i
+        if i >= len(ss) or (p != "*" and p != ss[i]):
+            return False
+    return len(ps) == len(ss)
 
 
 async def _starting(s: Settings, cluster: str | None, running: set[tuple[str, str]], limit: int) -> list[dict[str, Any]]:
@@ -143,8 +199,10 @@ def status(
         sys.stdout.write(json.dumps(rows, default=str, indent=2) + "\n")
         return
     where = f"cluster {cluster}" if cluster else "any cluster"
+    alive = run(processes_alive(s))
     if not rows:
         out.print(f"no incidents in {where}")
+        _print_clusters(rows, alive, cluster)
         out.print(escape(run(deadletter_line(s))))
         return
     t = Table(title=f"incidents in {where}")
@@ -160,6 +218,8 @@ def status(
         phase = r["phase"] or "?"
         if r["status"] not in ("running", "completed", "continued_as_new", "starting", None):
             phase = f"{phase} ({r['status']})"  # terminated / failed / timed out: say so
+        elif r.get("unserved"):
+            phase = f"{phase}: {r['unserved']}"  # nothing of it runs until a worker of its cluster does
         elif r.get("waiting"):
             phase = f"{phase}: {r['waiting']}"  # why the drain permit waits (FleetGuard)
         t.add_row(escape(r["cluster"] or "?"), escape(r["node"] or "?"), phase, "yes" if r["drained"] else "no",
@@ -169,7 +229,26 @@ def status(
         more = run(_count_beyond(s, cluster))
         if more:
             out.print(escape(f"showing the {limit} newest of {more}; `--limit N` lists more"))
+    _print_clusters(rows, alive, cluster)
     out.print(escape(run(deadletter_line(s))))
+
+
+def _print_clusters(rows: list[dict[str, Any]], alive: list[dict[str, Any]] | None, cluster: str | None) -> None:
+    """The clusters table of `status` (`cluster_rows`), or one line saying it cannot be known."""
+    if alive is None:
+        out.print("clusters: unknown (NATS could not be read: which workers and routers are alive is not shown)")
+        return
+    table = [c for c in cluster_rows(rows, alive) if cluster is None or c["cluster"] == cluster]
+    if not table:
+        out.print("clusters: no worker or router has announced itself (`fleetmend worker --cluster C`, "
+                  "`fleetmend router`)")
+        return
+    t = Table(title="clusters (workers and routers alive, from their presence keys)")
+    for col in ("cluster", "workers", "routers", "open incidents", "note"):
+        t.add_column(col, no_wrap=col != "note")
+    for c in table:
+        t.add_row(escape(c["cluster"]), str(c["workers"]), str(c["routers"]), str(c["open"]), escape(c["note"]))
+    out.print(t)
 
 
 def _show_node(s: Settings, node: str, cluster: str | None, as_json: bool) -> None:

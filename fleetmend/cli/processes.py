@@ -30,11 +30,14 @@ def agent(ctx: typer.Context) -> None:
 
 
 @app.command()
-def router(config: Optional[Path] = ConfigOpt, metrics_port: Optional[int] = MetricsPortOpt) -> None:
-    """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start."""
+def router(config: Optional[Path] = ConfigOpt, metrics_port: Optional[int] = MetricsPortOpt,
+           cluster: Optional[str] = ClusterOpt) -> None:
+    """Router: durable JetStream consumer → fault catalog → Temporal signal-with-start. It routes every
+    cluster's faults, each to its cluster's task queue; its own cluster (--cluster) is the one whose must-drain-now
+    faults it cordons at once."""
     from fleetmend.router import run_router  # lazy: temporalio, nats
 
-    s = settings(config)
+    s = settings(config, cluster=cluster)
     if metrics_port is not None:
         s.metrics.router_port = metrics_port
     run(serve(run_router, s))
@@ -45,11 +48,13 @@ def worker(
     config: Optional[Path] = ConfigOpt,
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="slurm, standalone, kubernetes or none."),
     metrics_port: Optional[int] = MetricsPortOpt,
+    cluster: Optional[str] = ClusterOpt,
 ) -> None:
-    """Temporal worker: NodeRemediation workflows and their activities."""
+    """Temporal worker of one cluster (--cluster): its NodeRemediation workflows, FleetGuard and their
+    activities, on that cluster's task queues. Run one (or more) per cluster."""
     from fleetmend.worker import run_worker  # lazy: temporalio, nats, the adapters
 
-    s = settings(config, scheduler=scheduler)
+    s = settings(config, scheduler=scheduler, cluster=cluster)
     if metrics_port is not None:
         s.metrics.worker_port = metrics_port
     run(serve(run_worker, s))

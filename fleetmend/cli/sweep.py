@@ -234,7 +234,7 @@ async def _sweep(s: Settings, nodes: list[str], sid: str, outlier_pct: float, de
     handle = await client.start_workflow(
         SweepApi.WORKFLOW, SweepInput(cluster=s.cluster, sweep_id=sid, nodes=nodes, deadline_s=deadline_s,
                                       outlier_pct=outlier_pct, act=act, host_seconds=host_seconds, builtin=builtin),
-        id=wid, task_queue=s.task_queue, result_type=SweepResult)
+        id=wid, task_queue=subjects.cluster_task_queue(s.task_queue, s.cluster), result_type=SweepResult)
     return await handle.result()
 
 

@@ -4,6 +4,10 @@ Starts, in order: nats-server (JetStream, file store `STATE/nats`), `temporal se
 (SQLite `STATE/temporal.db`, Web UI, search attributes registered), then the worker, the router, the
 fail-slow analyzer and a local agent as child processes (the same `fleetmend worker|router|analyzer|agent`
 commands production runs).
+Every cluster its agents report is served: a worker of the cluster's own (`worker-<cluster>`, the same
+`fleetmend worker --cluster C`) is started for each cluster whose heartbeats or faults arrive, or that the
+fault stream already holds (`ClusterWatch`); with a scheduler that is bound to one cluster's own settings
+(Slurm, Kubernetes) dev up refuses instead and prints why and what to run.
 Children that die are restarted with backoff. SIGINT/SIGTERM stop everything in reverse order.
 Starting again with the same state directory resumes open incidents where they were (Temporal
 and JetStream state are files).
@@ -32,11 +36,12 @@ from urllib.parse import urlparse
 import psutil
 import structlog
 
+from fleetmend import subjects
 from fleetmend.config import Settings
 from fleetmend.dev import servers
 from fleetmend.errors import ConfigError
 from fleetmend.infra import security
-from fleetmend.infra.connect import connect_temporal
+from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
 from fleetmend.infra.process import stop_on_signals
 
 log = structlog.get_logger("fleetmend.dev.devup")
@@ -205,6 +210,10 @@ class DevUp:
         self.role_env: dict[str, dict[str, str]] = {}
         self.failed = False
         """A server died or a process kept failing: exit 1, not a clean stop."""
+        self.cluster_workers: dict[str, servers.ManagedProcess] = {}
+        """The workers of clusters other than `s.cluster` (`serve_cluster`), by cluster."""
+        self.refused: set[str] = set()
+        """Clusters reported but not served (`serve_cluster` said why)."""
 
     async def run(self) -> int:
         """Returns the exit code (0 on a clean stop; 1 when another `dev up` holds the state
@@ -282,10 +291,84 @@ class DevUp:
         print("ready: replay a log with `fleetmend agent --node NAME --kmsg-file FILE --once`; "
               "`fleetmend status`; Ctrl-C stops everything", flush=True)
 
+    def serve_cluster(self, cluster: str, seen_from: str) -> bool:
+        """Start `worker-<cluster>` (a worker of `cluster`, on its own queues) unless one runs; with a scheduler
+        bound to one cluster's settings, print why not and what to run instead. Returns whether it started."""
+        if cluster == self.s.cluster or cluster in self.cluster_workers or cluster in self.refused:
+            return False
+        try:
+            subjects.cluster_task_queue(self.s.task_queue, cluster)
+        except ValueError:
+            return False
+        if self.s.scheduler.value not in ("standalone", "none"):
+            self.refused.add(cluster)
+            print(f"cluster {cluster} (reported by {seen_from}) is not served: dev up drains cluster "
+                  f"{self.s.cluster} through {self.s.scheduler.value}, whose settings name that cluster's own "
+                  f"nodes; start `fleetmend worker --cluster {cluster} --config <{cluster}'s settings>`", flush=True)
+            return False
+        env = {**child_env(self.s), **self.role_env.get("worker", {}), "FLEETMEND_METRICS__WORKER_PORT": "0"}
+        cfg = ["--config", str(self.config)] if self.config else []
+        name = f"worker-{cluster}"
+        proc = servers.ManagedProcess(name, [sys.executable, "-m", "fleetmend.cli.main", "worker", *cfg,
+                                             "--cluster", cluster], self.state / "logs" / f"{name}.log", env=env)
+        proc.start()
+        self._started(proc)
+        self.children.append(proc)
+        self.cluster_workers[cluster] = proc
+        print(f"{name:<15} pid {proc.pid}  log {proc.log_path}  (cluster {cluster}, reported by {seen_from})",
+              flush=True)
+        return True
+
+    async def watch_clusters(self, stop: asyncio.Event) -> None:
+        """Serve every cluster the agents report (`serve_cluster`): those in the fault stream already, then each
+        new one whose heartbeat or fault arrives (core NATS subscriptions). NATS trouble is printed once; the
+        pipeline runs on without it."""
+        try:
+            nc = await connect_nats(self._watch_settings(), name="fleetmend-devup")
+        except Exception as err:  # noqa: BLE001 - only the extra clusters are not served
+            print(f"clusters: cannot watch for other clusters ({err!r}); only {self.s.cluster} is served", flush=True)
+            return
+        try:
+            with contextlib.suppress(Exception):  # an empty store has no stream yet
+                info = await nc.jetstream().stream_info(subjects.FAULT_STREAM, subjects_filter=subjects.all_faults_subject())
+                for subj in sorted(info.state.subjects or {}):
+                    with contextlib.suppress(ValueError):
+                        cluster, node = subjects.parse_fault_subject(subj)
+                        self.serve_cluster(cluster, f"node {node}, earlier fault")
+
+            async def seen(msg) -> None:  # noqa: ANN001 - nats Msg
+                parse = subjects.parse_heartbeat_subject if ".hb." in msg.subject else subjects.parse_fault_subject
+                with contextlib.suppress(ValueError):
+                    cluster, node = parse(msg.subject)
+                    if cluster not in self.cluster_workers and cluster != self.s.cluster:
+                        self.serve_cluster(cluster, f"node {node}")
+
+            subs = [await nc.subscribe(subjects.all_heartbeats_subject(), cb=seen),
+                    await nc.subscribe(subjects.all_faults_subject(), cb=seen)]
+            await stop.wait()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        finally:
+            await close_nats(nc)
+
+    def _watch_settings(self) -> Settings:
+        """This process's NATS settings: with `secure`, the admin's credentials."""
+        if not self.secure:
+            return self.s
+        return self.s.model_copy(update={"nats_nkey_seed": self.state / "creds" / "admin.nk"})
+
     async def watch(self, stop: asyncio.Event) -> None:
         """Once a second until `stop`: a server that died stops everything; a child that died is
         restarted, unless it did so `RESTARTS_PER_MINUTE` times in the last 60 s."""
         restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
+        clusters = asyncio.create_task(self.watch_clusters(stop), name="clusters")
+        try:
+            await self._watch(stop, restarts)
+        finally:
+            await asyncio.gather(clusters, return_exceptions=True)
+
+    async def _watch(self, stop: asyncio.Event, restarts: dict[str, list[float]]) -> None:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -297,7 +380,7 @@ class DevUp:
             for c in self.children:
                 if c.alive() or stop.is_set():
                     continue
-                recent = [t for t in restarts[c.name] if time.monotonic() - t < 60]
+                recent = [t for t in restarts.setdefault(c.name, []) if time.monotonic() - t < 60]
                 restarts[c.name] = recent
                 if len(recent) >= RESTARTS_PER_MINUTE:
                     print(f"{c.name} keeps failing ({RESTARTS_PER_MINUTE} restarts in 60 s); stopping. "
@@ -314,7 +397,7 @@ class DevUp:
         """Pipeline processes first, all at once (each finishes its in-flight work, 45 s), then the
         servers in reverse order (20 s each); then the pid file and the watchdog go."""
         print("stopping: " + ", ".join(p.name for p in reversed(self.started)), flush=True)
-        pipeline = [p for p in self.started if p.name in PIPELINE]
+        pipeline = [p for p in self.started if p not in self.servers]
         for p in pipeline:
             p.terminate()
         for p in pipeline:

@@ -2,10 +2,16 @@
 
 Streams are the operator's: whoever starts first (agent, router, `fleetmend dev up`) creates a
 stream that is missing, with the configured replicas and limits (`[streams]` in the settings,
-`StreamSettings`), and never changes one that exists. An existing stream whose settings differ from
-the configuration (e.g. raised to 3 replicas, or created by an older release without byte limits)
-is left exactly as it is and reported by one warning per process (`stream_settings_differ`), naming
-each difference; an operator changes a stream with the NATS tools (`nats stream edit`).
+`StreamSettings`), and does not change one that exists. An existing stream whose settings differ from
+the configuration (e.g. raised to 3 replicas, or a larger byte bound) is left as it is and reported by one
+warning per process (`stream_settings_differ`), naming each difference; an operator changes a stream with
+the NATS tools (`nats stream edit`). Two exceptions: the subjects, which are the wire contract, and a
+stream with no byte bound at all (made by a release before 0.3), which gets the configured one.
+
+Every stream and bucket has a byte bound (the constants below, `kv_config`): JetStream reserves a stream's
+`max_bytes` in the store when the stream is created (and refuses one that does not fit), so the streams
+together never use more than `max_file_store`, and one node's flood of telemetry or job timings evicts its
+own stream's oldest messages instead of refusing fault events ("insufficient resources").
 """
 
 from __future__ import annotations
@@ -20,13 +26,20 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from fleetmend.config import StreamSettings
 from fleetmend.subjects import (
+    ANALYZER_KV_BUCKET,
     DEADLETTER_STREAM,
     DEADLETTER_SUBJECT,
+    DRAIN_KV_BUCKET,
+    DRIFT_ALLOW_KV_BUCKET,
     FAULT_STREAM,
     FINGERPRINT_KV_BUCKET,
     FINGERPRINT_STREAM,
     JOB_STREAM,
+    LEASE_KV_BUCKET,
+    NOTIFY_KV_BUCKET,
     PERF_STREAM,
+    PERMIT_KV_BUCKET,
+    TICKET_KV_BUCKET,
     all_faults_subject,
     all_fingerprints_subject,
     all_jobs_subject,
@@ -96,6 +109,14 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
             info = await js.update_stream(info.config)
         log.warning("stream_subjects_updated", stream=cfg.name, old=old, new=cfg.subjects,
                     note="the subjects are fleetmend's wire contract; a stream made by an older version is moved on")
+    if cfg.max_bytes and cfg.max_bytes > 0 and (info.config.max_bytes or -1) <= 0:
+        # no byte bound at all (a stream made by a release before 0.3): it could take every other stream's
+        # storage, the fault stream's included. A missing bound is filled in; a set one stays the operator's.
+        info.config.max_bytes = cfg.max_bytes
+        async with asyncio.timeout(timeout_s):
+            info = await js.update_stream(info.config)
+        log.warning("stream_bounded", stream=cfg.name, max_bytes=cfg.max_bytes,
+                    note="the stream had no byte bound; one node's flood could refuse every fault event")
     diff = differences(cfg, info.config)
     if diff and cfg.name not in _warned:
         _warned.add(cfg.name)
@@ -165,8 +186,57 @@ async def ensure_deadletter_stream(js: JetStreamContext, streams: Any = None, *,
     return await ensure_stream(js, deadletter_stream_config(streams), timeout_s)
 
 
+# ---------------------------------------------------------------- the byte bounds of every stream and bucket
+
+MiB = 1024 * 1024
+PERF_MAX_BYTES = 1024 * MiB
+"""Bound of `PERF_STREAM`: 50,000 nodes × 15 samples (15 min at the agent's 60 s) × ~1.4 KiB a sample (8 GPUs,
+8 NICs); at 100,000 nodes the oldest minutes go first (raise it with `nats stream edit`). With discard-old a
+flood evicts this stream's oldest samples, never another stream's storage."""
+PERF_MAX_MSG_BYTES = 64 * 1024
+"""Largest perf sample stored (a sample is a few KiB; the server refuses larger)."""
+JOB_MAX_BYTES = 512 * MiB
+"""Bound of `JOB_STREAM`: 5,000 job subjects (node × job) at ~100 KiB each within its 15-minute max age."""
+JOB_MAX_MSG_BYTES = 32 * 1024
+"""Largest job report stored: `fleetmend.jobs.MAX_BATCH` 256 records × ~60 bytes ≈ 16 KiB, with room."""
+JOB_MAX_MSGS_PER_SUBJECT = 2_000
+"""Job reports kept per node and job: a report batches up to 256 steps, so 2,000 hold 15 min of a 500 steps/s
+job; one node's flood of one job subject (≤ 2,000 × 32 KiB = 64 MiB) evicts only its own oldest reports."""
+FINGERPRINT_MAX_BYTES = 128 * MiB
+"""Bound of `FINGERPRINT_STREAM` (change records, ~1 KiB, 1,000 per node at most; changes are rare)."""
+FINGERPRINT_MAX_MSG_BYTES = 256 * 1024
+KV_MAX_BYTES: dict[str, int] = {
+    LEASE_KV_BUCKET: 16 * MiB, PERMIT_KV_BUCKET: 64 * MiB, DRAIN_KV_BUCKET: 256 * MiB, TICKET_KV_BUCKET: 512 * MiB,
+    NOTIFY_KV_BUCKET: 64 * MiB, ANALYZER_KV_BUCKET: 256 * MiB, FINGERPRINT_KV_BUCKET: 512 * MiB,
+    DRIFT_ALLOW_KV_BUCKET: 16 * MiB,
+}
+"""Bound of each KV bucket (the bytes of its kept revisions): leases and presence keys (~200 B per process),
+the permit pool (one document per cluster, ~150 B per holder, and wait keys), drains and tickets (history 5,
+~0.5–1 KiB a revision, 100,000 nodes), notifications sent, the analyzer's state, fingerprints (~5 KiB ×
+100,000 nodes) and drift allow lists. A bucket not listed gets `KV_DEFAULT_MAX_BYTES`. Every bound is reserved
+by JetStream at creation (about 1.7 GiB for these, 8.3 GiB with the streams' defaults): the server's
+`max_file_store` must hold them, which is what keeps the fault stream's share free."""
+KV_DEFAULT_MAX_BYTES = 64 * MiB
+KV_MAX_VALUE_BYTES = 1 * MiB
+"""Largest value a bucket stores (the permit pool's document is the largest, ~150 B × holders)."""
+
+
+def kv_max_bytes(bucket: str) -> int:
+    """`KV_MAX_BYTES[bucket]`, else `KV_DEFAULT_MAX_BYTES`."""
+    return KV_MAX_BYTES.get(bucket, KV_DEFAULT_MAX_BYTES)
+
+
+def kv_config(bucket: str, description: str | None = None, **kw: Any) -> KeyValueConfig:
+    """`KeyValueConfig` of one of fleetmend's buckets: file storage, history 1, its byte bound (`kv_max_bytes`,
+    so the bucket reserves its storage and can never take the fault stream's) and `KV_MAX_VALUE_BYTES`; `kw`
+    overrides (e.g. `direct=True`)."""
+    return KeyValueConfig(**{"bucket": bucket, "description": description, "history": 1, "storage": StorageType.FILE,
+                             "max_bytes": kv_max_bytes(bucket), "max_value_size": KV_MAX_VALUE_BYTES, **kw})
+
+
 async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max_msgs_per_subject: int = 64,
-                             timeout_s: float = 5.0) -> Any:
+                             timeout_s: float = 5.0, *, perf_max_bytes: int = PERF_MAX_BYTES,
+                             job_max_bytes: int = JOB_MAX_BYTES) -> Any:
     """Create (or update) stream `PERF_STREAM` on `fleet.*.perf.*` (telemetry samples) and
     `JOB_STREAM` on `fleet.*.job.*.*` (job step timings, the sender's node token before the job):
     file storage, limits retention, old
@@ -175,8 +245,11 @@ async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max
     Args:
         max_age_s: samples older than this are removed (default 15 min, see
             `fleetmend.telemetry.DEFAULT_PERF_MAX_AGE_S`).
-        max_msgs_per_subject: per node (per job) cap, so one chatty publisher cannot fill the store.
+        max_msgs_per_subject: per node cap of the perf stream, so one chatty node loses its own oldest samples
+            first (jobs: `JOB_MAX_MSGS_PER_SUBJECT` per node and job).
         timeout_s: per JetStream API call.
+        perf_max_bytes, job_max_bytes: the streams' byte bounds (`PERF_MAX_BYTES`, `JOB_MAX_BYTES`): each stream
+            reserves them in JetStream, so neither can take the fault stream's storage.
     Returns:
         `StreamInfo` of the perf stream.
     Raises:
@@ -185,12 +258,13 @@ async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max
     info = await ensure_stream(js, StreamConfig(
         name=PERF_STREAM, subjects=[all_perf_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
-        max_msgs_per_subject=max_msgs_per_subject, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S), timeout_s)
+        max_msgs_per_subject=max_msgs_per_subject, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S,
+        max_bytes=perf_max_bytes, max_msg_size=PERF_MAX_MSG_BYTES), timeout_s)
     await ensure_stream(js, StreamConfig(
         name=JOB_STREAM, subjects=[all_jobs_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
-        max_msgs_per_subject=max(max_msgs_per_subject, 10_000), duplicate_window=DEFAULT_DUPLICATE_WINDOW_S),
-        timeout_s)
+        max_msgs_per_subject=JOB_MAX_MSGS_PER_SUBJECT, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S,
+        max_bytes=job_max_bytes, max_msg_size=JOB_MAX_MSG_BYTES), timeout_s)
     return info
 
 
@@ -235,8 +309,7 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
             return await js.key_value(bucket)
         except BucketNotFoundError:
             try:
-                return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
-                                                                description=description, direct=direct or None))
+                return await js.create_key_value(kv_config(bucket, description, direct=direct or None))
             except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
                 return await js.key_value(bucket)
 
@@ -261,6 +334,7 @@ async def ensure_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0
     await ensure_stream(js, StreamConfig(
         name=FINGERPRINT_STREAM, subjects=[all_fingerprints_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=FINGERPRINT_CHANGES_MAX_AGE_S,
-        max_msgs_per_subject=1000, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S), timeout_s)
+        max_msgs_per_subject=1000, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S, max_bytes=FINGERPRINT_MAX_BYTES,
+        max_msg_size=FINGERPRINT_MAX_MSG_BYTES), timeout_s)
     return await open_kv_bucket(js, FINGERPRINT_KV_BUCKET, "latest node fingerprint (fleetmend inventory)",
                                 timeout_s=max(timeout_s, 10.0), direct=True)  # a node reads its own key only

@@ -15,6 +15,8 @@ cleanly deletes its key (`release`), and the next contender takes it at its next
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -139,3 +141,153 @@ class KvLease:
         except KeyNotFoundError:
             return None
         return json.loads(entry.value or b"{}").get("holder")
+
+
+# ---------------------------------------------------------------- presence: which processes serve which cluster
+
+PRESENCE_RENEW_S = 10.0
+"""A running worker or router rewrites its presence keys this often."""
+PRESENCE_STALE_S = 45.0
+"""A presence key not rewritten for this long (four missed renewals and a little clock skew) is a process that is
+gone: its cluster counts as unserved by it. The age is the reader's clock against the writer's (`at`, Unix time):
+hosts of one deployment keep NTP time, far inside this."""
+PRESENCE_FORGET_S = 3600.0
+"""A presence key this stale is deleted by the next process of its role and cluster that starts (a killed
+process never deletes its own)."""
+
+
+class Presence:
+    """One process's announcement that it serves some clusters: key `subjects.presence_kv_key(role, cluster,
+    holder)` of the lease bucket, value `{"holder", "role", "cluster", "at", "started_at", ...info}` (JSON,
+    `at` in Unix seconds), rewritten every `renew_s` by `run` and deleted on a clean stop. Readers:
+    `presence`. A worker announces the cluster it drains (`fleetmend worker`), a router its own cluster and
+    the subjects it consumes.
+
+    Args:
+        js: JetStream (the lease bucket is opened, or created, by `run`).
+        role: `worker` or `router`.
+        clusters: the clusters this process serves.
+        holder: this process (`default_holder()`).
+        info: more fields for the value (e.g. the task queue).
+    """
+
+    def __init__(self, js: Any, role: str, clusters: list[str], holder: str | None = None,
+                 info: dict[str, Any] | None = None, renew_s: float = PRESENCE_RENEW_S) -> None:
+        self.js, self.role, self.clusters = js, role, list(clusters)
+        self.kv: Any = None
+        self.holder = holder or default_holder()
+        self.info = dict(info or {})
+        self.renew_s = renew_s
+        self.started_at = time.time()
+        self.keys = [subjects.presence_kv_key(role, c, self.holder) for c in self.clusters]
+
+    async def announce(self) -> None:
+        """Write this process's keys once. Raises what the NATS client raises."""
+        if self.kv is None:
+            self.kv = await lease_bucket(self.js)
+        for cluster, key in zip(self.clusters, self.keys, strict=True):
+            await self.kv.put(key, json.dumps({**self.info, "holder": self.holder, "role": self.role,
+                                               "cluster": cluster, "at": time.time(),
+                                               "started_at": self.started_at}).encode())
+
+    async def withdraw(self) -> None:
+        """Delete this process's keys (clean stop); failures are left to staleness."""
+        if self.kv is None:
+            return
+        for key in self.keys:
+            try:
+                await self.kv.delete(key)
+            except Exception:  # noqa: BLE001 - NATS away: the key goes stale in PRESENCE_STALE_S
+                pass
+
+    async def forget_stale(self) -> int:
+        """Delete keys of this role and these clusters not rewritten for `PRESENCE_FORGET_S` (processes
+        that were killed). Returns how many."""
+        gone = 0
+        if self.kv is None:
+            self.kv = await lease_bucket(self.js)
+        for p in await presence(self.js, self.role):
+            if p["cluster"] in self.clusters and p["age_s"] > PRESENCE_FORGET_S:
+                try:
+                    await self.kv.delete(subjects.presence_kv_key(self.role, p["cluster"], p["holder"]))
+                    gone += 1
+                except Exception:  # noqa: BLE001 - another process deleted it, or no permission
+                    pass
+        return gone
+
+    async def run(self, stop: Any, log: Any) -> None:
+        """Announce every `renew_s` until `stop` (an `asyncio.Event`) is set, or the task is cancelled, then
+        withdraw. A failed write is logged and retried at the next renewal (readers see the key age meanwhile)."""
+        failing = False
+        try:
+            try:
+                await self.forget_stale()
+            except Exception:  # noqa: BLE001 - housekeeping only
+                pass
+            while not stop.is_set():
+                try:
+                    await self.announce()
+                    if failing:
+                        log.info("presence_announced", role=self.role, clusters=self.clusters)
+                    failing = False
+                except Exception as err:  # noqa: BLE001 - NATS away: try again at the next renewal
+                    if not failing:
+                        log.warning("presence_not_announced", role=self.role, clusters=self.clusters, error=repr(err))
+                    failing = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.renew_s)
+        finally:
+            await self.withdraw()
+
+
+async def presence(js: Any, role: str | None = None, cluster: str | None = None,
+                   bucket: str = subjects.LEASE_KV_BUCKET, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """Every presence key (`Presence`) of `role` and `cluster` (None: any), each its value with `age_s` (seconds
+    since its last rewrite, by this host's clock) and `alive` (`age_s` < `PRESENCE_STALE_S`), sorted by
+    role, cluster and holder; [] when the bucket does not exist yet.
+
+    Raises:
+        TimeoutError: NATS did not answer within `timeout_s`.
+        nats.js.errors.APIError: no permission to read the bucket.
+    """
+    from nats.js.errors import NotFoundError
+
+    from fleetmend.infra.jetstream import kv_keys
+
+    prefix = f"{subjects.PRESENCE_KEY_PREFIX}." + (f"{role}." if role else "") + (f"{cluster}." if role and cluster
+                                                                                  else "")
+    try:
+        keys = await kv_keys(js, bucket, prefix, timeout_s)
+    except NotFoundError:
+        return []
+    kv = await js.key_value(bucket)
+    now = time.time()
+    out = []
+    for key in keys:
+        try:
+            r, c, holder = subjects.parse_presence_kv_key(key)
+        except ValueError:
+            continue
+        if cluster is not None and c != cluster:
+            continue
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # deleted (a clean stop)
+            continue
+        try:
+            value = json.loads(entry.value or b"{}")
+        except ValueError:
+            continue
+        age = max(0.0, now - float(value.get("at") or 0))
+        out.append({**value, "role": r, "cluster": c, "holder": holder, "age_s": age, "alive": age < PRESENCE_STALE_S})
+    return out
+
+
+def served_clusters(rows: list[dict[str, Any]], role: str = "worker") -> set[str]:
+    """The clusters with at least one live process of `role` among `presence` rows."""
+    return {r["cluster"] for r in rows if r["role"] == role and r["alive"]}
+
+
+def unserved_reason(cluster: str) -> str:
+    """What `fleetmend status` and the incident's summary say of a cluster that no live worker serves."""
+    return f"no worker serves cluster {cluster}: start `fleetmend worker --cluster {cluster}`"

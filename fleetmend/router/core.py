@@ -26,6 +26,11 @@ Guarantees:
   replica hears the advisory, and the dead-letter record's `Nats-Msg-Id` (`dl-<stream>-<seq>`)
   keeps one copy.
 - Any number of router replicas share the durable consumer.
+- Every cluster's incidents start on that cluster's own task queue (`subjects.cluster_task_queue`, derived in
+  `fleetmend.infra.incidents`), which only a worker of that cluster polls. An incident of a cluster that no
+  live worker announces (`fleetmend.infra.lease.presence`, read every `WORKER_PRESENCE_READ_S` off this path)
+  is still started, and its summary says "no worker serves cluster C: start `fleetmend worker --cluster C`";
+  nothing of it runs, and no permit of it is held, until such a worker starts.
 - Drain now (`fleetmend.infra.permit_pool`): before its signal-with-start, a node whose fault the catalog
   says drains *now* (drain, urgency now, no history rule, no debounce; the catalog's own verdict and
   the event's both) is cordoned here at once when it gets a slot in the cluster's permit pool
@@ -67,6 +72,7 @@ from fleetmend.events import MAX_EVENT_BYTES, MAX_JSON_DEPTH, FaultEvent, condit
 from fleetmend.infra import metrics
 from fleetmend.infra.incidents import signal_guard, start_incident
 from fleetmend.infra.jetstream import ensure_deadletter_stream, ensure_fault_stream
+from fleetmend.infra.lease import presence, served_clusters, unserved_reason
 from fleetmend.infra.ledger import LedgerStore
 from fleetmend.infra.permit_pool import BY_ROUTER, PermitPool
 from fleetmend.ledger import slow_of
@@ -99,6 +105,8 @@ MAX_FORWARD_BATCH = 200
 is 2 MiB)."""
 WAIT_KEY_LINGER_S = 30.0
 """How long a refused node's wait key outlives the start of its incident (`_clear_waiting`)."""
+WORKER_PRESENCE_READ_S = 5.0
+"""How often the router reads which clusters a live worker serves (one KV listing)."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
 
@@ -198,6 +206,9 @@ class Router:
         self._bg: set[asyncio.Task[None]] = set()  # wait-key deletes in flight (kept: a dropped task is collected)
         self._forwarder: asyncio.Task[None] | None = None
         self._ledger = LedgerStore(js, settings.ledger)  # the incident ledger: `_note_ledger`, nothing else
+        self.served: set[str] | None = None
+        """Clusters with a live worker (`_watch_workers`); None until first read."""
+        self._warned_unserved: set[str] = set()
 
     async def _setup_fast_path(self) -> None:
         """Permit pool and topology for the drains this router makes."""
@@ -273,10 +284,12 @@ class Router:
         """
         psub = await self.setup()
         advisories = await self.watch_max_deliveries()
+        workers = asyncio.create_task(self._watch_workers(stop), name="worker-presence")
         log.info("router_started", durable=self.durable, filter=self.filter_subject, task_queue=self.s.task_queue)
         try:
             await self._fetch_loop(psub, stop)
         finally:
+            workers.cancel()
             with contextlib.suppress(Exception):
                 await advisories.unsubscribe()
         if self._senders:
@@ -287,6 +300,32 @@ class Router:
         for task in list(self._bg):  # wait-key deletes still lingering: FleetGuard's reconciliation drops them
             task.cancel()
         log.info("router_stopped", **self.stats.__dict__)
+
+    async def _watch_workers(self, stop: asyncio.Event) -> None:
+        """Keep `served` (the clusters a live worker announces, `fleetmend.infra.lease.presence`) fresh, every
+        `WORKER_PRESENCE_READ_S`, off the routing path; a failed read keeps the last answer. A cluster that
+        becomes unserved, or served again, is logged once."""
+        while not stop.is_set():
+            try:
+                now = served_clusters(await presence(self.js, "worker"))
+            except Exception as err:  # noqa: BLE001 - NATS away or no permission: keep what was known
+                log.debug("worker_presence_unread", error=repr(err))
+            else:
+                if self.served is not None:
+                    for c in sorted(now - self.served):
+                        log.info("cluster_served", cluster=c)
+                self._warned_unserved -= now
+                self.served = now
+            await asyncio.sleep(WORKER_PRESENCE_READ_S)
+
+    def unserved(self, cluster: str) -> bool:
+        """Whether no live worker serves `cluster` (False until the first presence read: unknown)."""
+        if self.served is None or cluster in self.served:
+            return False
+        if cluster not in self._warned_unserved:
+            self._warned_unserved.add(cluster)
+            log.warning("cluster_unserved", cluster=cluster, reason=unserved_reason(cluster))
+        return True
 
     async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
         """Fetch until `stop`. After `RESETUP_AFTER_FAILURES` failed fetches in a row (the stream or
@@ -589,7 +628,7 @@ class Router:
         """`phase`: the incident's `FleetPhase` if this call starts it (`awaiting_permit` when its permit
         request is forwarded); an incident already running keeps its own."""
         async with asyncio.timeout(self.s.router.temporal_call_timeout_s):
-            await start_incident(self.client, self.s.task_queue, inp, batch, phase)
+            await start_incident(self.client, self.s.task_queue, inp, batch, phase, unserved=self.unserved(cluster))
 
     async def _retry_later(self, items: list[tuple[Any, FaultEvent, float]], error: str,
                            bound) -> None:  # noqa: ANN001

@@ -11,6 +11,7 @@ from fleetmend.catalog import load_catalog
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.lease import Presence
 from fleetmend.router.core import Router
 from fleetmend.router.heartbeats import HeartbeatMonitor
 
@@ -45,6 +46,9 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     heartbeats = asyncio.create_task(HeartbeatMonitor(nc, nc.jetstream(), settings.router.heartbeat_silence_s,
                                                       publish_gauge=lambda: elected["held"])
                                      .run(stop), name="heartbeats")
+    # `fleetmend status` lists the live routers (fleetmend/infra/lease.py)
+    present = asyncio.create_task(Presence(nc.jetstream(), "router", [settings.cluster], info={
+        "filter": router.filter_subject, "durable": router.durable}).run(stop, log), name="presence")
     beat = asyncio.create_task(metrics.beat_forever(stop), name="liveness")  # /healthz
     metrics.HEALTH.set_ready()  # /readyz: NATS and Temporal connected
     try:
@@ -55,4 +59,6 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
         heartbeats.cancel()
         if lag is not None:
             lag.cancel()
+        present.cancel()  # deletes its key (a clean stop), before the connection goes
+        await asyncio.gather(present, return_exceptions=True)
         await close_nats(nc)

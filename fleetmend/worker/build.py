@@ -1,5 +1,12 @@
 """The worker's wiring: the cluster's Temporal worker and the guard's (`Workers`), each workflow and
-activity registered with its adapters (`build_worker`), and the workflow sandbox (`workflow_runner`)."""
+activity registered with its adapters (`build_worker`), and the workflow sandbox (`workflow_runner`).
+
+A worker drains one cluster, `Settings.cluster`, and polls that cluster's queues only:
+`subjects.cluster_task_queue(task_queue, cluster)` (incidents, sweeps, their activities) and the same of
+`guard_task_queue(task_queue)` (its FleetGuard). So a drain never reaches another cluster's adapter, and each
+cluster needs a worker of its own (`fleetmend worker --cluster C`). It also polls the deployment's unsuffixed
+queues (`task_queue`, `<task_queue>-guard`) that every cluster shared before 0.3 (`LEGACY_QUEUES`): incidents
+and guards started there before an upgrade finish there (each workflow keeps the queue it started on)."""
 
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from fleetmend.config import Settings
 from fleetmend.infra.ledger import LedgerStore
 from fleetmend.messages import guard_task_queue
 from fleetmend.policy import load_topology
+from fleetmend.subjects import cluster_task_queue
 from workflows.fleetguard import FleetGuard
 from workflows.remediation import NodeRemediation
 from workflows.sweep import Sweep
@@ -46,7 +54,11 @@ def workflow_runner() -> SandboxedWorkflowRunner:
         restrictions=SandboxRestrictions.default.with_passthrough_modules("fleetmend", "workflows"))
 
 
-async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_queue: str | None = None) -> Workers:
+async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_queue: str | None = None,
+                       legacy: bool | None = None) -> Workers:
+    """The worker of `settings.cluster` on its cluster's queues of `task_queue` (default `settings.task_queue`), and
+    on the pre-0.3 shared ones unless `legacy` is False (default `LEGACY_QUEUES`; the Temporal SDK allows one
+    worker per queue in a process, so a process that runs workers of several clusters keeps it for one)."""
     adapter = build_scheduler(settings, js=nc.jetstream())
     sched = SchedulerActivities(adapter, cluster=settings.cluster)
     node_events = adapter.record_event if isinstance(adapter, NodeEvents) else None  # Kubernetes: Events on the Node
@@ -63,24 +75,38 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
     sweep = SweepActivities(nc)
     notify = NotifyActivities(Notifier(channels_from_settings(settings.notify), nc.jetstream(),
                                        settings.notify.timeout_s))
-    main = Worker(
-        client, task_queue=tq, workflows=[NodeRemediation, Sweep], workflow_runner=workflow_runner(),
-        activities=[drain.drain_node, drain.undrain_node, tickets.file_ticket, tickets.update_ticket,
-                    tickets.poll_ticket, diag.run_diagnostics, guard.request_drain_permit, guard.release_drain_permit,
-                    recovery.reset_gpu, recovery.reboot_node, reconfigure.reconfigure_node, sweep.bench_node,
-                    sweep.open_fail_slow, notify.notify],
-        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
-        max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
-        max_cached_workflows=settings.worker.max_cached_workflows,
-        max_concurrent_activities=settings.worker.max_concurrent_activities,
-    )
-    guard_worker = Worker(  # FleetGuard and the activities it schedules, with workflow-task slots of its own
-        client, task_queue=guard_task_queue(tq), workflows=[FleetGuard], workflow_runner=workflow_runner(),
-        activities=[guard.running_incidents, guard.sync_permit_pool, guard.reconcile_pool, tickets.file_ticket],
-        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN, max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASKS,
-        max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
-    )
-    return Workers(main, guard_worker)
+
+    def main(queue: str) -> Worker:
+        return Worker(
+            client, task_queue=queue, workflows=[NodeRemediation, Sweep], workflow_runner=workflow_runner(),
+            activities=[drain.drain_node, drain.undrain_node, tickets.file_ticket, tickets.update_ticket,
+                        tickets.poll_ticket, diag.run_diagnostics, guard.request_drain_permit,
+                        guard.release_drain_permit, recovery.reset_gpu, recovery.reboot_node,
+                        reconfigure.reconfigure_node, sweep.bench_node, sweep.open_fail_slow, notify.notify],
+            graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+            max_concurrent_workflow_tasks=settings.worker.max_concurrent_workflow_tasks,
+            max_cached_workflows=settings.worker.max_cached_workflows,
+            max_concurrent_activities=settings.worker.max_concurrent_activities,
+        )
+
+    def guard_worker(queue: str) -> Worker:  # FleetGuard and the activities it schedules, with task slots of its own
+        return Worker(
+            client, task_queue=queue, workflows=[FleetGuard], workflow_runner=workflow_runner(),
+            activities=[guard.running_incidents, guard.sync_permit_pool, guard.reconcile_pool, tickets.file_ticket],
+            graceful_shutdown_timeout=GRACEFUL_SHUTDOWN, max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASKS,
+            max_cached_workflows=GUARD_CACHED_RUNS, max_concurrent_activities=GUARD_ACTIVITIES,
+        )
+
+    cl = settings.cluster
+    shared = [main(tq), guard_worker(guard_task_queue(tq))] if (LEGACY_QUEUES if legacy is None else legacy) else []
+    return Workers(main(cluster_task_queue(tq, cl)), guard_worker(cluster_task_queue(guard_task_queue(tq), cl)),
+                   *shared)
+
+
+LEGACY_QUEUES = True
+"""Also poll the unsuffixed queues of releases before 0.3 (module docstring), where incidents and guards started
+before an upgrade stay. There, as before, workers of several clusters may meet another cluster's drain (refused,
+retried: `WrongCluster`). To be dropped once no deployment has a workflow open on them."""
 
 
 def build_ledger(settings: Settings, nc: NATS) -> LedgerStore:
@@ -100,20 +126,24 @@ and infrastructure-incident tickets."""
 
 
 class Workers:
-    """The worker process's two Temporal workers, run and shut down together: the cluster's queue
-    (incidents, sweeps, every side effect) and the guard's (`messages.guard_task_queue`). `run()` returns
-    or raises when either stops, like `temporalio.worker.Worker.run`."""
+    """The worker process's Temporal workers, run and shut down together: the cluster's queue (incidents,
+    sweeps, every side effect), the cluster's guard queue, and the `legacy` ones (`LEGACY_QUEUES`). `run()`
+    returns or raises when any stops, like `temporalio.worker.Worker.run`."""
 
-    def __init__(self, main: Worker, guard: Worker) -> None:
-        self.main, self.guard = main, guard
+    def __init__(self, main: Worker, guard: Worker, *legacy: Worker) -> None:
+        self.main, self.guard, self.legacy = main, guard, list(legacy)
         self._stopping = False
 
     @property
     def task_queue(self) -> str:
         return self.main.task_queue
 
+    @property
+    def all(self) -> list[Worker]:
+        return [self.main, self.guard, *self.legacy]
+
     async def run(self) -> None:
-        tasks = [asyncio.create_task(w.run(), name=f"temporal-worker {w.task_queue}") for w in (self.main, self.guard)]
+        tasks = [asyncio.create_task(w.run(), name=f"temporal-worker {w.task_queue}") for w in self.all]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -129,4 +159,5 @@ class Workers:
 
     async def shutdown(self) -> None:
         self._stopping = True
-        await asyncio.gather(self.main.shutdown(), self.guard.shutdown())
+        # a worker never started (a test runs some of them) must not be waited on: its shutdown never returns
+        await asyncio.gather(*(w.shutdown() for w in self.all if w.is_running))

@@ -1,5 +1,6 @@
 """The worker process: runs the cluster's Temporal workers (`fleetmend.worker.build`) with its
-/metrics, /healthz and /readyz, and one elected replica's fleet-level gauges and breaker notices."""
+/metrics, /healthz and /readyz, and one elected replica's fleet-level gauges and breaker notices. It announces
+the cluster it drains in the lease bucket (`fleetmend.infra.lease.Presence`) while it runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from activities.notify import Notifier, channels_from_settings, notify_breaker, 
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.lease import Presence
 from fleetmend.report import FIELDS, ReportParams, build_report
 from fleetmend.worker.build import build_ledger, build_worker
 
@@ -28,7 +30,11 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     nc = await connect_nats(settings, name="fleetmend-worker")
     client = await connect_temporal(settings)
     worker = await build_worker(settings, client, nc)
-    log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
+    log.info("worker_started", cluster=settings.cluster, task_queue=worker.task_queue,
+             guard_task_queue=worker.guard.task_queue, scheduler=settings.scheduler.value)
+    # which clusters are served: `fleetmend status`, and the router's summary of an incident no worker can take
+    present = asyncio.create_task(Presence(nc.jetstream(), "worker", [settings.cluster], info={
+        "task_queue": worker.task_queue, "scheduler": settings.scheduler.value}).run(stop, log), name="presence")
     announced = asyncio.create_task(_announce_policy(client, settings, stop), name="guard-policy")
     # -- metrics (fleetmend/infra/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
@@ -73,6 +79,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         stopping.cancel()
         if poll is not None:
             poll.cancel()
+        present.cancel()  # deletes its key (a clean stop), before the connection goes
+        await asyncio.gather(present, return_exceptions=True)
         await close_nats(nc)
     announced.cancel()
     if failed is not None:
