@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,6 +47,11 @@ commands = typer.Typer()
 
 # ------------------------------------------------------------------ talking to FleetGuard
 
+GUARD_QUERY_TIMEOUT_S = 3.0
+"""How long `status` waits for a cluster's FleetGuard to answer its query (a guard's worker answers in
+milliseconds; a query to a guard no worker polls waits for one until the RPC deadline)."""
+
+
 async def permit_waits(client: Any, cluster: str) -> dict[str, str]:
     """node → why its permit request is queued, for every queued node of `cluster`'s FleetGuard.
 
@@ -57,17 +62,22 @@ async def permit_waits(client: Any, cluster: str) -> dict[str, str]:
         {} when the guard does not exist yet (no permit was ever requested).
     Raises:
         temporalio.service.RPCError: Temporal unreachable or the query failed for another reason.
+        FleetmendError: the guard did not answer within `GUARD_QUERY_TIMEOUT_S` (no worker of `cluster` polls
+            its queue: a query waits for one, and `status` must not wait on every dead cluster in turn).
     """
-    from temporalio.service import RPCError
+    from temporalio.service import RPCError, RPCStatusCode
 
     from fleetmend.messages import GuardApi
 
     handle = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
     try:
-        st = await handle.query(GuardApi.STATUS)
+        st = await handle.query(GuardApi.STATUS, rpc_timeout=timedelta(seconds=GUARD_QUERY_TIMEOUT_S))
     except RPCError as e:
         if "not found" in str(e).lower():
             return {}
+        if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            raise FleetmendError(f"FleetGuard of cluster {cluster} did not answer within {GUARD_QUERY_TIMEOUT_S:g} s "
+                                 f"(is a worker of cluster {cluster} running?)") from None
         raise
     queue = st["queue"] if isinstance(st, dict) else st.queue
     return {q["node"]: q.get("waiting") or "" for q in queue}

@@ -7,6 +7,7 @@ drain permit is `fleetmend.cli.breaker.annotate_waits`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from dataclasses import asdict
@@ -69,8 +70,10 @@ async def list_incidents(s: Settings, limit: int, cluster: str | None = "") -> l
                      "started": wf.start_time.isoformat(timespec="seconds") if wf.start_time else None,
                      "workflow_id": wf.id, "run_id": wf.run_id})
     if any(r["phase"] == "awaiting_permit" and r["status"] == "running" for r in rows):
-        for cl in sorted({r["cluster"] for r in rows if r["phase"] == "awaiting_permit" and r["cluster"]}):
-            await annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl], s)  # each cluster's guard
+        # each cluster's guard, asked at once: a guard no worker answers costs its query timeout once, not per cluster
+        await asyncio.gather(*(annotate_waits(client, str(cl), [r for r in rows if r["cluster"] == cl], s)
+                               for cl in sorted({r["cluster"] for r in rows
+                                                 if r["phase"] == "awaiting_permit" and r["cluster"]})))
     # The nodes still starting are the newest rows, and live state: listed first whatever the history holds
     # (behind `limit` recent incidents they were never read, and a burst's refused nodes went unseen).
     running = {(str(r["cluster"]), str(r["node"])) for r in rows if r["status"] == "running"}
