@@ -317,3 +317,25 @@ async def test_abort_while_diagnosing_stops_recovery(temporal_client) -> None:
     assert calls.recoveries == [], calls.recoveries
     assert [n for op, n in calls.log] and calls.log[-1][0] == "undrain" and calls.releases
     assert any("reboot not started: the incident was aborted" in t["text"] for t in st.timeline)
+
+
+async def test_the_next_incident_of_a_chain_has_its_own_ticket(temporal_client) -> None:
+    """Found on review: faults that arrive as an incident closes open the node's next incident by continuing
+    as new, and every run of one chain shares its first run id. The next incident's idempotency key
+    (`NodeRemediation._incident_id`) must differ, or its ticket comes back as its predecessor's ("already
+    filed") and its notifications are deduplicated away."""
+    calls = Calls()
+    calls.diag_gate = asyncio.Event()
+    tq, cluster = f"next-{uuid.uuid4().hex[:8]}", "nxt"
+    node = f"nx-{uuid.uuid4().hex[:6]}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(temporal_client, tq, cluster, node, [fault(cluster, node, 79, drain=True)])
+        await assert_eventually(lambda: bool(calls.diags), what="diagnostics running")
+        await h.execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="done", undrain=True))
+        await h.signal(NodeRemediation.faults, FaultBatch(faults=[fault(cluster, node, 48, drain=True)]))  # new
+        calls.diag_gate.set()
+        await assert_eventually(lambda: len(calls.drains) >= 2 and calls.tickets, timeout_s=60,
+                                what="the next incident drained and ticketed")
+    first, second = (d.incident_id for d in calls.drains[:2])
+    assert second != first and second == f"{first}#2", (first, second)
+    assert calls.tickets[-1].incident_id == second, [t.incident_id for t in calls.tickets]

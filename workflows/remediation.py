@@ -178,6 +178,7 @@ class NodeRemediation:
         self._notifications: list = []
         self._run_bytes0 = 0  # history size in bytes when this run started (start event + carried state)
         self._forwarded = False  # IncidentInput.permit_forwarded of a new incident
+        self._incident_no = 0  # IncidentInput.incident: which incident of this workflow chain (`_incident_id`)
         self._noted_arrivals = -1  # `IncidentState.arrivals` when triage last noted "recorded, no drain"
 
     # ---------------------------------------------------------------- messages
@@ -279,6 +280,7 @@ class NodeRemediation:
     @workflow.run
     async def run(self, inp: IncidentInput) -> IncidentStatus:
         self._policy = inp.policy
+        self._incident_no = inp.incident
         self._forwarded = inp.permit_forwarded and inp.carried is None
         self._run_bytes0 = workflow.info().get_current_history_size()
         # An update handled in the first activation runs before this method and notes on a placeholder
@@ -321,7 +323,7 @@ class NodeRemediation:
         if self._pending:
             # Faults that arrived as this incident closed open the node's next incident.
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
-                                                   pending=self._pending))
+                                                   pending=self._pending, incident=self._incident_no + 1))
         return self.status()
 
     # ---------------------------------------------------------------- phases
@@ -932,7 +934,7 @@ class NodeRemediation:
             if self._sa_flush_due:
                 self._flush_search_attributes()
             workflow.continue_as_new(IncidentInput(cluster=s.cluster, node=s.node, policy=self._policy,
-                                                   carried=s, pending=self._pending))
+                                                   carried=s, pending=self._pending, incident=self._incident_no))
 
     @property
     def _state(self) -> IncidentState:
@@ -945,9 +947,13 @@ class NodeRemediation:
 
     @property
     def _incident_id(self) -> str:
-        """Stable per incident (workflow id + first run id): the idempotency key of every side effect."""
+        """Stable per incident: the idempotency key of every side effect. `<workflow id>/<first run id>` for the
+        chain's first incident, `…#N` for its Nth (`IncidentInput.incident`): the runs of one chain share the first
+        run id, and a next incident under the old key got its predecessor's ticket back and its notifications
+        deduplicated away."""
         info = workflow.info()
-        return f"{info.workflow_id}/{info.first_execution_run_id}"
+        base = f"{info.workflow_id}/{info.first_execution_run_id}"
+        return f"{base}#{self._incident_no + 1}" if self._incident_no else base
 
     def _now(self) -> datetime:
         return workflow.now()

@@ -274,6 +274,10 @@ class IncidentInput:
     carried: IncidentState | None = None
     """State carried across continue-as-new."""
     pending: list[RoutedFault] = field(default_factory=list)
+    incident: int = 0
+    """Which incident of this workflow chain: 0 for the first; a closing run that continues as new for the
+    node's next incident (faults that arrived as it closed) counts it up, so the next incident's side
+    effects (drain reason, ticket, notifications) get their own idempotency key (`NodeRemediation._incident_id`)."""
     permit_forwarded: bool = False
     """The router found no pool slot for this node's must-drain-now fault and forwards its permit request
     to FleetGuard right after this start: the incident does not ask again at once (in a burst of
