@@ -3,8 +3,10 @@ tool's source at a named version), filled with arbitrary arguments, is read as i
 
 Real captures (tests/corpus) stay the tests of record; this is what makes an unseen wording of a known message
 read right. The synthesis: each C conversion (`%d`, `%04x`, `%llu`, `%s`, `%pg`, ...) takes any value of its
-type unless the row's `args` constrains it; the prefix's `{bdf}`/`{name}`/`{drv}` are generated; a kmsg row gets
-a `[uptime]` stamp per line.
+type unless the row's `args` constrains it; the prefix's `{bdf}`/`{name}`/`{drv}` are generated; a kmsg row is
+framed, line by line, in one of the framings the deframer reads (`FRAMINGS`: dmesg, dmesg -T/-H/-x, syslog,
+journald, /dev/kmsg records, bare lines), drawn per example. Rows of kind `silent` are healthy messages of a family
+that is read: they must publish nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +53,34 @@ def _args(spec: str) -> dict[str, st.SearchStrategy[str | int]]:
 
 
 _WORD = st.from_regex(r"^[A-Za-z][A-Za-z0-9_]{0,11}$", fullmatch=True)
-_BLOCKDEV = st.from_regex(r"^(sd[a-z]{1,2}[0-9]?|nvme[0-9]n[0-9](p[0-9])?|vd[a-z][0-9]?|dm-[0-9]{1,2})$", fullmatch=True)
+_BLOCKDEV = st.from_regex(r"^(sd[a-z]{1,2}[0-9]?|nvme[0-9]{1,2}n[0-9]{1,2}(p[0-9])?|nvme[0-9]c[0-9]n[0-9]|vd[a-z][0-9]?|"
+                          r"xvd[a-z]|dm-[0-9]{1,2}|md[0-9]{1,3}(p[0-9])?)$", fullmatch=True)
+
+
+def _kmsg_pri(i: int) -> str:
+    return f"3,{5000 + i},{(1000 + i) * 1_000_000 + 123456},-;"
+
+
+FRAMINGS: dict[str, object] = {
+    "dmesg": lambda i: f"[{1000 + i:>5}.{123456 + i:06d}] ",
+    "dmesg -T": lambda i: f"[Mon Dec  1 10:00:{i % 60:02d} 2026] ",
+    "dmesg -H": lambda i: "[Dec 1 10:00] " if i == 0 else f"[  +0.{12 + i:06d}] ",
+    "dmesg -x": lambda i: f"kern  :err   : [{1000 + i:>5}.{123456 + i:06d}] ",
+    "dmesg -r": lambda i: f"<3>[{1000 + i:>5}.{123456 + i:06d}] ",
+    "syslog": lambda i: f"Dec  1 10:00:{i % 60:02d} node-a01 kernel: ",
+    "syslog+uptime": lambda i: f"Dec  1 10:00:{i % 60:02d} node-a01 kernel: [{1000 + i:>5}.{123456 + i:06d}] ",
+    "journalctl -o short-iso": lambda i: f"2026-12-01T10:00:{i % 60:02d}+0000 node-a01 kernel: ",
+    "journalctl -o short-precise": lambda i: f"Dec 01 10:00:{i % 60:02d}.{123456 + i:06d} node-a01 kernel: ",
+    "journalctl -o short-iso-precise": lambda i: f"2026-12-01T10:00:{i % 60:02d}.{123456 + i:06d}+00:00 node-a01 kernel: ",
+    "journalctl -o short-monotonic": lambda i: f"[{1000 + i:>5}.{123456 + i:06d}] node-a01 kernel: ",
+    "journalctl -o short-unix": lambda i: f"1764583200.{123456 + i:06d} node-a01 kernel: ",
+    "journalctl -o short-full": lambda i: f"Mon 2026-12-01 10:00:{i % 60:02d} UTC node-a01 kernel: ",
+    "/dev/kmsg": _kmsg_pri,
+    "bare": lambda i: "",
+}
+"""How a kernel message reaches the parser: util-linux dmesg (default, --ctime, --human, --decode, --raw),
+syslog and journald lines (with and without the kernel's own uptime stamp), raw /dev/kmsg records and bare
+messages (`NVRM:` at column 0, as pasted)."""
 
 
 def _default(m: re.Match[str]) -> st.SearchStrategy[str | int]:
@@ -138,11 +167,15 @@ def test_every_listed_format_reads_as_its_kind_with_its_device(row: dict[str, st
     prefix = "" if row["prefix"] == "-" else row["prefix"].format(**holders)
     text_lines = text.split("\n")
     if row["reader"] == "kmsg":
-        log = "".join(f"[{1000 + i}.{123456 + i:06d}] {prefix}{line}\n" for i, line in enumerate(text_lines))
+        frame = FRAMINGS[data.draw(st.sampled_from(sorted(FRAMINGS)))]
+        log = "".join(f"{frame(i)}{prefix}{line}\n" for i, line in enumerate(text_lines))  # type: ignore[operator]
         events = parse_text(log, node="n1")
     else:
         log = "".join(f"{prefix}{line}\n" for line in text_lines)
         events = parse_any(log, node="n1")
+    if row["kind"] == "silent":
+        assert not events, f"a healthy message published {[e.kind for e in events]}:\n{log}"
+        return
     got = [(e.attrs.get("clearing_kind") if e.healthy else e.kind, e) for e in events]
     mine = [e for k, e in got if k == row["kind"]]
     assert mine, f"{row['kind']} not read from:\n{log}\ngot {[k for k, _ in got]}"
@@ -164,5 +197,33 @@ def test_the_table_names_a_source_and_version_for_every_row_and_known_kinds() ->
         if r["kind"] == "-":
             assert r["note"].startswith("left out") or "not read" in r["note"] or "read by" in r["note"], r
         else:
-            assert r["kind"] == "xid" or r["kind"] in cat.kinds, r
+            assert r["kind"] in ("xid", "silent") or r["kind"] in cat.kinds, r
             assert r["file"] != "-", r
+
+
+KMSG_READ = [r for r in READ if r["reader"] == "kmsg" and r["kind"] != "silent"]
+
+
+@pytest.mark.parametrize("row", KMSG_READ, ids=[f"{r['kind']}:{r['format'][:40]}" for r in KMSG_READ])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_every_listed_format_is_found_by_the_streaming_reader(row: dict[str, str], data) -> None:
+    """`fleetmend explain` on a large log skips lines without one of `agents.kmsg.stream.TOKENS`: every listed
+    format's lines, between healthy boot-log lines, must give the same events streamed as parsed line by line."""
+    import io
+
+    from agents.kmsg import KmsgParser
+    from agents.kmsg.stream import parse_stream
+
+    constraints = _args(row["args"])
+    holders = {"bdf": data.draw(_BDF), "name": str(data.draw(constraints.get("{name}", _WORD))),
+               "drv": str(data.draw(constraints.get("{drv}", st.just("mlx5_core"))))}
+    text, _ = synthesise(row["format"].replace("\\n", "\n").replace("\\t", "\t"), data.draw, constraints)
+    prefix = "" if row["prefix"] == "-" else row["prefix"].format(**holders)
+    frame = FRAMINGS[data.draw(st.sampled_from(sorted(FRAMINGS)))]
+    noise = "[  900.000001] usb 1-1: new high-speed USB device number 2 using xhci_hcd\n"
+    log = noise + "".join(f"{frame(i)}{prefix}{line}\n" for i, line in enumerate(text.split("\n"))) + noise  # type: ignore[operator]
+    want = [(e.kind, e.code, e.device.pci_bus_id, e.device.name) for e in parse_text(log, node="n1")]
+    got = [(e.kind, e.code, e.device.pci_bus_id, e.device.name)
+           for e in parse_stream(io.BytesIO(log.encode()), KmsgParser("local", "n1", "unknown"))]
+    assert got == want and want, log

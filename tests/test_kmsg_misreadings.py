@@ -132,3 +132,48 @@ def test_healthy_lines_of_the_new_families_stay_silent() -> None:
     assert [(e.kind, e.message) for e in events(healthy)] == []
     plugged = events("[ 11.0] mlx5_core 0004:01:00.0: Port module event: module 0, Cable plugged\n")
     assert [(e.healthy, e.severity.value) for e in plugged] == [(True, "info")]
+
+
+def test_probe_notices_and_refused_requests_are_not_faults() -> None:
+    """Lines that carry a fault's words but are not one: nvme core.c prints `Shutdown timeout set to %u seconds` at
+    every probe (the drive's RTD3E, not a timeout); nvme_log_error for a command the drive does not support (sct 0 /
+    sc 0x2 Invalid Field); efa_com_cmd_exec refusing an application's request (comp_status 1 out of resources);
+    NCCL's non-fatal fabric events; a healthy array and a power limit notice."""
+    quiet = (
+        "[    2.0] nvme nvme0: Shutdown timeout set to 10 seconds\n"
+        "[    2.1] nvme0n1: Dataset Management(0x9) @ LBA 0, 0 blocks, Invalid Field in Command (sct 0x0 / sc 0x2) DNR \n"
+        "[    2.2] efa 0000:00:1d.0 efa_0: Failed to process command CREATE_QP (opcode 1) comp_status 1 err -12\n"
+        "[    2.3] md/raid:md1: raid level 6 active with 8 out of 8 devices, algorithm 2\n"
+        "[    2.4] mce: CPU3: Package power limit notification (total events = 1)\n"
+        "[    2.5] pcieport 0000:00:03.0: AER: device recovery successful\n"
+        "[    2.6] mlx5_core 0000:3b:00.0: mlx5_pcie_event:298:(pid 5): PCIe slot advertised sufficient power (75W).\n"
+    )
+    assert [(e.kind, e.message) for e in events(quiet)] == []
+    from agents.parsers import parse_any
+    nccl = ("node-a01:4242:4250 [0] transport/net_ib/common.cc:181 (ncclIbAsyncThreadMain) NCCL WARN NET/IB : mlx5_0:1 "
+            "Got non-fatal async event: port active(9)\n")
+    assert parse_any(nccl, node="n") == []
+    down = parse_any(nccl.replace("port active(9)", "port error(10)"), node="n")
+    assert [(e.kind, e.device.name, e.device.port) for e in down] == [("ib_port_down", "mlx5_0", 1)]
+
+
+def test_amd_machine_check_flags_decide_the_kind() -> None:
+    """edac/mce_amd.c: `Uncorrected, software restartable error.` then `MC%d_STATUS[-|UE|MiscV|AddrV|-|...]` is a
+    recoverable error (UC without PCC), not a fatal one; `System Fatal error.` with PCC is."""
+    recoverable = ("[ 50.1] [Hardware Error]: Uncorrected, software restartable error.\n"
+                   "[ 50.1] [Hardware Error]: CPU:2 (19:1:1) MC15_STATUS[-|UE|MiscV|AddrV|-|-|Poison|-]: 0xbc00000000000000\n")
+    assert [(e.kind, e.severity.value) for e in events(recoverable)] == [("mce_recoverable", "degraded")]
+    fatal = ("[ 50.1] [Hardware Error]: System Fatal error.\n"
+             "[ 50.1] [Hardware Error]: CPU:2 (19:1:1) MC4_STATUS[Over|UE|MiscV|AddrV|PCC|-|-|-]: 0xfe00000000000000\n")
+    assert [(e.kind, e.severity.value) for e in events(fatal)] == [("mce_uncorrected", "fatal")]
+
+
+def test_journald_and_syslog_framings_beyond_dmesg() -> None:
+    """journalctl -o short-monotonic / short-unix / short-full, and an rsyslog template that prints the severity
+    between host and tag: the same message, the same event; a foreign program's line is not read as the kernel's."""
+    msg = "mlx5_core 0000:3b:00.0 enp59s0f0np0: Link down"
+    for prefix in ("[ 1000.123456] node-a01 kernel: ", "1764583200.123456 node-a01 kernel: ",
+                   "Mon 2026-12-01 10:00:01 UTC node-a01 kernel: ", "Jun 18 10:10:06.585546 node-a01 ERR kernel: "):
+        evs = events(prefix + msg)
+        assert [(e.kind, e.device.name) for e in evs] == [("nic_link_down", "enp59s0f0np0")], prefix
+    assert events("[ 1000.123456] node-a01 myapp[42]: " + msg) == []

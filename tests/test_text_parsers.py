@@ -4,6 +4,7 @@ corpus; hypothesis: no input crashes a parser; the diagnostics responder reads `
 
 from __future__ import annotations
 
+import json as _json
 import sys
 from pathlib import Path
 
@@ -339,3 +340,167 @@ def test_ibstatus_port_states_and_missing_devices() -> None:
     evs = parse_any(text)
     assert [(e.kind, e.device.name, e.device.port) for e in evs] == [("ib_port_down", "mlx5_0", 1),
                                                                       ("nic_removed", "mlx5_4", None)]
+
+
+# ------------------------------------------------------------------ DCGM JSON built from DCGM's source (issue 29 point 2)
+# The builders follow the code that writes the documents: dcgmi/Diag.cpp (HelperJsonBuildOutput, HelperJsonAddResult,
+# HelperJsonAddTestSummary at v4.6.0; the level-one and per-GPU writers at v3.3.9 and v2.4.7), NvvsJsonStrings.h for
+# the keys, dcgmi/Nvlink.cpp DisplayNvLinkErrorCountsForGpu over DcgmiOutputJson (DcgmiOutput.cpp: addHeader appends
+# to "header", out[section] is body[section], box[child] is children[child], a value is {"value": <string>}), and
+# jsoncpp's toStyledString (three-space indent, `"key" : value`, keys sorted) for the text.
+
+
+def _styled(doc: object) -> str:
+    return _json.dumps(doc, indent=3, sort_keys=True).replace('": ', '" : ') + "\n"
+
+
+def _diag_v4(results: list[tuple[str, str, int, str, str]], summary_only: tuple[str, str] | None = None) -> dict:
+    """results: (category, test, gpu, status, warning); DCGM 4.x `DCGM Diagnostic` with entity groups."""
+    cats: dict[str, dict[str, list[dict]]] = {}
+    for cat, test, gpu, status, warn in results:
+        entry: dict = {"entity_group_id": 1, "entity_group": "GPU", "entity_id": gpu, "status": status}
+        if warn:
+            entry["warnings"] = [{"warning": warn, "error_id": 83, "error_category": 4, "error_severity": 2}]
+        cats.setdefault(cat, {}).setdefault(test, []).append(entry)
+    if summary_only:
+        cats.setdefault(summary_only[0], {}).setdefault(summary_only[1], [])
+    diag = {"test_categories": []}
+    for cat, tests in cats.items():
+        entries = []
+        for test, res in tests.items():
+            t: dict = {"name": test}
+            if res:
+                t["results"] = res
+            worst = "Fail" if any(r["status"] == "Fail" for r in res) else "Pass"
+            if summary_only and (cat, test) == summary_only:
+                worst = "Fail"
+            t["test_summary"] = {"status": worst}
+            entries.append(t)
+        diag["test_categories"].append({"category": cat, "tests": entries})
+    return {"entity_groups": [{"entity_group": "GPU", "entity_group_id": 1,
+                               "entities": [{"entity_id": i, "device_id": "2330", "serial_num": f"SN000{i}"} for i in range(8)]}],
+            "metadata": {"version": "4.6.0", "Driver Version Detected": "580.95.05"}, "DCGM Diagnostic": diag}
+
+
+def _diag_v3(results: list[tuple[str, str, int, str, str]]) -> dict:
+    """DCGM 3.x `DCGM GPU Diagnostic`: Deployment results carry `gpu_id` as a number and the message under the
+    plural key `warnings` (Diag.cpp v3.3.9 HelperJsonAddLevelOneTests); plugin results `gpu_id` as a string."""
+    cats: dict[str, dict[str, list[dict]]] = {}
+    for cat, test, gpu, status, warn in results:
+        entry: dict = {"status": status}
+        if cat == "Deployment":
+            if warn:
+                entry["gpu_id"] = gpu
+                entry["warnings"] = [{"warnings": warn, "error_id": 3, "error_category": 1, "error_severity": 2}]
+        else:
+            entry["gpu_id"] = str(gpu)
+            if warn:
+                entry["warnings"] = [{"warning": warn, "error_id": 83, "error_category": 4, "error_severity": 2}]
+        cats.setdefault(cat, {}).setdefault(test, []).append(entry)
+    return {"DCGM GPU Diagnostic": {"test_categories": [
+                {"category": c, "tests": [{"name": t, "results": r} for t, r in ts.items()]} for c, ts in cats.items()]},
+            "version": "3.3.9", "Driver Version Detected": "550.54.15", "GPU Device IDs": ["2330"]}
+
+
+def _diag_v2(results: list[tuple[str, str, int, str, str]]) -> dict:
+    """DCGM 2.x: `gpu_ids` as a string and `warnings` as a plain string (Diag.cpp v2.4.7 HelperJsonAddResult)."""
+    cats: dict[str, dict[str, list[dict]]] = {}
+    for cat, test, gpu, status, warn in results:
+        entry: dict = {"gpu_ids": str(gpu), "status": status}
+        if warn:
+            entry["warnings"] = warn
+        cats.setdefault(cat, {}).setdefault(test, []).append(entry)
+    return {"DCGM GPU Diagnostic": {"test_categories": [
+                {"category": c, "tests": [{"name": t, "results": r} for t, r in ts.items()]} for c, ts in cats.items()],
+            "version": "2.4.7"}}
+
+
+_DIAG_TESTS = [("Hardware", "memory"), ("Hardware", "diagnostic"), ("Integration", "pcie"), ("Stress", "targeted_power"),
+               ("Stress", "nvlink")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([_diag_v4, _diag_v3, _diag_v2]),
+       st.lists(st.tuples(st.sampled_from(_DIAG_TESTS), st.integers(0, 7), st.sampled_from(["Pass", "Fail", "Warn", "Skip"]),
+                          st.sampled_from(["", "GPU 0 failed to reach its power limit", "row remapping failed"])),
+                min_size=1, max_size=12, unique_by=lambda r: (r[0], r[1])),
+       st.booleans())
+def test_dcgmi_diag_json_from_dcgm_source_reads_every_failed_result(build, rows, iterations) -> None:
+    results = [(c, t, g, s, w if s != "Pass" else "") for (c, t), g, s, w in rows]
+    doc = build(results)
+    if iterations:  # --iterations 2: Diag.cpp RunStartDiag
+        doc = {"iterations": [doc, doc], "Overall Result": "Fail" if any(r[3] == "Fail" for r in results) else "Pass"}
+    events = dcgm.parse("$ dcgmi diag -r 3 -j\n" + _styled(doc), Ctx())
+    want = sorted(("dcgm_diag_fail" if s == "Fail" else "dcgm_diag_warning", g) for _, _, g, s, _ in results
+                  if s in ("Fail", "Warn"))
+    assert sorted((e.kind, e.device.index) for e in events) == want
+    for cat, test, gpu, s, w in results:
+        if s not in ("Fail", "Warn"):
+            continue
+        mine = [e for e in events if e.device.index == gpu and f"{cat}/{test}: " in e.message]
+        assert len(mine) == 1, (cat, test, gpu, [e.message for e in events])
+        assert mine[0].severity.value == ("fatal" if s == "Fail" else "degraded")
+        assert w in mine[0].message, (w, mine[0].message)
+
+
+def test_dcgmi_diag_json_summary_runtime_error_and_other_entities() -> None:
+    doc = _diag_v4([("Hardware", "memory", 0, "Pass", "")], summary_only=("Integration", "pcie"))
+    evs = dcgm.parse(_styled(doc), Ctx())
+    assert [(e.kind, e.device.index, e.component.value) for e in evs] == [("dcgm_diag_fail", None, "pcie")]
+    doc = _diag_v4([])
+    doc["DCGM Diagnostic"]["test_categories"] = [{"category": "Hardware", "tests": [{"name": "cpu_eud", "results": [
+        {"entity_group_id": 7, "entity_group": "CPU", "entity_id": 1, "status": "Fail",
+         "warnings": [{"warning": "CPU EUD failed"}]}]}]}]
+    evs = dcgm.parse(_styled(doc), Ctx())
+    assert [(e.kind, e.device.name, e.component.value) for e in evs] == [("dcgm_diag_fail", "CPU 1", "cpu")]
+    # Diag.cpp HelperDisplayFailureMessage
+    failed = {"DCGM Diagnostic": {"version": "4.6.0", "runtime_error": "Unable to connect to the host engine"}}
+    evs = dcgm.parse(_styled(failed), Ctx())
+    assert [(e.kind, e.severity.value) for e in evs] == [("dcgm_diag_fail", "fatal")]
+    # 3.x Deployment: the message under the plural key, gpu_id a number
+    doc = _diag_v3([("Deployment", "Persistence Mode", 5, "Fail", "Persistence mode for GPU 5 is disabled")])
+    evs = dcgm.parse(_styled(doc), Ctx())
+    assert [(e.kind, e.device.index) for e in evs] == [("dcgm_diag_fail", 5)]
+    assert "Persistence mode for GPU 5 is disabled" in evs[0].message
+    passing = _diag_v4([("Hardware", "memory", g, "Pass", "") for g in range(8)])
+    assert dcgm.parse(_styled(passing), Ctx()) == []
+
+
+_HOPPER = ("CRC FLIT Error", "CRC Data Error", "Replay Error", "Recovery Error")
+_BLACKWELL = ("Malformed Packet Error", "Buffer Overrun Error", "Rx Error", "Rx Remote Error", "Rx General Error",
+              "Effective Error", "Tx Discards", "Link Integrity Error", "Rx Symbol Error", "Symbol BER", "Effective BER")
+
+
+def _nvlink_e(gpu: int, body: dict[str, dict[str, object]]) -> dict:
+    """dcgmi nvlink -e -g GPU -j: DcgmiOutputJson with header [NVLINK Error Counts, GPU n] and one section per link
+    (Hopper and older) or `Error Detail` (Blackwell), values as HelperDisplayValue strings."""
+    return {"header": ["NVLINK Error Counts", f"GPU {gpu}"],
+            "body": {sec: {"children": {k: {"value": str(v)} for k, v in kids.items()}} for sec, kids in body.items()}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 7),
+       st.dictionaries(st.integers(0, 17), st.tuples(*[st.sampled_from([0, 0, 0, 3, 1024, "Not Supported"])] * 4),
+                       min_size=1, max_size=18))
+def test_dcgmi_nvlink_e_json_hopper_any_non_zero_counter_is_read(gpu: int, links: dict) -> None:
+    body = {f"Link {link}": dict(zip(_HOPPER, vals, strict=True)) for link, vals in links.items()}
+    events = dcgm.parse("$ dcgmi nvlink -e -g %d -j\n" % gpu + _styled(_nvlink_e(gpu, body)), Ctx())
+    bad = {f"link{link}_{name.lower().replace(' ', '_')}" for link, vals in links.items()
+           for name, v in zip(_HOPPER, vals, strict=True) if isinstance(v, int) and v}
+    if not bad:
+        assert events == []
+        return
+    assert [(e.kind, e.device.index, e.severity.value, e.component.value) for e in events] == [
+        ("nvlink_errors", gpu, "degraded", "nvlink")]
+    assert {k for k in events[0].attrs if k.startswith("link")} == bad
+
+
+def test_dcgmi_nvlink_e_json_blackwell_reads_uncorrected_counters_only() -> None:
+    quiet = dict.fromkeys(_BLACKWELL, 0) | {"Rx Symbol Error": 18234, "Symbol BER": "1.5e-09", "Effective BER": "2e-17"}
+    assert dcgm.parse(_styled(_nvlink_e(2, {"Error Detail": quiet})), Ctx()) == []  # FEC-corrected: a healthy link
+    bad = quiet | {"Effective Error": 4, "Link Integrity Error": 1}
+    two = _styled(_nvlink_e(2, {"Error Detail": bad})) + _styled(_nvlink_e(3, {"Error Detail": quiet}))  # one run per GPU
+    evs = dcgm.parse(two, Ctx())
+    assert [(e.kind, e.device.index) for e in evs] == [("nvlink_errors", 2)]
+    assert evs[0].attrs["effective_error"] == 4 and evs[0].attrs["link_integrity_error"] == 1
+    assert "dcgm" in detect_kinds(two)

@@ -8,7 +8,9 @@ Framings handled (any nesting order that occurs in practice, applied repeatedly)
   `[  +0.000316]` and `[Feb23 16:24]`, `dmesg --decode --time-format iso`
   (`kern  :warn  : 2025-01-21T04:41:44,283302+00:00 `), `dmesg -r` / pstore `<N>` priorities;
 - syslog / journald short and ISO (`Mon DD HH:MM:SS[.us] [host] kernel: `, host may be missing, the
-  message may carry the `[uptime]` stamp too); non-kernel programs (`systemd[1]:`) are *foreign*;
+  message may carry the `[uptime]` stamp too), journald `-o short-monotonic` (`[ 1000.123456] host kernel: `),
+  `-o short-unix` (`1764583200.123456 host kernel: `), `-o short-full` (`Mon 2026-12-01 10:00:01 UTC host kernel: `);
+  non-kernel programs (`systemd[1]:`) are *foreign*;
 - talosctl (`10.0.0.1: kern: warning: [RFC3339]: `); OpenWrt/busybox `logread`
   (`Tue Aug 12 16:40:43 2025 kern.crit kernel: `);
 - collector prefixes, stripped with their wall-clock time kept in `Framed.wall`: console servers
@@ -78,21 +80,38 @@ _SYSLOG = re.compile(
     r"^(?:(?P<mon>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +(?P<day>\d{1,2}) +"
     r"(?P<hms>\d\d:\d\d:\d\d)(?:\.(?P<frac>\d+))?"
     rf"|(?P<iso>{_ISO}))"
-    r" +(?:(?P<host>[^\s:\[]*[^\s:]) +)?(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
+    r" +(?:(?P<host>[^\s:\[]*[^\s:]) +)?(?:(?:EMERG|ALERT|CRIT|ERR|WARNING|WARN|NOTICE|INFO|DEBUG) +)?"
+    r"(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
 )
+"""syslog/journald lines; an rsyslog template may print the severity between host and tag (SONiC:
+`Jun 18 10:10:06.585546 host EMERG kernel: [  669.047114] ...`)."""
 _LOGREAD = re.compile(
     r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d) (?P<year>\d{4}) "
     rf"(?P<fac>{_FACILITIES})\.(?P<lvl>[a-z]+) (?P<tag>[\w./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
 )
 """OpenWrt/busybox `logread`: `Tue Aug 12 16:40:43 2025 kern.crit kernel: [1317557.006117] ...`."""
+_JOURNAL_FULL = re.compile(
+    r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<date>\d{4}-\d\d-\d\d) (?P<hms>\d\d:\d\d:\d\d(?:\.\d+)?) (?:[A-Z]{2,5}|[+-]\d{4}) "
+    r"(?:(?P<host>[^\s:\[]*[^\s:]) +)?(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: ?(?P<msg>.*)$"
+)
+"""`journalctl -o short-full`: `Mon 2026-12-01 10:00:01 UTC node-a01 kernel: ...` (systemd logs-show.c, output_short with
+OUTPUT_SHORT_FULL: weekday, ISO date, time, zone)."""
+_JOURNAL_UNIX = re.compile(r"^(?P<ts>\d{9,11}\.\d{1,9}) (?:(?P<host>[^\s:\[]*[^\s:]) +)?(?P<tag>[A-Za-z0-9_./@-]+)(?:\[\d+\])?: "
+                           r"?(?P<msg>.*)$")
+"""`journalctl -o short-unix`: `1764583200.123456 node-a01 kernel: ...` (seconds since the epoch)."""
+_MONO_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][\w.-]*) (?:(?P<kernel>kernel)|(?P<tag>[\w./@-]+)\[\d+\]): ?(?P<msg>.*)$")
+"""`journalctl -o short-monotonic`: `[ 1000.123456] node-a01 kernel: ...` (the monotonic stamp, then host and
+identifier): after the stamp, `host kernel: ` is framing and `host prog[pid]: ` a foreign line. Two words before the
+colon, the second `kernel` or `name[pid]`, is a form no kernel message starts with (`python3[42]: segfault` has one)."""
 _HOST_KERNEL = re.compile(r"^(?:(?P<host>[^\s:\[]*[^\s:]) +)?kernel: ?(?P<msg>.*)$")
 _PRIO = re.compile(r"^<(?P<pri>\d{1,3})>(?P<msg>.*)$")
 _UPTIME = re.compile(r"^\[ *(?P<ts>\d+\.\d+)\] ?(?P<msg>.*)$")
 _DELTA = re.compile(r"^\[<? *\+ *(?P<ts>\d+\.\d+)>?\] ?(?P<msg>.*)$")
 _CTIME = re.compile(
-    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) "
+    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun|[^\W\d_]{2,4}\.?) (?P<mon>[^\W\d_]{3,4}\.?) +(?P<day>\d{1,2}) "
     r"(?P<hms>\d\d:\d\d:\d\d) (?P<year>\d{4})\] ?(?P<msg>.*)$"
 )
+"""`dmesg -T` (ctime in the reader's locale: `[Sun Feb 23 16:24:18 2025]`, pt_BR `[Ter Set 19 06:01:41 2017]`)."""
 _HSTAMP = re.compile(r"^\[(?P<mon>[A-Z][a-z]{2}) ?(?P<day>\d{1,2}) (?P<hm>\d\d:\d\d)\] ?(?P<msg>.*)$")
 _BRACKET_ISO = re.compile(rf"^\[(?P<ts>{_ISO})\] ?(?P<msg>.*)$")
 _COMMAND = re.compile(r"^\s*(?:\$|#|>>>|\w+@[\w.-]+[:~][^$#]*[$#]) ")
@@ -237,6 +256,15 @@ class Deframer:
                 if m2:
                     f.text, f.stamp, f.ts = m2["msg"], m2["ts"], _iso_ts(m2["ts"])
                 return True
+            if t[:3] in _WEEKDAYS and t[4:5].isdigit():
+                m = _JOURNAL_FULL.match(t)
+                if m:
+                    f.text, f.framed = m["msg"], True
+                    f.stamp = f"{m['date']} {m['hms']}"
+                    f.wall = f.wall or f.stamp
+                    f.ts = _iso_ts(f"{m['date']}T{m['hms']}")
+                    f.foreign = f.foreign or m["tag"] != "kernel"
+                    return True
             if t[:3] in _WEEKDAYS:
                 m = _LOGREAD.match(t)
                 if m:
@@ -261,6 +289,13 @@ class Deframer:
                     f.foreign = True
                 f.wall = f.wall or f.stamp
                 return True
+        if c.isdigit() and t[9:12].strip(".0123456789") == "":
+            m = _JOURNAL_UNIX.match(t)
+            if m and (m["host"] is not None or m["tag"] == "kernel"):
+                f.text, f.framed, f.stamp, f.ts = m["msg"], True, m["ts"], float(m["ts"])
+                f.wall = f.wall or m["ts"]
+                f.foreign = f.foreign or m["tag"] != "kernel"
+                return True
         if c.isdigit():
             m = _CONSOLE.match(t)
             if m:
@@ -281,6 +316,11 @@ class Deframer:
         if m:
             f.text, f.framed = m["msg"], True
             f.stamp, f.ts = m["ts"], float(m["ts"])  # uptime beats a coarser syslog stamp
+            if " kernel: " in f.text[:80] or "]: " in f.text[:80]:
+                hm = _MONO_HOST.match(f.text)
+                if hm:
+                    f.text = hm["msg"]
+                    f.foreign = f.foreign or hm["kernel"] is None
             return True
         m = _DELTA.match(t)
         if m:

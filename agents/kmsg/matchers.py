@@ -167,7 +167,8 @@ _FALLEN_ANY = re.compile(r"NVRM:.*fallen off the bus", re.I)
 _RESET_REQ = re.compile(r"NV_ERR_RESET_REQUIRED|\bReset required\b", re.I)
 _GSP = re.compile(
     r"NVRM: .*(?:GSP-CrashCat Report|kgspHealthCheck\w*:|GSP (?:RPC )?timeout|GSP (?:crash|halt)|"
-    r"GSP task exception|_kgspBootstrap\w*: .*failed)",
+    r"GSP task exception|_kgspBootstrap\w*: .*failed|GSP RM heartbeat timed out|LibOS heartbeat timed out|"
+    r"GSP-RM unresponsive|GSP core unresponsive|Max GSP-RM boot attempts exceeded|unexpected WPR2 already up)",
     re.I,
 )
 _NVL_DISC = re.compile(r"NVRM: .*(?:knvlinkDiscover\w*: .*fail|nvlink.*discovery.*fail)", re.I)
@@ -183,23 +184,41 @@ _AER_HEAD = re.compile(
 )
 _AER_BUS = re.compile(_DEV_PREFIX + r"\s+(?:AER: )?PCIe Bus Error: severity=(?P<sev>[^,]+),\s*type=(?P<type>[^,]+)", re.I)
 _AER_FAILED = re.compile(_DEV_PREFIX + r"\s+(?:AER: )?device recovery failed", re.I)
+_DPC = re.compile(_DEV_PREFIX + r"\s+DPC:? containment event, status:(?P<status>0x[0-9a-fA-F]+) source:(?P<src>0x[0-9a-fA-F]+)")
+"""drivers/pci/pcie/dpc.c dpc_process_error (dev_fmt `DPC: `): `containment event, status:%#06x source:%#06x` (v4.x
+dpc_work on the DPC service device `dpc <bdf>:pcie008: DPC containment event, ...`): the port contained an
+uncorrectable error by disabling its link; the device below is off the bus until recovery (read as aer_fatal, the
+port the device)."""
 _PCIE_BW = re.compile(
     _DEV_PREFIX + r"\s+(?P<avail>[\d.]+ [GM]b/s) available PCIe bandwidth, limited by (?P<speed>[\d.]+ GT/s) "
     r"PCIe x(?P<w>\d+) link at (?P<at>\S+) \(capable of (?P<cap>[\d.]+ [GM]b/s) with (?P<cspeed>[\d.]+ GT/s) "
     r"PCIe x(?P<cw>\d+) link\)"
 )
-_EDAC = re.compile(r"EDAC (?:[\w-]+ )?(?P<mc>MC\d+): (?P<n>\d+) (?P<t>CE|UE|Corrected|Uncorrected)\b(?P<rest>.*)")
+_EDAC = re.compile(r"EDAC (?:[\w-]+ )?(?P<mc>MC\d+): (?:(?P<n>\d+) )?(?P<t>CE|UE|Corrected|Uncorrected)\b(?P<rest>.*)")
+"""drivers/edac/edac_mc.c: v3.6+ edac_ce_error/edac_ue_error `EDAC MC%d: %d CE %s%son %s (%s%s - %s)` (v5.x+ `... (%s
+page:0x%lx offset:0x%lx grain:%ld syndrome:0x%lx%s%s)`), ghes_edac `%d CE Single-bit ECC on ...`; v2.6-v3.5
+edac_mc_handle_ce `EDAC MC%d: CE page 0x%lx, offset 0x%lx, grain %d, syndrome 0x%lx, row %d, channel %d, label "%s":
+%s` and `UE page 0x%lx, ...` (no count: one error)."""
 _MCE_LOGGED = re.compile(r"(?:mce: )?\[Hardware Error\]: Machine check events logged", re.I)
 _GHES = re.compile(r"\{\d+\}\[Hardware Error\]: Hardware error from APEI Generic Hardware Error Source")
 _IB_PORT = re.compile(
-    rf"mlx5_core (?P<bdf>{_BDF_RAW})(?: (?P<dev>\w+))?:?\s+Port: (?P<port>\d+) Link (?P<st>DOWN|INIT|ACTIVE|ARMED|POLLING)\b",
+    rf"(?P<drv>[\w-]+) (?P<bdf>{_BDF_RAW})(?: (?P<dev>[\w-]+))?:?\s+Port: (?P<port>\d+) Link "
+    r"(?P<st>DOWN|INIT|ACTIVE_DEFER|ACTIVE|ARMED|POLLING)\b",
     re.I,
 )
+"""drivers/infiniband/core/cache.c ib_cache_update (v6.9+): ibdev_info(`Port: %d Link %s`, ib_port_state_to_str) with the
+ib device prefix `<driver> <parent bus id> <ibdev>: ` (mlx5_core/mlx4_core/irdma/bnxt_re ... `mlx5_0`, `rocep59s0f0`)."""
 _IB_POWER = re.compile(rf"mlx5_core (?P<bdf>{_BDF_RAW}).*insufficient power on the PCIe slot", re.I)
 _ACCESS_REG = re.compile(r"mlx5_cmd_(?:out_err|check).*ACCESS_REG\(0x[0-9a-f]+\).*failed", re.I)
 _NIC_LINK = re.compile(
-    rf"(?:(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW}) )?(?P<ifname>[\w.@-]+): (?:NIC )?Link is (?P<st>Up|Down)\b", re.I
+    rf"(?:(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW}) )?(?P<ifname>[\w.@-]+): (?:(?:igb|ixgbe|e1000e?): [\w.@-]+ )?(?:NIC )?"
+    r"Link is (?P<st>Up|Down)\b|(?P<drv2>mlx4_en): (?P<if2>[\w.@-]+): Link (?P<st2>Up|Down)$",
+    re.I,
 )
+"""NIC drivers' link messages: `NIC Link is Up %s` / `NIC Link is Down` (ixgbe, i40e, ice (`NIC Link is up %sbps Full
+Duplex, ...`), bnxt_en (`NIC Link is Up, %u Mbps %s%s duplex, ...`), e1000e, igb (`igb: %s NIC Link is Up ...` after
+the netdev prefix)), `Link is Up - %s/%s` (r8169 phylib, tg3 `Link is up at %d Mbps, %s duplex`), mlx4_en (`mlx4_en:
+%s: Link Up` / `Link Down`, en_info)."""
 _BOND_SLAVE = re.compile(
     r"(?P<bond>[\w.-]+): (?:link status definitely (?P<st1>down|up) for interface (?P<if1>[\w.@-]+)|"
     r"\(slave (?P<if2>[\w.@-]+)\): link status definitely (?P<st2>down|up))"
@@ -230,9 +249,14 @@ controller (`nvme nvme0:`) or, in older kernels and some paths, the PCI device (
 _NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
 _NVME_REMOVED = re.compile(
     rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
-    r"Unable to change power state from D3\w* to D0, device inaccessible)"
+    r"Unable to change power state from D3\w* to D0, device inaccessible|failure state error detected, request disable)"
 )
-_NVME_RESET = re.compile(rf"nvme {_NVME_ID}: (?:resetting controller|Abort status: 0x[0-9a-f]+|Shutdown timeout)")
+_NVME_RESET = re.compile(rf"nvme {_NVME_ID}: (?:resetting controller|Abort status: 0x[0-9a-f]+|Shutdown timeout(?! set to)|"
+                         r"Device shutdown incomplete|frozen state error detected, reset controller)")
+"""pci.c/core.c: `resetting controller`, `Abort status: 0x%x`, `Device shutdown incomplete; abort shutdown` (older
+`Shutdown timeout; abort shutdown`; `Shutdown timeout set to %u seconds` is a probe notice, not read), pci.c
+nvme_error_detected `frozen state error detected, reset controller` / `failure state error detected, request disable`
+(PCI error recovery reached the drive)."""
 
 
 def _nvme_dev(dev: str) -> dict:
@@ -270,6 +294,9 @@ _NETDEV_WD = re.compile(
     r"CPU: (?P<cpu>\d+): transmit queue (?P<q2>\d+) timed out(?: (?P<ms2>\d+) ms)?|"
     r"(?P<if3>[\w.@:-]+): transmit timed out)"
 )
+_IPOIB_TIMEOUT = re.compile(r"(?:^|\s)(?P<if>[\w.@-]+): transmit timeout: latency (?P<ms>\d+) msecs")
+"""drivers/infiniband/ulp/ipoib/ipoib_main.c ipoib_timeout: ipoib_warn(`transmit timeout: latency %d msecs`) (ipoib_warn
+prints `%s: ` with the IPoIB interface, `ib0`, `ibp59s0`), then `queue stopped %d, tx_head %u, ...`."""
 """net/sched/sch_generic.c dev_watchdog(): `NETDEV WATCHDOG: %s (%s): transmit queue %u timed out[ %u ms]`
 inside a WARN_ONCE (v2.6.27..v6.7), `netdev_crit(dev, "NETDEV WATCHDOG: CPU: %d: transmit queue %u timed out
 %u ms")` since v6.8 (the netdev prefix names driver, bus id and interface), `NETDEV WATCHDOG: %s: transmit
@@ -286,7 +313,8 @@ NIC_DRIVERS = frozenset(
 are read as NIC events; a message with an interface name (netdev_printk) is a NIC message whatever the driver."""
 _NIC_TX_FOLLOW = re.compile(
     r"TX timeout on queue: ?(?P<q>\d+)|TX timeout detected|"  # mlx5e en_main.c mlx5e_tx_timeout_work / bnxt.c
-    r"Found a Tx that wasn't completed on time, qid (?P<q2>\d+)|"  # ena_netdev.c check_missing_comp_in_tx_queue
+    r"Found a Tx that wasn't completed on time, qid (?P<q2>\d+)|TX hasn't completed, qid (?P<q6>\d+)|"  # ena_netdev.c
+    r"Lost TX completions are above the threshold|"  # ena_netdev.c check_missing_comp_in_tx_queue (v6.5+)
     r"TX q (?P<q3>\d+) is paused for too long|"  # ena_netdev.c
     r"tx_timeout: VSI_(?:num|seid): \d+, Q (?P<q4>\d+)|tx_timeout recovery level \d+|"  # ice_main.c / i40e_main.c
     r"Detected Tx Unit Hang|Detected Hardware Unit Hang|tx hang \d+ detected on queue (?P<q5>\d+)|"  # ixgbe/igb/e1000e
@@ -348,6 +376,11 @@ def nic_tx_head(t: str) -> Candidate | None:
                 attrs["interface"] = ifname
             return Candidate(kind="nic_tx_timeout", component=Component.NIC, bdf=bdf, dev_name=ifname,
                              family="nic_tx", priority=2, attrs=attrs)
+    if "transmit timeout: latency" in t:
+        m = _IPOIB_TIMEOUT.search(t)
+        if m:
+            return Candidate(kind="nic_tx_timeout", component=Component.IB, dev_name=m["if"], family="nic_tx", priority=2,
+                             attrs={"interface": m["if"], "timed_out_ms": int(m["ms"]), "driver": "ib_ipoib"})
     if "dev_watchdog" in t and _WD_WARN.search(t):
         return Candidate(kind="nic_tx_timeout", component=Component.NIC, family="nic_tx", detail=True, priority=0)
     m = _NIC_DEV.match(t)
@@ -386,7 +419,7 @@ command resource`, `%s(0x%x) canceled on out of queue timeout.`; wait_func_handl
 %s(0x%x) No done completion` / `cmd[%d]: %s(0x%x) recovered after timeout`; cb_timeout_handler() `cmd[%d]:
 %s(0x%x) Async, timeout. Will cause a leak of a command resource`."""
 _MLX5_FW_FATAL = re.compile(
-    r"device's health compromised|[Hh]ealth poll failed|Fatal error \d+ detected|"
+    r"device's health compromised|[Hh]ealth poll failed|Fatal error \d+ detected|health recovery flow aborted|"
     r"FW is unable to respond to initialization segment reads|synd 0x[0-9a-fA-F]+: \w|"
     r"unrecoverable hardware error|mlx5_enter_error_state|System error event triggered|"
     r"PCI channel state was permanently failed"
@@ -398,6 +431,9 @@ _MLX5_FW_WORDS = ("health", "Health", "Fatal error", "FW is unable", "synd 0x", 
 miss count`, `Fatal error %u detected`, print_health_info() `synd 0x%x: %s` (hsynd_str: `firmware internal
 error`, `unrecoverable hardware error`, ...), mlx5_enter_error_state() `start`/`end` and `System error
 event triggered`."""
+_MLX5_TEMP = re.compile(r"High temperature on sensors with bit set (?P<msb>[0-9a-fA-F]+) (?P<lsb>[0-9a-fA-F]+)")
+"""drivers/net/ethernet/mellanox/mlx5/core/events.c temp_warn: mlx5_core_warn(`High temperature on sensors with bit set
+%llx %llx`) (the sensors over their warning threshold, as bit masks)."""
 _MLX5_HEALTH_ISSUE = re.compile(r"Health issue observed, (?P<what>.*?), severity\((?P<sev>\d+)\)")
 """health.c (v6.3+) mlx5_health_... `Health issue observed, %s, severity(%d) %s:`; severity is a syslog level."""
 _MLX5_LINK = re.compile(r"^Link (?P<st>up|down)\b", re.I)
@@ -429,6 +465,11 @@ def mlx5_fw_head(t: str) -> Candidate | None:
             if cm["rec"]:
                 return Candidate(kind="mlx5_cmd_recovered", component=Component.IB, priority=0, attrs=attrs, **base)
             return Candidate(kind="mlx5_cmd_timeout", component=Component.IB, priority=3, attrs=attrs, **base)
+    if "High temperature" in msg:
+        tm = _MLX5_TEMP.search(msg)
+        if tm:
+            attrs["sensors"] = f"{tm['msb']} {tm['lsb']}"
+            return Candidate(kind="nic_temperature_high", component=Component.IB, bdf=bdf, attrs=attrs)
     if "Health issue" in msg:
         hm = _MLX5_HEALTH_ISSUE.search(msg)
         if hm:
@@ -452,14 +493,22 @@ _MCE_HEAD = re.compile(
 kernels print no `mce: `)."""
 _MCE_FATAL_TEXT = re.compile(
     r"\[Hardware Error\]: (?:Machine check: )?(?:Processor context corrupt|Action required: .*|"
-    r"Machine check from unknown source|Uncorrected, software (?:restartable|containable) error|"
+    r"Machine check from unknown source|System Fatal error\.|"
     r"Some CPUs didn't answer in synchronization|Timeout: Not all CPUs entered broadcast exception handler)|"
     r"mce: Uncorrected hardware memory error|Memory error not recovered|Fatal local machine check",
     re.I,
 )
 """mce/severity.c severity texts used as the panic message (`Processor context corrupt`, `Action required:
 ...`), mce/core.c (`Machine check from unknown source`, `Timeout: Not all CPUs entered broadcast exception
-handler`), edac/mce_amd.c decode_mce (`Uncorrected, software restartable error.`)."""
+handler`), edac/mce_amd.c decode_error_status (`System Fatal error.`: UC with PCC)."""
+_MCE_RECOVERABLE_TEXT = re.compile(r"\[Hardware Error\]: Uncorrected, software (?:restartable|containable) error")
+"""edac/mce_amd.c decode_error_status: UC without PCC (`Uncorrected, software restartable error.`, `... containable
+error.`): the kernel can contain it (mce_recoverable)."""
+_MCE_AMD = re.compile(r"\[Hardware Error\]: CPU:(?P<cpu>\d+) \([0-9a-f]+:[0-9a-f]+:[0-9a-f]+\) MC(?P<bank>\d+)_STATUS"
+                      r"\[(?P<flags>[^\]]*)\](?:: 0x(?P<status>[0-9a-fA-F]{1,16}))?")
+"""edac/mce_amd.c amd_decode_mce (v3.x-v6.x): `CPU:%d (%x:%x:%x) MC%d_STATUS[%s|%s|%s|%s|%s` (`Over`/`-`, `UE`/`CE`/`-`
+(deferred), `MiscV`, `AddrV`, `PCC` (before v4.x: `PCC` before `AddrV`)) then `|%s...` (Deferred, Poison, ...) and
+`]: 0x%016llx`: the bank's flags, read as the Intel line's status bits are."""
 _MCE_CORRECTED_TEXT = re.compile(r"\[Hardware Error\]: (?:Corrected error, no action required|Deferred error)")
 _HW_PANIC = re.compile(r"(?P<mce>Fatal (?:local )?[Mm]achine check|[Mm]achine check|MCE)|(?P<ghes>Fatal hardware error)")
 """Panic reasons that name a hardware cause: mce/core.c mce_panic (`Fatal machine check`, `Fatal Machine
@@ -483,7 +532,23 @@ def mce_kind(status: int) -> str:
     return "mce_corrected_repeated" if status & MCI_OVER else "mce"
 
 
+def _mce_amd(m: re.Match[str]) -> Candidate:
+    flags = set(m["flags"].split("|"))
+    if "UE" in flags:
+        kind = "mce_uncorrected" if "PCC" in flags else "mce_recoverable"
+    else:
+        kind = "mce_corrected_repeated" if "Over" in flags else "mce"
+    attrs: dict[str, Attr] = {"cpu": int(m["cpu"]), "bank": int(m["bank"]), "mci_flags": m["flags"][:96]}
+    if m["status"]:
+        attrs["mci_status"] = f"0x{int(m['status'], 16):016x}"
+    return Candidate(kind=kind, family="ras", priority=2 if kind != "mce" else 0, attrs=attrs)
+
+
 def _mce(t: str) -> Candidate | None:
+    if "_STATUS[" in t:
+        am = _MCE_AMD.search(t)
+        if am:
+            return _mce_amd(am)
     m = _MCE_HEAD.search(t)
     if m:
         attrs: dict[str, Attr] = {"cpu": int(m["cpu"]), "bank": int(m["bank"]),
@@ -497,6 +562,8 @@ def _mce(t: str) -> Candidate | None:
         return Candidate(kind=kind, family="ras", priority=2 if kind != "mce" else 0, attrs=attrs)
     if _MCE_FATAL_TEXT.search(t):
         return Candidate(kind="mce_uncorrected", family="ras", detail=True, priority=1, attrs={"mce_text": t[:200]})
+    if _MCE_RECOVERABLE_TEXT.search(t):
+        return Candidate(kind="mce_recoverable", family="ras", detail=True, priority=1, attrs={"mce_text": t[:200]})
     if _MCE_CORRECTED_TEXT.search(t):
         return Candidate(kind="mce", family="ras", detail=True, priority=0)
     return None
@@ -553,8 +620,16 @@ def _ghes_body(t: str) -> Candidate | None:
 
 _GPU_INIT = re.compile(
     rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:RmInitAdapter failed!?(?: \((?P<code>[^)]*)\))?|"
-    r"rm_init_adapter failed|RmInitAdapter: (?:.*failed|Cannot initialize.*))"
+    r"rm_init_adapter failed|RmInitAdapter: (?:.*failed|Cannot initialize.*)|"
+    r"(?P<cables>GPU does not have the necessary power cables connected)|"
+    r"(?P<bar>This PCI I/O region assigned to your NVIDIA device is invalid)|"
+    r"(?P<probe>The NVIDIA probe routine failed for \d+ device)|(?P<none>None of the NVIDIA devices were initialized))"
 )
+_GPU_BAR = re.compile(rf"NVRM: BAR\d+ is \d+M @ 0x[0-9a-fA-F]+ \(PCI:(?P<bdf>{_BDF_RAW})\)")
+"""kernel-open/nvidia/nv-pci.c nv_pci_probe: `NVRM: This PCI I/O region assigned to your NVIDIA device is invalid:` then
+`NVRM: BAR%d is %lluM @ 0x%llx (PCI:%04x:%02x:%02x.%x)` (the second line names the GPU); osinit.c RmInitAdapter
+NV_DEV_PRINTF `GPU does not have the necessary power cables connected.`; nv-pci.c nvidia_init_module `The NVIDIA probe
+routine failed for %d device(s).`, `None of the NVIDIA devices were initialized.` (after the device's own line)."""
 """NVIDIA open-gpu-kernel-modules kernel-open/nvidia/nv.c / src/nvidia/arch/nvalloc/unix/src/osinit.c:
 `NVRM: GPU %04x:%02x:%02x.%x: RmInitAdapter failed! (0x%x:0x%x:%d)`, `rm_init_adapter failed, device minor
 number %d` (older: `NVRM: RmInitAdapter failed! (0x26:0xffff:1228)`)."""
@@ -569,12 +644,21 @@ the GPU never finished its firmware boot."""
 _GPU_FSP_BAD = re.compile(r"DumpDebugState|fail|error|timeout|timed out|not (?:responding|ready)", re.I)
 
 
+_GPU_INIT_WORDS = ("InitAdapter", "init_adapter", "power cables", "I/O region", "probe routine failed",
+                   "None of the NVIDIA")
+
+
 def gpu_boot_head(t: str) -> Candidate | None:
-    m = _GPU_INIT.search(t) if ("InitAdapter" in t or "init_adapter" in t) else None
+    m = _GPU_INIT.search(t) if any(w in t for w in _GPU_INIT_WORDS) else None
     if m:
         attrs: dict[str, Attr] = {"init_error": m["code"]} if m["code"] else {}
+        if m["cables"]:
+            attrs["init_error"] = "power cables not connected"
+        elif m["bar"]:
+            attrs["init_error"] = "invalid PCI I/O region (BAR)"
+        follow = bool(m["probe"] or m["none"])
         return Candidate(kind="gpu_init_failed", bdf=normalize_bdf(m["bdf"]) if m["bdf"] else None,
-                         family="gpu_boot", priority=3, attrs=attrs)
+                         family="gpu_boot", priority=1 if follow else 3, detail=follow, attrs=attrs)
     if "sp" in t or "Gfw" in t:
         m = _GPU_FSP.search(t)
         if m and _GPU_FSP_BAD.search(t):
@@ -652,6 +736,11 @@ def aer_head(t: str) -> Candidate | None:
             kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer", detail=True,
             attrs={"aer_severity": m["sev"].strip(), "aer_type": m["type"].strip()},
         )
+    if "containment event" in t:
+        m = _DPC.search(t)
+        if m:
+            return Candidate(kind="aer_fatal", bdf=normalize_bdf(m["bdf"]), family="aer", priority=1,
+                             attrs={"dpc_status": m["status"], "dpc_source": m["src"], "aer_severity": "DPC containment"})
     m = _AER_FAILED.search(t)
     if m:
         return Candidate(
@@ -683,7 +772,7 @@ def edac_head(t: str) -> Candidate | None:
     ue = m["t"] in ("UE", "Uncorrected")
     return Candidate(
         kind="edac_ue" if ue else "edac_ce", dev_name=m["mc"].lower(), family="ras", priority=3,
-        attrs={"error_count": int(m["n"]), "edac_detail": m["rest"].strip()[:256]},
+        attrs={"error_count": int(m["n"] or 1), "edac_detail": m["rest"].strip()[:256]},
     )
 
 
@@ -703,7 +792,7 @@ def ib_head(t: str) -> Candidate | None:
     m = _IB_PORT.search(t)
     if m:
         st = m["st"].upper()
-        kind = {"DOWN": "ib_port_down", "ACTIVE": "ib_port_active"}.get(st, "ib_port_init")
+        kind = {"DOWN": "ib_port_down", "ACTIVE": "ib_port_active", "ACTIVE_DEFER": "ib_port_active"}.get(st, "ib_port_init")
         return Candidate(
             kind=kind, bdf=normalize_bdf(m["bdf"]), dev_name=m["dev"], port=int(m["port"]),
             healthy=kind == "ib_port_active", attrs={"port_state": st},
@@ -720,10 +809,11 @@ def nic_link_head(t: str) -> Candidate | None:
     m = _NIC_LINK.search(t)
     if not m:
         return None
-    up = m["st"].lower() == "up"
+    up = (m["st"] or m["st2"]).lower() == "up"
+    drv = m["drv"] or m["drv2"]
     return Candidate(
-        kind="nic_link_up" if up else "nic_link_down", bdf=normalize_bdf(m["bdf"]), dev_name=m["ifname"],
-        healthy=up, attrs={"driver": m["drv"]} if m["drv"] else {},
+        kind="nic_link_up" if up else "nic_link_down", bdf=normalize_bdf(m["bdf"]), dev_name=m["ifname"] or m["if2"],
+        healthy=up, attrs={"driver": drv} if drv else {},
     )
 
 
@@ -861,7 +951,7 @@ _MCE_ADDR = re.compile(r"\[Hardware Error\]: .*?\bADDR (?P<addr>[0-9a-fA-F]+)\b"
 on one line (`[Hardware Error]: TSC 0 ADDR 3ffe5c8c0 MISC 200001c020000086`)."""
 _AMD_DEV_LINE = re.compile(rf"^amdgpu (?P<bdf>{_BDF_RAW}): ")
 _AMD_PROCESS = re.compile(r"Process (?:information: process )?(?P<comm>\S*) pid (?P<pid>\d+) thread")
-CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task"}
+CRASH_KINDS = {"kernel_panic", "oops", "hard_lockup", "soft_lockup", "hung_task", "rcu_stall"}
 
 
 def detail(kind: str, text: str) -> dict[str, Attr]:
@@ -877,7 +967,7 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
     out: dict[str, Attr] = {}
     if kind in CRASH_KINDS:
         m = _CPU_PID.search(t)
-        if m:
+        if m and int(m["pid"]) > 0:  # PID 0 is the idle task (swapper/N): no process to name
             out["pid"] = int(m["pid"])
             out["process"] = m["comm"]
         m = _TASK_LINE.search(t)
@@ -903,6 +993,10 @@ def detail(kind: str, text: str) -> dict[str, Attr]:
             out["pid"] = int(m["pid"])
             out["process"] = m["comm"]
         m = _AMD_DEV_LINE.match(t)
+        if m:
+            out["bdf"] = normalize_bdf(m["bdf"])
+    elif kind == "gpu_init_failed":
+        m = _GPU_BAR.search(t)
         if m:
             out["bdf"] = normalize_bdf(m["bdf"])
     elif kind.startswith("nvme_"):
@@ -939,42 +1033,87 @@ _BUFFER_ERR = re.compile(rf"Buffer I/O error on (?:dev(?:ice)? )?(?P<dev>{_DISK}
 REMOVABLE_DISKS = ("fd", "sr")
 """Floppy and optical drives: a VM without a floppy logs `I/O error, dev fd0, sector 0` at every probe, an empty
 virtual CD-ROM `I/O error, dev sr0`; neither holds anything a job uses, so their errors are not events."""
-_EXT_RO = re.compile(r"(?P<fs>EXT[234]-fs) \((?P<dev>[^)]+)\): Remounting filesystem read-only")
+_EXT_RO = re.compile(r"(?P<fs>EXT[234]-fs) \((?P<dev>[^)]+)\): (?:Remounting filesystem read-only|"
+                     r"error: remounting filesystem read-only)")
 """fs/ext4/super.c ext4_handle_error: ext4_msg(sb, KERN_CRIT, `Remounting filesystem read-only`), ext4_msg
-printing `EXT4-fs (%s): %pV` (sb->s_id); ext3/ext2 print the same with their prefix."""
-_EXT_ERR = re.compile(r"(?P<fs>EXT[234]-fs) (?:error|warning \(device [^)]+\): ext4_end_bio)"
-                      r"(?: \(device (?P<dev>[^)]+)\))?(?::| in )")
+printing `EXT4-fs (%s): %pV` (sb->s_id); ext3 (before v4.3) ext3_handle_error `error: remounting filesystem read-only`."""
+_EXT_ERR = re.compile(r"(?P<fs>EXT[234]-fs) (?:error|warning(?= \(device [^)]+\): \w+:\d+: ))"
+                      r"(?: \(device (?P<dev>[^)]+)\))?(?::| in )|"
+                      r"(?P<fs2>EXT[234]-fs) \((?P<dev2>[^)]+)\): (?:I/O error while writing superblock|"
+                      r"error count since last fsck|Delayed block allocation failed|previous I/O error to superblock)")
 """fs/ext4/super.c __ext4_error `EXT4-fs error (device %s): %s:%d: comm %s: %pV`, __ext4_error_inode
 `EXT4-fs error (device %s): %s:%d: inode #%lu: comm %s: %pV`, __ext4_std_error `EXT4-fs error (device %s) in
-%s:%d: %s`."""
+%s:%d: %s`, __ext4_warning `EXT4-fs warning (device %s): %s:%d: %pV` (page-io.c ext4_end_bio `I/O error %d writing to
+inode ...`, namei.c `Directory index full!`, ...; __ext4_warning_inode adds `inode #%lu: comm %s: `);
+ext4_msg lines `EXT4-fs (%s): I/O error while writing superblock` (ext4_commit_super), `error count since last fsck:
+%u` (print_daily_error_info: errors recorded and not yet repaired), `Delayed block allocation failed for inode %lu ...`
+(inode.c), `previous I/O error to superblock detected`."""
+_JBD2_ERR = re.compile(r"JBD2: (?:Detected IO errors while flushing file data on|I/O error when updating journal superblock "
+                       r"for) (?P<jdev>[^\s.]+)")
+"""fs/jbd2/commit.c `JBD2: Detected IO errors while flushing file data on %s`, journal.c jbd2_write_superblock `JBD2:
+I/O error when updating journal superblock for %s.` (the journal device, `sda1-8`)."""
 _EXT_ABORT = re.compile(r"(?:EXT4-fs \((?P<dev>[^)]+)\): )?Aborting journal on device (?P<jdev>[^\s.]+(?:\.\S+)?)\.?$")
 """fs/jbd2/journal.c jbd2_journal_abort / __journal_abort_soft: `Aborting journal on device %s.` (the
 journal device, e.g. `sda1-8`): the filesystem goes read-only next."""
 _XFS_SHUTDOWN = re.compile(r"XFS \((?P<dev>[^)]+)\): (?P<why>.*?)(?: \(0x[0-9a-f]+\))?(?: detected at \S+ \([^)]*\))?\.?"
-                           r"\s+Shutting down filesystem|XFS \((?P<dev2>[^)]+)\): Filesystem has been shut down")
+                           r"\s+Shutting down filesystem|XFS \((?P<dev2>[^)]+)\): (?:Filesystem has been shut down|"
+                           r"xfs_do_force_shutdown\(0x[0-9a-f]+\) called from line)")
 """fs/xfs/xfs_fsops.c xfs_do_force_shutdown: v5.19+ `%s (0x%x) detected at %pS (%s:%d).  Shutting down
 filesystem.` (`Log I/O Error`, `Metadata I/O Error`, `Corruption of in-memory data`, `Corruption of on-disk
 metadata`), v4.x-v5.18 `Log I/O Error Detected. Shutting down filesystem`, `I/O Error Detected. Shutting down
 filesystem`, `Corruption of in-memory data detected.  Shutting down filesystem`; xfs_log.c `Filesystem has been
-shut down due to log error (0x%x).`; printed by xfs_alert with `XFS (%s): ` (mp->m_super->s_id)."""
+shut down due to log error (0x%x).`; v4.x-v5.18 xfs_notice `xfs_do_force_shutdown(0x%x) called from line %d of file %s.
+Return address = %pS` before the reason; printed by xfs_alert with `XFS (%s): ` (mp->m_super->s_id)."""
 _XFS_ERR = re.compile(r"XFS \((?P<dev>[^)]+)\): (?:metadata I/O error|log I/O error|Metadata corruption detected|"
-                      r"xfs_log_force: error|writeback error on sector)")
-"""fs/xfs/xfs_buf.c `metadata I/O error in "%pS" at daddr 0x%llx len %d error %d`, xfs_log.c `log I/O error %d`,
-xfs_error.c `Metadata corruption detected at %pS, %s block 0x%llx`."""
+                      r"xfs_log_force: error|writeback error on sector|Internal error |Corruption detected\. Unmount|"
+                      r"Failing async write on buffer)")
+"""fs/xfs/xfs_buf.c `metadata I/O error in "%pS" at daddr 0x%llx len %d error %d` (v4.x `metadata I/O error: block
+0x%llx ("%s") error %d numblks %d`), xfs_log.c `log I/O error %d`, xfs_error.c `Metadata corruption detected at %pS, %s
+block 0x%llx`, `Internal error %s at line %d of file %s.  Caller %pS`, `Corruption detected. Unmount and run
+xfs_repair`, xfs_buf_item.c `Failing async write on buffer block 0x%llx. Retrying async write.`."""
 _MD_FAIL = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): Disk failure on (?P<dev>[^\s,]+), disabling device\.?")
 """drivers/md/raid1.c raid1_error / raid10.c raid10_error: `md/raid1:%s: Disk failure on %pg, disabling
 device.` then `md/raid1:%s: Operation continuing on %d devices.`; raid5.c raid5_error `md/raid:%s: Disk failure
 on %pg, disabling device.`; before v5.18 `%s` (bdevname) for `%pg`."""
 _MD_CANNOT = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): (?:Cannot continue operation \((?P<f>\d+)/(?P<n>\d+) "
-                        r"failed\)|Operation continuing on 0 devices)")
-"""drivers/md/raid5.c raid5_error `md/raid:%s: Cannot continue operation (%d/%d failed).`: the array failed."""
+                        r"failed\)|Operation continuing on 0 devices|not enough operational devices \(\d+/\d+ failed\))")
+"""drivers/md/raid5.c raid5_error `md/raid:%s: Cannot continue operation (%d/%d failed).`, raid5_run `md/raid:%s: not
+enough operational devices (%d/%d failed)`: the array failed."""
+_MD_MEMBER = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): (?:(?P<dev>[^\s:]+): (?P<what>unrecoverable I/O read error|"
+                        r"Raid device exceeded read_error threshold|Failing raid device)|Too many read errors, failing device "
+                        r"(?P<dev2>[^\s,]+?)\.?$|read error (?:not correctable|NOT corrected!!) \(sector \d+ on "
+                        r"(?P<dev3>[^\s)]+)\))")
+"""raid1.c/raid10.c read_request `md/raid1:%s: %pg: unrecoverable I/O read error for block %llu` (no mirror held the
+block: the read failed upwards, a block_io_error on that member); raid10.c fix_read_error `md/raid10:%s: %pg: Raid device
+exceeded read_error threshold [cur %d:max %d]`, `md/raid10:%s: %pg: Failing raid device`; raid5.c raid5_end_read_request
+`md/raid:%s: Too many read errors, failing device %pg.`, `md/raid:%s: read error not correctable (sector %llu on %pg).`,
+`read error NOT corrected!! (sector %llu on %pg).` (`read error corrected (...)` is healthy)."""
+_MD_ACTIVE = re.compile(r"md/raid(?P<level>\d*):(?P<md>[\w.-]+): (?:raid level (?P<lv>\d+) )?active with (?P<n>\d+) out of "
+                        r"(?P<of>\d+) (?:mirrors|devices)")
+"""raid1.c raid1_run `md/raid1:%s: active with %d out of %d mirrors`, raid5.c raid5_run `md/raid:%s: raid level %d
+active with %d out of %d devices, algorithm %d`: fewer active than configured is a degraded array."""
 _NVME_PATH = re.compile(r"block (?P<dev>nvme\w+): no (?P<which>usable|available) path - (?P<act>requeuing|failing) I/O")
 """drivers/nvme/host/multipath.c nvme_ns_head_submit_bio: dev_warn_ratelimited(disk_to_dev(head->disk), `no
 usable path - requeuing I/O` (a path may come back) / `no available path - failing I/O` (none will))."""
-_NFS = re.compile(r"(?P<prog>nfs|nfs4|lockd|nfsacl): server (?P<srv>\S+) (?P<st>not responding, (?:still trying|"
+_NFS = re.compile(r"(?:^|\s)(?P<prog>[a-z][\w-]{1,15}): server (?P<srv>\S+) (?P<st>not responding, (?:still trying|"
                   r"timed out)|OK)$")
 """net/sunrpc/clnt.c call_timeout / call_decode: `%s: server %s not responding, still trying`, `%s: server %s
-not responding, timed out` (soft mounts), `%s: server %s OK` (cl_program->name, cl_server)."""
+not responding, timed out` (soft mounts), `%s: server %s OK` (cl_program->name: nfs, lockd, nfsacl, rpcbind, ...;
+cl_hostname)."""
+
+
+_NVME_IO_ERR = re.compile(r"(?:^|\s)(?P<dev>nvme\d+(?:c\d+)?n\d+): (?P<op>[A-Za-z][\w ]*?)\(0x[0-9a-f]+\) @ LBA (?P<lba>\d+), "
+                          r"(?P<n>\d+) blocks, (?P<status>.+?) \(sct 0x(?P<sct>[0-9a-f]+) / sc 0x(?P<sc>[0-9a-f]+)\)")
+"""drivers/nvme/host/core.c nvme_log_error (v5.19+): `%s: %s(0x%x) @ LBA %llu, %u blocks, %s (sct 0x%x / sc 0x%x) %s%s`
+(the namespace disk, the opcode's name, the status string, `MORE `, `DNR`)."""
+
+
+def _nvme_status_is_fault(sct: int, sc: int) -> bool:
+    """NVMe base spec status: type 2 (media and data integrity errors: unrecovered read, write fault, guard and
+    compare failures, access denied, deallocated block) is the drive's; in the generic type 0 only Data Transfer
+    Error (0x4) and Internal Error (0x6) are. The rest (invalid field or opcode: a command the drive does not
+    support, aborts after a reset, path errors of type 3 that multipath retries) is not a device fault."""
+    return sct == 2 or (sct == 0 and sc in (0x4, 0x6))
 
 
 def storage_head(t: str) -> Candidate | None:
@@ -998,8 +1137,13 @@ def storage_head(t: str) -> Candidate | None:
                              priority=3, attrs={"fs": m["fs"][:-3].lower()})
         m = _EXT_ERR.search(t)
         if m:
-            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
-                             priority=1, attrs={"fs": m["fs"][:-3].lower(), "fs_error": t[:256]})
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["dev"] or m["dev2"],
+                             family="storage", priority=1, attrs={"fs": (m["fs"] or m["fs2"])[:-3].lower(), "fs_error": t[:256]})
+    if "JBD2: " in t:
+        m = _JBD2_ERR.search(t)
+        if m:
+            return Candidate(kind="fs_error", component=Component.STORAGE, dev_name=m["jdev"].rsplit("-", 1)[0],
+                             family="storage", priority=1, attrs={"journal": m["jdev"], "fs_error": t[:256]})
     if "Aborting journal" in t:
         m = _EXT_ABORT.search(t)
         if m:
@@ -1024,6 +1168,25 @@ def storage_head(t: str) -> Candidate | None:
         if m:
             return Candidate(kind="md_array_failed", component=Component.STORAGE, dev_name=m["md"],
                              attrs={"raid_level": m["level"] or "5"})
+        m = _MD_MEMBER.search(t)
+        if m:
+            dev = m["dev"] or m["dev2"] or m["dev3"]
+            failed = m["dev2"] is not None or (m["what"] or "").startswith(("Raid device", "Failing"))
+            return Candidate(kind="md_member_failed" if failed else "block_io_error", component=Component.STORAGE,
+                             dev_name=dev, family="storage" if not failed else None,
+                             attrs={"md": m["md"], "raid_level": m["level"] or "5"})
+        if "active with" in t:
+            m = _MD_ACTIVE.search(t)
+            if m and int(m["n"]) < int(m["of"]):
+                return Candidate(kind="md_array_degraded", component=Component.STORAGE, dev_name=m["md"],
+                                 attrs={"raid_level": m["lv"] or m["level"] or "1", "active": int(m["n"]),
+                                        "members": int(m["of"])})
+    if "@ LBA" in t:
+        m = _NVME_IO_ERR.search(t)
+        if m and _nvme_status_is_fault(int(m["sct"], 16), int(m["sc"], 16)):
+            return Candidate(kind="block_io_error", component=Component.STORAGE, dev_name=m["dev"], family="storage",
+                             attrs={"block_error": m["status"][:64], "nvme_op": m["op"][:32], "lba": int(m["lba"]),
+                                    "nvme_sct": int(m["sct"], 16), "nvme_sc": int(m["sc"], 16)})
     if " path - " in t:
         m = _NVME_PATH.search(t)
         if m:
@@ -1095,11 +1258,16 @@ def os_limit_head(t: str) -> Candidate | None:
 # ------------------------------------------------------------------------------------------ EFA, GPU lost (no Xid)
 
 _EFA_TIMEOUT = re.compile(rf"efa (?P<bdf>{_BDF_RAW})(?: (?P<ib>[\w-]+))?: (?:Wait for completion \(polling\) timeout|"
-                          r"Wait for completion \(interrupt\) timeout|Failed to (?:submit|process) command)")
+                          r"The device didn't send any completion for admin cmd|The device sent a completion but the "
+                          r"driver didn't receive any MSI-X interrupt|Failed to submit command|Admin queue is closed|"
+                          r"Failed to process command .*? comp_status (?P<cs>-?\d+) err (?P<err>-?\d+))")
 """drivers/infiniband/hw/efa/efa_com.c efa_com_wait_and_process_admin_cq_polling / _interrupts:
-ibdev_err_ratelimited(`Wait for completion (polling) timeout`), `Wait for completion (interrupt) timeout`,
-efa_com_cmd_exec `Failed to process command %s (opcode %u) comp_status %d err %d`; ibdev printk prefixes
-`efa <bdf> <ibdev>: `."""
+ibdev_err_ratelimited(`Wait for completion (polling) timeout`), _interrupts `The device didn't send any completion
+for admin cmd %s(%d) status %d (...)`, `The device sent a completion
+but the driver didn't receive any MSI-X interrupt for admin cmd ...`, efa_com_cmd_exec `Failed to submit command %s
+(opcode %u) err %d`, `Failed to process command %s (opcode %u) comp_status %d err %d` (read when the device failed:
+comp_status 6 unknown error, or err -ETIME; a refused request of an application, out of resources or an illegal
+parameter, is not a device fault); ibdev printk prefixes `efa <bdf> <ibdev>: `."""
 _NV_LOST = re.compile(rf"NVRM: (?:GPU (?P<bdf>{_BDF_RAW}): )?(?:.*\bGPU lost from the bus \[NV_ERR_GPU_IS_LOST\]|"
                       r"GPU is lost, skipping)")
 """open-gpu-kernel-modules 595.45.04: nvstatuscodes.h NV_ERR_GPU_IS_LOST `GPU lost from the bus`, printed by
@@ -1110,7 +1278,7 @@ prefix `NVRM: GPU %04x:%02x:%02x.%x: `)."""
 
 def efa_head(t: str) -> Candidate | None:
     m = _EFA_TIMEOUT.search(t)
-    if not m:
+    if not m or (m["cs"] is not None and int(m["cs"]) != 6 and int(m["err"]) != -62):
         return None
     return Candidate(kind="efa_admin_timeout", component=Component.IB, bdf=normalize_bdf(m["bdf"]), dev_name=m["ib"])
 
@@ -1204,4 +1372,116 @@ def amdgpu_head(t: str) -> Candidate | None:
     if m:
         return Candidate(kind="gpu_reset_failed", component=Component.GPU, bdf=normalize_bdf(m["bdf"]),
                          family="amdgpu", priority=2)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ CPU thermal, memory failure
+
+_THERM = re.compile(r"CPU(?P<cpu>\d+): (?P<level>Core|Package) (?:temperature (?P<hot>above threshold), "
+                    r"(?:cpu|CPU) clock throttled|"
+                    r"temperature/speed (?P<ok>normal))")
+"""arch/x86/kernel/cpu/mce/therm_throt.c: v2.6-v5.5 therm_throt_process KERN_CRIT `CPU%d: %s temperature above threshold,
+cpu clock throttled (total events = %lu)` / KERN_INFO `CPU%d: %s temperature/speed normal`; v5.6+ throttle_active_work
+(pr_fmt `mce: `, printed only when the throttling lasts) the same texts, `normal` with `(total events = %lu)`.
+`CPU%d: %s power limit notification` is the package at its power limit, a normal state (not read)."""
+_MEM_FAILURE = re.compile(r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]+): (?:recovery action for (?P<type>[^:]+): "
+                          r"(?P<result>\w+)|(?:Sending SIGBUS to|Killing) (?P<comm>[^:\s]+):(?P<pid>\d+) due to hardware "
+                          r"memory corruption|(?P<type2>.+?) page recovery: (?P<result2>\w+))")
+"""mm/memory-failure.c (pr_fmt `Memory failure: `): action_result `%#lx: recovery action for %s: %s` (page type;
+Recovered/Ignored/Failed/Delayed), kill_proc `%#lx: Sending SIGBUS to %s:%d due to hardware memory corruption`; before
+v5.x `MCE %#lx: Killing %s:%d due to hardware memory corruption`, `MCE %#lx: %s page recovery: %s`."""
+
+
+def cpu_thermal_head(t: str) -> Candidate | None:
+    m = _THERM.search(t)
+    if not m:
+        return None
+    ok = m["ok"] is not None
+    return Candidate(kind="cpu_thermal_normal" if ok else "cpu_thermal_throttle", component=Component.CPU, healthy=ok,
+                     attrs={"cpu": int(m["cpu"]), "thermal_level": m["level"].lower()})
+
+
+def memory_failure_head(t: str) -> Candidate | None:
+    m = _MEM_FAILURE.search(t)
+    if not m:
+        return None
+    attrs: dict[str, Attr] = {"pfn": m["pfn"].lower()}
+    if m["type"] or m["type2"]:
+        attrs["page_type"] = (m["type"] or m["type2"]).strip()[:64]
+        attrs["recovery_result"] = m["result"] or m["result2"]
+    if m["comm"]:
+        attrs["process"] = m["comm"][:64]
+    return Candidate(kind="memory_failure", component=Component.MEMORY, pid=int(m["pid"]) if m["pid"] else None,
+                     family="ras", priority=1, attrs=attrs)
+
+
+# ------------------------------------------------------------------------------------------ PCIe hot-plug slots
+
+_PCIEHP = re.compile(_DEV_PREFIX + r"\s+(?:pciehp: )?[Ss]lot\((?P<slot>[^)]*)\): (?P<what>Link Down|Card not present|Link Up|"
+                     r"Card present)\b")
+"""drivers/pci/hotplug/pciehp_ctrl.c pciehp_handle_presence_or_link_change (ctrl_info, `pciehp: ` via dev_fmt):
+`Slot(%s): Link Down`, `Slot(%s): Card not present`, `Slot(%s): Link Up`, `Slot(%s): Card present`; v4.x on the pciehp
+service device (`pciehp 0000:02:05.0:pcie24: Slot(%s): Link Down`, with debug on `slot(%s): Link Down event`)."""
+
+
+def pciehp_head(t: str) -> Candidate | None:
+    m = _PCIEHP.search(t)
+    if not m:
+        return None
+    up = m["what"] in ("Link Up", "Card present")
+    return Candidate(kind="pcie_slot_link_up" if up else "pcie_slot_link_down", component=Component.PCIE,
+                     bdf=normalize_bdf(m["bdf"]), healthy=up, attrs={"slot": m["slot"][:32], "slot_event": m["what"]})
+
+
+# ------------------------------------------------------------------------------------------ RCU stalls, netdev teardown
+
+_RCU_STALL = re.compile(r"INFO: (?P<flavor>rcu_\w+) (?:self-detected stall on CPU|detected (?:expedited )?stalls on "
+                        r"(?:CPUs/)?tasks|detected stall on CPU)")
+"""kernel/rcu/tree_stall.h (pr_fmt `rcu: ` since v5.0; tree.c before): print_other_cpu_stall `INFO: %s detected stalls on
+CPUs/tasks:`, print_cpu_stall `INFO: %s self-detected stall on CPU`; tree_exp.h `INFO: %s detected expedited stalls on
+CPUs/tasks: {`; tasks.h `INFO: %s detected stalls on tasks:` (rcu_sched, rcu_preempt, rcu_bh, rcu_tasks); v2.6.3x
+rcutree.c `INFO: %s detected stall on CPU %d (t=%lu jiffies)` (rcu_sched_state): a CPU or
+task held off RCU for the stall timeout (21 s): the CPU is stuck as in a soft lockup."""
+_NETDEV_UNREG = re.compile(r"unregister_netdevice: waiting for (?P<dev>\S+) to become free\. Usage count = (?P<n>-?\d+)")
+"""net/core/dev.c netdev_wait_allrefs_any (netdev_wait_allrefs before v5.17): `unregister_netdevice: waiting for %s to
+become free. Usage count = %d`, every 10 s while a reference is held: the namespace (a container's network) cannot be
+torn down, and the tasks tearing it down hang (node-problem-detector reads it as UnregisterNetDevice)."""
+
+
+def rcu_stall_head(t: str) -> Candidate | None:
+    m = _RCU_STALL.search(t)
+    if not m:
+        return None
+    return Candidate(kind="rcu_stall", family="crash", priority=0, attrs={"rcu_flavor": m["flavor"]})
+
+
+def netdev_unregister_head(t: str) -> Candidate | None:
+    m = _NETDEV_UNREG.search(t)
+    if not m:
+        return None
+    return Candidate(kind="netdev_unregister_stuck", dev_name=m["dev"], family="netdev_unreg",
+                     attrs={"usage_count": int(m["n"])})
+
+
+# ------------------------------------------------------------------------------------------ PCI power state
+
+_PCI_D0 = re.compile(rf"(?P<drv>[\w.-]+) (?P<bdf>{_BDF_RAW}): (?:Unable to change power state from (?P<from>D[0-3]\w*) to D0, "
+                     r"device inaccessible|can't change power state from (?P<from2>D[0-3]\w*) to D0 \(config space "
+                     r"inaccessible\)|not ready \d+ms after (?P<after>[\w ]+); giving up)")
+"""drivers/pci/pci.c pci_power_up / pci_set_full_power_state (v5.x+): pci_err(`Unable to change power state from %s to D0,
+device inaccessible`): config space reads all ones; the device is off the bus (printed under the device's driver:
+`nvidia`, `nvme`, `mlx5_core`); v4.x-v5.x `can't change power state from %s to D0 (config space inaccessible)`;
+pci_dev_wait `not ready %dms after %s; giving up` (the device never answered after a resume or reset)."""
+
+
+def pci_power_head(t: str) -> Candidate | None:
+    m = _PCI_D0.search(t)
+    if not m:
+        return None
+    bdf = normalize_bdf(m["bdf"])
+    attrs: dict[str, Attr] = {"driver": m["drv"], "power_state": m["from"] or m["from2"] or f"not ready after {m['after']}"}
+    if m["drv"] == "nvidia":
+        return Candidate(kind="gpu_fallen_off_bus", bdf=bdf, family="gpu_lost", priority=4, attrs=attrs)
+    if m["drv"] in NIC_DRIVERS or m["drv"].startswith("mlx"):
+        return Candidate(kind="nic_removed", component=Component.NIC, bdf=bdf, attrs=attrs)
     return None

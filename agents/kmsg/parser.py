@@ -34,12 +34,14 @@ PER_LINE_KINDS = frozenset({"aer_corrected"})
 """Kinds whose catalog escalation (`escalate_to/escalate_count/escalate_window_s`, e.g. 3 corrected AER
 errors on one port within 60 s become `aer_corrected_burst`) counts every line of a record, on its PCI
 device only (a corrected AER line is one error on one port); other kinds count per episode (`_escalate`)."""
-FAMILY_WINDOW_S = {"nvme": 120.0, "nic_tx": 10.0}
+FAMILY_WINDOW_S = {"nvme": 120.0, "nic_tx": 10.0, "netdev_unreg": 15.0}
 """An NVMe timeout -> reset -> 'Device not ready' -> removal chain spans ~25 s per step (admin command
 timeout 30 s default); heads of that family on the same controller merge within 120 s. A NIC transmit-timeout
 episode (watchdog line, driver dump, reset) continues while its lines come within 10 s (ENA checks missing
 completions every second, igb/e1000e report a hang every 2 s); each `NETDEV WATCHDOG` line in it is one
-timeout for the repeat count (dev_watchdog fires once per watchdog period while the queue stays stuck)."""
+timeout for the repeat count (dev_watchdog fires once per watchdog period while the queue stays stuck).
+`unregister_netdevice: waiting for %s to become free` repeats every 10 s (netdev_unregister_timeout_secs) while one
+device stays held: one condition, counted."""
 
 ESCALATE_KEY_ATTR = {"mce": "mce_addr"}
 """Kinds whose repeats count per value of an attribute, not per device: a corrected machine check repeats
@@ -53,6 +55,11 @@ is that record's consequence: it is absorbed into the record (attrs `followed_by
 the hardware fault stays the primary event, with its component and device. mce/core.c panics right after
 printing the bank; ghes.c panics right after the record; a dead ConnectX leaves the health timer reading
 freed memory (the Oops comes seconds later)."""
+
+GPU_LOST_AND_BOOT = {"gpu_lost", "gpu_boot"}
+"""A GPU off the bus (`Unable to change power state ... device inaccessible`, `fallen off the bus`, XID 79) and the
+driver's failure to initialise it (`RmInitAdapter failed`) within one record window are one condition: the record reads
+as the GPU lost (the more specific cause), the init failure kept as `followed_by`."""
 
 MAIL_WRAP_MIN = 66
 MAIL_WRAP_MAX = 80
@@ -374,6 +381,19 @@ class KmsgParser:
                 for k, v in cand.attrs.items():
                     a.attrs.setdefault(k, v)
                 return True
+        if {a.family, cand.family} == GPU_LOST_AND_BOOT and rec.near(f.ts) and (a.bdf is None or cand.bdf is None
+                                                                              or a.bdf == cand.bdf):
+            # a GPU off the bus and the driver failing to initialise it: one condition, read as the GPU lost
+            if a.family == "gpu_boot":
+                cand.bdf = cand.bdf or a.bdf
+                for k, v in a.attrs.items():
+                    cand.attrs.setdefault(k, v)
+                cand.attrs.setdefault("followed_by", a.kind)
+                cand.message = cand.message or f.text.strip()
+                rec.cand = cand
+            else:
+                a.attrs.setdefault("followed_by", cand.kind)
+            return True
         if a.kind.startswith("ghes_") and cand.kind.startswith("ghes_") and cand.detail and rec.near(f.ts):
             if "cper_severity" in cand.attrs or "panic_reason" in cand.attrs:
                 a.kind = cand.kind

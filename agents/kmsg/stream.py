@@ -50,6 +50,10 @@ TOKENS = (
     # storage, filesystems, NFS, OS limits, libraries (issue 29)
     "-fs", "XFS", "md/raid", " path - ", ": server ", "file-max", "table full", "CMCI", "segfault", " in lib",
     "signaled seq", "uncorrectable hardware", "GPU reset", "GPU Recovery", "ASIC reset",
+    # formats read from the drivers' sources (formats.tsv): hot-plug slots, DPC, NVMe namespace errors, IB port state,
+    # CPU thermal, memory failure, EDAC pre-v3.6
+    "lot(", "containment", "@ LBA", "Port: ", "speed normal", "Memory failure", "CE page", "UE page", "JBD2",
+    "unregister_netdevice", "mlx4_en", "inaccessible", "giving up",
     # kernel crashes, lockups, memory
     "Kernel panic", "kernel panic", "lockup", "LOCKUP", "BUG:", "BUG at", "Oops", "general protection",
     "opcode", "divide error", "blocked for", "hung", "stall", "stuck", "oom", "OOM", "Kill", "of memory",

@@ -8,8 +8,17 @@ Formats (DCGM 2.x-4.x user guide; dcgm-exporter default counters):
   (even mid-word) onto following rows whose first cell is empty. Section rows `|-----  Deployment  ---|`.
 - health: `| Overall Health | Warning |`, `| -> 0 | Warning |` (GPU id), `|    -> PCIe system | Warning |`
   followed by wrapped message rows; Failure → fatal, Warning → degraded.
-- diag JSON (`dcgmi diag -j`, 3.x "DCGM GPU Diagnostic" / 4.x "DCGM Diagnostic"): each test result with status
-  Fail (fatal) or Warn (degraded) per GPU (`entity_id` / `gpu_id`), with its warnings.
+- diag JSON (`dcgmi diag -j`; layouts from DCGM's dcgmi/Diag.cpp and nvvs/include/NvvsJsonStrings.h at v2.4.7,
+  v3.3.9 and v4.6.0: 2.x/3.x `"DCGM GPU Diagnostic"`, 4.x `"DCGM Diagnostic"`; `--iterations N` wraps the runs in
+  `{"iterations": [...], "Overall Result": ..., "Warning": ...}`): each test result with status Fail (fatal) or Warn
+  (degraded) per entity (4.x `entity_group`/`entity_id`, 3.x `gpu_id` (a number in the Deployment tests, a string in
+  the plugins), 2.x `gpu_ids`), with its warnings (4.x/3.x `[{"warning": ..., "error_id": ...}]`, 3.x Deployment
+  `[{"warnings": ...}]`, 2.x a plain string); a failed 4.x `test_summary` with no failing entity is one event.
+- nvlink error counters JSON (`dcgmi nvlink -e -g N -j`; dcgmi/Nvlink.cpp DisplayNvLinkErrorCountsForGpu over
+  DcgmiOutputJson, DcgmiOutput.cpp): `{"header": ["NVLINK Error Counts", "GPU N"], "body": {"Link L": {"children":
+  {"CRC FLIT Error": {"value": "0"}, ...}}}}` (Hopper and older: CRC FLIT/CRC Data/Replay/Recovery Error per link;
+  Blackwell: one `"Error Detail"` section with Malformed Packet, Buffer Overrun, Rx/Rx Remote/Rx General Error,
+  Effective Error, Tx Discards, Link Integrity Error, Rx Symbol Error, Symbol BER, Effective BER).
 - nvlink link status: `gpuId N:` then one letter per link (U up, D down, X disabled, _ unsupported).
 - exporter: `NAME{label="v",...} value`. DCGM_FI_DEV_XID_ERRORS is the *last* XID (0 = none);
   DCGM_FI_DEV_XID_ERRORS_ACTIVE / DCGM_EXP_XID_ERRORS_COUNT carry the XID in label `xid`; ECC, row
@@ -38,7 +47,8 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 def looks_like(text: str) -> bool:
     return bool(re.search(r"DCGM_|dcgmi|(?m:^#\s*Entity\s)|\|\s*Diagnostic\s*\|\s*Result|Health Monitor Report|Overall Health|"
-                          r"NvLink Link Status|\|\s*(?:Deployment|Hardware|Integration|Stress|Memory|Diagnostic)\b|"
+                          r"NvLink Link Status|NVLINK Error Counts|"
+                          r"\|\s*(?:Deployment|Hardware|Integration|Stress|Memory|Diagnostic)\b|"
                           r"\|\s*(?:Pass|Fail|Warn|Skip)\b",
                           text))
 
@@ -46,51 +56,174 @@ def looks_like(text: str) -> bool:
 def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
     health = _health(text, ctx)
     diag = [] if HEALTH_REPORT.search(text) else parse_diag(text, ctx)
-    return diag + health + _nvlink(text, ctx) + _exporter(text, ctx) + _dmon(text, ctx) + _diag_json(text, ctx)
+    return (diag + health + _nvlink(text, ctx) + _exporter(text, ctx) + _dmon(text, ctx) + _diag_json(text, ctx)
+            + _nvlink_json(text, ctx))
+
+
+def json_documents(text: str) -> list[Any]:
+    """Every JSON value that starts at the beginning of a line of `text` (`dcgmi ... -j` run once per GPU and
+    pasted together, or one document after a command line); text between documents is skipped."""
+    dec = json.JSONDecoder()
+    out: list[Any] = []
+    pos = 0
+    while True:
+        i = text.find("{", pos)
+        if i < 0:
+            break
+        if i > 0 and text[i - 1] not in "\n\r" and text[:i].strip():
+            line_start = text.rfind("\n", 0, i) + 1
+            if text[line_start:i].strip():  # a brace inside a line of prose, not a document
+                pos = i + 1
+                continue
+        try:
+            doc, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            pos = i + 1
+            continue
+        out.append(doc)
+        pos = end
+    if not out:  # one document inside framing (a log prefix before its first brace): the old reading
+        start, end = text.find("{"), text.rfind("}")
+        if 0 <= start < end:
+            try:
+                out.append(json.loads(text[start:end + 1]))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+DIAG_NAMES = ("DCGM Diagnostic", "DCGM GPU Diagnostic")
+"""NvvsJsonStrings.h NVVS_NAME: 4.x `DCGM Diagnostic`, 2.x-3.x `DCGM GPU Diagnostic`."""
+
+
+def diag_objects(doc: Any) -> list[dict[str, Any]]:
+    """The diagnostic report(s) in one `dcgmi diag -j` document: the `DCGM Diagnostic` object, or, with
+    `--iterations N`, the one of every iteration (`{"iterations": [...], "Overall Result": ...}`)."""
+    if not isinstance(doc, dict):
+        return []
+    iterations = doc.get("iterations")
+    runs: list[Any] = iterations if isinstance(iterations, list) else [doc]
+    out = []
+    for run in runs:
+        if isinstance(run, dict):
+            d = next((run[k] for k in DIAG_NAMES if isinstance(run.get(k), dict)), None)
+            if d is not None:
+                out.append(d)
+    return out
+
+
+def _warnings(res: dict[str, Any]) -> str:
+    """A result's warning text: 4.x/3.x `[{"warning": ...}]`, 3.x Deployment `[{"warnings": ...}]` (dcgmi wrote the
+    plural key there), 2.x a plain string."""
+    w = res.get("warnings")
+    if isinstance(w, str):
+        return w
+    parts = []
+    for item in w if isinstance(w, list) else []:
+        if isinstance(item, dict):
+            parts.append(str(item.get("warning") or item.get("warnings") or ""))
+        elif isinstance(item, str):
+            parts.append(item)
+    return "; ".join(p for p in parts if p)
+
+
+_ENTITY_COMPONENT = {"CPU": Component.CPU, "CPU_CORE": Component.CPU, "SWITCH": Component.NVLINK,
+                     "LINK": Component.NVLINK, "CONNECTX": Component.IB}
+
+
+def _result_entity(res: dict[str, Any]) -> tuple[Device, Component | None, str]:
+    """(device, component if the entity names one, words for the message) of one result entry."""
+    group = str(res.get("entity_group", "GPU")).upper()
+    if group in ("GPU", "GPU_I", "GPU_CI"):
+        gpu = _entity_gpu(res)
+        return Device(index=gpu), None, f" on GPU {gpu}" if gpu is not None else ""
+    eid = res.get("entity_id")
+    name = f"{res.get('entity_group')} {eid}"
+    return Device(name=name), _ENTITY_COMPONENT.get(group), f" on {name}"
 
 
 def _diag_json(text: str, ctx: Ctx) -> list[FaultEvent]:
-    """`dcgmi diag -r N -j` (DCGM 3.x `"DCGM GPU Diagnostic"`, 4.x `"DCGM Diagnostic"`; NvvsJsonStrings.h):
-    one event per test result that did not pass, per GPU: `Fail` → dcgm_diag_fail (fatal), `Warn` →
-    dcgm_diag_warning (degraded), with the test's warning text; a `runtime_error` → dcgm_diag_fail. Text
-    that is not such a JSON object gives nothing."""
+    """`dcgmi diag -r N -j` (module docstring): one event per test result that did not pass, per entity:
+    `Fail` → dcgm_diag_fail (fatal), `Warn` → dcgm_diag_warning (degraded), with the test's warning text; a
+    test whose `test_summary` failed with no failing entity → one event without a device; a `runtime_error` →
+    dcgm_diag_fail. Text holding no such JSON object gives nothing."""
     if "Diagnostic\"" not in text or "{" not in text:
         return []
-    start, end = text.find("{"), text.rfind("}")
-    try:
-        doc = json.loads(text[start:end + 1])
-    except json.JSONDecodeError:
-        return []
-    diag = (doc.get("DCGM Diagnostic") or doc.get("DCGM GPU Diagnostic")) if isinstance(doc, dict) else None
-    if not isinstance(diag, dict):
+    out: list[FaultEvent] = []
+    seen: set[tuple[str, str, str]] = set()
+    for doc in json_documents(text):
+        for diag in diag_objects(doc):
+            if diag.get("runtime_error"):
+                msg = str(diag["runtime_error"])[:300]
+                out.append(ctx.event("dcgm_diag_fail", Component.GPU, Severity.FATAL, f"dcgmi diag: {msg}", SRC, raw=msg,
+                                     attrs={"test": "dcgmi diag"}))
+            for cat in diag.get("test_categories") or []:
+                if not isinstance(cat, dict):
+                    continue
+                for test in cat.get("tests") or []:
+                    if not isinstance(test, dict):
+                        continue
+                    name = str(test.get("name", "")) or "dcgmi diag"
+                    where = f"{cat.get('category', '')}/{name}".strip("/")
+                    results = [r for r in test.get("results") or [] if isinstance(r, dict)]
+                    summary = test.get("test_summary")
+                    failing = [r for r in results if str(r.get("status", "")).upper() in ("FAIL", "WARN")]
+                    if not failing and isinstance(summary, dict) and str(summary.get("status", "")).upper() in ("FAIL", "WARN"):
+                        failing = [summary]
+                    for res in failing:
+                        status = str(res.get("status", "")).upper()
+                        dev, comp, on = _result_entity(res) if res is not summary else (Device(), None, "")
+                        warn = _warnings(res)
+                        key = (where, on, status)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        fatal = status == "FAIL"
+                        out.append(ctx.event("dcgm_diag_fail" if fatal else "dcgm_diag_warning",
+                                             comp or component_of(name + " " + warn),
+                                             Severity.FATAL if fatal else Severity.DEGRADED,
+                                             f"{where}: {status}{on}" + (f": {warn}" if warn else ""), SRC, device=dev,
+                                             raw=json.dumps(res)[:2000],
+                                             attrs={"test": name, "section": str(cat.get("category", ""))}))
+    return out
+
+
+NVLINK_QUIET_COUNTERS = frozenset({"Rx Symbol Error", "Symbol BER", "Effective BER"})
+"""Blackwell counters that are not faults when non-zero: symbol errors are corrected by the link's FEC (a healthy link
+counts them) and the BERs are ratios; `Effective Error` (errors FEC could not correct) and the rest are read."""
+
+
+def _nvlink_json(text: str, ctx: Ctx) -> list[FaultEvent]:
+    """`dcgmi nvlink -e -g N -j` (module docstring): any non-zero error counter of a link → nvlink_errors
+    (degraded) on GPU N, as `nvidia-smi nvlink -e` is read; `Not Supported` / `Not Specified` values and the
+    FEC-corrected Blackwell counters (`NVLINK_QUIET_COUNTERS`) are left out."""
+    if "NVLINK Error Counts" not in text:
         return []
     out: list[FaultEvent] = []
-    if diag.get("runtime_error"):
-        msg = str(diag["runtime_error"])[:300]
-        out.append(ctx.event("dcgm_diag_fail", Component.GPU, Severity.FATAL, f"dcgmi diag: {msg}", SRC, raw=msg,
-                             attrs={"test": "dcgmi diag"}))
-    for cat in diag.get("test_categories") or []:
-        if not isinstance(cat, dict):
+    for doc in json_documents(text):
+        if not isinstance(doc, dict) or "NVLINK Error Counts" not in (doc.get("header") or []):
             continue
-        for test in cat.get("tests") or []:
-            if not isinstance(test, dict):
-                continue
-            name = str(test.get("name", "")) or "dcgmi diag"
-            for res in test.get("results") or []:
-                if not isinstance(res, dict):
+        gpu = next((to_int(h.split()[1]) for h in doc["header"] if isinstance(h, str) and re.fullmatch(r"GPU \d+", h)),
+                   None)
+        errors: dict[str, int] = {}
+        body_any = doc.get("body")
+        body: dict[str, Any] = body_any if isinstance(body_any, dict) else {}
+        for section, box in body.items():
+            children = box.get("children") if isinstance(box, dict) else None
+            for counter, cell in (children or {}).items():
+                if counter in NVLINK_QUIET_COUNTERS or not isinstance(cell, dict):
                     continue
-                status = str(res.get("status", "")).upper()
-                if status not in ("FAIL", "WARN"):
-                    continue
-                gpu = _entity_gpu(res)
-                warn = "; ".join(str(w.get("warning", "")) for w in res.get("warnings") or [] if isinstance(w, dict))
-                fatal = status == "FAIL"
-                where = f"{cat.get('category', '')}/{name}".strip("/")
-                out.append(ctx.event("dcgm_diag_fail" if fatal else "dcgm_diag_warning", component_of(name + " " + warn),
-                                     Severity.FATAL if fatal else Severity.DEGRADED,
-                                     f"{where}: {status}" + (f" on GPU {gpu}" if gpu is not None else "")
-                                     + (f": {warn}" if warn else ""), SRC, device=Device(index=gpu),
-                                     raw=json.dumps(res)[:2000], attrs={"test": name, "section": str(cat.get("category", ""))}))
+                n = to_int(cell.get("value"))
+                if n:
+                    link = re.fullmatch(r"Link (\d+)", section)
+                    key = (f"link{link.group(1)}_" if link else "") + _slug(counter)
+                    errors[key] = n
+        if errors:
+            out.append(ctx.event("nvlink_errors", Component.NVLINK, Severity.DEGRADED,
+                                 f"GPU {gpu}: NVLink error counters non-zero (dcgmi nvlink -e): "
+                                 + ", ".join(f"{k}={v}" for k, v in sorted(errors.items())[:12]), SRC,
+                                 device=Device(index=gpu), raw=json.dumps(doc)[:2000],
+                                 attrs=dict(errors, text_kind="dcgmi nvlink -e -j")))
     return out
 
 
@@ -425,11 +558,18 @@ def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
         doc = json.loads(text[start:end + 1])
     except json.JSONDecodeError as err:
         raise ValueError(f"dcgmi output is not valid JSON: {err}") from err
-    diag = doc.get("DCGM Diagnostic") or doc.get("DCGM GPU Diagnostic") if isinstance(doc, dict) else None
-    if not isinstance(diag, dict):
+    diags = diag_objects(doc)
+    if not diags:
         raise ValueError("JSON without a 'DCGM Diagnostic' object (not `dcgmi diag -j` output?)")
     per: dict[str, list[float]] = {}
     problems: dict[str, str] = {}
+    for diag in diags:
+        _diag_metrics(diag, per, problems)
+    metrics = {k: (max(v) if lower_is_better(k) else min(v)) for k, v in per.items()}
+    return metrics, problems
+
+
+def _diag_metrics(diag: dict[str, Any], per: dict[str, list[float]], problems: dict[str, str]) -> None:
     if diag.get("runtime_error"):
         problems["dcgm"] = str(diag["runtime_error"])[:300]
     for cat in diag.get("test_categories") or []:
@@ -444,9 +584,8 @@ def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
                     continue
                 status = str(res.get("status", "")).upper()
                 gpu = _entity_gpu(res)
-                if status not in ("PASS", "NOT_RUN", ""):
-                    warn = "; ".join(str(w.get("warning", "")) for w in res.get("warnings") or []
-                                     if isinstance(w, dict))
+                if status not in ("PASS", "NOT_RUN", "NOT RUN", ""):
+                    warn = _warnings(res)
                     note = f"{status}" + (f" on GPU {gpu}" if gpu is not None else "") + (f": {warn}" if warn else "")
                     key = f"dcgm_{tname}"
                     problems[key] = (problems[key] + "; " + note)[:500] if key in problems else note[:500]
@@ -455,5 +594,3 @@ def diag_json_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
                     _gpu, values = _info_values(str(msg))
                     for name, v in values:
                         per.setdefault(f"dcgm_{tname}_{name}", []).append(v)
-    metrics = {k: (max(v) if lower_is_better(k) else min(v)) for k, v in per.items()}
-    return metrics, problems

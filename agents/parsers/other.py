@@ -49,6 +49,22 @@ _PLUGIN_XID = re.compile(r"XidCriticalError:\s*Xid=(\d+)(?:\s+on\s+Device=(\S+?)
 _CUDA_ECC = re.compile(r"uncorrectable ECC error encountered|cuda(?:\s+runtime)?\s+error\s*\((?:39|214)\)", re.I)
 _LOST = re.compile(r"GPU has fallen off the bus|GPU is lost", re.I)
 _NCCL_IB = re.compile(r"NCCL WARN NET/IB\s*:\s*(.*(?:status=(\d+)|error|port .*down).*)", re.I)
+_NCCL_COMPLETION = re.compile(r"NCCL WARN NET/IB(?:/GIN)?\s*: Got completion from peer (?P<peer>\S+) with "
+                              r"(?:status=(?:(?P<sname>\w+)"
+                              r"\()?(?P<st>\d+)\)?|error (?P<st2>\d+))(?:.*? hca (?P<hca>[\w-]+))?")
+"""NCCL transport/net_ib (v2.18.5 `NET/IB : Got completion from peer %s with error %d, opcode %d, len %d, vendor err %d
+(%s)...`; v2.19-v2.27 `... with status=%d opcode=%d len=%d vendor err %d (%s)%s%s%s%s`; v2.28+ p2p.cc `NET/IB: Got
+completion from peer %s with status=%s(%d) opcode=%s(%d) vendor_err=%u %s%s%s%s hca %s`): an ibv_wc error on the job's
+queue pair (12 IBV_WC_RETRY_EXC_ERR: the peer or the path stopped answering)."""
+_NCCL_ASYNC = re.compile(r"NCCL WARN NET/IB\s*:\s*(?:(?P<dev>[\w-]+):(?P<port>\d+) )?"
+                         r"(?:Got non-fatal async event: (?P<ev>[^(]+?)\(\d+\)|"
+                         r"Got async event : (?P<ev2>.+?)\s*$|async fatal event on (?P<obj>QP|CQ|SRQ)\b.*?: (?P<ev3>[^:]+?)\s*$)",
+                         re.M)
+"""NCCL net_ib/common.cc ncclIbAsyncThreadMain (v2.30.7): `NET/IB : %s:%d Got non-fatal async event: %s(%d)`
+(ibv_event_type_str: `port error` = IBV_EVENT_PORT_ERR, the port went down under the job; `port active`, `LID change`,
+`P_Key change`, `SM change`, `client reregistration` are fabric management, not faults), `NET/IB : %s:%d async fatal
+event on QP (%p) ...: %s` / `on CQ` (one queue pair or CQ failed: the job's connection); v2.19-v2.22 `NET/IB : %s:%d
+Got async event : %s`, before v2.19 `NET/IB : Got async event : %s` (no device)."""
 _MCE = re.compile(r"Hardware event\. This is not a software error\.")
 _IBSTAT_CA = re.compile(r"^CA '([^']+)'")
 _IBSTAT_PORT = re.compile(r"^\s*Port (\d+):\s*$")
@@ -153,8 +169,39 @@ def parse(text: str, ctx: Ctx) -> list[FaultEvent]:
                              Source.INJECT, device=Device(name=dev.split(":")[0] if dev else None),
                              raw=_line_of(text, m.start()), attrs={"text_kind": "nccl"}))
         break
-    for m in _NCCL_IB.finditer(text):
-        if "catastrophic" in m.group(1):
+    nccl_ib = len(out)
+    for m in _NCCL_ASYNC.finditer(text) if "NET/IB" in text else ():
+        ev = (m["ev"] or m["ev2"] or m["ev3"] or "").strip()
+        if "catastrophic error" in ev and m["obj"] is None:
+            continue  # IBV_EVENT_DEVICE_FATAL: read above
+        line = _line_of(text, m.start()).strip()
+        if ev == "port error":
+            where = f"{m['dev']} port {m['port']}" if m["dev"] else "an HCA port"
+            out.append(ctx.event("ib_port_down", Component.IB, Severity.DEGRADED,
+                                 f"NCCL NET/IB: {where}: port error (IBV_EVENT_PORT_ERR)", Source.INJECT,
+                                 device=Device(name=m["dev"], port=int(m["port"]) if m["port"] else None), raw=line,
+                                 attrs={"text_kind": "nccl", "ib_event": ev}))
+        elif m["obj"] in ("QP", "CQ"):
+            out.append(ctx.event("nccl_ib_error", Component.IB, Severity.DEGRADED,
+                                 f"NCCL NET/IB: {m['dev']}:{m['port']} async fatal event on {m['obj']}: {ev}", Source.INJECT,
+                                 device=Device(name=m["dev"], port=int(m["port"]) if m["port"] else None), raw=line,
+                                 attrs={"text_kind": "nccl", "ib_event": ev[:96]}))
+        else:
+            continue
+        break
+    for m in _NCCL_COMPLETION.finditer(text) if "Got completion" in text else ():
+        wc_status = int(m["st"] or m["st2"])
+        if wc_status == 0:
+            continue
+        line = _line_of(text, m.start()).strip()
+        out.append(ctx.event("nccl_ib_error", Component.IB, Severity.DEGRADED,
+                             f"NCCL NET/IB: completion error {m['sname'] or wc_status} from peer {m['peer']}"
+                             + (f" on {m['hca']}" if m["hca"] else ""), Source.INJECT,
+                             device=Device(name=m["hca"]), raw=line,
+                             attrs={"text_kind": "nccl", "ibv_wc_status": wc_status, "peer": m["peer"][:64]}))
+        break
+    for m in _NCCL_IB.finditer(text) if len(out) == nccl_ib else ():
+        if "catastrophic" in m.group(1) or "async event" in m.group(1) or "async fatal event" in m.group(1):
             continue
         status = int(m.group(2)) if m.group(2) else None
         if status == 0:
