@@ -53,6 +53,7 @@ MAX_INFERRED = 1000
 FINGERPRINT_KEYS = ("driver", "vbios")
 
 
+
 @dataclass
 class GroupFinding:
     """One cause shared by several outliers: `kind` "domain" or "version"; `key` is the domain
@@ -72,6 +73,10 @@ class GroupFinding:
     windows: int
     window_end: float
     window_s: float
+    reported: bool = False
+    """Seen `windows` windows in a row, so reported (in this window or an earlier one of its episode)."""
+    metrics: list[str] = field(default_factory=list)
+    """A domain: every metric its nodes outlied on in this episode (`metric`: in this window)."""
 
     def evidence(self) -> dict[str, Any]:
         return {"kind": self.kind, "key": self.key, "metric": self.metric, "group": self.group,
@@ -85,6 +90,8 @@ class _Episode:
     windows: int = 0
     reported: bool = False
     seen: bool = False
+    metrics: set[str] = field(default_factory=set)
+    """A domain: the metrics its nodes outlied on over the episode."""
 
 
 @dataclass
@@ -277,7 +284,11 @@ class Explainer:
             ep = self.episodes.setdefault(k, _Episode())
             ep.windows += 1
             f.windows = ep.windows
+            if f.kind == "domain":  # the nodes it explains now; the metrics of its whole episode
+                ep.metrics.update(m for m in f.metric.split(",") if m)
+                f.metrics = sorted(ep.metrics)
             if ep.windows >= cfg.windows and not ep.reported:
                 ep.reported = True
                 report.append(f)
+            f.reported = ep.reported
         return report

@@ -14,6 +14,7 @@ from activities.notify import Notifier, channels_from_settings, notify_breaker
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.worker import analyzer_link
 from fleetmend.worker.build import build_worker
 
 log = structlog.get_logger("fleetmend.worker")
@@ -28,6 +29,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     worker = await build_worker(settings, client, nc)
     log.info("worker_started", task_queue=settings.task_queue, scheduler=settings.scheduler.value)
     announced = asyncio.create_task(_announce_policy(client, settings, stop), name="guard-policy")
+    # the fail-slow analyzer's domain findings to FleetGuard, the scheduler's jobs to the analyzer (issue 28)
+    links = analyzer_link.start(client, settings, nc, stop)
     # -- metrics (fleetmend/infra/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
     watcher = metrics.IncidentWatcher(client, settings.cluster)
@@ -65,6 +68,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         stopping.cancel()
         if poll is not None:
             poll.cancel()
+        for task in links:
+            task.cancel()
         await close_nats(nc)
     announced.cancel()
     if failed is not None:
