@@ -134,3 +134,20 @@ def test_the_ranks_of_nodes_a_domain_explains_are_not_blamed() -> None:
         for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
             found += [(x - c.window_of(T0), f.node) for f in c.close_window(x).findings]
     assert found == [(10, "n1/1")]  # windows 8, 9, 10 after the domain cleared at window 8
+
+
+def test_a_node_reported_as_the_domain_began_is_judged_again_once_it_clears() -> None:
+    """n17 (in r1) runs hot from window 0 and is reported at window 2 (its incident: FleetGuard later
+    denies it as the domain's); rack r1 heats up from window 3 to 8 with n17 inside its spread, so the
+    rack explains n17 and its report is forgotten; n17 still runs hot after the rack clears: it is
+    found again 3 windows later, not muted for `reopen_after_s` (24 h)."""
+    topo = Topology({f"n{n:02d}": FailureDomain(rack=f"r{n // 16}") for n in range(64)})
+
+    def value(w: int, n: int) -> dict[str, float]:
+        name = f"n{n:02d}"
+        v = 0.1 + 0.1 * (n % 2) if name in RACK and 3 <= w <= 8 else 0.0
+        return {"thermal_frac": 0.15 if name == "n17" else v}
+
+    found, shared = feed(Comparator(AnalyzerSettings(), domains_of=lambda node: topo.domain(node).keys()), 14, value)
+    assert [(f.kind, f.key) for f in shared] == [("domain", "rack:r1")]
+    assert [(w, n) for w, n, _ in found] == [(2, "n17"), (11, "n17")]
