@@ -401,7 +401,8 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
     unobservable = [n for n in missed if pattern.get(n) in LOAD_ONLY and busy_after.get(n, 0) < OBSERVABLE_BUSY_MIN]
     observable = len(faulty) - len(unobservable)
     return {"scenario": name, "nodes": len(fleet.nodes), "hours": hours, "samples": sent,
-            "scheduler": scheduler, "reporting_jobs": reporting, "direct": direct,
+            "scheduler": scheduler, "scheduler_lists": probe.sched_lists, "reporting_jobs": reporting,
+            "direct": direct,
             "wall_s": round(time.perf_counter() - started, 1), "injected": len(faulty),
             "true_findings": len(found_true), "false_findings": len(false),
             "misses": {n: f"{pattern.get(n)}, busy {busy_after.get(n, 0)} min after its fault began"
