@@ -38,6 +38,7 @@ from fleetmend.messages import (
     KEY_PHASE,
     KEY_SEVERITY,
     Activity,
+    DomainReport,
     FaultBatch,
     GuardApi,
     GuardPolicy,
@@ -273,6 +274,18 @@ async def announce_policy(client: Client, settings: Settings, task_queue: str | 
                        GuardApi.POLICY, policy)
 
 
+async def report_domains(client: Client, settings: Settings, report: DomainReport, policy: GuardPolicy | None = None,
+                         task_queue: str | None = None) -> None:
+    """Hand the fail-slow analyzer's domain findings to the cluster's FleetGuard (signal-with-start of
+    `GuardApi.DOMAINS`): each one an infrastructure incident there (`fleetmend.worker.analyzer_link`
+    sends it). `policy`: the guard's (default from `settings` and the topology file). Raises what
+    `Client.start_workflow` raises."""
+    if policy is None:
+        policy = guard_policy(settings, load_topology(settings.policy.topology_file))
+    await signal_guard(client, settings.cluster, guard_task_queue(task_queue or settings.task_queue), policy,
+                       GuardApi.DOMAINS, report)
+
+
 def fault_summary(ev: FaultEvent) -> dict[str, Any]:
     """What the router records with its pool slot (`Holder.fault`, ~150 bytes): the event's identity
     (id, kind, code, device, component, severity, time, source), enough to open the incident later
@@ -286,4 +299,4 @@ def fault_summary(ev: FaultEvent) -> dict[str, Any]:
     return d
 
 
-__all__ = ["FleetGuardActivities", "announce_policy", "fault_summary", "guard_policy"]
+__all__ = ["FleetGuardActivities", "announce_policy", "fault_summary", "guard_policy", "report_domains"]

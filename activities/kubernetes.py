@@ -93,6 +93,11 @@ EVENT_REASONS = {"drained": "FleetmendDrained", "diagnostics": "FleetmendDiagnos
                  "ticket": "FleetmendTicketFiled", "returned": "FleetmendReturned"}
 """Event reason per remediation step."""
 
+JOB_LABELS = ("batch.kubernetes.io/job-name", "job-name", "training.kubeflow.org/job-name",
+              "jobset.sigs.k8s.io/jobset-name", "leaderworkerset.sigs.k8s.io/name", "volcano.sh/job-name")
+"""Pod labels that name the job a pod belongs to (`running_jobs`), the first present wins: a batch/v1
+Job's, Kubeflow's training operator's, a JobSet's, a LeaderWorkerSet's, a Volcano job's."""
+
 STATE_READY, STATE_NOT_READY = "ready", "not_ready"
 STATE_DRAINING, STATE_DRAINED, STATE_CORDONED = "draining", "drained", "cordoned"
 
@@ -560,6 +565,31 @@ class KubernetesScheduler:
         except SchedulerError as err:
             _log().warning("node_event_failed", node=node, reason=reason, error=str(err))
         return False
+
+    async def running_jobs(self) -> dict[str, list[str]]:
+        """`<namespace>/<job>` → the nodes its running pods are bound to, the job named by the first of
+        `JOB_LABELS` a pod carries (one pod list per label, `labelSelector=<label>`, filtered again
+        client-side): the fail-slow analyzer compares the nodes of one job together, whether or not
+        every rank reports its step times (`fleetmend.worker.analyzer_link`).
+
+        Raises:
+            SchedulerError: the API server refused or is away."""
+        jobs: dict[str, set[str]] = {}
+        seen: set[tuple[str, str]] = set()
+        for label in JOB_LABELS:
+            res = await self._call(f"list pods labelled {label}", self.core.list_pod_for_all_namespaces,
+                                   label_selector=label)
+            for p in res.items:
+                md = p.metadata
+                key = (md.namespace or "", md.name or "")
+                labels = md.labels or {}
+                name = next((labels[k] for k in JOB_LABELS if labels.get(k)), None)
+                if key in seen or name is None or not (p.spec and p.spec.node_name) or \
+                        not (p.status and p.status.phase == "Running"):
+                    continue
+                seen.add(key)
+                jobs.setdefault(f"{md.namespace}/{name}", set()).add(p.spec.node_name)
+        return {job: sorted(nodes) for job, nodes in jobs.items()}
 
     async def list_nodes(self) -> list[NodeInfo]:
         """Every Node with its state, fleetmend reason, owner of the cordon and incident.

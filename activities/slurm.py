@@ -53,6 +53,17 @@ def parse_scontrol_node(text: str) -> dict[str, str]:
     return fields
 
 
+def parse_scontrol_job(line: str) -> dict[str, str]:
+    """Parse one `scontrol -o show job` line into its Key=Value fields (`JobId`, `JobState`, `NodeList`,
+    …). Unlike a node's, a job's `Reason=` is one word in the middle of the line (`Reason=None`)."""
+    fields: dict[str, str] = {}
+    for token in _KEY_SPLIT.split(line.strip()):
+        key, sep, value = token.partition("=")
+        if sep:
+            fields.setdefault(key, value.strip())
+    return fields
+
+
 def parse_scontrol_json(text: str) -> list[dict[str, str]]:
     """Parse `scontrol --json show node [X]` (Slurm >= 23.02, the data_parser's `nodes` list) into the
     fields `parse_scontrol_node` gives for each node.
@@ -362,6 +373,37 @@ class SlurmScheduler:
             if rc == 0 and out.strip():
                 return out.split()
         return expand_hostlist(expr)
+
+    async def running_jobs(self) -> dict[str, list[str]]:
+        """Every running job's nodes (`scontrol -o show job`: one line per job, `JobState=RUNNING`,
+        `NodeList=` expanded by `expand_hostlist`, else by `scontrol show hostnames`): the fail-slow
+        analyzer compares the nodes of one job together, whether or not every rank reports its step
+        times (`fleetmend.worker.analyzer_link`). A job whose node list cannot be expanded is left out.
+
+        Raises:
+            SchedulerError: scontrol missing, failing or timed out."""
+        if not shutil.which(self.settings.scontrol):
+            raise SchedulerError(f"Slurm's {self.settings.scontrol} is not on PATH (slurm.scontrol): "
+                                 "running jobs come from scontrol")
+        rc, out, err = await self._run(self.settings.scontrol, "-o", "show", "job")
+        if rc != 0:
+            if "no jobs in the system" in (err or out).lower():
+                return {}
+            raise SchedulerError(f"scontrol -o show job failed (rc {rc}): {(err or out).strip()} [{self._where()}]")
+        jobs: dict[str, list[str]] = {}
+        for line in out.splitlines():
+            f = parse_scontrol_job(line) if line.startswith("JobId=") else {}
+            if f.get("JobState") != "RUNNING" or f.get("NodeList") in (None, "", "(null)"):
+                continue
+            try:
+                nodes = expand_hostlist(f["NodeList"])
+            except ValueError:
+                try:
+                    nodes = await self.expand(f["NodeList"])
+                except (ValueError, SchedulerError):
+                    continue
+            jobs[f["JobId"]] = nodes
+        return jobs
 
     async def job_nodes(self, job: str) -> list[str]:
         """The nodes of a running Slurm job (`scontrol show job JOBID`, field `NodeList=`, expanded by

@@ -267,6 +267,23 @@ def parse_job_subject(subject: str) -> tuple[str, str, str]:
     return _check("cluster", parts[1]), token_node(parts[3]), _check("job", parts[4])
 
 
+def sched_jobs_subject(cluster: str) -> str:
+    """`fleet.<cluster>.sched.jobs`: the scheduler's running jobs and their nodes, published by a worker
+    (`fleetmend.worker.analyzer_link`, core NATS, every minute) for the fail-slow analyzer. Only the
+    worker's credentials may publish it, so no node can make up a job's membership."""
+    return f"fleet.{_check('cluster', cluster)}.sched.jobs"
+
+
+def all_sched_jobs_subject() -> str:
+    return "fleet.*.sched.jobs"
+
+
+def analyzer_status_key(cluster: str) -> str:
+    """`status.<cluster>` in `ANALYZER_KV_BUCKET`: what the active analyzer judged last (its domain
+    findings among it, which a worker relays to FleetGuard)."""
+    return f"status.{_check('cluster', cluster)}"
+
+
 def parse_perf_subject(subject: str) -> tuple[str, str]:
     """Inverse of `perf_subject`: (cluster, node name). Raises ValueError for other subjects."""
     return _parse_node_subject(subject, "perf")

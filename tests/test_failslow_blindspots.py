@@ -108,3 +108,34 @@ def test_a_small_group_is_judged_against_fixed_expectations_and_its_own_history(
     n1 = next(f for f in found if f.node == "n1")
     assert n1.peer_median == 400.0 and n1.window_end == T0 + 8 * 300  # windows 5, 6, 7
     assert ("B200x8", "port_rate_gbps", "own_history") in listed and ("GB300x4", "nvlink_down", "expected") in listed
+
+
+def test_clocks_held_by_no_reason_are_judged_across_the_class_whatever_the_job() -> None:
+    """40 busy H200 nodes in jobs of 4 (too small to compare clocks among a job). n21's GPUs clock 5 %
+    low with no clocks-event reason (a memory-bound job): found on `sm_clock_free_ratio` across the class. The compute-bound
+    jobs' nodes (j0, j1) clock 4 % lower while at the SW power cap a fifth of the time: a reason, so
+    they are not judged on it (and not found)."""
+    from datetime import datetime, timezone
+
+    from fleetmend.analyzer.metrics import derive
+    from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample
+
+    c = Comparator(AnalyzerSettings())
+    found = []
+    for w in range(6):
+        for k in range(5):
+            t = T0 + w * 300.0 + k * 60 + 1
+            for n in range(40):
+                job = n // 4
+                cap = 0.2 if job < 2 else 0.0
+                mhz = 1980 * (0.96 if cap else 1.0) * (0.95 if n == 21 else 1.0) - 15 * ((n + k) % 2)
+                gpus = [GpuPerf(index=i, util_pct=97, sm_clock_mhz=round(mhz / 15) * 15, sm_clock_max_mhz=1980,
+                                event_frac={"sw_power_cap": cap, "sw_thermal": 0.0, "hw_thermal": 0.0,
+                                            "hw_slowdown": 0.0, "power_brake": 0.0}) for i in range(8)]
+                s = PerfSample(cluster="c", node=f"n{n:02d}", at=datetime.fromtimestamp(t, timezone.utc),
+                               interval_s=60, hw=HardwareClass(gpu_model="NVIDIA H200", gpu_count=8, driver="570"),
+                               gpus=gpus)
+                c.add(s.node, s.hw.key, t, derive(s)[1], now=t)
+                c.note_job(s.node, f"j{job}", t, now=t)
+        found += [(f.node, f.metric) for f in c.close_window(c.window_of(T0 + w * 300.0 + 1)).findings]
+    assert found == [("n21", "sm_clock_free_ratio")]

@@ -134,3 +134,40 @@ def test_the_ranks_of_nodes_a_domain_explains_are_not_blamed() -> None:
         for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
             found += [(x - c.window_of(T0), f.node) for f in c.close_window(x).findings]
     assert found == [(10, "n1/1")]  # windows 8, 9, 10 after the domain cleared at window 8
+
+
+def test_a_node_reported_as_the_domain_began_is_judged_again_once_it_clears() -> None:
+    """n17 (in r1) runs hot from window 0 and is reported at window 2 (its incident: FleetGuard later
+    denies it as the domain's); rack r1 heats up from window 3 to 8 with n17 inside its spread, so the
+    rack explains n17 and its report is forgotten; n17 still runs hot after the rack clears: it is
+    found again 3 windows later, not muted for `reopen_after_s` (24 h)."""
+    topo = Topology({f"n{n:02d}": FailureDomain(rack=f"r{n // 16}") for n in range(64)})
+
+    def value(w: int, n: int) -> dict[str, float]:
+        name = f"n{n:02d}"
+        v = 0.1 + 0.1 * (n % 2) if name in RACK and 3 <= w <= 8 else 0.0
+        return {"thermal_frac": 0.15 if name == "n17" else v}
+
+    found, shared = feed(Comparator(AnalyzerSettings(), domains_of=lambda node: topo.domain(node).keys()), 14, value)
+    assert [(f.kind, f.key) for f in shared] == [("domain", "rack:r1")]
+    assert [(w, n) for w, n, _ in found] == [(2, "n17"), (11, "n17")]
+
+
+def test_independent_faults_starting_together_at_the_fleet_s_rate_are_no_domain() -> None:
+    """No topology. Three independent faults start in each of windows 0-5 (a busy fleet's rate), four
+    in window 6: as many as chance gives at that rate, so they are four node findings, not one inferred
+    domain (before: four starting together were always a domain, and every fault that started while it
+    lasted joined it and was never found). A rack's 16 nodes starting at once in window 9 still are one."""
+    def value(w: int, n: int) -> dict[str, float]:
+        if n < 18:
+            return {"thermal_frac": 0.5 if w >= n // 3 else 0.0}
+        if n < 22:
+            return {"thermal_frac": 0.5 if w >= 6 else 0.0}
+        return {"thermal_frac": 0.3 if 32 <= n < 48 and 9 <= w <= 12 else 0.0}
+
+    found, shared = feed(Comparator(AnalyzerSettings()), 16, value, nodes=200)
+    assert sorted({n for _, n, _ in found}) == [f"n{n:02d}" for n in range(22)]
+    assert [(f.kind, len(f.nodes)) for f in shared] == [("domain", 16)] and set(shared[0].nodes) == RACK_R2
+
+
+RACK_R2 = {f"n{n:02d}" for n in range(32, 48)}

@@ -37,7 +37,7 @@ WORK = {"sm_clock_ratio", "power_cap_frac", "temperature_c", "ib_xmit_wait_per_m
 HW_OWN = {"power_brake_frac", "hw_slowdown_frac", "thermal_frac", "pcie_width_ratio", "pcie_gen_ratio",
           "pcie_replay_per_min", "nvlink_errors_per_min", "nvlink_down", "ecc_corrected_per_min",
           "ib_symbol_errors_per_min", "ib_link_recovery_per_min", "ib_rcv_errors_per_min", "port_rate_gbps",
-          "storage_port_rate_gbps",
+          "storage_port_rate_gbps", "sm_clock_free_ratio",
           "cpu_throttle_per_min"}
 
 

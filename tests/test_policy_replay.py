@@ -38,6 +38,7 @@ BASELINE = {
     "fleetguard_pool",  # adoptions, pause, breaker, a forwarded request (tests/test_permit_pool.py records it)
     "remediation_redelivered_after_close",  # before patch close-drops-seen
     "remediation_config_drift_recorded",  # before patch live-fix
+    "fleetguard_fail_slow_rack",  # before the analyzer's domain findings reached the guard (issue 28)
 }
 
 
@@ -272,6 +273,52 @@ async def _record_guard_pause(client, js) -> None:
         await assert_eventually(lambda: phase_is(p1, "closed"))
         await asyncio.sleep(1.0)
         _write("fleetguard_pause", await gh.fetch_history())
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_guard_fail_slow_rack(temporal_client, nc) -> None:
+    """Before patch analyzer-domains (issue 28): fail_slow incidents of three nodes of one rack open the
+    topology's infrastructure incident (the third and fourth denied), one elsewhere is granted."""
+    await _record_guard_fail_slow_rack(temporal_client, nc.jetstream())
+
+
+def fail_slow_fault(cluster: str, node: str):
+    """A `fail_slow` fault as the router hands it to the incident (the catalog's row)."""
+    from fleetmend.events import Component, FaultEvent, Severity, Source, Verdict
+    from fleetmend.messages import RoutedFault
+    from tests.test_workflow import row_reading
+
+    ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="fail_slow", severity=Severity.DEGRADED,
+                    source=Source.ANALYZER, message="fail-slow: SM clock / max 0.93 vs peer median 0.98",
+                    raw="fail-slow", attrs={"metric": "sm_clock_ratio"},
+                    verdict=Verdict(severity="degraded", immediate_action="DRAIN_DIAGNOSE", fault_class="fail_slow",
+                                    drain=True, **row_reading("fail_slow")))
+    return RoutedFault(event=ev)
+
+
+async def _record_guard_fail_slow_rack(client, js) -> None:
+    from fleetmend import subjects
+    from fleetmend.policy import FailureDomain, Topology
+    from tests.test_workflow import phase_is, start
+
+    calls, tq, cluster = Calls(), f"recd-{uuid.uuid4().hex[:8]}", f"recd{uuid.uuid4().hex[:6]}"
+    topo = Topology({**{n: FailureDomain(rack="r1") for n in ("a", "b", "c", "d")}, "e": FailureDomain(rack="r2")})
+    policy = GuardPolicy(max_drained_nodes=10, max_drained_percent=100.0, max_drained_per_rack=4,
+                         domain_incident_nodes=3, domain_window_s=300, breaker_distinct_nodes=50)
+    guard = real_guard(client, tq, policy, js, topo)
+    acts = [a for a in stand_ins(calls) if a.__name__ not in GUARD_ACTIVITIES]
+    async with Worker(client, task_queue=tq, workflows=[NodeRemediation, FleetGuard],
+                      activities=acts + guard_activities(guard, calls)):
+        hs = {}
+        for n in ("a", "b", "c", "d", "e"):
+            hs[n] = await start(client, tq, cluster, n, [fail_slow_fault(cluster, n)])
+            await assert_eventually(lambda n=n: _phase_in(hs[n], ("awaiting_repair", "closed")), what=f"{n} decided")
+        for n in ("a", "b", "e"):
+            await hs[n].execute_update(NodeRemediation.abort, AbortCommand(by="rec@ci", note="test", undrain=True))
+            await assert_eventually(lambda n=n: phase_is(hs[n], "closed"))
+        await asyncio.sleep(1.0)
+        gh = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
+        _write("fleetguard_fail_slow_rack", await gh.fetch_history())
 
 
 def test_guard_state_of_string_era_decodes_typed() -> None:

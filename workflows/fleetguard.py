@@ -21,6 +21,8 @@ The permit path, top to bottom:
    within `breaker_window_s` trip it, and while tripped (or paused) nothing is granted, the pool is
    closed and requests queue; only a human resets it (`reset_breaker`, `by` in the history).
    Otherwise the request queues, served highest severity first, then oldest.
+   Before all of these, a `fail_slow` request of a node that an open *analyzer* infrastructure incident
+   lists is denied (below), and counts toward neither the breaker nor the failure domains.
 4. Granting is one write to the pool (`sync_permit_pool`): the guard's settings (budget
    `drain_budget(known, N, P%)`, `max_drained_per_rack`, open or why not, closed domains), the slots to
    free, and a slot for each queue head in order while the budget and its rack cap leave room. The
@@ -31,6 +33,21 @@ The permit path, top to bottom:
    `release` signal then serves the queue and records returns for the lemon rule (`returns`, per node,
    pruned to `lemon_window_s`; a grant carries `lemon` when the node's fault came back after
    `lemon_repairs` repairs).
+
+The fail-slow analyzer's domain findings (issue 28): outliers sharing a rack, leaf, PDU or an inferred
+domain are one finding there, and a worker sends the analyzer's current list (`analyzer_domains`,
+`DomainReport`: each finding reported after `windows` windows in a row and still seen). Each becomes one
+infrastructure incident (`source` analyzer: a ticket, a human paged), which denies the `fail_slow`
+incidents of the nodes it explains in the analyzer's last window (queued ones at once; a node that
+stands out even against its domain's own median is not among them: its fault is its own) and nothing
+else: it does not count toward the
+breaker, does not close its domain in the permit pool (a fatal fault there still drains under the
+budget and rack cap), and `reset_breaker` leaves it to the analyzer. It closes as soon as a report no
+longer lists it (the domain cleared: its nodes are judged again at once, and the analyzer, which
+forgot their earlier reports when it explained them, reports a node that stays an outlier after the
+usual `windows` windows), or `ANALYZER_DOMAIN_STALE` after the last report that listed it (no word
+from the analyzer). Nothing of this runs in a history without an `analyzer_domains` signal, so it
+needs no patch: tests/histories/fleetguard_fail_slow_rack.json, recorded before it, replays.
 
 No cordon outlives its incident: while anyone holds or waits, every `permit_reconcile_s` the guard
 withdraws queued requests whose incident is gone (`running_incidents`) and checks the pool's holders
@@ -63,9 +80,15 @@ with workflow.unsafe.imports_passed_through():
     from fleetmend import subjects
     from fleetmend.events import Severity
     from fleetmend.messages import (
+        DOMAIN_MAX_FINDINGS,
+        DOMAIN_MAX_NODES,
+        FAIL_SLOW_CLASS,
+        INFRA_ANALYZER,
+        INFRA_TOPOLOGY,
         KEY_CLUSTER,
         KEY_PHASE,
         Activity,
+        DomainReport,
         GuardApi,
         GuardCommand,
         GuardInput,
@@ -112,6 +135,9 @@ no pool write and no history per request."""
 
 MAX_RETURNS_PER_NODE = 10
 MAX_INFRA_KEPT = 20
+ANALYZER_DOMAIN_STALE = timedelta(hours=1)
+"""An analyzer infrastructure incident that no `DomainReport` has listed for this long closes (the
+analyzer or the worker that relays it is gone; a live one resends its list every 15 min)."""
 MAX_LOG = 100
 
 TICKET_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(minutes=1),
@@ -175,7 +201,7 @@ class FleetGuard:
         else:
             self._s = GuardState(cluster=inp.cluster, policy=inp.policy)
             self._s.log.append(f"{iso(workflow.now())} guard started")
-        self._inbox: list[PermitRequest | PermitRelease] = []
+        self._inbox: list[PermitRequest | PermitRelease | DomainReport] = []
         """Requests and releases in arrival order (a release must not overtake its own request)."""
         self._tickets: list[InfraIncident] = []
         self._answers: list[tuple[str, PermitDecision]] = []
@@ -211,6 +237,12 @@ class FleetGuard:
     @workflow.signal(name=GuardApi.RELEASE)
     def release(self, rel: PermitRelease) -> None:
         self._inbox.append(rel)
+
+    @workflow.signal(name=GuardApi.DOMAINS)
+    def analyzer_domains(self, report: DomainReport) -> None:
+        """The fail-slow analyzer's domain findings now (module docstring): decided in the main loop, in
+        arrival order with the requests."""
+        self._inbox.append(report)
 
     @workflow.signal(name=GuardApi.POLICY)
     def policy(self, policy: GuardPolicy) -> None:
@@ -264,14 +296,14 @@ class FleetGuard:
     @workflow.update(name=GuardApi.RESET_BREAKER)
     async def reset_breaker(self, cmd: GuardCommand) -> str:
         s = self._state
-        open_inc = [i.domain for i in s.infra if i.closed_at is None]
+        open_inc = [i.domain for i in s.infra if i.closed_at is None and i.source == INFRA_TOPOLOGY]
         if not s.breaker_tripped and not open_inc:
             return "the breaker is not tripped and no infrastructure incident is open: nothing to reset"
         was = s.breaker_reason
         s.breaker_tripped, s.breaker_reason, s.breaker_tripped_at = False, None, None
         s.recent = []  # the storm that tripped it is acknowledged; count afresh
         for inc in s.infra:
-            if inc.closed_at is None:
+            if inc.closed_at is None and inc.source == INFRA_TOPOLOGY:  # the analyzer's follow the analyzer
                 inc.closed_at = self._now()
         self._log(f"breaker reset by {cmd.by}{': ' + cmd.note if cmd.note else ''} (was: {was or 'not tripped'}"
                   + (f"; closed infrastructure incidents {', '.join(open_inc)}" if open_inc else "") + ")")
@@ -316,7 +348,8 @@ class FleetGuard:
     # ---------------------------------------------------------------- main
     @workflow.run
     async def run(self, inp: GuardInput) -> None:
-        self._inbox = list(inp.pending_releases) + list(inp.pending_requests) + self._inbox
+        carried: list[PermitRequest | PermitRelease | DomainReport] = [*inp.pending_releases, *inp.pending_requests]
+        self._inbox = carried + self._inbox
         self._dirty = True
         if inp.carried is None:
             await self._rebuild()  # before answering anyone
@@ -359,6 +392,8 @@ class FleetGuard:
         for msg in inbox:
             if isinstance(msg, PermitRelease):
                 self._release(msg)
+            elif isinstance(msg, DomainReport):
+                self._analyzer_domains(msg, now)
             else:
                 self._request(msg, now, queued)
 
@@ -396,6 +431,10 @@ class FleetGuard:
         if any(h.node == req.node for h in s.held):
             self._answers.append((req.node, PermitDecision(granted=True, reason="permit already held",
                                                            lemon=self._lemon(req, now))))
+            return
+        explained = self._explaining(req, now)
+        if explained is not None:  # the analyzer's domain finding explains this node's slowness
+            self._deny(req.node, self._explained_reason(explained), infra=explained.domain)
             return
         at = self._queued_at(req.node, queued)
         if at is not None and s.queue[at].counted and not req.preclaimed and not s.policy.observe_only:
@@ -481,11 +520,12 @@ class FleetGuard:
         s = self._state
         window = timedelta(seconds=s.policy.domain_window_s)
         for inc in s.infra:
-            if inc.closed_at is None and now - inc.last_fault_at > window:
+            if inc.closed_at is None and inc.source == INFRA_TOPOLOGY and now - inc.last_fault_at > window:
                 inc.closed_at = self._now()
                 self._log(f"infrastructure incident {inc.domain} closed: no fault for {window}")
         for dom in req.domains:
-            open_inc = next((i for i in s.infra if i.domain == dom and i.closed_at is None), None)
+            open_inc = next((i for i in s.infra if i.domain == dom and i.closed_at is None
+                             and i.source == INFRA_TOPOLOGY), None)
             if open_inc is not None:
                 if req.node not in open_inc.nodes:
                     open_inc.nodes.append(req.node)
@@ -507,6 +547,80 @@ class FleetGuard:
                 self._tickets.append(inc)
                 return inc
         return None
+
+    # ---------------------------------------------------------------- the analyzer's domain findings
+    def _analyzer_domains(self, rep: DomainReport, now: datetime) -> None:
+        """Open an infrastructure incident for each domain finding the report lists that none is open for
+        (its queued fail_slow requests denied), widen and confirm the open ones, and close the ones it
+        no longer lists (the domain cleared)."""
+        s = self._state
+        if rep.window_end is not None and s.analyzer_window_end is not None and rep.window_end < s.analyzer_window_end:
+            return  # an older report overtaken by a newer one (two workers relayed it)
+        if rep.window_end is not None:
+            s.analyzer_window_end = rep.window_end
+        self._expire_analyzer_incidents(now)
+        findings = {f.key: f for f in rep.findings[:DOMAIN_MAX_FINDINGS]}
+        for inc in s.infra:
+            if inc.source == INFRA_ANALYZER and inc.closed_at is None and inc.domain not in findings:
+                inc.closed_at, inc.closed_why = self._now(), "cleared: the analyzer no longer reports it"
+                self._log(f"infrastructure incident {inc.domain} (fail-slow domain) cleared by the analyzer; "
+                          f"its {len(inc.nodes)} nodes are judged again")
+        for key, f in findings.items():
+            nodes = sorted(set(f.nodes))[:DOMAIN_MAX_NODES]
+            found = next((i for i in s.infra if i.domain == key and i.source == INFRA_ANALYZER
+                          and i.closed_at is None), None)
+            if found is None:
+                inc = InfraIncident(domain=key, opened_at=self._now(), last_fault_at=self._now(), nodes=nodes,
+                                    source=INFRA_ANALYZER, metrics=sorted(set(f.metrics)), confirmed_at=self._now())
+                s.infra.append(inc)
+                self._keep_infra()
+                self._log(f"INFRASTRUCTURE INCIDENT {key} (fail-slow domain from the analyzer): {len(nodes)} nodes "
+                          f"slower on {', '.join(inc.metrics) or 'shared metrics'} ({', '.join(nodes[:10])}"
+                          f"{' …' if len(nodes) > 10 else ''}); paging, draining none of them for it")
+                self._tickets.append(inc)
+            else:
+                inc = found
+                inc.nodes = nodes  # the outliers it explains now: a node standing out in it is its own
+                inc.metrics = sorted(set(inc.metrics) | set(f.metrics))
+                inc.confirmed_at = self._now()
+            members = set(inc.nodes)
+            for q in [q for q in s.queue if q.node in members and q.fault_class == FAIL_SLOW_CLASS]:
+                s.queue.remove(q)
+                reason = self._explained_reason(inc)
+                self._log(f"{q.node}: denied: {reason}")
+                self._answers.append((q.node, PermitDecision(granted=False, reason=reason, infra_incident=key)))
+        self._dirty = True
+
+    def _explaining(self, req: PermitRequest, now: datetime) -> InfraIncident | None:
+        """The open analyzer incident whose domain explains `req` (a fail_slow of one of its nodes)."""
+        s = self._state
+        if req.fault_class != FAIL_SLOW_CLASS or req.preclaimed or not s.infra:
+            return None
+        self._expire_analyzer_incidents(now)
+        return next((i for i in s.infra if i.source == INFRA_ANALYZER and i.closed_at is None
+                     and req.node in i.nodes), None)
+
+    def _expire_analyzer_incidents(self, now: datetime) -> None:
+        for inc in self._state.infra:
+            if (inc.source == INFRA_ANALYZER and inc.closed_at is None
+                    and now - (inc.confirmed_at or inc.opened_at) > ANALYZER_DOMAIN_STALE):
+                inc.closed_at, inc.closed_why = self._now(), f"no report from the analyzer for {ANALYZER_DOMAIN_STALE}"
+                self._log(f"infrastructure incident {inc.domain} (fail-slow domain) closed: "
+                          f"no report from the analyzer for {ANALYZER_DOMAIN_STALE}")
+
+    @staticmethod
+    def _explained_reason(inc: InfraIncident) -> str:
+        return (f"fail-slow explained by infrastructure incident {inc.domain} (the analyzer's domain finding: "
+                f"{len(inc.nodes)} nodes slower on {', '.join(inc.metrics) or 'shared metrics'}); not drained, a "
+                "human is paged; the analyzer judges the node again once the domain clears")
+
+    def _keep_infra(self) -> None:
+        """At most `MAX_INFRA_KEPT` infrastructure incidents: the oldest closed ones go first."""
+        s = self._state
+        extra = len(s.infra) - MAX_INFRA_KEPT
+        if extra > 0:
+            closed = [i for i in s.infra if i.closed_at is not None][:extra]
+            s.infra = [i for i in s.infra if all(i is not c for c in closed)]
 
     def _prune(self, now: datetime) -> None:
         s = self._state
@@ -606,7 +720,7 @@ class FleetGuard:
             why = f"breaker tripped at {iso(s.breaker_tripped_at)}"
         elif s.paused:
             why = f"paused by {s.paused_by}"
-        closed = sorted({i.domain for i in s.infra if i.closed_at is None})
+        closed = sorted({i.domain for i in s.infra if i.closed_at is None and i.source == INFRA_TOPOLOGY})
         free = max(self._budget() - s.pool_holders, 0)
         offer = self._room_changed or (self._claims_due and free > 0)
         claims = [PoolClaim(node=q.node, rack=q.rack) for q in self._ordered_queue()[:free + CLAIM_SLACK]] \
@@ -702,13 +816,24 @@ class FleetGuard:
         incs, self._tickets = self._tickets, []
         s = self._state
         for inc in incs:
+            if inc.source == INFRA_ANALYZER:
+                severity, title = "degraded", (f"[fleetmend] infrastructure incident {inc.domain} in {s.cluster}: "
+                                               f"{len(inc.nodes)} nodes slower ({', '.join(inc.metrics)})")
+                note = ("the fail-slow analyzer found these nodes slower together under one failure domain (a rack's "
+                        "cooling or power, a leaf switch, or inferred from outliers that started together): not "
+                        "their own fault; none of them is drained for it, and they are judged again once it clears")
+            else:
+                severity, title = "fatal", (f"[fleetmend] infrastructure incident {inc.domain} in {s.cluster}: "
+                                            f"{len(inc.nodes)} nodes")
+                note = "correlated faults under one failure domain; nothing was drained"
+            evidence = {"domain": inc.domain, "nodes": inc.nodes, "opened_at": iso(inc.opened_at), "note": note}
+            if inc.source == INFRA_ANALYZER:
+                evidence |= {"source": inc.source, "metrics": inc.metrics}
             ref: TicketRef = await workflow.execute_activity(
                 Activity.FILE_TICKET, TicketRequest(
                     incident_id=f"{workflow.info().workflow_id}/{inc.domain}/{iso(inc.opened_at)}", cluster=s.cluster,
-                    node=inc.domain.replace(":", "-"), severity="fatal", fault_class="infrastructure",
-                    title=f"[fleetmend] infrastructure incident {inc.domain} in {s.cluster}: {len(inc.nodes)} nodes",
-                    evidence={"domain": inc.domain, "nodes": inc.nodes, "opened_at": iso(inc.opened_at),
-                              "note": "correlated faults under one failure domain; nothing was drained"}),
+                    node=inc.domain.replace(":", "-"), severity=severity, fault_class="infrastructure",
+                    title=title, evidence=evidence),
                 result_type=TicketRef, start_to_close_timeout=timedelta(minutes=1), retry_policy=TICKET_RETRY,
                 summary=f"page: infrastructure incident {inc.domain}")
             inc.ticket = ref.ticket_id
@@ -770,7 +895,9 @@ class FleetGuard:
             lines.append(f"paused by {s.paused_by}")
         open_inc = [i for i in s.infra if i.closed_at is None]
         if open_inc:
-            lines.append("infrastructure incidents: " + ", ".join(f"{i.domain} ({i.ticket})" for i in open_inc))
+            lines.append("infrastructure incidents: " + ", ".join(
+                f"{i.domain} ({i.ticket}{', fail-slow domain' if i.source == INFRA_ANALYZER else ''})"
+                for i in open_inc))
         workflow.set_current_details("\n".join(lines))
 
     def _log(self, text: str) -> None:

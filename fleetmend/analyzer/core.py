@@ -17,8 +17,10 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
    A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
    under load, IB wait, CPU frequency) is compared only among the nodes of one job within the
-   hardware group, group `<hardware key> job:<job>`. A node whose job is unknown in the window (no
-   `note_job`, or more than one job) is **not judged** on work-dependent metrics: the analyzer rather
+   hardware group, group `<hardware key> job:<job>`. The scheduler's word comes first (`note_sched`:
+   the nodes Slurm or Kubernetes runs the job on, group `job:sched:<job>`), then the job the node's own
+   step times name (`note_job`). A node whose job is unknown in the window (neither, or more than one
+   job) is **not judged** on work-dependent metrics: the analyzer rather
    misses a finding than drains a healthy node because its work differs from its neighbours'.
    Those skipped judgements are counted (`WindowResult.no_job`).
 3. Fewer than `min_group_size` nodes with a value: the group is too small to compare; it is
@@ -38,7 +40,11 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    slower later is. Offsets are forgotten `baseline_ttl_s` after their member was last seen.
 6. Outlier windows count up per node and metric; a judged window that is not an outlier resets the
    count; a window without a judgement (idle, no data, no job) leaves it. `windows` in a row → a
-   `Finding`, unless the same node and metric was reported less than `reopen_after_s` ago.
+   `Finding`, unless the same node and metric was reported less than `reopen_after_s` ago. An
+   outlier window that a failure domain or a version explains (`shared.Explainer`) is the shared
+   cause's: the node's count on that metric starts again, and an earlier report of it is forgotten
+   (FleetGuard denied its incident as the domain's), so once the cause clears the node is judged as
+   any other, from its next window (no `reopen_after_s` mute).
 
 Nothing one node sends can poison a median or the memory: a value that is not finite or outside
 its metric's physical range (`MetricSpec.lo`..`hi`) is dropped; with `now` given, a sample dated more
@@ -184,7 +190,7 @@ moved): a job id reused later starts a new baseline."""
 
 
 class _NodeWindow:
-    __slots__ = ("group", "values", "where", "jobs", "n", "stride", "fp")
+    __slots__ = ("group", "values", "where", "jobs", "sched", "n", "stride", "fp")
 
     def __init__(self, group: str) -> None:
         self.group = group
@@ -193,6 +199,9 @@ class _NodeWindow:
         self.values: dict[str, list[float]] = {}
         self.where: dict[str, str] = {}
         self.jobs: set[str] = set()
+        """Jobs the node reported step times of in the window (`note_job`)."""
+        self.sched: set[str] = set()
+        """Jobs the scheduler says the node ran in the window (`note_sched`): they take precedence."""
         self.n = 0
         self.stride = 1
         """Every `stride`-th sample is kept (doubles each time a metric fills `MAX_VALUES_PER_METRIC`)."""
@@ -358,6 +367,23 @@ class Comparator:
             nw.jobs.add(job)
         return True
 
+    def note_sched(self, node: str, job: str, t: float, now: float | None = None) -> bool:
+        """Record that the scheduler says `node` ran `job` at epoch `t` (Slurm job → nodes, a Kubernetes
+        job's pods → nodes). In that window the scheduler's word decides the node's job (group
+        `job:sched:<job>`), whether or not the node reports step times; a node the scheduler puts in
+        two jobs at once (a shared node) has no single job and is not judged on work-dependent metrics.
+        Same time rules as `add`."""
+        w = self._admit(t, now, node)
+        if w is None:
+            return False
+        nw, _ = self._node_window(w, node, "")
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+            return False
+        if len(nw.sched) < MAX_JOBS_PER_WINDOW:
+            nw.sched.add(job)
+        return True
+
     def due(self, now: float) -> list[int]:
         """Open windows whose end + `grace_s` is at or before `now` (epoch seconds), oldest first."""
         limit = now - self.cfg.grace_s
@@ -376,7 +402,10 @@ class Comparator:
         specs = self.specs
         seen_bursty: set[tuple[str, str]] = set()
         for node, nw in nodes.items():
-            job = next(iter(nw.jobs)) if len(nw.jobs) == 1 else None
+            if nw.sched:  # the scheduler's word first: every node of the job, reporting or not
+                job = f"sched:{next(iter(nw.sched))}" if len(nw.sched) == 1 else None
+            else:
+                job = next(iter(nw.jobs)) if len(nw.jobs) == 1 else None
             for m, vals in nw.values.items():
                 if len(vals) < min_n:
                     continue
@@ -470,15 +499,26 @@ class Comparator:
         def new_streak(node: str, m: str) -> bool:
             return m not in self.streaks.get(node, {})
 
+        explained: list[_Judged] = []
         if self.explained_units and self.unit_of is not None:  # the nodes a domain or version explains
             unit_of = self.unit_of
-            left = [j for j in judged if not (j.outlier and unit_of(j.node) in self.explained_units)]
-            res.explained += len(judged) - len(left)
-            judged = left
+            explained = [j for j in judged if j.outlier and unit_of(j.node) in self.explained_units]
+            judged = [j for j in judged if not (j.outlier and unit_of(j.node) in self.explained_units)]
         keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end)
         res.shared_findings, res.shared_seen = report, seen
-        res.explained += len(judged) - len(keep)
+        kept = {id(j) for j in keep}
+        explained += [j for j in judged if id(j) not in kept]
+        res.explained += len(explained)
+        for j in explained:  # its outlier windows so far were the shared cause's, and so was any report
+            self._forget(self.streaks, j.node, j.metric)
+            self._forget(self.reported, j.node, j.metric)
         return keep
+
+    @staticmethod
+    def _forget(table: dict[str, dict[str, Any]], node: str, m: str) -> None:
+        per = table.get(node)
+        if per is not None and per.pop(m, None) is not None and not per:
+            del table[node]
 
     def _count(self, res: WindowResult, j: _Judged, end: float) -> None:
         """Rule 6: count an outlier window, reset on a judged normal one, report at `windows`."""

@@ -20,6 +20,7 @@ the hardware class, as before.
 | metric | bad | load | kind | floor | why this kind / why the floor |
 |---|---|---|---|---|---|
 | sm_clock_ratio | low | busy | work | `min_ratio_sm_clock` (3 %) rel. | clocks follow the power the kernels draw / ~1 % spread |
+| sm_clock_free_ratio | low | busy | hw | `min_ratio_sm_clock` (3 %) rel. | no clocks-event reason: as high as Boost goes / ~1 % |
 | power_brake_frac | high | any | hw | 0.05 of the interval | an external brake signal; no job asks for it / never normal |
 | hw_slowdown_frac | high | any | hw | 0.05 | a power/thermal emergency under any work / never normal |
 | thermal_frac | high | busy | hw | 0.05 | healthy cooling holds any job off it / brief touches happen |
@@ -53,6 +54,16 @@ reach (`core.BURST_SHARE`, `core.BURST_POOL_WINDOWS`, at least two samples), so 
 in a third of the samples count while one burst in every window (6 of 30 samples at one sample a
 minute) does not.
 
+**Clocks without a reason** (`sm_clock_free_ratio`). NVML says why a GPU's clocks are held down
+(`CLOCK_EVENT_REASONS`: SW power cap, SW/HW thermal, HW slowdown, power brake); with none active
+the clocks are "as high as possible" (nvmlClocksEventReasonNone). So the SM clock of a busy GPU
+(utilization ≥ `FREE_CLOCK_UTIL_PCT`) whose every reason was active for at most `FREE_REASON_MAX` of
+the interval is the hardware's own, not the job's: a compute-bound job lowers its clocks by sitting
+at the power cap, which is then a reason, and such a GPU's sample does not count. This one is
+judged across the hardware class, so a GPU 5 % slow under load is found whatever job the node runs
+(a job of 4 nodes, a job that reports no step times); `sm_clock_ratio` stays the job-group
+comparison of all busy clocks. A reading without all five reasons (an old driver) gives no value.
+
 A quantized metric (`MetricSpec.quantum`: SM clocks in 15 MHz steps, temperature in 1 °C) takes
 its group's MAD as the interpolated median of the deviations (`core.quantized_mad`): with half the
 peers one step off the median the plain MAD is a whole step and 6 MADs would be ~7 % of the clock,
@@ -70,7 +81,7 @@ from dataclasses import dataclass
 from statistics import median
 
 from fleetmend.events import Component, Device
-from fleetmend.telemetry import RATE_MAX_GBPS, TEMPERATURE_MAX_C, TEMPERATURE_MIN_C, PerfSample
+from fleetmend.telemetry import CLOCK_EVENT_REASONS, RATE_MAX_GBPS, TEMPERATURE_MAX_C, TEMPERATURE_MIN_C, PerfSample
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,11 @@ WORK = True
 HW_OWN = False
 SM_CLOCK_STEP_MHZ = 15.0
 """NVIDIA GPUs set SM clocks in 15 MHz steps (NVML `nvmlDeviceGetSupportedGraphicsClocks`)."""
+FREE_CLOCK_UTIL_PCT = 80.0
+"""A GPU's clock counts toward `sm_clock_free_ratio` only at this utilization or more (clocks ramp down
+in the idle gaps of a lightly loaded GPU, NVML's GpuIdle reason, which the agent does not record)."""
+FREE_REASON_MAX = 0.01
+"""Each clocks-event reason active for at most this share of the interval: the clocks were free."""
 SM_CLOCK_MAX_TYPICAL_MHZ = 1980.0
 """H100/H200 SXM maximum SM clock: one clock step is 0.76 % of it (1.06 % on an A100 at 1,410 MHz,
 where the interpolated MAD is a little pessimistic, never a whole step)."""
@@ -135,6 +151,9 @@ def _specs(min_ratio_sm_clock: float = 0.03) -> dict[str, MetricSpec]:
         S("sm_clock_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max", WORK,
           "boost clocks under load follow the power the job's kernels draw", hi=1.1,
           quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ, shared=True),
+        S("sm_clock_free_ratio", "low", True, min_ratio_sm_clock, 0.0, G, "SM clock / max with no clocks-event reason",
+          HW_OWN, "a busy GPU no clocks-event reason holds down runs as high as GPU Boost allows, whatever the job",
+          hi=1.1, quantum=SM_CLOCK_STEP_MHZ / SM_CLOCK_MAX_TYPICAL_MHZ, shared=True),
         S("power_brake_frac", "high", False, 0.0, 0.05, G, "time in HW power brake", HW_OWN,
           "an external power-brake signal is never asked for by a job", hi=1.0, expected=0.0, shared=True),
         S("hw_slowdown_frac", "high", False, 0.0, 0.05, G, "time in HW slowdown", HW_OWN,
@@ -240,6 +259,9 @@ def derive(sample: PerfSample, busy_util_pct: float = 50.0) -> tuple[bool, Deriv
         if gbusy:
             if g.sm_clock_mhz is not None and g.sm_clock_max_mhz:
                 add("sm_clock_ratio", g.sm_clock_mhz / g.sm_clock_max_mhz, w)
+                if (g.util_pct >= FREE_CLOCK_UTIL_PCT and len(ef) >= len(CLOCK_EVENT_REASONS)  # type: ignore[operator]
+                        and all(ef.get(k, 1.0) <= FREE_REASON_MAX for k in CLOCK_EVENT_REASONS)):
+                    add("sm_clock_free_ratio", g.sm_clock_mhz / g.sm_clock_max_mhz, w)
             th = [ef[k] for k in ("hw_thermal", "sw_thermal") if k in ef]
             if th:
                 add("thermal_frac", max(th), w)

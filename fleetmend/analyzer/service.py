@@ -13,6 +13,12 @@
 - A finding becomes a `fail_slow` FaultEvent published on the node's fault subject through
   JetStream (Nats-Msg-Id = event id), so it takes the normal pipeline: router → NodeRemediation →
   FleetGuard budget → diagnostics → ticket.
+- The scheduler's running jobs (`fleet.<cluster>.sched.jobs`, core NATS, published every minute by a
+  worker from its scheduler adapter: Slurm job → nodes, a Kubernetes job's pods → nodes;
+  `fleetmend.worker.analyzer_link`) say which nodes run one job, whether or not every rank reports
+  step times (`Comparator.note_sched`: the scheduler's word comes first). Only the worker's
+  credentials may publish there. A node that reports step times of a job the scheduler lists
+  without that node is not believed (the rows are dropped and counted, `job.not_in_job`).
 - Job step times (`fleetmend.jobs`, `fleet.<cluster>.job.<node>.<job>`) go through a second comparator whose
   groups are jobs and whose members are ranks, each judged with its own offset in the job removed
   (`job_comparator`): a rank persistently slower than that becomes fail_slow on its node, saying
@@ -65,6 +71,7 @@ from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_perf_stream, kv_config
 from fleetmend.infra.lease import KvLease
+from fleetmend.messages import DOMAIN_MAX_FINDINGS, DOMAIN_MAX_NODES
 from fleetmend.policy import load_topology
 from fleetmend.telemetry import PerfSample
 
@@ -81,6 +88,11 @@ MAX_STEP_SECONDS = 86400.0
 """A step time above a day is not a step time."""
 KNOWN_NODE_TTL_S = 3600.0
 """A node is known (may report job steps) for this long after its last perf sample."""
+SCHED_TTL_S = 180.0
+"""A job the scheduler listed is remembered this long after the last list that named it (the worker
+lists every minute: three lists missed and it is forgotten)."""
+MAX_SCHED_BYTES = 1024 * 1024
+MAX_JOB_NAME = 128
 
 
 JOB_SPEC = MetricSpec("job_step_seconds", "high", False, 0.05, 0.0, Component.GPU, "step time s",
@@ -108,7 +120,7 @@ def job_comparator(cfg: Any) -> Comparator:
 
 def status_key(cluster: str) -> str:
     """`status.<cluster>`: what the active analyzer judged last (`Analyzer.status`)."""
-    return f"status.{cluster}"
+    return subjects.analyzer_status_key(cluster)
 
 
 def lease_key(cluster: str) -> str:
@@ -153,6 +165,10 @@ class Analyzer:
         else inferred from co-occurrence (`fleetmend.analyzer.shared`)."""
         self.shared_active: list[dict[str, Any]] = []
         """Domain and version findings seen in the last judged window (the status lists them)."""
+        self.domains: list[dict[str, Any]] = []
+        """The domain findings reported and still seen in the last judged window, each with every node
+        it explains (`status()["domains"]`: what a worker relays to FleetGuard as infrastructure
+        incidents, `fleetmend.messages.DomainReport`)."""
         self.drift = DriftJudge(self.cluster, js, catalog=load_catalog(settings.catalog_overrides))  # analyzer/drift.py
         self.jobs = job_comparator(self.cfg)
         """Per-rank step times of jobs (`fleetmend.jobs`): group = job, key = `<node>/<rank>`."""
@@ -179,6 +195,11 @@ class Analyzer:
         """node → (reason → samples and job steps dropped for their time: `late`, `future` (early),
         `stale`; analyzer clock of the last drop), kept `SKEW_KEEP_S` (the status lists them)."""
         self.last_window_end: float | None = None
+        self.sched_jobs: dict[str, tuple[frozenset[str], float]] = {}
+        """The scheduler's running jobs (`_on_sched_msg`): job → (its nodes, analyzer clock of the last
+        list naming it), forgotten `SCHED_TTL_S` after."""
+        self.sched_lists = 0
+        self._sched_sub: Any = None
         self._sub: Any = None
         self._job_sub: Any = None
         self._log = log.bind(cluster=self.cluster, holder=self.holder)
@@ -192,6 +213,7 @@ class Analyzer:
                                         self._on_msg)
         self._job_sub = await self._ordered(subjects.cluster_job_subject(self.cluster), subjects.JOB_STREAM, since,
                                             self._on_job_msg)
+        self._sched_sub = await self.nc.subscribe(subjects.sched_jobs_subject(self.cluster), cb=self._on_sched_msg)
 
     async def _ordered(self, subject: str, stream: str, since: datetime, cb: Any) -> Any:
         """An ordered push consumer from `since`. nats-py recreates an ordered consumer after a gap
@@ -251,6 +273,11 @@ class Analyzer:
                 # two streams replay side by side after a restart): dropped and counted, not dead-lettered
                 self.jobs.dropped["unknown_node"] += len(rows)
                 return
+            sched = self.sched_jobs.get(job)
+            if rows and sched is not None and sender not in sched[0] and now - sched[1] <= SCHED_TTL_S:
+                # the scheduler runs this job elsewhere: a node speaking for a job it is not part of
+                self.jobs.dropped["not_in_job"] += len(rows)
+                return
             claims = self._check_claims(job, rows, known[1], now) if rows and known is not None else {}
         except (ValueError, TypeError, UnicodeDecodeError, OverflowError) as err:
             self.rejected += 1
@@ -263,6 +290,48 @@ class Analyzer:
                              now=now):
                 self.comparator.note_job(node, job, at, now=now)
                 self.job_steps += 1
+
+    async def _on_sched_msg(self, msg: Any) -> None:
+        """One list of the scheduler's running jobs (`{"v": 1, "cluster": C, "at": t, "jobs": {job:
+        [node, ...]}}`, possibly one of several parts): each job's nodes are noted as running it in the
+        open window (`Comparator.note_sched`) and remembered for `SCHED_TTL_S`. Node names go through
+        `subjects.check_node_name`; an invalid name or job is skipped and counted
+        (`sched.invalid`); a malformed message is dead-lettered."""
+        now = self.clock()
+        try:
+            if len(msg.data) > MAX_SCHED_BYTES:
+                raise ValueError(f"scheduler job list of {len(msg.data)} bytes exceeds {MAX_SCHED_BYTES}")
+            data = json.loads(msg.data)
+            if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("jobs"), dict):
+                raise ValueError("expected {\"v\": 1, \"cluster\": ..., \"jobs\": {job: [node, ...]}}")
+            if data.get("cluster") != self.cluster:
+                raise ValueError(f"job list of cluster {str(data.get('cluster'))[:40]!r} on {msg.subject}")
+        except (ValueError, TypeError, UnicodeDecodeError) as err:
+            self.rejected += 1
+            await self._deadletter(msg, f"invalid scheduler job list: {str(err)[:300]}")
+            return
+        self.sched_lists += 1
+        for job, nodes in data["jobs"].items():
+            if (not isinstance(job, str) or not job or len(job) > MAX_JOB_NAME or not job.isprintable()
+                    or not isinstance(nodes, list)):
+                self.comparator.dropped["sched.invalid"] += 1
+                continue
+            if job not in self.sched_jobs and len(self.sched_jobs) >= MAX_NODES_PER_WINDOW:
+                self.comparator.dropped["sched.too_many_jobs"] += 1
+                continue
+            ok = []
+            for n in nodes[:MAX_NODES_PER_WINDOW]:
+                try:
+                    ok.append(subjects.check_node_name(str(n)))
+                except ValueError:
+                    self.comparator.dropped["sched.invalid"] += 1
+            self.sched_jobs[job] = (frozenset(ok), now)
+            for node in ok:
+                self.comparator.note_sched(node, job, now, now=now)
+
+    def _forget_sched(self, now: float) -> None:
+        for job in [j for j, (_, t) in self.sched_jobs.items() if now - t > SCHED_TTL_S]:
+            del self.sched_jobs[job]
 
     def _check_claims(self, job: str, rows: list[tuple[int, str, float, float]], gpus: int,
                       now: float) -> dict[tuple[int, str], set[int]]:
@@ -393,6 +462,9 @@ class Analyzer:
                            no_job=res.no_job, explained=res.explained, shared=len(res.shared_seen),
                            active=active)
             self.shared_active = [f.evidence() for f in res.shared_seen][:STATUS_MAX_NODES]
+            self.domains = [{"key": f.key, "nodes": sorted(f.nodes)[:DOMAIN_MAX_NODES], "metrics": f.metrics,
+                             "windows": f.windows, "share": round(f.value, 4)}
+                            for f in res.shared_seen if f.kind == "domain" and f.reported][:DOMAIN_MAX_FINDINGS]
             if not active:
                 continue
             for g in res.shared_findings:  # one finding for many outliers: no node event, no drain
@@ -461,6 +533,7 @@ class Analyzer:
         gone = now - KNOWN_NODE_TTL_S
         for node in [n for n, (t, _) in self.nodes.items() if t < gone]:
             del self.nodes[node]
+        self._forget_sched(now)
 
     def _collect_skewed(self, now: float) -> dict[str, dict[str, int]]:
         """Merge what the comparators dropped per node for its time since the last call (a rank key
@@ -482,12 +555,17 @@ class Analyzer:
         replica after each judged window): the groups too small to compare and how they were
         judged instead, and the nodes whose samples were dropped for their time in the last
         `SKEW_KEEP_S` (`late`: after their window was judged, the node's clock behind or its
-        delivery slow; `future`: ahead of this analyzer's clock beyond the allowed skew; `stale`)."""
+        delivery slow; `future`: ahead of this analyzer's clock beyond the allowed skew; `stale`), the
+        domain and version findings seen in the last window (`shared_findings`), and the domain
+        findings reported and still seen with every node they explain (`domains`: a worker relays
+        them to FleetGuard, `fleetmend.worker.analyzer_link`)."""
         worst = sorted(self.skewed.items(), key=lambda kv: -sum(kv[1][0].values()))[:STATUS_MAX_NODES]
         return {"cluster": self.cluster, "holder": self.holder, "window_end": self.last_window_end,
                 "small_groups": [{"group": g, "metric": m, "nodes": n, "judged": j}
                                  for (g, m), (n, j) in sorted(self.small_groups_judged.items())][:STATUS_MAX_NODES],
                 "shared_findings": self.shared_active,
+                "domains": self.domains,
+                "scheduler_jobs": len(self.sched_jobs),
                 "clock_skew": {node: reasons for node, (reasons, _) in worst},
                 "clock_skew_nodes": len(self.skewed)}
 
@@ -524,7 +602,7 @@ class Analyzer:
                     async with asyncio.timeout(min(tick_s, self.cfg.lease_ttl_s / 3)):
                         await stop.wait()
         finally:
-            for sub in (self._sub, self._job_sub):
+            for sub in (self._sub, self._job_sub, self._sched_sub):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
             await self.release()

@@ -18,9 +18,10 @@ before streaks are counted (`Explainer.explain`):
    that share a domain (rack, leaf, PDU from the topology file, `fleetmend.policy.Topology`), and on
    at least `DOMAIN_MIN_SHARE` of that domain's judged nodes, is one domain finding. Without a
    topology (or for nodes it does not list) the domain is inferred from co-occurrence: at least
-   `INFER_MIN_NODES` nodes whose outlier streaks on shared metrics start in the same window are
-   one inferred domain (independent faults rarely start together; nodes starting while it lasts
-   join it), remembered while at least half of its nodes are still outliers. Outliers are counted
+   `INFER_MIN_NODES` nodes (and at least twice as many as started on their own in any window of the
+   last hour: independent faults start together as often as the fleet's fault rate makes them)
+   whose outlier streaks on shared metrics start in the same window are one inferred domain (nodes
+   starting while it lasts join it), remembered while at least half of its nodes are still outliers. Outliers are counted
    per domain across every group and shared metric (a rack's nodes run different jobs).
 3. Within an explained domain each node is judged again against the domain's own median (with the
    metric's floors and `mad_k` MADs): a node that is still an outlier there is still counted (a real
@@ -33,7 +34,7 @@ before streaks are counted (`Explainer.explain`):
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
@@ -48,9 +49,13 @@ DOMAIN_MIN_NODES = 3
 DOMAIN_MIN_SHARE = 0.2
 """Share of a domain's judged nodes that must be outliers (3 of a 32-node rack are not enough)."""
 INFER_MIN_NODES = 4
+INFER_BACKGROUND_WINDOWS = 12
+"""Windows (an hour at the defaults) over which the background of outliers starting on their own is
+kept (`Explainer._infer_min`)."""
 MAX_INFERRED = 1000
 """Inferred domains remembered at once (bounded whatever arrives)."""
 FINGERPRINT_KEYS = ("driver", "vbios")
+
 
 
 @dataclass
@@ -72,6 +77,10 @@ class GroupFinding:
     windows: int
     window_end: float
     window_s: float
+    reported: bool = False
+    """Seen `windows` windows in a row, so reported (in this window or an earlier one of its episode)."""
+    metrics: list[str] = field(default_factory=list)
+    """A domain: every metric its nodes outlied on in this episode (`metric`: in this window)."""
 
     def evidence(self) -> dict[str, Any]:
         return {"kind": self.kind, "key": self.key, "metric": self.metric, "group": self.group,
@@ -85,6 +94,8 @@ class _Episode:
     windows: int = 0
     reported: bool = False
     seen: bool = False
+    metrics: set[str] = field(default_factory=set)
+    """A domain: the metrics its nodes outlied on over the episode."""
 
 
 @dataclass
@@ -101,6 +112,8 @@ class Explainer:
     episodes: dict[str, _Episode] = field(default_factory=dict)
     inferred: dict[str, frozenset[str]] = field(default_factory=dict)
     """inferred domain key → its nodes."""
+    starts: deque[int] = field(default_factory=lambda: deque(maxlen=INFER_BACKGROUND_WINDOWS))
+    """How many outliers started on their own (no domain formed or joined) in each recent window."""
     explained_nodes: set[str] = field(default_factory=set)
     """Nodes of the domains and versions active in the last window (their job step times are not
     blamed on them either: `Comparator.explained_units`)."""
@@ -216,10 +229,12 @@ class Explainer:
             key = max(self.inferred)
             self.inferred[key] = self.inferred[key] | starting
             doms[key] = [j for j in js if j.node in self.inferred[key]]
-        elif len(starting) >= INFER_MIN_NODES and len(self.inferred) < MAX_INFERRED:
+        elif len(starting) >= self._infer_min() and len(self.inferred) < MAX_INFERRED:
             key = f"inferred:{int(end)}"
             self.inferred[key] = frozenset(starting)
             doms[key] = [j for j in js if j.node in starting]
+        else:
+            self.starts.append(len(starting))  # the background: outliers that start in a window on their own
         found = []
         self.explained_nodes = set()
         for key, members in doms.items():
@@ -242,6 +257,13 @@ class Explainer:
             found.append(GroupFinding("domain", key, ",".join(metrics), "*", sorted({n for n, _ in expl}),
                                       len(out_nodes) / len(judged_nodes), 0.0, 0, end, cfg.window_s))
         return found
+
+    def _infer_min(self) -> int:
+        """Outliers that must start in one window to be taken for one inferred domain: `INFER_MIN_NODES`,
+        or twice the most that started on their own in one of the last `INFER_BACKGROUND_WINDOWS`
+        windows. Independent faults that start in the same window by chance are as many as a
+        fleet's fault rate makes them; one shared cause starts far more at once."""
+        return max(INFER_MIN_NODES, 2 * max(self.starts, default=0))
 
     @staticmethod
     def _rejudge(members: list[Any], spec: Any, cfg: Any) -> set[str]:
@@ -277,7 +299,11 @@ class Explainer:
             ep = self.episodes.setdefault(k, _Episode())
             ep.windows += 1
             f.windows = ep.windows
+            if f.kind == "domain":  # the nodes it explains now; the metrics of its whole episode
+                ep.metrics.update(m for m in f.metric.split(",") if m)
+                f.metrics = sorted(ep.metrics)
             if ep.windows >= cfg.windows and not ep.reported:
                 ep.reported = True
                 report.append(f)
+            f.reported = ep.reported
         return report

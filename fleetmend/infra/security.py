@@ -22,7 +22,9 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                subscribe fleet.*.hb.* (heartbeats), the max-deliveries advisory of its consumer,
                          _INBOX_router.> (its own inbox prefix)
     worker     publish   fleet.*.diag.* (diagnostics, recovery and sweep benchmark requests), fleet.*.fault.*
-                         (fail_slow of `fleetmend sweep --act`), $KV.<drain bucket>.>
+                         (fail_slow of `fleetmend sweep --act`), fleet.*.sched.jobs (the scheduler's
+                         running jobs, for the analyzer), reading the analyzer bucket's entries (its
+                         status: the domain findings it relays to FleetGuard), $KV.<drain bucket>.>
                          and the JetStream API calls of that bucket (stream info/create, direct and
                          message get, consumer create/info/delete for key listings, flow control);
                          the same for the ticket ledger, lease, notifications-sent and permit pool buckets
@@ -30,7 +32,8 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
     analyzer   publish   the JetStream API calls of its ordered consumers on the perf and job streams
                          (consumer create/delete, flow control) and of its KV bucket (lease, state),
                          $KV.<analyzer bucket>.>, fleet.*.fault.* (fail_slow), fleet.deadletter
-               subscribe _INBOX_analyzer.> (its own inbox prefix)
+               subscribe _INBOX_analyzer.> (its own inbox prefix), fleet.*.sched.jobs (the worker's
+                         list of the scheduler's running jobs: no node may publish it)
     admin      everything (CLI `status`/`deadletters`, `dev up`, stream setup)
 
 No role gets `$JS.API.>`: a router credential cannot delete a stream or read the KV bucket, a worker
@@ -127,12 +130,16 @@ def role_permissions(role: str) -> dict | None:
         buckets = (subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.LEASE_KV_BUCKET,
                    subjects.NOTIFY_KV_BUCKET, subjects.PERMIT_KV_BUCKET, subjects.LEDGER_KV_BUCKET)
         fp = f"KV_{subjects.FINGERPRINT_KV_BUCKET}"  # the ledger reads fingerprints (versions, serials): reads only
+        akv = f"KV_{subjects.ANALYZER_KV_BUCKET}"  # the analyzer's status, read (its domain findings)
         return {"publish": {"allow": [p for b in buckets for p in _kv_bucket(b)] + _api(
                     f"STREAM.INFO.{fp}", f"DIRECT.GET.{fp}", f"DIRECT.GET.{fp}.>", f"STREAM.MSG.GET.{fp}",
                     f"CONSUMER.CREATE.{fp}", f"CONSUMER.CREATE.{fp}.>", f"CONSUMER.INFO.{fp}.>",
-                    f"CONSUMER.DELETE.{fp}.>") + [f"$JS.FC.{fp}.>",
+                    f"CONSUMER.DELETE.{fp}.>",
+                    f"STREAM.INFO.{akv}", f"STREAM.MSG.GET.{akv}", f"DIRECT.GET.{akv}", f"DIRECT.GET.{akv}.>") + [
+                    f"$JS.FC.{fp}.>",
                     "fleet.*.diag.*", "fleet.*.reconfigure.*",  # diagnostics, sweeps, live fixes (reconfigure_node)
-                    subjects.all_faults_subject()]},  # fail_slow of `fleetmend sweep --act`
+                    subjects.all_faults_subject(),  # fail_slow of `fleetmend sweep --act`
+                    subjects.all_sched_jobs_subject()]},  # the scheduler's running jobs, for the analyzer
                 "subscribe": {"allow": [role_inbox_prefix("worker") + ".>"]}}
     if role == "analyzer":
         ps, js_, kv = subjects.PERF_STREAM, subjects.JOB_STREAM, f"KV_{subjects.ANALYZER_KV_BUCKET}"
@@ -148,7 +155,7 @@ def role_permissions(role: str) -> dict | None:
         drift = [*_kv_bucket(subjects.FINGERPRINT_KV_BUCKET), *_kv_bucket(subjects.DRIFT_ALLOW_KV_BUCKET)]
         return {"publish": {"allow": [*api, *drift, f"$KV.{subjects.ANALYZER_KV_BUCKET}.>", f"$JS.FC.{ps}.>",
                                       f"$JS.FC.{js_}.>", subjects.all_faults_subject(), subjects.DEADLETTER_SUBJECT]},
-                "subscribe": {"allow": [role_inbox_prefix("analyzer") + ".>"]}}
+                "subscribe": {"allow": [role_inbox_prefix("analyzer") + ".>", subjects.all_sched_jobs_subject()]}}
     if role == "admin":
         return None
     raise ConfigError(f"unknown role {role!r}; expected {', '.join(ROLES)} (nodes get node credentials)")

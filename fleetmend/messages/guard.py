@@ -168,6 +168,15 @@ class Queued:
                 "reason": self.reason}
 
 
+FAIL_SLOW_CLASS = "fail_slow"
+"""The fault class of the analyzer's node findings (the catalog's `fail_slow` kind)."""
+INFRA_TOPOLOGY = "topology"
+"""`InfraIncident.source`: drain-worthy faults of `domain_incident_nodes` nodes under one domain of the
+topology file, counted by the guard."""
+INFRA_ANALYZER = "analyzer"
+"""`InfraIncident.source`: a domain finding of the fail-slow analyzer (`DomainReport`)."""
+
+
 @dataclass
 class InfraIncident:
     domain: str
@@ -176,11 +185,56 @@ class InfraIncident:
     nodes: list[str]
     ticket: str | None = None
     closed_at: datetime | None = None
+    source: str = INFRA_TOPOLOGY
+    """`INFRA_TOPOLOGY` or `INFRA_ANALYZER`. An analyzer incident denies the fail_slow incidents of its
+    `nodes` only (the outliers its domain explains in the analyzer's last report), closes when the
+    analyzer no longer reports it, and does not close the domain in the permit pool (a fatal fault
+    there still drains)."""
+    metrics: list[str] = field(default_factory=list)
+    """An analyzer incident: the metrics its nodes outlie on."""
+    confirmed_at: datetime | None = None
+    """An analyzer incident: the last report that still listed it (`last_fault_at` stays its opening)."""
+    closed_why: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """The shape `GuardStatus.infra_incidents` shows: times as `iso`."""
         return {"domain": self.domain, "opened_at": iso(self.opened_at), "last_fault_at": iso(self.last_fault_at),
-                "nodes": list(self.nodes), "ticket": self.ticket, "closed_at": iso(self.closed_at)}
+                "nodes": list(self.nodes), "ticket": self.ticket, "closed_at": iso(self.closed_at),
+                "source": self.source, "metrics": list(self.metrics), "confirmed_at": iso(self.confirmed_at),
+                "closed_why": self.closed_why}
+
+
+DOMAIN_MAX_NODES = 1000
+"""Nodes a `DomainFinding` lists at most (a leaf switch's; a signal and the carried state stay small)."""
+DOMAIN_MAX_FINDINGS = 50
+"""Domain findings one `DomainReport` carries at most."""
+
+
+@dataclass
+class DomainFinding:
+    """One failure domain whose fail-slow outliers the analyzer explains (`fleetmend.analyzer.shared`):
+    `key` `rack:r07` / `leaf:…` / `pdu:…` (topology) or `inferred:<epoch>` (co-occurrence); `nodes` the
+    outliers it explains in the analyzer's last window (not one that stands out even against the
+    domain's own median: that fault is its own); `metrics` what they outlie on; `windows` how many
+    windows in a row it has been seen; `share` of the domain's judged nodes outlying."""
+
+    key: str
+    nodes: list[str]
+    metrics: list[str] = field(default_factory=list)
+    windows: int = 0
+    share: float = 0.0
+
+
+@dataclass
+class DomainReport:
+    """`GuardApi.DOMAINS`: every domain finding the analyzer has reported (seen `windows` windows in a
+    row) and still sees, as of its window ending `window_end`; a domain missing from it has cleared. Sent
+    by a worker (`fleetmend.worker.analyzer_link`) when the list changes, and again every
+    `fleetmend.worker.analyzer_link.DOMAIN_REFRESH_S` while it is not empty."""
+
+    cluster: str
+    window_end: datetime | None = None
+    findings: list[DomainFinding] = field(default_factory=list)
 
 
 @dataclass
@@ -224,6 +278,8 @@ class GuardState:
     stranded: dict[str, str] = field(default_factory=dict)
     """node → why: pool holders whose incident is no longer running (terminated, reset). Still drained,
     so still counted, until `fleetmend breaker release NODE` returns the node to service."""
+    analyzer_window_end: datetime | None = None
+    """The analyzer window of the last `DomainReport` applied (an older one arriving late is ignored)."""
 
 
 @dataclass

@@ -69,6 +69,9 @@ class GuardApi:
     POLICY = "policy"
     """A worker's `GuardPolicy` at its start (budget, rack cap, breaker, observe-only): a changed setting
     reaches the guard, and the permit pool, before any request carries it."""
+    DOMAINS = "analyzer_domains"
+    """The fail-slow analyzer's domain findings (`DomainReport`, sent by a worker): each one an
+    infrastructure incident; their nodes' fail_slow incidents are denied while it is open."""
     STATUS = "status"
     RESET_BREAKER = "reset_breaker"
     PAUSE = "pause"

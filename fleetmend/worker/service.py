@@ -18,6 +18,7 @@ from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
 from fleetmend.infra.lease import Presence
 from fleetmend.report import FIELDS, ReportParams, build_report
+from fleetmend.worker import analyzer_link
 from fleetmend.worker.build import build_ledger, build_worker
 
 log = structlog.get_logger("fleetmend.worker")
@@ -36,6 +37,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     present = asyncio.create_task(Presence(nc.jetstream(), "worker", [settings.cluster], info={
         "task_queue": worker.task_queue, "scheduler": settings.scheduler.value}).run(stop, log), name="presence")
     announced = asyncio.create_task(_announce_policy(client, settings, stop), name="guard-policy")
+    # the fail-slow analyzer's domain findings to FleetGuard, the scheduler's jobs to the analyzer (issue 28)
+    links = analyzer_link.start(client, settings, nc, stop)
     # -- metrics (fleetmend/infra/metrics.py): /metrics port; incidents by phase, drains in force (visibility)
     metrics.start_http_server(settings.metrics.worker_port, settings.metrics.host)
     watcher = metrics.IncidentWatcher(client, settings.cluster)
@@ -79,6 +82,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         stopping.cancel()
         if poll is not None:
             poll.cancel()
+        for task in links:
+            task.cancel()
         present.cancel()  # deletes its key (a clean stop), before the connection goes
         await asyncio.gather(present, return_exceptions=True)
         await close_nats(nc)
