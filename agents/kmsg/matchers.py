@@ -267,7 +267,11 @@ def _nvme_dev(dev: str) -> dict:
 def pci_prefixed(t: str) -> bool:
     """Cheap test for a driver-model prefix `<driver> dddd:bb:dd.f ...` (dev_printk with a PCI device)."""
     sp = t.find(" ", 0, 40)
-    return sp > 0 and t[sp + 5:sp + 6] == ":" and t[sp + 8:sp + 9] == ":"
+    if sp <= 0:
+        return False
+    if t[sp + 5:sp + 6] != ":":
+        sp += 1  # a five-digit domain (Intel VMD: `10000:e1:00.0`)
+    return t[sp + 5:sp + 6] == ":" and t[sp + 8:sp + 9] == ":"
 _PANIC = re.compile(r"Kernel panic - not syncing: ?(?P<reason>.*)")
 _OOPS = re.compile(
     r"^(?:BUG: unable to handle (?:kernel )?(?:NULL pointer dereference|paging request|page fault)|"
