@@ -45,7 +45,7 @@ def _topology() -> Topology:
 async def _report(g: Guarded, policy: GuardPolicy, at: int, *findings: DomainFinding) -> None:
     rep = DomainReport(cluster=g.cluster, window_end=datetime.fromtimestamp(1_800_000_000 + at, timezone.utc),
                        findings=list(findings))
-    await signal_guard(g.client, g.cluster, g.tq, policy, GuardApi.DOMAINS, rep)
+    await signal_guard(g.client, g.cluster, g.base, policy, GuardApi.DOMAINS, rep)  # the cluster's queue is derived
 
 
 async def _status_of(g: Guarded, node: str):

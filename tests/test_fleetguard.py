@@ -75,6 +75,7 @@ class Guarded:
         self.calls = Calls()
         self.cluster = f"c{uuid.uuid4().hex[:8]}"
         base = f"fg-{uuid.uuid4().hex[:8]}"  # the deployment's queue; the cluster's is derived from it
+        self.base = base
         self.tq = subjects.cluster_task_queue(base, self.cluster)
         guard = real_guard(self.client, base, policy, nc.jetstream(), topology)
         acts = [a for a in stand_ins(self.calls)
