@@ -356,12 +356,8 @@ class Comparator:
     def note_job(self, node: str, job: str, t: float, now: float | None = None) -> bool:
         """Record that `node` ran `job` at epoch `t` (it reported a step time then): in that window its
         work-dependent metrics are compared with the other nodes of `job`. Same time rules as `add`."""
-        w = self._admit(t, now, node)
-        if w is None:
-            return False
-        nw, _ = self._node_window(w, node, "")
+        nw = self._job_window(node, t, now)
         if nw is None:
-            self.dropped["too_many_nodes"] += 1
             return False
         if len(nw.jobs) < MAX_JOBS_PER_WINDOW:
             nw.jobs.add(job)
@@ -373,16 +369,23 @@ class Comparator:
         `job:sched:<job>`), whether or not the node reports step times; a node the scheduler puts in
         two jobs at once (a shared node) has no single job and is not judged on work-dependent metrics.
         Same time rules as `add`."""
-        w = self._admit(t, now, node)
-        if w is None:
-            return False
-        nw, _ = self._node_window(w, node, "")
+        nw = self._job_window(node, t, now)
         if nw is None:
-            self.dropped["too_many_nodes"] += 1
             return False
         if len(nw.sched) < MAX_JOBS_PER_WINDOW:
             nw.sched.add(job)
         return True
+
+    def _job_window(self, node: str, t: float, now: float | None) -> _NodeWindow | None:
+        """`node`'s window at epoch `t` for a job note (`note_job`, `note_sched`), or None when the time rules
+        of `add` refuse `t` or the window holds too many nodes already (counted)."""
+        w = self._admit(t, now, node)
+        if w is None:
+            return None
+        nw, _ = self._node_window(w, node, "")
+        if nw is None:
+            self.dropped["too_many_nodes"] += 1
+        return nw
 
     def due(self, now: float) -> list[int]:
         """Open windows whose end + `grace_s` is at or before `now` (epoch seconds), oldest first."""

@@ -126,20 +126,18 @@ def export_report(cluster: str, report: dict[str, Any]) -> None:
         if value is not None:
             REPORT_FIGURE.labels(cluster=cluster, figure=name).set(float(value))
             now.add(("f", name))
-    for series in old - now:
-        try:
-            if series[0] == "g":
-                REPORT_GPU_HOURS.remove(cluster, series[1], series[2])
-            else:
-                REPORT_FIGURE.remove(cluster, series[1])
-        except KeyError:
-            pass
+    _remove_report_series(cluster, old - now)
     _report_series[cluster] = now
 
 
 def forget_report(cluster: str) -> None:
     """Remove `cluster`'s report gauges (this replica no longer publishes them)."""
-    for series in _report_series.pop(cluster, set()):
+    _remove_report_series(cluster, _report_series.pop(cluster, set()))
+
+
+def _remove_report_series(cluster: str, series_set: set[tuple[str, ...]]) -> None:
+    """Drop these report gauge series of `cluster` (("g", fault class, dimension) or ("f", figure))."""
+    for series in series_set:
         try:
             if series[0] == "g":
                 REPORT_GPU_HOURS.remove(cluster, series[1], series[2])
