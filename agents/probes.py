@@ -168,7 +168,8 @@ def _inventory(settings: Settings, ctx: ProbeContext) -> Probe:
             nvml = None
     return cls(ctx.host_root, ctx.cluster, ctx.node, interval_s=settings.agent.inventory_interval_s,
                reconfigure=settings.policy.reconfigure, nvml=nvml, agent_version=__version__,
-               udev_source=settings.agent.udev.source if settings.agent.udev.enabled else None)
+               udev_source=settings.agent.udev.source if settings.agent.udev.enabled else None,
+               create_stores=not (settings.nats_user or settings.nats_nkey_seed or settings.nats_creds))
 
 
 def _lastboot(cfg: LastbootProbeSettings, ctx: ProbeContext) -> Probe:

@@ -261,7 +261,9 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
                                                          "--limit", "1"],
                                         env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
             rows = {x["node"]: x for x in json.loads(r.stdout)}
-            return rows if "w1" in rows else None  # NATS unreadable for a moment: the Temporal rows only
+            # NATS unreadable for a moment: the Temporal rows only (the CLI's log says why)
+            assert "w1" in rows, f"not listed; the CLI's stderr: {r.stderr[-2000:]}"
+            return rows
 
         rows = await assert_eventually(listed, timeout_s=120, what="status lists the refused node")
         assert rows["w1"]["status"] == "starting" and rows["w1"]["phase"] == "awaiting_permit", rows

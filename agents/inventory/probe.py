@@ -33,7 +33,7 @@ from agents.commands import ReconfigureHandler
 from agents.inventory.reader import device_signature, read_fingerprint
 from fleetmend import __version__
 from fleetmend.fingerprint import Fingerprint, fingerprint_change
-from fleetmend.infra.jetstream import ensure_fingerprint_stores
+from fleetmend.infra.jetstream import ensure_fingerprint_stores, open_fingerprint_stores
 from fleetmend.subjects import fingerprint_kv_key, fingerprint_subject, reconfigure_subject
 
 CHANGE_POLL_S = 30.0
@@ -74,8 +74,14 @@ class InventoryProbe:
     def __init__(self, host_root: Path | str, cluster: str, node: str, *, interval_s: float = 900.0,
                  change_poll_s: float = CHANGE_POLL_S, reconfigure: bool = False, nvml: Any = None,
                  peermem_command: list[str] | None = None, agent_version: str = __version__,
-                 udev_source: str | None = "auto", udev_debounce_s: float = UDEV_DEBOUNCE_S) -> None:
+                 udev_source: str | None = "auto", udev_debounce_s: float = UDEV_DEBOUNCE_S,
+                 create_stores: bool = True) -> None:
         self.root = Path(host_root)
+        self.create_stores = create_stores
+        """Create the fingerprint stream and bucket when missing (an unsecured dev setup). A node with credentials
+        may not (`fleetmend.infra.security`: the analyzer creates them): it only opens them, and while they are
+        missing its fingerprint stays pending (retried on the next wake) instead of a refused create that the
+        server logs as a publish violation."""
         self.cluster, self.node = cluster, node
         self.interval_s, self.change_poll_s = interval_s, change_poll_s
         self.nvml = nvml
@@ -231,7 +237,8 @@ class InventoryProbe:
             async with asyncio.timeout(PUBLISH_TIMEOUT_S * 3):
                 js = self.nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
                 if self.kv is None:
-                    self.kv = await ensure_fingerprint_stores(js, timeout_s=PUBLISH_TIMEOUT_S)
+                    self.kv = (await ensure_fingerprint_stores(js, timeout_s=PUBLISH_TIMEOUT_S) if self.create_stores
+                               else await open_fingerprint_stores(js, timeout_s=PUBLISH_TIMEOUT_S))
                 key = fingerprint_kv_key(self.cluster, self.node)
                 if self.last is None:
                     self.last = await self._stored(key)

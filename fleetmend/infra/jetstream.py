@@ -321,6 +321,19 @@ FINGERPRINT_CHANGES_MAX_AGE_S = 90 * 24 * 3600.0
 since its last repair"; changes are rare (a few per node per rollout), so this is small."""
 
 
+async def open_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0) -> Any:
+    """Open the fingerprint stores (`ensure_fingerprint_stores`) without creating them: what a node's credentials
+    allow (stream info, its own key). Returns the bucket's `nats.js.kv.KeyValue`.
+
+    Raises:
+        nats.js.errors.NotFoundError: the stream or bucket does not exist yet (the analyzer creates them).
+        TimeoutError: no answer within `timeout_s`.
+    """
+    async with asyncio.timeout(timeout_s):
+        await js.stream_info(FINGERPRINT_STREAM)
+        return await js.key_value(FINGERPRINT_KV_BUCKET)
+
+
 async def ensure_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0) -> Any:
     """Create stream `FINGERPRINT_STREAM` on `fleet.*.fingerprint.*` (file storage, limits retention,
     `FINGERPRINT_CHANGES_MAX_AGE_S`, 1,000 records per node) if missing, and open (or create) the KV bucket

@@ -282,16 +282,22 @@ class PermitPool:
         if self.js is None:
             return {}
         out: dict[tuple[str, str], dict[str, Any]] = {}
-        for key in await kv_keys(self.js, self.bucket, prefix=f"{cluster}.wait." if cluster else ""):
-            if ".wait." not in key:
-                continue
-            try:
-                entry = await self.kv.get(key)
-                where = subjects.parse_permit_wait_kv_key(key)
-            except (KeyNotFoundError, ValueError):
-                continue
+        # every cluster's: the wait keys alone (`*.wait.*`), not the pools' documents and drains beside them
+        keys = [k for k in await kv_keys(self.js, self.bucket, prefix=f"{cluster}.wait." if cluster else "*.wait.")
+                if ".wait." in k]
+        gate = asyncio.Semaphore(32)  # a burst leaves thousands of keys (deleted ones too): read them together
+
+        async def read(key: str) -> None:
+            async with gate:
+                try:
+                    entry = await self.kv.get(key)
+                    where = subjects.parse_permit_wait_kv_key(key)
+                except (KeyNotFoundError, ValueError):
+                    return
             if entry.value:
                 out[where] = json.loads(entry.value)
+
+        await asyncio.gather(*(read(k) for k in keys))
         return out
 
     async def release(self, cluster: str, node: str) -> bool:
