@@ -4,9 +4,8 @@ activity registered with its adapters (`build_worker`), and the workflow sandbox
 A worker drains one cluster, `Settings.cluster`, and polls that cluster's queues only:
 `subjects.cluster_task_queue(task_queue, cluster)` (incidents, sweeps, their activities) and the same of
 `guard_task_queue(task_queue)` (its FleetGuard). So a drain never reaches another cluster's adapter, and each
-cluster needs a worker of its own (`fleetmend worker --cluster C`). It also polls the deployment's unsuffixed
-queues (`task_queue`, `<task_queue>-guard`) that every cluster shared before 0.3 (`LEGACY_QUEUES`): incidents
-and guards started there before an upgrade finish there (each workflow keeps the queue it started on)."""
+cluster needs a worker of its own (`fleetmend worker --cluster C`). The unsuffixed queues that every cluster
+shared before 0.3 (`task_queue`, `<task_queue>-guard`) are polled only with `legacy=True` (`LEGACY_QUEUES`)."""
 
 from __future__ import annotations
 
@@ -103,10 +102,12 @@ async def build_worker(settings: Settings, client: Client, nc: NATS, *, task_que
                    *shared)
 
 
-LEGACY_QUEUES = True
-"""Also poll the unsuffixed queues of releases before 0.3 (module docstring), where incidents and guards started
-before an upgrade stay. There, as before, workers of several clusters may meet another cluster's drain (refused,
-retried: `WrongCluster`). To be dropped once no deployment has a workflow open on them."""
+LEGACY_QUEUES = False
+"""Whether a worker also polls the unsuffixed queues of releases before 0.3, where an incident or guard started
+before an upgrade stays (each workflow keeps the queue it started on). Off: no release before 0.3 was deployed
+(0.x), and the second set of pollers doubled every worker's polling and its ways to fail at start (a worker whose
+namespace is missing took over 90 s to exit on a loaded box with four). `build_worker(..., legacy=True)` turns it
+on for a development state that still has such workflows open."""
 
 
 def build_ledger(settings: Settings, nc: NATS) -> LedgerStore:
