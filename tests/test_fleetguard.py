@@ -324,7 +324,9 @@ async def test_guard_continues_as_new_and_keeps_its_state(tenv, nc):
         for i in range(0, 30, 2):
             await g.guard().signal(FleetGuard.release, PermitRelease(cluster=g.cluster, node=f"z{i:02d}",
                                                                      outcome="aborted"))
-        st = await assert_eventually(lambda: _guard(g, lambda s: len(s.queue) == 15), what="15 still queued")
+        # 90 s: a query that meets the continue-as-new on the time-skipping server is stuck until QUERY_TIMEOUT
+        st = await assert_eventually(lambda: _guard(g, lambda s: len(s.queue) == 15), timeout_s=90,
+                                     what="15 still queued")
         desc = await g.guard().describe()
         assert desc.run_id != desc.raw_description.workflow_execution_info.first_run_id, "continued as new"
         assert st.paused and sorted(q["node"] for q in st.queue) == [f"z{i:02d}" for i in range(1, 30, 2)]

@@ -251,14 +251,19 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
     async with Fleet(temporal_client, nc, policy) as f:
         pool = await PermitPool.open(nc.jetstream())
         ev = default_catalog().stamp(xid_event(f.cluster, "w1", 79))
+        # one incident of the cluster already listed: the note must still show (`--limit 1` below)
+        await start(f.client, f.tq, f.cluster, "w0", [fault(f.cluster, "w0", 13, drain=False, severity="degraded")])
+        w0 = f.client.get_workflow_handle_for(NodeRemediation.run, subjects.workflow_id(f.cluster, "w0"))
+        await assert_eventually(lambda: _listed(f.client, f"FleetNode='w0' AND FleetCluster='{f.cluster}'"),
+                                what="w0's incident visible")
         await pool.note_waiting(f.cluster, "w1", "budget: 1/1 permits held", "xid79", "fatal", fault=fault_summary(ev))
         env = {"FLEETMEND_NATS_URL": nats_server.url, "FLEETMEND_TEMPORAL_ADDRESS": temporal_server.address,
                "FLEETMEND_CLUSTER": f.cluster, "FLEETMEND_STATE_DIR": str(tmp_path), "FLEETMEND_LOG_FORMAT": "json"}
         async def listed():  # a subprocess: this process's own logs stay out of its stdout
-            # `--limit 1`: behind any recent incident of the server (earlier tests leave some) the note still
-            # shows (it used to be read only when fewer than `limit` incidents existed: CI failed on that)
+            # `--limit 1`, behind w0's incident: the note still shows (it used to be read only when fewer than
+            # `limit` incidents existed: CI failed on that in the full suite)
             r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "status", "--json",
-                                                         "--limit", "1"],
+                                                         "--cluster", f.cluster, "--limit", "1"],
                                         env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
             rows = {x["node"]: x for x in json.loads(r.stdout)}
             # NATS unreadable for a moment: the Temporal rows only (the CLI's log says why)
@@ -279,6 +284,11 @@ async def test_a_refused_node_whose_incident_never_started_is_shown_then_given_o
         g = await f.status()
         assert any("w1: refused a slot by the router and its incident never started; opened it" in line
                    for line in g.log), g.log
+        await w0.terminate("test done")
+
+
+async def _listed(client, query: str):
+    return [w async for w in client.list_workflows(query)] or None
 
 
 async def _true_if_empty(pool, cluster: str):
