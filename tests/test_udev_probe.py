@@ -149,3 +149,28 @@ def test_without_a_uevent_socket_the_poll_stays(tmp_path: Path) -> None:
 
     probe = asyncio.run(go())
     assert not probe.udev_listening.is_set() and probe.reads == 2 and probe.last_reason == "device poll"
+
+
+def test_the_inventory_rereads_on_physical_devices_not_on_veth_churn(tmp_path) -> None:
+    """A container host makes a veth per pod: none is in the fingerprint, so its uevents start no read (a read
+    per pod start would cost the node's cores); a PCI device's add does."""
+    from types import SimpleNamespace
+
+    from agents.inventory.probe import InventoryProbe
+
+    class Monitor:
+        def __init__(self, *devices: object) -> None:
+            self.devices = list(devices)
+
+        def poll(self, timeout: float = 0) -> object:
+            return self.devices.pop(0) if self.devices else None
+
+    veth = SimpleNamespace(action="add", subsystem="net", sys_name="veth1a2b",
+                           device_path="/devices/virtual/net/veth1a2b")
+    nic = SimpleNamespace(action="add", subsystem="pci", sys_name="0000:17:00.0",
+                          device_path="/devices/pci0000:16/0000:16:02.0/0000:17:00.0")
+    probe = InventoryProbe(tmp_path, "c", "n1", udev_source=None)
+    probe._on_uevent(Monitor(veth, veth))
+    assert probe._udev_first is None
+    probe._on_uevent(Monitor(veth, nic))
+    assert probe._udev_first is not None and probe._udev_what == "udev add pci 0000:17:00.0"

@@ -21,7 +21,7 @@ structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 async def main(root: str) -> None:
     probe = InventoryProbe(Path(root), "c", "n1", interval_s=3600, change_poll_s=3600, udev_source="kernel",
-                           udev_debounce_s=1.0)
+                           udev_debounce_s=1.0, udev_virtual=True)  # a veth is the uevent a sandbox can make
     reasons: list[str] = []
     task = asyncio.create_task(probe.run(None))
     await asyncio.wait_for(probe.udev_listening.wait(), 10)

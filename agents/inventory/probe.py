@@ -75,8 +75,12 @@ class InventoryProbe:
                  change_poll_s: float = CHANGE_POLL_S, reconfigure: bool = False, nvml: Any = None,
                  peermem_command: list[str] | None = None, agent_version: str = __version__,
                  udev_source: str | None = "auto", udev_debounce_s: float = UDEV_DEBOUNCE_S,
-                 create_stores: bool = True) -> None:
+                 create_stores: bool = True, udev_virtual: bool = False) -> None:
         self.root = Path(host_root)
+        self.udev_virtual = udev_virtual
+        """Also reread on uevents of virtual devices (`/devices/virtual/…`: veth, bridges). Off: a container host
+        makes a veth per pod, none of them in the fingerprint, and a read per pod start would cost the node's
+        cores what the fingerprint must not (the tests turn it on: a veth is the uevent a sandbox can make)."""
         self.create_stores = create_stores
         """Create the fingerprint stream and bucket when missing (an unsecured dev setup). A node with credentials
         may not (`fleetmend.infra.security`: the analyzer creates them): it only opens them, and while they are
@@ -153,6 +157,8 @@ class InventoryProbe:
             while (device := mon.poll(timeout=0)) is not None:
                 if device.action not in ("add", "remove"):
                     continue
+                if not self.udev_virtual and str(getattr(device, "device_path", "")).startswith("/devices/virtual/"):
+                    continue  # veth/bridge churn: no device of the fingerprint
                 now = time.monotonic()
                 if self._udev_first is None:
                     self._udev_first = now
