@@ -176,9 +176,10 @@ class NotifySettings(_Section):
     pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
     """PagerDuty Events API v2 endpoint."""
     events: list[str] = Field(default_factory=lambda: ["drained", "ticket_filed", "breaker_open", "lemon",
-                                                       "returned", "version_finding"])
+                                                       "returned", "version_finding", "attention"])
     """Which events are sent (drained, ticket_filed, breaker_open, lemon, returned, version_finding: a fault class
-    concentrated on one driver/firmware value, from the incident ledger)."""
+    concentrated on one driver/firmware value, from the incident ledger; attention: a fault that drains nothing
+    but needs a person, e.g. cabling changed across a repair)."""
     pagerduty_events: list[str] = Field(default_factory=lambda: ["ticket_filed", "breaker_open", "lemon",
                                                                  "returned"])
     """Which events reach PagerDuty (a page): by default not every drain, only what needs a human

@@ -259,3 +259,44 @@ async def test_no_channels_configured_starts_no_notify_activity(temporal_client,
         h = await start(temporal_client, tq, unique, "q1", [fault(unique, "q1", 79, drain=True)], notify=False)
         await assert_eventually(lambda: phase_is(h, "awaiting_repair"))
     assert calls.notifications == [] and len(calls.tickets) == 1
+
+
+async def test_a_fault_that_needs_a_person_but_drains_nothing_is_notified_once(temporal_client, unique) -> None:
+    """A degraded `config_drift_topology_repair` (check the cabling a repair touched) drains nothing; before the
+    `attention` patch it was seen only in `fleetmend status`. One notification per incident, none for an
+    application-side XID (RESTART_APP: the job's owner acts) or an info reading."""
+    from temporalio.worker import Worker
+
+    from fleetmend.events import Component, Device, FaultEvent, Severity, Source, Verdict
+    from fleetmend.messages import FaultBatch, RoutedFault
+    from tests.activity_standins import Calls, stand_ins
+    from tests.conftest import assert_eventually
+    from tests.test_workflow import fault, row_reading, start
+    from workflows.remediation import NodeRemediation
+
+    def drift(eid: str, device: str) -> RoutedFault:
+        return RoutedFault(event=FaultEvent(
+            cluster=unique, node="t1", component=Component.PCIE, kind="config_drift_topology_repair",
+            severity=Severity.DEGRADED, source=Source.ANALYZER, device=Device(name=device), event_id=eid,
+            raw="topology.hash before=ab12 after=cd34", message="GPU to NIC placement moved across a repair",
+            verdict=Verdict(severity="degraded", immediate_action="CHECK_MECHANICALS",
+                            investigatory_action="check the cables, risers and slots the repair touched",
+                            fault_class="config_drift_topology_repair", drain=False,
+                            **row_reading("config_drift_topology_repair"))))
+
+    calls, tq = Calls(), f"tq-{unique}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        app = await start(temporal_client, tq, unique, "a1", [fault(unique, "a1", 13, drain=False, severity="degraded")],
+                          close_after_idle_s=2.0)
+        h = await start(temporal_client, tq, unique, "t1", [drift(f"{unique}-1", "topology.hash")],
+                        close_after_idle_s=600.0)
+        await assert_eventually(lambda: len(calls.notifications) >= 1, what="attention notified")
+        await h.signal(NodeRemediation.faults, FaultBatch(faults=[drift(f"{unique}-2", "topology.hash2")]))
+        await app.result()  # the application XID's incident closes recorded, notifying nobody
+        st = await h.query(NodeRemediation.status)
+        assert st.phase == "triage" and not st.drained
+        await h.terminate("test done")
+    (n,) = calls.notifications
+    assert n.event.value == "attention" and n.node == "t1", n
+    assert "config_drift_topology_repair" in n.summary and "CHECK_MECHANICALS" in n.summary and "cables" in n.summary
+    assert n.details["fault_class"] == "config_drift_topology_repair" and n.runbook

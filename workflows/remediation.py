@@ -130,6 +130,15 @@ NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), backoff_coeffi
 PATCH_CLOSE_DROPS_SEEN = "close-drops-seen"
 PATCH_LIVE_FIX = "live-fix"
 PATCH_REPEAT_PART = "repeat-part"
+PATCH_ATTENTION = "attention"
+"""A recorded fault that drains nothing but asks a human to act notifies (`NotifyEvent.ATTENTION`)."""
+
+ATTENTION_ACTIONS = frozenset({"CHECK_MECHANICALS", "CONTACT_SUPPORT", "UPDATE_SWFW", "CHECK_UVM",
+                               "WORKFLOW_NVLINK_ERR"})
+"""Immediate actions that only a person can take (cabling, a vendor case, a firmware update, NVIDIA's NVLink
+triage). A degraded or worse fault with one of them that drains nothing is otherwise seen only by whoever reads
+`fleetmend status`; `RESTART_APP` (the job's owner), `IGNORE`, `NONE` and what automation does in service
+(`DIAGNOSE_IN_SERVICE`, `RESET_GPU_WHEN_IDLE`, live fixes) notify nobody."""
 
 FORWARDED_FIRST_WAIT_S = 30.0
 """An incident whose permit request the router forwarded asks FleetGuard itself after this long without
@@ -371,6 +380,7 @@ class NodeRemediation:
                     classes = sorted({f.fault_class for f in s.faults if not f.healthy})
                     self._note(f"recorded, no drain: {', '.join(classes) or 'clearing events only'} "
                                f"({len(s.faults)} condition(s)); closes after {wait_s:.0f}s without a new fault")
+                    self._notify_attention()
                 self._details(f"triage: {len(s.faults)} fault(s) recorded, none needs a drain; closes after "
                               f"{wait_s:.0f}s quiet")
             try:
@@ -771,17 +781,38 @@ class NodeRemediation:
         await self._finish(Outcome.ABORTED)
 
     # ---------------------------------------------------------------- helpers
-    def _notify(self, event: NotifyEvent, summary: str) -> None:
-        """Start the `notify` activity (never awaited here: a slow channel does not hold the incident)."""
+    def _notify_attention(self) -> None:
+        """Notify once per incident (`ATTENTION`) when it records, without a drain, a fault that is not info,
+        not cleared, and whose immediate action only a person can take (`ATTENTION_ACTIONS`), e.g. a node back
+        from a repair with its GPU-to-NIC placement moved (`config_drift_topology_repair`: check the cabling)."""
+        s = self._state
+        if s.attention_notified or not self._policy.notify:
+            return
+        need = [f for f in s.faults if not f.healthy and f.severity is not Severity.INFO and not self._cleared(f)
+                and f.verdict.immediate_action in ATTENTION_ACTIONS]
+        if not need or not workflow.patched(PATCH_ATTENTION):
+            return
+        s.attention_notified = True
+        first = need[0]
+        more = f" (+{len(need) - 1} more)" if len(need) > 1 else ""
+        what = first.verdict.investigatory_action or first.verdict.description or first.message
+        self._notify(NotifyEvent.ATTENTION,
+                     f"{s.node}: {first.fault_class} on {first.device or 'node'}{more} needs a person "
+                     f"({first.verdict.immediate_action}); not drained: {what}", fault_class=first.fault_class)
+
+    def _notify(self, event: NotifyEvent, summary: str, fault_class: str | None = None) -> None:
+        """Start the `notify` activity (never awaited here: a slow channel does not hold the incident).
+        `fault_class`: the class the notification is about when the incident has none yet (not drained)."""
         if not self._policy.notify:
             return
         s = self._state
+        fault_class = fault_class or s.fault_class
         n = Notification(event=event, cluster=s.cluster, node=s.node, summary=summary,
                          dedup_key=f"fleetmend/{self._incident_id}/{event.value}",
                          alert_key=f"fleetmend/{self._incident_id}", severity=s.severity.value,
                          incident_id=self._incident_id, ticket=s.ticket, ticket_url=s.ticket_url,
-                         runbook=runbook_ref(s.fault_class) if s.fault_class else None,
-                         details={"fault_class": s.fault_class, "phase": s.phase.value, "lemon": s.lemon})
+                         runbook=runbook_ref(fault_class) if fault_class else None,
+                         details={"fault_class": fault_class, "phase": s.phase.value, "lemon": s.lemon})
         self._notifications.append(workflow.start_activity(
             Activity.NOTIFY, n, result_type=NotifyResult, start_to_close_timeout=timedelta(seconds=60),
             retry_policy=NOTIFY_RETRY, summary=f"notify {event.value}: {s.node}"))

@@ -260,6 +260,8 @@ class IncidentState:
     permit_held: bool = False
     permit: PermitDecision | None = None
     lemon: str | None = None
+    attention_notified: bool = False
+    """A fault that needs a person but drains nothing was notified (`NotifyEvent.ATTENTION`, once per incident)."""
     recovery_tried: list[RecoveryOp] = field(default_factory=list)
     live_fixes_tried: list[str] = field(default_factory=list)
     """Settings keys of `config_drift` faults this incident asked the agent to set live (once each)."""

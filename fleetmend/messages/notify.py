@@ -20,6 +20,9 @@ class NotifyEvent(StrEnum):
     RETURNED = "returned"
     VERSION_FINDING = "version_finding"
     """A fault class concentrated on one driver/firmware/kernel/BIOS value beyond chance (`fleetmend report`)."""
+    ATTENTION = "attention"
+    """A recorded fault that drains nothing but that only a person can act on (check the cabling, contact
+    support, update firmware): once per incident (`workflows.remediation.ATTENTION_ACTIONS`)."""
 
 
 @dataclass
