@@ -39,6 +39,7 @@ BASELINE = {
     "remediation_redelivered_after_close",  # before patch close-drops-seen
     "remediation_config_drift_recorded",  # before patch live-fix
     "fleetguard_fail_slow_rack",  # before the analyzer's domain findings reached the guard (issue 28)
+    "remediation_attention_recorded",  # before patch attention: a cabling fault recorded, nobody notified
 }
 
 
@@ -200,6 +201,29 @@ async def test_record_config_drift(temporal_client) -> None:
 
     h, _st = await config_drift_incident(temporal_client, Calls())
     _write("remediation_config_drift_recorded", await h.fetch_history())
+
+
+@pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")
+async def test_record_attention(temporal_client) -> None:
+    """A degraded fault that only a person can act on (CHECK_MECHANICALS), recorded with notifications on and
+    closed after 1 s quiet (recorded before patch attention: nobody was notified)."""
+    from fleetmend.events import Component, Device, FaultEvent, Severity, Source, Verdict
+    from fleetmend.messages import RoutedFault
+    from tests.test_workflow import row_reading, start
+
+    cluster = f"att-{uuid.uuid4().hex[:6]}"
+    ev = FaultEvent(cluster=cluster, node="t1", component=Component.PCIE, kind="config_drift_topology_repair",
+                    severity=Severity.DEGRADED, source=Source.ANALYZER, device=Device(name="topology.hash"),
+                    raw="topology.hash before=ab12 after=cd34", message="GPU to NIC placement moved across a repair",
+                    verdict=Verdict(severity="degraded", immediate_action="CHECK_MECHANICALS",
+                                    fault_class="config_drift_topology_repair", drain=False,
+                                    **row_reading("config_drift_topology_repair")))
+    calls, tq = Calls(), f"reca-{uuid.uuid4().hex[:8]}"
+    async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation], activities=stand_ins(calls)):
+        h = await start(temporal_client, tq, cluster, "t1", [RoutedFault(event=ev)], close_after_idle_s=1.0,
+                        notify=True)
+        await h.result()
+        _write("remediation_attention_recorded", await h.fetch_history())
 
 
 @pytest.mark.skipif(not RECORD, reason="set FLEETMEND_RECORD_HISTORIES=1 to re-record histories")

@@ -49,6 +49,11 @@ repeat-part                 a drain whose result names a repeat part (`DrainResu
                             no recovery loop, an RMA ticket, a `lemon` notification (before: the
                             field did not exist). Taken only when the field is set, which no earlier
                             history holds: the baseline histories replay unchanged.
+attention                   a recorded fault that drains nothing but that only a person can act on
+                            (`ATTENTION_ACTIONS`: CHECK_MECHANICALS, CONTACT_SUPPORT, UPDATE_SWFW...;
+                            degraded or worse, not cleared) starts one `attention` notification per
+                            incident (before: nobody was told, e.g. of cabling changed across a
+                            repair). History: remediation_attention_recorded.json
 ==========================  =====================================================================
 """
 
