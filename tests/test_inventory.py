@@ -131,6 +131,23 @@ def test_device_signature_changes_with_a_device(tmp_path: Path) -> None:
     assert device_signature(root) != before
 
 
+def test_device_signature_ignores_virtual_netdevs_unless_asked(tmp_path: Path) -> None:
+    """A pod's veth (its sys/class/net link under /devices/virtual/) is not a device change of the host: the
+    30 s device poll would otherwise reread the fingerprint for every pod started on a container host."""
+    root = build_host(tmp_path / "h")
+    before, before_all = device_signature(root), device_signature(root, virtual=True)
+    target = root / "sys/devices/virtual/net/veth1a2b"
+    target.mkdir(parents=True)
+    (root / "sys/class/net").mkdir(parents=True, exist_ok=True)
+    (root / "sys/class/net/veth1a2b").symlink_to("../../devices/virtual/net/veth1a2b")
+    assert device_signature(root) == before
+    assert device_signature(root, virtual=True) != before_all
+    phys = root / "sys/devices/pci0000:00/0000:00:01.0/0000:1c:00.0/net/ens9"
+    phys.mkdir(parents=True)
+    (root / "sys/class/net/ens9").symlink_to("../../devices/pci0000:00/0000:00:01.0/0000:1c:00.0/net/ens9")
+    assert device_signature(root) != before
+
+
 class FakeNvml:
     """A stand-in for `pynvml` with the calls the reader and the fixer make (values as NVML returns them)."""
 

@@ -176,7 +176,7 @@ class InventoryProbe:
 
     async def run(self, emit: Any) -> None:
         """Read, publish, wait for the interval, a uevent, a device change or a reread; until cancelled."""
-        signature = await asyncio.to_thread(device_signature, self.root)
+        signature = await asyncio.to_thread(device_signature, self.root, self.udev_virtual)
         mon = self._open_udev()
         next_read = 0.0
         reason = "start"
@@ -213,9 +213,9 @@ class InventoryProbe:
                     self._log.info("devices_changed", by=reason)
                     self.pending_by = f"agent:{self.agent_version} ({reason})"
                     self._reread = True
-                    signature = await asyncio.to_thread(device_signature, self.root)
+                    signature = await asyncio.to_thread(device_signature, self.root, self.udev_virtual)
                     continue
-                sig = await asyncio.to_thread(device_signature, self.root)
+                sig = await asyncio.to_thread(device_signature, self.root, self.udev_virtual)
                 if sig != signature:
                     signature = sig
                     reason = "device poll"

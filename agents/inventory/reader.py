@@ -422,8 +422,23 @@ def read_fingerprint(host_root: Path | str, cluster: str, node: str, *, nvml: An
                        roles=roles, read_ms=round((time.perf_counter() - t0) * 1000, 3), serials=serials)
 
 
-def device_signature(host_root: Path | str) -> tuple[tuple[str, ...], ...]:
+def device_signature(host_root: Path | str, virtual: bool = False) -> tuple[tuple[str, ...], ...]:
     """The sets of PCI functions, RDMA devices and netdevs: what a udev add/remove changes. Three directory
-    listings, cheap enough to poll every few seconds."""
+    listings (and one readlink per netdev), cheap enough to poll every few seconds.
+
+    `virtual`: also count netdevs whose `sys/class/net/<name>` link points under `/devices/virtual/` (veth,
+    bridges, tunnels). Off by default, like the uevent path: a container host makes a veth per pod, and each
+    would otherwise start a fingerprint read; a physical NIC's link points at its PCI device."""
     root = Path(host_root)
-    return tuple(tuple(_listdir(root / rel)) for rel in ("sys/bus/pci/devices", "sys/class/infiniband", "sys/class/net"))
+    net = _listdir(root / "sys/class/net")
+    if not virtual:
+        net = [n for n in net if not _is_virtual_netdev(root / "sys/class/net" / n)]
+    return (tuple(_listdir(root / "sys/bus/pci/devices")), tuple(_listdir(root / "sys/class/infiniband")), tuple(net))
+
+
+def _is_virtual_netdev(link: Path) -> bool:
+    """`sys/class/net/<name>` is a symlink to `../../devices/virtual/net/<name>` for a software device."""
+    try:
+        return "/devices/virtual/" in os.readlink(link)
+    except OSError:  # not a link (a recorded fixture root's plain directory): a device
+        return False
