@@ -10,6 +10,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FLEETMEND = [sys.executable, "-m", "fleetmend.cli.main"]
 
@@ -63,3 +65,58 @@ def test_creds_generate_json_lists_what_it_wrote(tmp_path: Path) -> None:
     names = {c["name"] for c in doc["credentials"]}
     assert {"router", "worker", "admin", "node:c1/n1", "node:c1/n2"} <= names
     assert all(Path(c["seed_file"]).exists() for c in doc["credentials"]) and Path(doc["accounts_conf"]).exists()
+
+
+_SDK_FAILURE = '''
+import asyncio, sys, uuid  # noqa: E401
+from datetime import timedelta
+from temporalio import activity, workflow
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import RetryPolicy
+from temporalio.worker import Worker
+from fleetmend.infra.logs import configure_logging
+
+configure_logging("json", sys.argv[2])
+
+@activity.defn
+async def publish() -> None:
+    raise ConnectionRefusedError(111, "nats: connection refused (127.0.0.1:4222)")
+
+@workflow.defn(sandboxed=False)
+class One:
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.execute_activity(publish, start_to_close_timeout=timedelta(seconds=10),
+                                        retry_policy=RetryPolicy(maximum_attempts=1))
+
+async def main() -> None:
+    client = await Client.connect(sys.argv[1])
+    tq = "logs-" + uuid.uuid4().hex[:8]
+    async with Worker(client, task_queue=tq, workflows=[One], activities=[publish]):
+        try:
+            await client.execute_workflow(One.run, id=tq, task_queue=tq)
+        except WorkflowFailureError:
+            print("FAILED AS EXPECTED")
+
+asyncio.run(main())
+sys.stdout.flush(); sys.stderr.flush()
+import os; os._exit(0)  # the SDK's runtime threads can abort a finalising interpreter: not what is tested here
+'''
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_an_activity_failure_logged_by_the_sdk_is_one_line_with_its_error(temporal_server, level: str) -> None:
+    """The SDK logs every failed activity ("Completing activity as failed") at WARNING with its traceback; after a
+    NATS or Temporal outage an operator's log filled with tracebacks (CI run 4 of issue 24). One JSON line with
+    `error`, the traceback only at debug (it is in the workflow's history too)."""
+    p = subprocess.run([sys.executable, "-c", _SDK_FAILURE, temporal_server.address, level], capture_output=True,
+                       text=True, cwd=REPO, timeout=60)
+    assert p.returncode == 0 and "FAILED AS EXPECTED" in p.stdout, p.stderr[-3000:]
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    (failed,) = [x for x in lines if x["event"].startswith("Completing activity as failed")]
+    assert failed["level"] == "warning" and failed["logger"].startswith("temporalio")
+    if level == "info":
+        assert failed["error"] == "ConnectionRefusedError: [Errno 111] nats: connection refused (127.0.0.1:4222)"
+        assert "exception" not in failed and "Traceback" not in p.stderr
+    else:
+        assert "Traceback" in failed["exception"] and "error" not in failed

@@ -20,6 +20,27 @@ import structlog
 _FORMATS = ("auto", "json", "console")
 
 
+def _sdk_failure_one_line(lvl: int) -> Any:
+    """A foreign-record processor: a WARNING (or lower) from the Temporal SDK's loggers (`temporalio.*`) that
+    carries a traceback, e.g. "Completing activity as failed" for an activity cut off by a NATS or Temporal
+    outage, keeps one line: `error` = `<type>: <message>` (500 chars at most). The traceback is in the
+    failure the SDK sends to the server (the workflow's history, the Temporal UI), so the log need not repeat
+    it; at `debug` level it stays. Errors (`logger.exception`, the SDK's own bugs) keep their tracebacks."""
+
+    def proc(_logger: Any, _name: str, ed: Any) -> Any:
+        rec = ed.get("_record")
+        exc = ed.get("exc_info")
+        if (lvl > logging.DEBUG and rec is not None and exc and rec.levelno < logging.ERROR
+                and rec.name.startswith("temporalio")):
+            err = exc[1] if isinstance(exc, tuple) else exc if isinstance(exc, BaseException) else None
+            if err is not None:
+                ed.pop("exc_info")
+                ed["error"] = f"{type(err).__name__}: {err}"[:500]
+        return ed
+
+    return proc
+
+
 def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
     """Configure structlog and the stdlib root logger. Idempotent (safe to call twice).
 
@@ -52,7 +73,7 @@ def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
+        foreign_pre_chain=[*shared, _sdk_failure_one_line(lvl)],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     *([] if console else [structlog.processors.format_exc_info]),
                     renderer],
