@@ -128,3 +128,28 @@ def test_no_file_on_a_terminal_says_so_instead_of_waiting() -> None:
         os.close(follower)
         os.close(leader)
     assert p.returncode == 3 and "no input: give a file" in " ".join(p.stderr.decode().split())
+
+
+def test_the_console_script_explains_without_the_server_clients(tmp_path: Path) -> None:
+    """`fleetmend explain` (the console script's path) loads only its own command: none of nats-py, aiohttp,
+    temporalio or the Kubernetes client (half of its start-up before), and answers exactly as the full app does
+    (same JSON, exit status and help)."""
+    log = tmp_path / "kern.log"
+    log.write_text(NOISE[:20_000] + FATAL)
+    entry = [sys.executable, "-X", "importtime", "-c", "from fleetmend.cli.entry import main; main()", "explain"]
+    lean = subprocess.run([*entry, str(log), "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    full = explain(str(log), "--json")
+    assert lean.returncode == full.returncode == 2, lean.stderr[-2000:]
+
+    def events(text: str) -> list[dict]:  # ids are minted per run; an uptime stamp is read against now
+        return [{k: v for k, v in json.loads(x).items() if k not in ("event_id", "observed_at")} for x in text.splitlines()]
+
+    assert events(lean.stdout) == events(full.stdout.decode()) and events(lean.stdout)
+    imported = {line.split("|")[-1].strip() for line in lean.stderr.splitlines() if line.startswith("import time:")}
+    assert "fleetmend.catalog" in imported, "importtime lists nothing: the check below would prove nothing"
+    assert not {"nats", "aiohttp", "temporalio", "kubernetes", "fleetmend.cli.app"} & imported
+    helps = [subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60,
+                            env={**os.environ, "COLUMNS": "100"}).stdout
+             for cmd in ([*entry[:1], *entry[3:], "--help"],
+                         [sys.executable, "-m", "fleetmend.cli.main", "explain", "--help"])]
+    assert helps[0] == helps[1].replace("python -m fleetmend.cli.main", "fleetmend") and "Usage: fleetmend explain" in helps[0]

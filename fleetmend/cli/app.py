@@ -48,6 +48,7 @@ from fleetmend.cli import (
     sweep,
     temporal,
 )
+from fleetmend.cli.common import run_and_exit
 from fleetmend.infra.logs import configure_logging
 
 EXIT_STATUSES = """Exit statuses:
@@ -103,20 +104,5 @@ def _cli(version: bool = typer.Option(False, "--version", is_eager=True, callbac
 
 
 def main() -> None:
-    """Run the app. Exits with `os._exit` after flushing: temporalio's Rust runtime threads can abort
-    the interpreter during finalization ("PyGILState_Release ... finalizing", exit -6) after a command
-    already finished, which would turn a successful command into a crash for scripts."""
-    code: int = 0
-    try:
-        app()
-    except SystemExit as e:
-        if isinstance(e.code, int):
-            code = e.code
-        elif e.code is not None:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:
-        code = 130
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Run the app (`fleetmend.cli.common.run_and_exit`: exits with `os._exit` after flushing)."""
+    run_and_exit(app)

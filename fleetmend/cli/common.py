@@ -121,3 +121,24 @@ def short_time(iso: str | None) -> str:
     if not iso:
         return ""
     return iso[5:19].replace("T", " ")
+
+
+def run_and_exit(run: Callable[[], Any]) -> None:
+    """Run a command line (`run`: a Typer app or a click command's `main`) and exit with its status by
+    `os._exit` after flushing: temporalio's Rust runtime threads can abort the interpreter during
+    finalization ("PyGILState_Release ... finalizing", exit -6) after a command already finished, which would
+    turn a successful command into a crash for scripts. Ctrl-C exits 130."""
+    code: int = 0
+    try:
+        run()
+    except SystemExit as e:
+        if isinstance(e.code, int):
+            code = e.code
+        elif e.code is not None:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -279,8 +279,24 @@ class _ExplainCommand(TyperCommand):
             raise
 
 
-app = typer.Typer()
-"""`fleetmend explain` (top-level: added to the root app without a group name)."""
+app = typer.Typer(rich_markup_mode=None, add_completion=False)
+"""`fleetmend explain` (top-level: added to the root app without a group name; plain help, as the root's)."""
+
+
+def explain_main(args: list[str]) -> None:
+    """`fleetmend explain ARGS` as the console script runs it: this one command without the rest of the app
+    (whose imports, nats-py, aiohttp, temporalio, the Kubernetes client, were half of explain's start-up);
+    the same options, help, logging (warnings, to stderr) and exit statuses. Does not return."""
+    import os
+
+    import typer.main
+
+    from fleetmend.cli.common import run_and_exit
+    from fleetmend.infra.logs import configure_logging
+
+    configure_logging(os.environ.get("FLEETMEND_LOG_FORMAT", "auto"), level="warning")
+    command = typer.main.get_command(app)
+    run_and_exit(lambda: command.main(args=args, prog_name="fleetmend explain"))
 
 
 @app.command(cls=_ExplainCommand, epilog=EXPLAIN_EPILOG)
