@@ -243,7 +243,7 @@ def checked_records() -> list[dict[str, str]]:
 def test_every_row_has_a_check_record_and_no_record_is_stale() -> None:
     """Issue 29: the claim "taken from the source" is auditable. Every row of formats.tsv has a record in
     formats-checked.tsv (keyed by source, version, prefix, format, kind): checked (verbatim / rendered / fixed,
-    with the ids of the stored source texts that hold it and a note), or explicitly `unchecked` with why. A row
+    with the ids of the stored source texts that hold it, or the repository@commit:path read, and a note), or explicitly `unchecked` with why. A row
     edited without re-checking loses its record; a record whose row was removed or reworded is stale."""
     recs = checked_records()
     by_key = {tuple(r[k] for k in _KEY): r for r in recs}
@@ -257,4 +257,5 @@ def test_every_row_has_a_check_record_and_no_record_is_stale() -> None:
         assert r["result"] in ("verbatim", "rendered", "fixed", "unchecked", "n/a"), r
         assert r["note"] not in ("", "-"), r
         if r["result"] in ("verbatim", "rendered", "fixed"):
-            assert r["method"] == "find_string" and re.fullmatch(r"\d+(,\d+)*", r["evidence"]), r
+            assert (r["method"] == "find_string" and re.fullmatch(r"\d+(,\d+)*", r["evidence"])) or (
+                r["method"] == "read_file" and re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}:\S+", r["evidence"])), r
