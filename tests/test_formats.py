@@ -243,8 +243,9 @@ def checked_records() -> list[dict[str, str]]:
 def test_every_row_has_a_check_record_and_no_record_is_stale() -> None:
     """Issue 29: the claim "taken from the source" is auditable. Every row of formats.tsv has a record in
     formats-checked.tsv (keyed by source, version, prefix, format, kind): checked (verbatim / rendered / fixed,
-    with the ids of the stored source texts that hold it, or the repository@commit:path read, and a note), or explicitly `unchecked` with why. A row
-    edited without re-checking loses its record; a record whose row was removed or reworded is stale."""
+    with the ids of the stored source texts that hold it, or the repository@commit:path read, and a note), or
+    explicitly `unchecked` with why. A row edited without re-checking loses its record; a record whose row was
+    removed or reworded is stale."""
     recs = checked_records()
     by_key = {tuple(r[k] for k in _KEY): r for r in recs}
     assert len(by_key) == len(recs), "duplicate check records"
