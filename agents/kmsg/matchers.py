@@ -249,13 +249,13 @@ controller (`nvme nvme0:`) or, in older kernels and some paths, the PCI device (
 _NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
 _NVME_REMOVED = re.compile(
     rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
-    r"Unable to change power state from D3\w* to D0, device inaccessible|failure state error detected, request disable)"
+    r"Unable to change power state from D3\w* to D0, device inaccessible|failure state error detected, request disconnect)"
 )
 _NVME_RESET = re.compile(rf"nvme {_NVME_ID}: (?:resetting controller|Abort status: 0x[0-9a-f]+|Shutdown timeout(?! set to)|"
                          r"Device shutdown incomplete|frozen state error detected, reset controller)")
 """pci.c/core.c: `resetting controller`, `Abort status: 0x%x`, `Device shutdown incomplete; abort shutdown` (older
 `Shutdown timeout; abort shutdown`; `Shutdown timeout set to %u seconds` is a probe notice, not read), pci.c
-nvme_error_detected `frozen state error detected, reset controller` / `failure state error detected, request disable`
+nvme_error_detected `frozen state error detected, reset controller` / `failure state error detected, request disconnect`
 (PCI error recovery reached the drive)."""
 
 
