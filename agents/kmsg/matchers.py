@@ -228,12 +228,13 @@ down, disabling slave`) / `link status definitely up, %u Mbps %s duplex`, printe
 v5.3 netdev_info(bond, `link status definitely down for interface %s, disabling it`). Any bond name (not only
 `bond*`: `team0`, `mgmt`, `uplink`)."""
 _BOND_PENDING = re.compile(
-    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up) (?:again after \d+ ms )?"
-    r"for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
+    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up)(?: again after \d+ ms)?"
+    r"(?: for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?)?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
 )
 """bond_main.c bond_miimon_inspect: v5.3+ slave_info(`link status down for %sinterface, disabling it in %d ms`)
-(`active `/`backup `/``), `link status up for interface, enabling it in %d ms`; before v5.3 `%s: link status down
-for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely down/up follows)."""
+(`active `/`backup `/``), `link status up, enabling it in %d ms` (no "for interface" on the up side); before v5.3
+`%s: link status down for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely
+down/up follows)."""
 _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active interface")
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
 _NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
