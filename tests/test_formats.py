@@ -229,3 +229,34 @@ def test_every_listed_format_is_found_by_the_streaming_reader(row: dict[str, str
     got = [(e.kind, e.code, e.device.pci_bus_id, e.device.name)
            for e in parse_stream(io.BytesIO(log.encode()), KmsgParser("local", "n1", "unknown"))]
     assert got == want and want, log
+
+
+CHECKED = TABLE.with_name("formats-checked.tsv")
+_KEY = ("source", "version", "prefix", "format", "kind")
+
+
+def checked_records() -> list[dict[str, str]]:
+    lines = [ln for ln in CHECKED.read_text().splitlines() if ln and not ln.startswith("#")]
+    return list(csv.DictReader(lines, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def test_every_row_has_a_check_record_and_no_record_is_stale() -> None:
+    """Issue 29: the claim "taken from the source" is auditable. Every row of formats.tsv has a record in
+    formats-checked.tsv (keyed by source, version, prefix, format, kind): checked (verbatim / rendered / fixed,
+    with the ids of the stored source texts that hold it, or the repository@commit:path read, and a note), or
+    explicitly `unchecked` with why. A row edited without re-checking loses its record; a record whose row was
+    removed or reworded is stale."""
+    recs = checked_records()
+    by_key = {tuple(r[k] for k in _KEY): r for r in recs}
+    assert len(by_key) == len(recs), "duplicate check records"
+    row_keys = {tuple(r[k] for k in _KEY) for r in rows()}
+    missing = sorted(row_keys - set(by_key))
+    assert not missing, f"rows without a check record: {missing[:5]}"
+    stale = sorted(set(by_key) - row_keys)
+    assert not stale, f"check records for rows not in formats.tsv: {stale[:5]}"
+    for r in recs:
+        assert r["result"] in ("verbatim", "rendered", "fixed", "unchecked", "n/a"), r
+        assert r["note"] not in ("", "-"), r
+        if r["result"] in ("verbatim", "rendered", "fixed"):
+            assert (r["method"] == "find_string" and re.fullmatch(r"\d+(,\d+)*", r["evidence"])) or (
+                r["method"] == "read_file" and re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}:\S+", r["evidence"])), r

@@ -228,12 +228,13 @@ down, disabling slave`) / `link status definitely up, %u Mbps %s duplex`, printe
 v5.3 netdev_info(bond, `link status definitely down for interface %s, disabling it`). Any bond name (not only
 `bond*`: `team0`, `mgmt`, `uplink`)."""
 _BOND_PENDING = re.compile(
-    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up) (?:again after \d+ ms )?"
-    r"for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
+    r"(?P<bond>[\w.-]+): (?:\(slave (?P<if2>[\w.@-]+)\): )?link status (?P<st>down|up)(?: again after \d+ ms)?"
+    r"(?: for (?:(?:active|backup) )?interface(?: (?P<if1>[\w.@-]+))?)?, (?:disabling|enabling) it in (?P<ms>\d+) ms"
 )
 """bond_main.c bond_miimon_inspect: v5.3+ slave_info(`link status down for %sinterface, disabling it in %d ms`)
-(`active `/`backup `/``), `link status up for interface, enabling it in %d ms`; before v5.3 `%s: link status down
-for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely down/up follows)."""
+(`active `/`backup `/``), `link status up, enabling it in %d ms` (no "for interface" on the up side); before v5.3
+`%s: link status down for %sinterface %s, disabling it in %d ms`: the downdelay/updelay has started (definitely
+down/up follows)."""
 _BOND_NONE = re.compile(r"(?P<bond>[\w.-]+): now running without any active interface")
 _BOND_BACK = re.compile(r"(?P<bond>[\w.-]+): (?:first active interface up|active interface up)")
 _NVME_ID = rf"(?P<dev>nvme\d+|{_BDF_RAW})"
@@ -249,13 +250,13 @@ controller (`nvme nvme0:`) or, in older kernels and some paths, the PCI device (
 _NVME_NOTREADY = re.compile(rf"nvme {_NVME_ID}: Device not ready; aborting (?:reset|initialisation)")
 _NVME_REMOVED = re.compile(
     rf"nvme {_NVME_ID}: (?:Removing after probe failure|Disabling device after reset failure|"
-    r"Unable to change power state from D3\w* to D0, device inaccessible|failure state error detected, request disable)"
+    r"Unable to change power state from D3\w* to D0, device inaccessible|failure state error detected, request disconnect)"
 )
 _NVME_RESET = re.compile(rf"nvme {_NVME_ID}: (?:resetting controller|Abort status: 0x[0-9a-f]+|Shutdown timeout(?! set to)|"
                          r"Device shutdown incomplete|frozen state error detected, reset controller)")
 """pci.c/core.c: `resetting controller`, `Abort status: 0x%x`, `Device shutdown incomplete; abort shutdown` (older
 `Shutdown timeout; abort shutdown`; `Shutdown timeout set to %u seconds` is a probe notice, not read), pci.c
-nvme_error_detected `frozen state error detected, reset controller` / `failure state error detected, request disable`
+nvme_error_detected `frozen state error detected, reset controller` / `failure state error detected, request disconnect`
 (PCI error recovery reached the drive)."""
 
 
