@@ -110,6 +110,8 @@ WORKER_PRESENCE_READ_S = 5.0
 """How often the router reads which clusters a live worker serves (one KV listing)."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
+FETCH_RETRY_S = 1.0
+"""Seconds between a failed fetch and the next (`Router._fetch_again`)."""
 
 
 def _nats_trouble(err: BaseException) -> bool:
@@ -366,12 +368,12 @@ class Router:
             await self.handle_batch(msgs)
 
     async def _fetch_again(self, psub, err: Exception, stop: asyncio.Event) -> tuple[Any, list]:  # noqa: ANN001
-        """After a failed fetch (`err`): fetch again every second (tenacity) until a fetch answers, comes back
-        idle or finds no room (no messages then), or `stop`. Each failure is logged (`fetch_failed`); every
-        `RESETUP_AFTER_FAILURES`-th in a row sets the streams and the consumer up again. Returns the
-        subscription (a new one after a set-up) and what the fetch brought. The routing loop calls this only
-        after a failure: a fetch that works costs no retry bookkeeping. The failures are counted in a row across
-        idle answers, as before tenacity: only a fetch that brings messages starts the count afresh."""
+        """After a failed fetch (`err`): fetch again `FETCH_RETRY_S` later, and so on (tenacity), until a fetch
+        answers, comes back idle or finds no room (no messages then), or `stop`. Each failure is logged
+        (`fetch_failed`); every `RESETUP_AFTER_FAILURES`-th in a row sets the streams and the consumer up again.
+        Returns the subscription (a new one after a set-up) and what the fetch brought. The routing loop calls
+        this only after a failure: a fetch that works costs no retry bookkeeping. The failures are counted in a
+        row across idle answers, as before tenacity: only a fetch that brings messages starts the count afresh."""
 
         async def failed(e: BaseException) -> None:
             nonlocal psub
@@ -388,8 +390,9 @@ class Router:
                     log.warning("router_setup_failed", error=repr(again))
 
         await failed(err)
-        async for attempt in AsyncRetrying(wait=wait_fixed(1.0), retry=retry_if_exception_type(_FetchFailed),
-                                           reraise=True):
+        await asyncio.sleep(FETCH_RETRY_S)  # after the routing loop's failed fetch; tenacity waits after its own
+        async for attempt in AsyncRetrying(wait=wait_fixed(FETCH_RETRY_S), reraise=True,
+                                           retry=retry_if_exception_type(_FetchFailed)):
             with attempt:
                 if stop.is_set() or self._held >= self._max_unacked:
                     return psub, []
