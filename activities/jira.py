@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 import fleetmend
 from activities.ticket_kv import KvTicketStore
@@ -75,6 +76,10 @@ class _Retryable(TicketError):
         self.retry_after_s = retry_after_s
 
 
+_TRANSIENT = (_Retryable, httpx.TransportError, TimeoutError)
+"""What a Jira call retries: 5xx and 429 answers, connection errors, timeouts."""
+
+
 class JiraTicketFiler:
     """File, update and poll Jira issues (see module docstring for the REST calls).
 
@@ -117,35 +122,38 @@ class JiraTicketFiler:
                                  transport=self.transport)
 
     async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One REST call with bounded retries. Raises TicketRejectedError (4xx) or TicketError."""
-        delay = self.backoff_s
-        last = ""
+        """One REST call with bounded retries (tenacity): 5xx, 429 and connection errors or timeouts are tried
+        `max_attempts` times, `backoff_s` doubling to 10 s apart, or `Retry-After` (up to 30 s) when Jira
+        says it. Raises TicketRejectedError (4xx) at once, TicketError after the last try."""
         async with self._client() as client:
-            for attempt in range(1, self.s.max_attempts + 1):
-                try:
-                    async with asyncio.timeout(self.s.timeout_s):
-                        resp = await client.request(method, path, **kw)
-                    if resp.status_code == 429 or resp.status_code >= 500:
-                        ra = resp.headers.get("retry-after")
-                        raise _Retryable(f"{resp.status_code}: {resp.text[:200]}",
-                                         float(ra) if ra and ra.isdigit() else None)
-                    if resp.status_code >= 400:
-                        raise TicketRejectedError(
-                            f"Jira {method} {self.base}{path} rejected with {resp.status_code}: "
-                            f"{_jira_errors(resp)}; check tickets.jira (project, issue_type, credentials)",
-                            resp.status_code)
-                    return resp
-                except (_Retryable, httpx.TransportError, TimeoutError) as err:
-                    last = f"{type(err).__name__}: {err}"
-                    if attempt == self.s.max_attempts:
-                        break
-                    wait = delay
-                    if isinstance(err, _Retryable) and err.retry_after_s is not None:
-                        wait = min(err.retry_after_s, RETRY_AFTER_MAX_S)
-                    await asyncio.sleep(wait)
-                    delay = min(delay * 2, 10.0)
-        raise TicketError(f"Jira {method} {self.base}{path} failed {self.s.max_attempts} times: {last}; "
-                          "is the Jira URL reachable from the worker?")
+            try:
+                async for attempt in AsyncRetrying(stop=stop_after_attempt(self.s.max_attempts), wait=self._wait,
+                                                   retry=retry_if_exception_type(_TRANSIENT), reraise=True):
+                    with attempt:
+                        async with asyncio.timeout(self.s.timeout_s):
+                            resp = await client.request(method, path, **kw)
+                        if resp.status_code == 429 or resp.status_code >= 500:
+                            ra = resp.headers.get("retry-after")
+                            raise _Retryable(f"{resp.status_code}: {resp.text[:200]}",
+                                             float(ra) if ra and ra.isdigit() else None)
+                        if resp.status_code >= 400:
+                            raise TicketRejectedError(
+                                f"Jira {method} {self.base}{path} rejected with {resp.status_code}: "
+                                f"{_jira_errors(resp)}; check tickets.jira (project, issue_type, credentials)",
+                                resp.status_code)
+                        return resp
+            except _TRANSIENT as err:
+                raise TicketError(f"Jira {method} {self.base}{path} failed {self.s.max_attempts} times: "
+                                  f"{type(err).__name__}: {err}; is the Jira URL reachable from the worker?") from err
+        raise AssertionError("unreachable: tenacity returns the response or raises the last error")
+
+    def _wait(self, state: RetryCallState) -> float:
+        """Seconds before the next try: Jira's `Retry-After` (at most `RETRY_AFTER_MAX_S`) when it sent one, else
+        `backoff_s` doubling per try, 10 s at most."""
+        err = state.outcome.exception() if state.outcome else None
+        if isinstance(err, _Retryable) and err.retry_after_s is not None:
+            return min(err.retry_after_s, RETRY_AFTER_MAX_S)
+        return min(self.backoff_s * 2 ** (state.attempt_number - 1), 10.0)
 
     # -- TicketFiler ----------------------------------------------------------------------------
 

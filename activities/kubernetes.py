@@ -75,9 +75,11 @@ import structlog
 from kubernetes import client as k8s
 from kubernetes import config as kconfig
 from temporalio import activity
+from tenacity import AsyncRetrying, retry_if_result, wait_fixed
 
 from fleetmend.config import KubernetesSettings
 from fleetmend.errors import ConfigError, NodeNotFoundError, SchedulerError
+from fleetmend.infra.retry import LostRace, until_won
 from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -312,7 +314,8 @@ class KubernetesScheduler:
             NodeNotFoundError: no such Node.
             SchedulerError: API errors, RBAC refusals, or 409 conflicts 5 times in a row.
         """
-        for _ in range(CONFLICT_TRIES):
+        async def mark() -> DrainResult | None:
+            """One compare-and-set round: cordon, taint and annotate (None), or the opted-out answer."""
             n = await self._read(node)
             ann = self._annotations(n)
             cordoned = bool(n.spec and n.spec.unschedulable)
@@ -328,11 +331,11 @@ class KubernetesScheduler:
             has_taint = any(self._ours(t) for t in taints)
             owner = ann.get(self.ann_owner)
             if cordoned and owner == OWNER_FLEETMEND and has_taint and ann.get(self.ann_incident) == incident_id:
-                break  # ours already: carry on with evictions (an activity retry lands here)
+                return None  # ours already: carry on with evictions (an activity retry lands here)
             # A fleetmend drain of an earlier incident of this node (that incident is over: one incident
             # per node runs at a time) is adopted below: the incident annotation becomes this one's.
             if cordoned and owner == OWNER_OPERATOR and has_taint:
-                break  # an operator's cordon, already marked
+                return None  # an operator's cordon, already marked
             owner = OWNER_OPERATOR if cordoned and owner != OWNER_FLEETMEND else OWNER_FLEETMEND
             new_taints = [self._taint_dict(t) for t in taints if not self._ours(t)]
             new_taints.append({"key": self.s.taint_key, "value": taint_value(reason), "effect": "NoSchedule"})
@@ -350,12 +353,18 @@ class KubernetesScheduler:
                 await self._patch(node, body)
             except self.k8s.ApiException as err:
                 if err.status == 409:
-                    continue
+                    raise LostRace(node) from None
                 raise SchedulerError(f"patch node {node} at {self.where}: {err.status} {err.reason}: "
                                      f"{(err.body or '')[:300]}") from err
-            break
-        else:
-            raise SchedulerError(f"drain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)")
+            return None
+
+        try:
+            opted_out = await until_won(mark, attempts=CONFLICT_TRIES)  # tenacity: fleetmend.infra.retry
+        except LostRace:
+            raise SchedulerError(f"drain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)") \
+                from None
+        if opted_out is not None:
+            return opted_out
 
         n = await self._read(node)
         ann = self._annotations(n)
@@ -399,7 +408,9 @@ class KubernetesScheduler:
                 pending[key] = p
             else:
                 rep.skipped.append(f"{key} ({why})")
-        while pending:
+
+        async def one_pass() -> None:
+            """Ask the Eviction API once for every pending pod; a 429 leaves the pod pending."""
             for key, p in list(pending.items()):
                 body = self.k8s.V1Eviction(
                     api_version="policy/v1", kind="Eviction",
@@ -424,9 +435,14 @@ class KubernetesScheduler:
                 rep.blocked.pop(key, None)
             _heartbeat({"phase": "evicting", "node": node, "evicted": len(rep.evicted),
                         "blocked": sorted(pending)})
-            if not pending or time.monotonic() + self.s.evict_retry_s > deadline:
-                break
-            await asyncio.sleep(self.s.evict_retry_s)
+
+        if pending:  # a pass every `evict_retry_s` while pods are refused, none that would start past the deadline
+            async for attempt in AsyncRetrying(
+                    retry=retry_if_result(lambda _none: bool(pending)), wait=wait_fixed(self.s.evict_retry_s),
+                    stop=lambda _state: time.monotonic() + self.s.evict_retry_s > deadline,
+                    retry_error_callback=lambda _state: None):
+                with attempt:
+                    await one_pass()
         return rep
 
     async def undrain(self, node: str, incident_id: str) -> UndrainResult:
@@ -440,7 +456,7 @@ class KubernetesScheduler:
         Raises:
             NodeNotFoundError, SchedulerError: as `drain`.
         """
-        for _ in range(CONFLICT_TRIES):
+        async def one_round() -> UndrainResult:
             n = await self._read(node)
             ann = self._annotations(n)
             cordoned = bool(n.spec and n.spec.unschedulable)
@@ -471,7 +487,7 @@ class KubernetesScheduler:
                 await self._patch(node, body)
             except self.k8s.ApiException as err:
                 if err.status == 409:
-                    continue
+                    raise LostRace(node) from None
                 raise SchedulerError(f"patch node {node} at {self.where}: {err.status} {err.reason}") from err
             await self.set_condition(node, False, EVENT_REASONS["returned"], f"returned to service by {incident_id}")
             await self.record_event(node, "returned", f"fleetmend returned the node to service ({incident_id})",
@@ -482,7 +498,12 @@ class KubernetesScheduler:
             return UndrainResult(node, False, STATE_CORDONED if cordoned else STATE_READY,
                                  "fleetmend taint and annotations removed; the cordon is the operator's and "
                                  "stays", operator_drained=cordoned)
-        raise SchedulerError(f"undrain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)")
+
+        try:
+            return await until_won(one_round, attempts=CONFLICT_TRIES)  # tenacity: fleetmend.infra.retry
+        except LostRace:
+            raise SchedulerError(f"undrain of {node}: the Node kept changing under us ({CONFLICT_TRIES} 409s)") \
+                from None
 
     async def set_condition(self, node: str, active: bool, reason: str, message: str) -> bool:
         """Set the Node's `FleetmendFault` condition (see module docstring); best effort.
@@ -497,7 +518,8 @@ class KubernetesScheduler:
         """
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         status = "True" if active else "False"
-        for _ in range(CONFLICT_TRIES):
+
+        async def one_round() -> bool:
             try:
                 n = await self._read(node)
             except (NodeNotFoundError, SchedulerError) as err:
@@ -525,14 +547,18 @@ class KubernetesScheduler:
                 return True
             except self.k8s.ApiException as err:
                 if err.status == 409:
-                    continue
+                    raise LostRace(node) from None
                 _log().warning("node_condition_failed", node=node, status=err.status, error=_status_message(err))
                 return False
             except (NodeNotFoundError, SchedulerError) as err:
                 _log().warning("node_condition_failed", node=node, error=str(err))
                 return False
-        _log().warning("node_condition_failed", node=node, error=f"{CONFLICT_TRIES} conflicts in a row")
-        return False
+
+        try:
+            return await until_won(one_round, attempts=CONFLICT_TRIES)  # tenacity: fleetmend.infra.retry
+        except LostRace:
+            _log().warning("node_condition_failed", node=node, error=f"{CONFLICT_TRIES} conflicts in a row")
+            return False
 
     async def record_event(self, node: str, step: str, message: str, *, key: str, warning: bool = False) -> bool:
         """Record a core/v1 Event on the Node for a remediation `step` (a key of `EVENT_REASONS`).

@@ -17,6 +17,7 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyW
 from fleetmend import subjects
 from fleetmend.errors import SchedulerError
 from fleetmend.infra.jetstream import kv_config, kv_keys
+from fleetmend.infra.retry import LostRace, until_won
 from fleetmend.messages import OWNER_FLEETMEND, OWNER_OPERATOR, DrainResult, NodeInfo, UndrainResult
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 _WRONG_LAST_SEQUENCE = 10071
 """JetStream API error code: expected last subject sequence mismatch (optimistic concurrency)."""
+CAS_TRIES = 5
+"""Compare-and-set rounds of a drain or undrain before it gives up (`SchedulerError`)."""
 
 
 class StandaloneScheduler:
@@ -119,14 +122,14 @@ class StandaloneScheduler:
         Raises:
             SchedulerError: the KV write kept conflicting (5 attempts).
         """
-        for _ in range(5):
+        async def one_round() -> DrainResult:
             entry, rev = await self._entry(node)
             if entry and entry.get("owner") == OWNER_FLEETMEND and entry.get("incident_id") != incident_id:
                 # an earlier incident's drain of this node: adopt it, so this incident's undrain may lift it
                 adopted = {**entry, "incident_id": incident_id, "adopted_from": entry.get("incident_id"),
                            "at": datetime.now(timezone.utc).isoformat()}
                 if not await self._write(node, json.dumps(adopted).encode(), rev):
-                    continue
+                    raise LostRace(node)
                 return DrainResult(node, True, True, False, self.STATE_DRAINED,
                                    f"already drained by fleetmend incident {entry.get('incident_id')}; "
                                    "adopted by this incident", reason=entry.get("reason", ""),
@@ -141,7 +144,13 @@ class StandaloneScheduler:
             if await self._write(node, self._doc(reason, incident_id, OWNER_FLEETMEND), rev):
                 return DrainResult(node, True, True, False, self.STATE_DRAINED,
                                    f"drain recorded in KV bucket {self.bucket}", reason=reason)
-        raise SchedulerError(f"drain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
+            raise LostRace(node)
+
+        try:
+            return await until_won(one_round, attempts=CAS_TRIES)  # tenacity (fleetmend.infra.retry)
+        except LostRace:
+            raise SchedulerError(f"drain of {node}: KV bucket {self.bucket} kept changing under us "
+                                 f"({CAS_TRIES} tries)") from None
 
     async def undrain(self, node: str, incident_id: str) -> UndrainResult:
         """Remove `node`'s entry if fleetmend drained it for `incident_id` (delete with the read revision).
@@ -153,7 +162,8 @@ class StandaloneScheduler:
             SchedulerError: the entry kept changing (5 attempts).
         """
         kv = await self.kv()
-        for _ in range(5):
+
+        async def one_round() -> UndrainResult:
             key = self.key(node)
             entry, rev = await self._entry(node)
             if not entry and subjects.node_token(node) == node:
@@ -175,10 +185,15 @@ class StandaloneScheduler:
                     await kv.delete(key, last=rev)
             except APIError as err:
                 if err.err_code == _WRONG_LAST_SEQUENCE:
-                    continue
+                    raise LostRace(node) from None
                 raise SchedulerError(f"undrain of {node} in KV bucket {self.bucket}: {err}") from err
             return UndrainResult(node, True, self.STATE_IN_SERVICE, "drain entry removed")
-        raise SchedulerError(f"undrain of {node}: KV bucket {self.bucket} kept changing under us (5 tries)")
+
+        try:
+            return await until_won(one_round, attempts=CAS_TRIES)  # tenacity (fleetmend.infra.retry)
+        except LostRace:
+            raise SchedulerError(f"undrain of {node}: KV bucket {self.bucket} kept changing under us "
+                                 f"({CAS_TRIES} tries)") from None
 
     async def operator_drain(self, node: str, reason: str) -> None:
         """An operator's drain (CLI `fleetmend drain`): owner "operator", never removed by `undrain`.

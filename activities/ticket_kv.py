@@ -32,6 +32,7 @@ from activities.ticket_store import DEFAULT_REPAIRED_STATUSES
 from fleetmend import subjects
 from fleetmend.errors import TicketError, TicketNotFoundError
 from fleetmend.infra.jetstream import kv_config, kv_keys
+from fleetmend.infra.retry import LostRace, until_won
 from fleetmend.messages import TicketRef, TicketRequest, TicketStatus, TicketUpdate
 
 
@@ -92,7 +93,8 @@ class KvTicketStore:
 
     async def _next_id(self) -> str:
         kv = await self.kv()
-        while True:
+
+        async def one_round() -> str:
             last, rev = await self._get("seq")
             n = int(last or 0) + 1
             while (await self._get(ticket_key(f"{self.prefix}-{n:06d}")))[0] is not None:
@@ -102,9 +104,11 @@ class KvTicketStore:
                     await kv.update("seq", json.dumps(n).encode(), last=rev)
                 else:
                     await kv.create("seq", json.dumps(n).encode())
-                return f"{self.prefix}-{n:06d}"
             except KeyWrongLastSequenceError:
-                continue  # another replica took this number: read again
+                raise LostRace("seq") from None  # another replica took this number: read again
+            return f"{self.prefix}-{n:06d}"
+
+        return await until_won(one_round, attempts=None)  # tenacity (fleetmend.infra.retry), until it wins
 
     async def find_by_incident(self, incident_id: str) -> dict | None:
         """The ticket filed for `incident_id`, or None."""
@@ -158,7 +162,8 @@ class KvTicketStore:
             TicketNotFoundError: no such ticket in the ledger.
         """
         kv = await self.kv()
-        while True:
+
+        async def one_round() -> dict:
             doc, rev = await self._get(ticket_key(upd.ticket_id))
             if doc is None:
                 raise TicketNotFoundError(f"ticket {upd.ticket_id} (incident {upd.incident_id}) not found in "
@@ -169,9 +174,11 @@ class KvTicketStore:
             doc["status"], doc["updated_at"] = upd.status, now
             try:
                 await kv.update(ticket_key(upd.ticket_id), json.dumps(doc, default=str).encode(), last=rev)
-                return doc
             except KeyWrongLastSequenceError:
-                continue
+                raise LostRace(upd.ticket_id) from None
+            return doc
+
+        return await until_won(one_round, attempts=None)  # tenacity (fleetmend.infra.retry), until it wins
 
     async def list_all(self) -> list[dict]:
         """Every ticket, oldest filed first (for `fleetmend tickets`)."""

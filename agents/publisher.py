@@ -40,10 +40,10 @@ import nats.js.errors
 import structlog
 from tenacity import AsyncRetrying, retry_if_result, wait_exponential
 
+from agents import metrics
 from agents.spool import Spool
 from fleetmend.errors import SpoolError
 from fleetmend.events import FaultEvent
-from fleetmend.infra import metrics
 from fleetmend.subjects import fault_subject, msg_id
 
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -245,7 +245,7 @@ class Publisher:
 
     def record_lost(self, event_id: str, reason: str, detail: str, **kw: Any) -> None:
         self.lost_count += 1
-        metrics.AGENT_FAULTS_LOST.labels(cluster=self.cluster, reason=reason).inc()
+        metrics.fault_lost(self.cluster, reason)
         self._log.error("fault_lost", event_id=event_id, reason=reason, detail=detail, lost_total=self.lost_count,
                         **kw)
 

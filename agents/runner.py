@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_never
 
+from agents import metrics
 from agents.bench import GpuTools
 from agents.diag import DiagResponder
 from agents.lastboot import record_clean_stop, record_reboot_ordered
@@ -40,7 +41,6 @@ from agents.spool import Spool
 from fleetmend import __version__
 from fleetmend.config import AgentSettings, Settings
 from fleetmend.events import utcnow
-from fleetmend.infra import metrics
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_fault_stream
 from fleetmend.subjects import heartbeat_subject, inbox_prefix, perf_subject
@@ -207,7 +207,7 @@ class Agent:
                                        inject_file=self.inject_file, kmsg=self.kmsg, hardware=self.hardware,
                                        agent_state_dir=self.state)
         self.lastboot = any(p.name == "lastboot" for p in self.probes)
-        metrics.start_http_server(settings.metrics.agent_port, settings.metrics.host)
+        metrics.serve(settings.metrics.agent_port, settings.metrics.host)  # 0: prometheus_client never imported
         metrics.watch_spool(settings.cluster, self.spool)
         self.status = {p.name: "starting" for p in self.probes}
         self.log.info("agent_starting", agent_version=__version__, probes=[p.name for p in self.probes],
@@ -252,7 +252,7 @@ class Agent:
                 stop_task = tg.create_task(self.stop.wait(), name="stop")
                 beat_task = tg.create_task(metrics.beat_forever(self.stop), name="liveness")  # /healthz
                 self.service_tasks = [pub_task, replay_task, online_task, stop_task, beat_task, perf_task]
-                metrics.HEALTH.set_ready()  # /readyz: probes run (events spool while NATS is away)
+                metrics.set_ready()  # /readyz: probes run (events spool while NATS is away)
                 if self.once:
                     done_task = tg.create_task(_gather(self.probe_tasks), name="probes")
                     self.service_tasks.append(done_task)
@@ -385,7 +385,7 @@ class Agent:
                     await publisher.wait_spool_empty()
         except TimeoutError:
             self.log.warning("agent_shutdown_timeout", queued=publisher.queue.qsize(), spool_depth=spool.depth)
-        metrics.HEALTH.set_ready(False, "stopping")
+        metrics.set_ready(False, "stopping")
         for t in self.service_tasks:
             t.cancel()
 

@@ -1,8 +1,9 @@
 """What the live agent keeps out of its process (issue 30 point 2, bench/agent_memory.py has the figures): on a host
 without NVIDIA GPUs it loads neither NVML nor the optional libraries its dependencies would pull in (aiohttp for
 nats-py's websockets, rich for structlog's tracebacks), nor the CLI's (typer), nor a second JSON library, nor
-anything of the control plane; and its RSS stays under the 60 MiB of the first target, a coarse guard against a
-heavy import slipping back in (the 30 MiB target is bounded by the stack itself: see bench/RESULTS.md)."""
+anything of the control plane, nor prometheus_client while no metrics port is set (with one, /metrics and /readyz
+answer); and its RSS stays under the 60 MiB of the first target, a coarse guard against a heavy import slipping
+back in (the 30 MiB target is bounded by the stack itself: see bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-NEVER_IN_THE_AGENT = {"aiohttp", "rich", "typer", "orjson", "pynvml", "temporalio", "kubernetes", "httpx"}
+NEVER_IN_THE_AGENT = {"aiohttp", "rich", "typer", "orjson", "pynvml", "temporalio", "kubernetes", "httpx",
+                      "prometheus_client"}  # the last only with metrics.agent_port set (agents/metrics.py)
 
 _WRAPPER = """
 import json, os, sys, threading, time  # a module blocked by lean_imports is None in sys.modules
@@ -23,8 +25,16 @@ def dump():
         time.sleep(0.1)
     time.sleep(float(os.environ["DUMP_AFTER_S"]))
     rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) / 1024
+    modules = sorted(k for k, v in sys.modules.items() if v is not None)
+    served = {}
+    if os.environ.get("FLEETMEND_METRICS__AGENT_PORT"):  # read after the module list: urllib is the test's
+        import urllib.request
+        base = "http://127.0.0.1:" + os.environ["FLEETMEND_METRICS__AGENT_PORT"]
+        for path in ("/metrics", "/readyz"):
+            with urllib.request.urlopen(base + path, timeout=5) as r:
+                served[path] = [r.status, r.read().decode()]
     with open(os.environ["DUMP_TO"], "w") as f:
-        json.dump({"rss_mib": rss, "modules": sorted(k for k, v in sys.modules.items() if v is not None)}, f)
+        json.dump({"rss_mib": rss, "modules": modules, "served": served}, f)
     sys.stdout.flush()
     os._exit(0)
 threading.Thread(target=dump, daemon=True).start()
@@ -33,7 +43,9 @@ sys.exit(main(["--node", "mem-1", "--cluster", "c", "--hardware"]))
 """
 
 
-def test_the_live_agent_on_a_host_without_gpus_keeps_heavy_imports_out(tmp_path: Path) -> None:
+def _run_agent(tmp_path: Path, **extra_env: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """The live agent on a host of one NIC and no GPU, NATS away, for a few seconds: what it imported, its RSS
+    and (with a metrics port) what it served."""
     host = tmp_path / "host"
     nic = host / "sys/bus/pci/devices/0000:3b:00.0"
     nic.mkdir(parents=True)
@@ -45,11 +57,15 @@ def test_the_live_agent_on_a_host_without_gpus_keeps_heavy_imports_out(tmp_path:
                FLEETMEND_AGENT__HOST_ROOT=str(host), FLEETMEND_AGENT__SYSFS__ROOT=str(host),
                FLEETMEND_AGENT__KMSG__PATH=str(tmp_path / "kmsg"), FLEETMEND_AGENT__NICE="0",
                DUMP_AFTER_S="3", DUMP_TO=str(tmp_path / "dump.json"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), **extra_env)
     p = subprocess.run([sys.executable, "-c", _WRAPPER], capture_output=True, text=True, cwd=REPO, env=env,
                        timeout=90)
     assert (tmp_path / "dump.json").exists(), p.stderr[-3000:]
-    dump = json.loads((tmp_path / "dump.json").read_text())
+    return json.loads((tmp_path / "dump.json").read_text()), p
+
+
+def test_the_live_agent_on_a_host_without_gpus_keeps_heavy_imports_out(tmp_path: Path) -> None:
+    dump, p = _run_agent(tmp_path)
     top = {m.split(".")[0] for m in dump["modules"]}
     assert not top & NEVER_IN_THE_AGENT, top & NEVER_IN_THE_AGENT
     mods = set(dump["modules"])
@@ -57,3 +73,16 @@ def test_the_live_agent_on_a_host_without_gpus_keeps_heavy_imports_out(tmp_path:
         (sorted(m for m in mods if m.startswith("agents")), p.stdout[-2000:])
     assert "nvml_not_applicable" in p.stdout + p.stderr
     assert dump["rss_mib"] < 60, dump["rss_mib"]
+
+
+def test_the_agent_with_a_metrics_port_serves_its_metrics_and_health(tmp_path: Path) -> None:
+    """prometheus_client comes in with the port (agents/metrics.py): /metrics has the agent's series,
+    /readyz says ready once the probes run."""
+    from fleetmend.dev.servers import free_port
+
+    dump, p = _run_agent(tmp_path, FLEETMEND_METRICS__AGENT_PORT=str(free_port()),
+                         FLEETMEND_METRICS__HOST="127.0.0.1")
+    assert "prometheus_client" in {m.split(".")[0] for m in dump["modules"]}
+    status, text = dump["served"]["/metrics"]
+    assert status == 200 and 'fleetmend_agent_spool_depth{cluster="c"}' in text, text[-2000:]
+    assert dump["served"]["/readyz"] == [200, "ok\n"], (dump["served"], p.stderr[-2000:])

@@ -8,6 +8,7 @@ recorded in `violations`, which every test asserts empty.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -261,6 +262,23 @@ async def test_update_comments_and_transitions_then_poll_reports_repaired(jira: 
     await f.update(TicketUpdate(ref.ticket_id, "inc-3", "resolved", "Verification passed."))
     assert jira.issues["OPS-1"]["status"] == "Done"
     assert f.local.find_by_incident_sync("inc-3")["status"] == "resolved"
+
+
+async def test_retries_wait_doubling_or_as_jira_says(jira: FakeJira, tmp_path, monkeypatch) -> None:
+    """tenacity's waits between tries: `backoff_s` doubling, or the 429's Retry-After (the fake says 0)."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        await real_sleep(0)
+
+    f = filer(jira, tmp_path)
+    jira.fail_next = [503, 502, 429]
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    assert await f.find("inc-waits") is None  # the fourth try answers: no such issue
+    monkeypatch.undo()
+    assert slept == [0.01, 0.02, 0.0] and jira.fail_next == []
 
 
 async def test_retries_5xx_and_429_then_rejects_4xx(jira: FakeJira, tmp_path) -> None:

@@ -25,15 +25,17 @@ import random
 from pathlib import Path
 
 import nats
+import pytest
 
 from activities.scheduler import build_scheduler
 from activities.standalone import StandaloneScheduler
 from fleetmend import subjects
 from fleetmend.catalog import load_catalog
 from fleetmend.config import load_settings
+from fleetmend.infra import permit_pool
 from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_fault_stream
-from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool
+from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool, PoolBusyError
 from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
 from fleetmend.router.core import Router
 from fleetmend.worker import build_worker
@@ -67,6 +69,44 @@ async def test_racing_claims_keep_the_budget_and_the_rack_cap(nats_server, uniqu
         loser = next(n for n, r in nodes if n not in won and r == state.holders[won[0]].rack)
         got = await pools[1].claim(cluster, loser, state.holders[won[0]].rack)
         assert got.ok and got.new and got.holders == 5
+    finally:
+        for c in conns:
+            await c.close()
+
+
+async def test_a_claim_that_loses_its_compare_and_set_reads_again_and_wins(nats_server, unique: str,
+                                                                          monkeypatch) -> None:
+    """A real lost race (another process writes the key between this claim's read and its write): the claim
+    reads again and wins (tenacity, `fleetmend.infra.retry`), the other's holder kept; a key that changes under
+    every round gives up after `CAS_ATTEMPTS` rounds with `PoolBusyError`."""
+    cluster = f"pr{unique}"
+    conns = [await nats.connect(nats_server.url) for _ in range(2)]
+    try:
+        mine, other = [await PermitPool.open(c.jetstream()) for c in conns]
+        await other.publish(cluster, budget=5, rack_cap=5, open=True)
+        reads, races = [], [f"o{i}" for i in range(3)]
+        real_get = mine.kv.get
+
+        async def get_then_raced(key: str):
+            entry = await real_get(key)
+            reads.append(entry.revision)
+            if races:
+                await other.claim(cluster, races.pop(0), "r2", by=BY_GUARD)  # lands before this round's write
+            return entry
+
+        monkeypatch.setattr(mine.kv, "get", get_then_raced)
+        races[1:] = []
+        got = await mine.claim(cluster, "n1", "r1", by=BY_GUARD)
+        assert got.ok and got.new
+        assert len(reads) == 2 and reads[1] > reads[0]  # lost one round, read again, won
+        assert set((await other.read(cluster)).holders) == {"o0", "n1"}
+
+        monkeypatch.setattr(permit_pool, "CAS_ATTEMPTS", 3)
+        reads.clear()
+        races[:] = ["o1", "o2", "o3"]
+        with pytest.raises(PoolBusyError, match="lost 3 compare-and-set rounds"):
+            await mine.claim(cluster, "n2", "r1", by=BY_GUARD)
+        assert len(reads) == 3 and "n2" not in (await other.read(cluster)).holders
     finally:
         for c in conns:
             await c.close()

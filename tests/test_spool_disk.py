@@ -21,7 +21,7 @@ import pytest
 
 from agents.runner import run_agent
 from agents.spool import Spool
-from fleetmend.config import AgentSettings, Settings
+from fleetmend.config import AgentSettings, MetricsSettings, Settings
 from fleetmend.dev import servers
 from fleetmend.errors import SpoolWriteError
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
@@ -169,7 +169,8 @@ async def test_agent_survives_full_spool_keeps_heartbeats_and_resumes(tmp_path: 
     with tmpfs(tmp_path / "state", "256k") as state:
         s = Settings(cluster=cluster, node=node, nats_url=url, state_dir=state, nats_connect_timeout_s=2,
                      agent=AgentSettings(nice=0, heartbeat_interval_s=0.2, publish_timeout_s=2,
-                                         kmsg_path=tmp_path / "no-kmsg"))
+                                         kmsg_path=tmp_path / "no-kmsg"),
+                     metrics=MetricsSettings(host="127.0.0.1", agent_port=servers.free_port()))  # counted if served
         probe = ListProbe()
         stop = asyncio.Event()
         agent = asyncio.create_task(run_agent(s, stop=stop, probes=[probe], shutdown_timeout_s=5))

@@ -28,6 +28,7 @@ from fleetmend import ledger as L
 from fleetmend import subjects
 from fleetmend.config import LedgerSettings
 from fleetmend.infra import metrics
+from fleetmend.infra.retry import LostRace, until_won
 from fleetmend.policy import Topology
 
 log = structlog.get_logger("fleetmend.infra.ledger")
@@ -113,7 +114,8 @@ class LedgerStore:
     # ------------------------------------------------------------------ the one write
     async def _update(self, key: str, change: Change) -> tuple[Head, Detail] | None:
         kv = await self.kv()
-        for _ in range(CAS_ATTEMPTS):
+
+        async def one_round() -> tuple[Head, Detail] | None:
             try:
                 entry = await kv.get(key)
                 rev: int | None = entry.revision
@@ -128,10 +130,14 @@ class LedgerStore:
                     await kv.create(key, encode(*out))
                 else:
                     await kv.update(key, encode(*out), last=rev)
-                return out
             except KeyWrongLastSequenceError:
-                continue  # another writer won: read again
-        raise RuntimeError(f"ledger key {key} kept changing ({CAS_ATTEMPTS} rounds)")
+                raise LostRace(key) from None  # another writer won: read again
+            return out
+
+        try:
+            return await until_won(one_round, attempts=CAS_ATTEMPTS)  # tenacity: fleetmend.infra.retry
+        except LostRace:
+            raise RuntimeError(f"ledger key {key} kept changing ({CAS_ATTEMPTS} rounds)") from None
 
     async def _safely(self, phase: str, work: Callable[[], Awaitable[Any]], **where: Any) -> Any:
         try:

@@ -48,6 +48,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from fleetmend import subjects
 from fleetmend.infra.jetstream import kv_keys, open_kv_bucket
+from fleetmend.infra.retry import LostRace, until_won
 
 log = structlog.get_logger("fleetmend.infra.permit_pool")
 
@@ -55,7 +56,13 @@ BY_ROUTER = "router"
 BY_GUARD = "guard"
 CAS_ATTEMPTS = 64
 """Compare-and-set rounds before a claim gives up (`PoolBusyError`); each round is one KV read and one
-conditional write, and only a writer that lost to another's write tries again."""
+conditional write, and only a writer that lost to another's write tries again (`fleetmend.infra.retry`)."""
+
+
+def _cas_pause(lost: int) -> float:
+    """Seconds after the `lost`-th lost compare-and-set round: uniform up to 2 ms × `lost`, 50 ms at most (the
+    losers of one race do not all read again at once)."""
+    return random.uniform(0, min(0.05, 0.002 * lost))
 
 
 T = TypeVar("T")
@@ -171,13 +178,18 @@ class PermitPool:
 
         Raises:
             PoolBusyError: lost `CAS_ATTEMPTS` times in a row."""
-        for attempt in range(CAS_ATTEMPTS):
+        async def one_round() -> T:
             state, rev = await self._get(cluster)
             new, result = change(state)
             if new is None or await self._put(cluster, new, rev):
                 return result
-            await asyncio.sleep(random.uniform(0, min(0.05, 0.002 * (attempt + 1))))
-        raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row")
+            raise LostRace(cluster)
+
+        try:  # tenacity (`until_won`); a jittered pause after each lost round: up to 2 ms × rounds lost, 50 ms at most
+            return await until_won(one_round, attempts=CAS_ATTEMPTS, pause=_cas_pause)
+        except LostRace:
+            raise PoolBusyError(f"permit pool of {cluster}: lost {CAS_ATTEMPTS} compare-and-set rounds in a row") \
+                from None
 
     async def read(self, cluster: str) -> PoolState | None:
         """The cluster's pool, or None before FleetGuard first published it."""

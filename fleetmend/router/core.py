@@ -62,6 +62,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
+from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from activities.fleetguard import fault_summary
 from fleetmend import subjects
@@ -109,6 +110,18 @@ WORKER_PRESENCE_READ_S = 5.0
 """How often the router reads which clusters a live worker serves (one KV listing)."""
 RESETUP_AFTER_FAILURES = 5
 """Failed fetches in a row after which the router sets up its streams and consumer again."""
+FETCH_RETRY_S = 1.0
+"""Seconds between a failed fetch and the next (`Router._fetch_again`)."""
+
+
+def _nats_trouble(err: BaseException) -> bool:
+    """Whether a failed JetStream read is worth trying again: any error but a missing message (a
+    cancellation is no error)."""
+    return isinstance(err, Exception) and not isinstance(err, NotFoundError)
+
+
+class _FetchFailed(Exception):
+    """A fetch failed (not idle): tenacity fetches again a second later."""
 
 
 @dataclass
@@ -195,6 +208,8 @@ class Router:
         self._queued: dict[tuple[str, str], list[tuple[Any, FaultEvent, float]]] = {}
         self._senders: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._held = 0
+        self._fetch_failures = 0
+        """Failed fetches in a row (`_fetch_again`)."""
         self._max_unacked = max(self.s.router.max_unacked, self.s.router.fetch_batch)
         self._room = asyncio.Event()
         self._fast = scheduler is not None and not settings.policy.observe_only
@@ -331,7 +346,6 @@ class Router:
         """Fetch until `stop`. After `RESETUP_AFTER_FAILURES` failed fetches in a row (the stream or
         the consumer is gone: NATS lost its storage, someone deleted it) the streams and the durable
         consumer are set up again (`setup`: a missing stream is created, an existing one untouched)."""
-        failures = 0
         while not stop.is_set():
             if self._held >= self._max_unacked:
                 self._room.clear()
@@ -347,20 +361,53 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - connection trouble: log, back off, go on
-                log.warning("fetch_failed", error=repr(err))
-                failures += 1
-                if failures % RESETUP_AFTER_FAILURES == 0:
-                    try:
-                        with contextlib.suppress(Exception):
-                            await psub.unsubscribe()
-                        psub = await self.setup()
-                        log.warning("router_set_up_again", after_failures=failures, durable=self.durable)
-                    except Exception as again:  # noqa: BLE001 - NATS still away: next round
-                        log.warning("router_setup_failed", error=repr(again))
-                await asyncio.sleep(1.0)
-                continue
-            failures = 0
+                psub, msgs = await self._fetch_again(psub, err, stop)
+                if not msgs:
+                    continue
+            self._fetch_failures = 0
             await self.handle_batch(msgs)
+
+    async def _fetch_again(self, psub, err: Exception, stop: asyncio.Event) -> tuple[Any, list]:  # noqa: ANN001
+        """After a failed fetch (`err`): fetch again `FETCH_RETRY_S` later, and so on (tenacity), until a fetch
+        answers, comes back idle or finds no room (no messages then), or `stop`. Each failure is logged
+        (`fetch_failed`); every `RESETUP_AFTER_FAILURES`-th in a row sets the streams and the consumer up again.
+        Returns the subscription (a new one after a set-up) and what the fetch brought. The routing loop calls
+        this only after a failure: a fetch that works costs no retry bookkeeping. The failures are counted in a
+        row across idle answers, as before tenacity: only a fetch that brings messages starts the count afresh."""
+
+        async def failed(e: BaseException) -> None:
+            nonlocal psub
+            log.warning("fetch_failed", error=repr(e))
+            self._fetch_failures += 1
+            failures = self._fetch_failures
+            if failures % RESETUP_AFTER_FAILURES == 0:
+                try:
+                    with contextlib.suppress(Exception):
+                        await psub.unsubscribe()
+                    psub = await self.setup()
+                    log.warning("router_set_up_again", after_failures=failures, durable=self.durable)
+                except Exception as again:  # noqa: BLE001 - NATS still away: next round
+                    log.warning("router_setup_failed", error=repr(again))
+
+        await failed(err)
+        await asyncio.sleep(FETCH_RETRY_S)  # after the routing loop's failed fetch; tenacity waits after its own
+        async for attempt in AsyncRetrying(wait=wait_fixed(FETCH_RETRY_S), reraise=True,
+                                           retry=retry_if_exception_type(_FetchFailed)):
+            with attempt:
+                if stop.is_set() or self._held >= self._max_unacked:
+                    return psub, []
+                try:
+                    msgs = await psub.fetch(min(self.s.router.fetch_batch, self._max_unacked - self._held),
+                                            timeout=1.0)
+                    return psub, msgs
+                except (NatsTimeout, asyncio.TimeoutError):
+                    return psub, []  # idle: NATS answers again
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    await failed(e)
+                    raise _FetchFailed from e
+        raise AssertionError("unreachable: tenacity retries until a fetch answers")
 
     async def watch_max_deliveries(self):  # noqa: ANN201 - nats Subscription
         """Subscribe to JetStream's max-deliveries advisory of this consumer: the message it names is
@@ -375,18 +422,17 @@ class Router:
         except (ValueError, KeyError, TypeError) as err:
             log.warning("max_deliveries_advisory_unreadable", error=repr(err))
             return
-        for attempt in range(5):
-            try:
-                m = await self.js.get_msg(self.stream, seq)
-                break
-            except NotFoundError:
-                log.warning("max_deliveries_message_gone", stream=self.stream, stream_seq=seq)
-                return
-            except Exception as err:  # noqa: BLE001 - NATS trouble: a few tries, then say so loudly
-                if attempt == 4:
-                    log.error("max_deliveries_deadletter_failed", stream_seq=seq, error=repr(err))
-                    return
-                await asyncio.sleep(1.0)
+        try:  # NATS trouble: 5 tries a second apart (tenacity), then said loudly; never a cancellation
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(5), wait=wait_fixed(1.0), reraise=True,
+                                               retry=retry_if_exception(_nats_trouble)):
+                with attempt:
+                    m = await self.js.get_msg(self.stream, seq)
+        except NotFoundError:
+            log.warning("max_deliveries_message_gone", stream=self.stream, stream_seq=seq)
+            return
+        except Exception as err:  # noqa: BLE001 - the fifth failure
+            log.error("max_deliveries_deadletter_failed", stream_seq=seq, error=repr(err))
+            return
         reason = f"reached max deliveries ({deliveries}) without being acked"
         if await self._write_deadletter(m.subject, m.data or b"", seq, deliveries, reason):
             self._counted_deadletter(reason, m.subject)

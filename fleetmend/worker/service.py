@@ -122,9 +122,11 @@ async def _announce_policy(client, settings: Settings, stop: asyncio.Event) -> N
         log.warning("guard_policy_not_announced", cluster=settings.cluster, attempt=state.attempt_number,
                     error=repr(state.outcome.exception()) if state.outcome else None)
 
+    def worth_retrying(err: BaseException) -> bool:  # a cancellation is never retried
+        return isinstance(err, Exception) and not stop.is_set()
+
     async for attempt in AsyncRetrying(wait=wait_exponential(multiplier=1, max=60),
-                                       retry=retry_if_exception(lambda _e: not stop.is_set()),
-                                       before_sleep=logged, reraise=True):
+                                       retry=retry_if_exception(worth_retrying), before_sleep=logged, reraise=True):
         with attempt:
             await announce_policy(client, settings)
     log.info("guard_policy_announced", cluster=settings.cluster, max_drained_nodes=settings.policy.max_drained_nodes,
