@@ -7,7 +7,7 @@ drained set is the scheduler's KV bucket), and each node's diagnostics responder
 The new build is a real code change: `workflows/` copied to a temporary directory with one more command in
 `NodeRemediation._return` (a timer) behind `workflow.patched(PATCH)`, put first on the new workers' PYTHONPATH.
 
-Sequence: open incidents on the old build (six drained and awaiting repair, one of them returned before the
+Sequence: open incidents on the old build (five drained and awaiting repair, one of them returned before the
 upgrade; two held in their initial diagnostics), restart worker 1 onto the new build (the held diagnostics
 answer while it stops), repair incidents and open one while old and new workers run side by side, restart
 worker 2, then repair the rest and open two more incidents on the new build alone.
