@@ -302,6 +302,9 @@ def test_dev_up_refuses_a_nats_to_join_that_does_not_answer(tmp_path: Path):
     assert r.returncode == 1 and len(lines) == 1, r
     assert lines[0].startswith(f"error: cannot join NATS: nats://127.0.0.1:{a}: connection refused"), lines
     assert not (tmp_path / "state" / "logs").exists() and "temporal" not in r.stdout, r.stdout
+    r = subprocess.run(FLEETMEND + ["dev", "up", "--nats-url", f"nats://127.0.0.1:{a}", "--join-nats", "--secure"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: --secure starts dev up's own nats-server"), r
 
     s = load_settings(None, nats_url=f"nats://127.0.0.1:{a},nats://127.0.0.1:{b}", state_dir=tmp_path / "s")
     t0 = time.monotonic()
