@@ -9,8 +9,9 @@ Every cluster its agents report is served: a worker of the cluster's own (`worke
 fault stream already holds (`ClusterWatch`); with a scheduler that is bound to one cluster's own settings
 (Slurm, Kubernetes) dev up refuses instead and prints why and what to run.
 With `--join-nats` (or a NATS URL that lists several servers, a `tls://` one, or a host that is not this machine's)
-dev up starts no nats-server: it joins the NATS (cluster) at that URL (`check_nats`: every server answers, with
-JetStream, or it stops with one line saying which address and why), creates the streams and KV buckets there that
+dev up starts no nats-server: it joins the NATS (cluster) at that URL (`check_nats`, each server tried at once: when
+none answers with JetStream it stops with one line naming each address and why; one down among others is printed),
+creates the streams and KV buckets there that
 are missing (`ensure_jetstream`), and every process it starts connects to those URLs.
 Children that die are restarted with backoff. SIGINT/SIGTERM stop everything in reverse order.
 Starting again with the same state directory resumes open incidents where they were (Temporal
