@@ -68,6 +68,17 @@ async def test_a_nats_connection_made_fast_still_reconnects_forever(nats_server)
         await nc.close()
 
 
+async def test_a_cluster_url_connects_through_the_server_that_answers(nats_server) -> None:
+    """`nats_url` comma-separated for a cluster (issue 27): one server down, the next one is used (nats-py reads an
+    unsplit string as one server: "invalid connect url option")."""
+    url = f"nats://127.0.0.1:{_refused_port()},{nats_server.url}"
+    nc = await connect_nats(Settings(nats_url=url), name="fleetmend-test")
+    try:
+        assert nc.is_connected and nc.connected_url.port == int(nats_server.url.rsplit(":", 1)[1])
+    finally:
+        await nc.close()
+
+
 async def test_temporal_away_fails_within_2_s_naming_the_address_and_connection_refused() -> None:
     address = f"127.0.0.1:{_refused_port()}"
     t0 = time.monotonic()

@@ -208,3 +208,112 @@ def test_dev_up_killed_with_sigkill_leaves_nothing_behind(tmp_path: Path):
         with contextlib.suppress(ProcessLookupError):
             os.kill(x, signal.SIGKILL)
     assert not left, f"still running after dev up was killed: {left}"
+
+
+def test_dev_up_joins_an_existing_nats(tmp_path: Path):
+    """`dev up` with a NATS URL of several servers (issue 27, point 2) starts no nats-server: it checks each server
+    (one that refuses is named, the others are used), creates the streams and buckets on the NATS it joins, and every
+    process it starts connects there; a fatal fault drains through it; stopping dev up leaves that NATS running."""
+    import asyncio
+    import urllib.request
+
+    import nats
+    import psutil
+
+    from fleetmend import subjects
+    from fleetmend.dev.servers import start_nats
+
+    port, mon, dead = free_port(), free_port(), free_port()
+    theirs = start_nats(tmp_path / "their-js", port, http_port=mon)  # the NATS an operator already runs
+    try:
+        url = f"nats://127.0.0.1:{port},nats://localhost:{port},nats://127.0.0.1:{dead}"
+        env = {**os.environ, "FLEETMEND_STATE_DIR": str(tmp_path / "state"), "FLEETMEND_NATS_URL": url,
+               "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}",
+               "FLEETMEND_TEMPORAL_UI_PORT": str(free_port()), "FLEETMEND_CLUSTER": "devjoin"}
+        env.pop("FLEETMEND_CONFIG", None)
+        log = tmp_path / "devup.log"
+        p, pids = _start(env, log)
+        text = log.read_text()
+        assert f"nats            joined {url}  (2 of 3 servers answer; dev up started no nats-server)" in text, text
+        assert f"nats            nats://127.0.0.1:{dead}: connection refused; joined through" in text, text
+        assert "nats-server     " not in text and len(pids) == 4, text  # worker, router, analyzer, agent
+        assert not [c for c in psutil.Process(p.pid).children(recursive=True) if c.name() == "nats-server"]
+
+        async def on_their_nats() -> tuple[set[str], set[str]]:
+            nc = await nats.connect(f"nats://127.0.0.1:{port}")
+            try:
+                js = nc.jetstream()
+                streams = {(await js.stream_info(n)).config.name for n in (
+                    subjects.FAULT_STREAM, subjects.DEADLETTER_STREAM, subjects.PERF_STREAM, subjects.JOB_STREAM,
+                    subjects.FINGERPRINT_STREAM)}
+                buckets = {(await js.stream_info(f"KV_{b}")).config.name for b in (
+                    subjects.DRAIN_KV_BUCKET, subjects.TICKET_KV_BUCKET, subjects.PERMIT_KV_BUCKET,
+                    subjects.LEASE_KV_BUCKET, subjects.LEDGER_KV_BUCKET, subjects.ANALYZER_KV_BUCKET,
+                    subjects.FINGERPRINT_KV_BUCKET, subjects.DRIFT_ALLOW_KV_BUCKET)}
+                return streams, buckets
+            finally:
+                await nc.close()
+
+        streams, buckets = asyncio.run(on_their_nats())  # made by dev up before it started anything
+        assert len(streams) == 5 and len(buckets) == 8, (streams, buckets)
+
+        def clients() -> set[str]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{mon}/connz?limit=1024", timeout=5) as r:
+                return {c.get("name", "") for c in json.loads(r.read())["connections"]}
+
+        want = {"fleetmend-worker", "fleetmend-router", "fleetmend-analyzer-devjoin", "fleetmend-devup"}
+        deadline = time.monotonic() + 60
+        while not (want <= clients() and any(n.startswith("fleetmend-agent-") for n in clients())):
+            assert time.monotonic() < deadline, f"connected to their NATS: {clients()}; dev up:\n{log.read_text()}"
+            time.sleep(0.3)
+
+        dmesg = tmp_path / "dmesg.txt"
+        dmesg.write_text(corpus_case("c093")["raw"] + "\n")  # XID 95: drain
+        r = subprocess.run(FLEETMEND + ["agent", "--node", "j1", "--kmsg-file", str(dmesg), "--once"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 90
+        while not ((st := _status(env, "j1")) and st["drained"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert st and st["drained"], (st, log.read_text()[-3000:])
+        server_pids = [int(x) for x in subprocess.run(["pgrep", "-f", str(tmp_path / "state")], capture_output=True,
+                                                      text=True).stdout.split()]
+        _stop(p, signal.SIGTERM, pids + server_pids)
+        assert theirs.alive(), "dev up stops what it started, not the NATS it joined"
+    finally:
+        theirs.stop()
+
+
+def test_dev_up_refuses_a_nats_to_join_that_does_not_answer(tmp_path: Path):
+    """Nothing listens at the NATS to join: one line on stderr with the address and `connection refused`, exit 1,
+    nothing started; the check itself takes under 2 s. Which URLs dev up joins rather than serves itself."""
+    import asyncio
+
+    from fleetmend.config import load_settings
+    from fleetmend.dev.devup import check_nats, joins_nats
+
+    a, b = free_port(), free_port()
+    env = {**os.environ, "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
+           "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}", "FLEETMEND_TEMPORAL_UI_PORT": str(free_port())}
+    env.pop("FLEETMEND_CONFIG", None)
+    r = subprocess.run(FLEETMEND + ["dev", "up", "--nats-url", f"nats://127.0.0.1:{a}", "--join-nats"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r
+    assert lines[0].startswith(f"error: cannot join NATS: nats://127.0.0.1:{a}: connection refused"), lines
+    assert not (tmp_path / "state" / "logs").exists() and "temporal" not in r.stdout, r.stdout
+    r = subprocess.run(FLEETMEND + ["dev", "up", "--nats-url", f"nats://127.0.0.1:{a}", "--join-nats", "--secure"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: --secure starts dev up's own nats-server"), r
+
+    s = load_settings(None, nats_url=f"nats://127.0.0.1:{a},nats://127.0.0.1:{b}", state_dir=tmp_path / "s")
+    t0 = time.monotonic()
+    ok, bad = asyncio.run(check_nats(s))
+    assert time.monotonic() - t0 < 2.0 and not ok
+    assert bad == [f"nats://127.0.0.1:{a}: connection refused", f"nats://127.0.0.1:{b}: connection refused"]
+
+    assert not joins_nats("nats://127.0.0.1:4222") and not joins_nats("nats://localhost:4222")
+    assert joins_nats("nats://127.0.0.1:4222", join=True)
+    assert joins_nats("nats://127.0.0.1:4222,nats://127.0.0.1:4223")  # a cluster
+    assert joins_nats("tls://127.0.0.1:4222")  # dev up's own server speaks plain NATS
+    assert joins_nats("nats://192.0.2.7:4222")  # TEST-NET-1: not an address of this machine

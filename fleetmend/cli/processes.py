@@ -86,11 +86,15 @@ def dev_up(
     scheduler: Optional[str] = typer.Option(None, "--scheduler", help="standalone (default), slurm or none"),
     no_agent: bool = typer.Option(False, "--no-agent", help="Do not start a local agent."),
     secure: bool = typer.Option(False, "--secure", help="NATS with per-role credentials (STATE/creds)."),
+    join_nats: bool = typer.Option(False, "--join-nats", help="Use the NATS already at --nats-url (a cluster: "
+                                   "comma-separated URLs; implied by several URLs or another host's) instead of "
+                                   "starting nats-server: checks it, creates the streams and buckets there."),
     config: Optional[Path] = ConfigOpt,
 ) -> None:
-    """Start NATS (JetStream), Temporal (SQLite, Web UI), worker, router and a local agent; Ctrl-C stops all."""
+    """Start NATS (JetStream), Temporal (SQLite, Web UI), worker, router and a local agent; Ctrl-C stops all.
+    With --join-nats (or a --nats-url of several servers or another host) it joins that NATS instead."""
     from fleetmend.dev.devup import dev_up as run_dev_up  # lazy: temporalio, nats
 
     s = settings(config, state_dir=state_dir, nats_url=nats_url, temporal_address=temporal_address,
                  temporal_ui_port=ui_port, scheduler=scheduler)
-    raise typer.Exit(run(run_dev_up(s, agent=not no_agent, config=config, secure=secure)))
+    raise typer.Exit(run(run_dev_up(s, agent=not no_agent, config=config, secure=secure, join_nats=join_nats)))

@@ -8,6 +8,11 @@ Every cluster its agents report is served: a worker of the cluster's own (`worke
 `fleetmend worker --cluster C`) is started for each cluster whose heartbeats or faults arrive, or that the
 fault stream already holds (`ClusterWatch`); with a scheduler that is bound to one cluster's own settings
 (Slurm, Kubernetes) dev up refuses instead and prints why and what to run.
+With `--join-nats` (or a NATS URL that lists several servers, a `tls://` one, or a host that is not this machine's)
+dev up starts no nats-server: it joins the NATS (cluster) at that URL (`check_nats`, each server tried at once: when
+none answers with JetStream it stops with one line naming each address and why; one down among others is printed),
+creates the streams and KV buckets there that
+are missing (`ensure_jetstream`), and every process it starts connects to those URLs.
 Children that die are restarted with backoff. SIGINT/SIGTERM stop everything in reverse order.
 Starting again with the same state directory resumes open incidents where they were (Temporal
 and JetStream state are files).
@@ -27,10 +32,12 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import psutil
@@ -41,7 +48,14 @@ from fleetmend.config import Settings
 from fleetmend.dev import servers
 from fleetmend.errors import ConfigError
 from fleetmend.infra import security
-from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.connect import (
+    _why,
+    close_nats,
+    connect_nats,
+    connect_temporal,
+    nats_auth_options,
+    nats_servers,
+)
 from fleetmend.infra.process import stop_on_signals
 
 log = structlog.get_logger("fleetmend.dev.devup")
@@ -122,6 +136,113 @@ def _host_port(value: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _local_host(host: str) -> bool:
+    """Whether `host` is an address of this machine (one a server started here could listen on)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def joins_nats(url: str, join: bool = False) -> bool:
+    """Whether `dev up` joins the NATS at `url` instead of starting its own: `join` (`--join-nats`), or a URL that
+    no nats-server started here could be: several servers (a cluster), a scheme other than `nats://` (dev up's
+    own server speaks plain NATS), or a host that is not this machine's."""
+    urls = nats_servers(url)
+    if join or len(urls) != 1:
+        return True
+    u = urlparse(urls[0])
+    return u.scheme != "nats" or not u.hostname or not _local_host(u.hostname)
+
+
+JOIN_CHECK_S = 1.8
+"""Bound on `check_nats`: every server is tried at once, each within this (a refused one answers at once)."""
+
+
+async def check_nats(s: Settings, timeout_s: float = JOIN_CHECK_S) -> tuple[list[str], list[str]]:
+    """Try each server of `s.nats_url` once, all at once, with `s`'s credentials and TLS, and ask each for its
+    JetStream account.
+
+    Returns:
+        (servers that answer with JetStream, one line per server that does not: the address and why:
+        `connection refused`, `timed out`, `name not resolved`, `JetStream not enabled`, the server's own words).
+    """
+    import nats
+
+    opts = nats_auth_options(s)
+
+    async def one(url: str) -> str | None:
+        errors: list[BaseException] = []
+
+        async def seen(err: Exception) -> None:
+            errors.append(err)
+
+        try:
+            async with asyncio.timeout(timeout_s):
+                # two tries 0.2 s apart (nats-py's first connect with 0 reconnects retries without end)
+                nc = await nats.connect(url, name="fleetmend-devup-check", connect_timeout=timeout_s,
+                                        max_reconnect_attempts=1, reconnect_time_wait=0.2, error_cb=seen, **opts)
+        except Exception as err:  # noqa: BLE001 - the reason goes into the line
+            return f"{url}: {_why(errors[-1] if errors else err)}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                await nc.jetstream().account_info()
+        except Exception as err:  # noqa: BLE001 - no JetStream (or not for these credentials)
+            text = " ".join(str(err).split())[:200] or type(err).__name__
+            return f"{url}: JetStream not enabled for this account ({text}); start nats-server with -js"
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        return None
+
+    urls = nats_servers(s.nats_url)
+    answers = await asyncio.gather(*(one(u) for u in urls))
+    return [u for u, a in zip(urls, answers, strict=True) if a is None], [a for a in answers if a is not None]
+
+
+async def ensure_jetstream(s: Settings, nc: Any) -> tuple[list[str], list[str]]:
+    """Create the streams and KV buckets the pipeline uses that are missing on the joined NATS, each by its owner's
+    own code (its limits, history and replicas); existing ones are left as they are (`jetstream.ensure_stream`).
+    The notification bucket is left to the first notification.
+
+    Returns:
+        (stream names, bucket names).
+    Raises:
+        nats.js.errors.APIError, TimeoutError: as `jetstream.ensure_stream` (no room for a stream's `max_bytes`,
+            no permission).
+    """
+    from activities.standalone import StandaloneScheduler
+    from activities.ticket_kv import KvTicketStore
+    from fleetmend.analyzer.service import analyzer_kv
+    from fleetmend.infra import jetstream
+    from fleetmend.infra.lease import lease_bucket
+    from fleetmend.infra.ledger import LedgerStore
+    from fleetmend.infra.permit_pool import permit_bucket
+
+    js = nc.jetstream()
+    await jetstream.ensure_fault_stream(js, s)
+    await jetstream.ensure_deadletter_stream(js, s)
+    await jetstream.ensure_perf_stream(js)
+    await jetstream.ensure_fingerprint_stores(js)
+    await jetstream.open_kv_bucket(js, subjects.DRIFT_ALLOW_KV_BUCKET, "allowed drift values (fleetmend drift allow)")
+    await lease_bucket(js)
+    await permit_bucket(js)
+    await KvTicketStore(js).kv()
+    await LedgerStore(js, s.ledger).kv()
+    await analyzer_kv(js)
+    if s.scheduler.value == "standalone":
+        await StandaloneScheduler(js, s.cluster).kv()
+    streams = [subjects.FAULT_STREAM, subjects.DEADLETTER_STREAM, subjects.PERF_STREAM, subjects.JOB_STREAM,
+               subjects.FINGERPRINT_STREAM]
+    buckets = [subjects.LEASE_KV_BUCKET, subjects.PERMIT_KV_BUCKET, subjects.TICKET_KV_BUCKET,
+               subjects.LEDGER_KV_BUCKET, subjects.ANALYZER_KV_BUCKET, subjects.FINGERPRINT_KV_BUCKET,
+               subjects.DRIFT_ALLOW_KV_BUCKET] + ([subjects.DRAIN_KV_BUCKET] if s.scheduler.value == "standalone"
+                                                 else [])
+    return streams, buckets
+
+
 def child_env(s: Settings) -> dict[str, str]:
     env = {
         "FLEETMEND_NATS_URL": s.nats_url,
@@ -198,9 +319,11 @@ class DevUp:
     usual way in; the arguments are its."""
 
     def __init__(self, s: Settings, *, agent: bool = True, config: Path | None = None,
-                 secure: bool = False) -> None:
+                 secure: bool = False, join_nats: bool = False) -> None:
         self.s = s
         self.agent, self.config, self.secure = agent, config, secure
+        self.join = joins_nats(s.nats_url, join_nats)
+        """Join the NATS at `s.nats_url` instead of starting nats-server (`joins_nats`)."""
         self.state = s.state_dir
         self.pid_file = self.state / "devup.pids"
         self.started: list[servers.ManagedProcess] = []
@@ -214,14 +337,22 @@ class DevUp:
         """The workers of clusters other than `s.cluster` (`serve_cluster`), by cluster."""
         self.refused: set[str] = set()
         """Clusters reported but not served (`serve_cluster` said why)."""
+        self.joined: tuple[list[str], list[str]] = ([], [])
+        """`check_nats` of the joined NATS: (servers that answer, a line for each that does not)."""
 
     async def run(self) -> int:
         """Returns the exit code (0 on a clean stop; 1 when another `dev up` holds the state
         directory, a server died, or a process kept failing)."""
+        if self.join:  # before anything is started or written: a NATS that is not there is one line, at once
+            try:
+                await self.check_joined()
+            except servers.ServerStartError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                return 1
         (self.state / "logs").mkdir(parents=True, exist_ok=True)
         if not self.lock():
             return 1
-        nats_addr = _host_port(self.s.nats_url, "FLEETMEND_NATS_URL")
+        nats_addr = ("", 0) if self.join else _host_port(self.s.nats_url, "FLEETMEND_NATS_URL")
         temporal_addr = _host_port(self.s.temporal_address, "FLEETMEND_TEMPORAL_ADDRESS")
         stop = stop_on_signals(deadline_s=120.0)  # children get 45 s, then the servers 20 s each
         _write_pids(self.pid_file, [])
@@ -252,15 +383,22 @@ class DevUp:
         _write_pids(self.pid_file, self.started)
 
     async def start_servers(self, nats_addr: tuple[str, int], temporal_addr: tuple[str, int]) -> None:
-        """nats-server (with `secure_setup`'s config under `secure`), then the Temporal dev server,
-        ready and with its retention set."""
+        """nats-server (with `secure_setup`'s config under `secure`), or the joined NATS checked and its streams and
+        buckets made (`join_nats`); then the Temporal dev server, ready and with its retention set."""
         s, state = self.s, self.state
-        nats_conf, self.role_env = secure_setup(s) if self.secure else (None, {})
-        nats = servers.start_nats(state / "nats", nats_addr[1], host=nats_addr[0],
-                                  log_path=state / "logs" / "nats.log", config_file=nats_conf)
-        self.servers.append(nats)
-        self._started(nats)
-        print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
+        if self.join:
+            await self.join_nats()
+        else:
+            if servers.port_in_use(*nats_addr):
+                raise servers.ServerStartError(
+                    f"port {nats_addr[0]}:{nats_addr[1]} is already in use; to use the NATS there, add --join-nats; "
+                    "else set FLEETMEND_NATS_URL to a free port or stop the other server")
+            nats_conf, self.role_env = secure_setup(s) if self.secure else (None, {})
+            nats = servers.start_nats(state / "nats", nats_addr[1], host=nats_addr[0],
+                                      log_path=state / "logs" / "nats.log", config_file=nats_conf)
+            self.servers.append(nats)
+            self._started(nats)
+            print(f"nats-server     {s.nats_url}  (JetStream store {state / 'nats'})", flush=True)
         if self.secure:
             print(f"credentials     {state / 'creds'}  (operator commands: FLEETMEND_NATS_NKEY_SEED="
                   f"{state / 'creds' / 'admin.nk'})", flush=True)
@@ -272,6 +410,46 @@ class DevUp:
         await _retention(s)
         print(f"temporal        {s.temporal_address}  (SQLite {state / 'temporal.db'})", flush=True)
         print(f"Temporal UI     {s.temporal_ui_url}/namespaces/{s.temporal_namespace}/workflows", flush=True)
+
+    async def check_joined(self) -> None:
+        """The NATS to join: `--secure` refused (it is dev up's own server's), then `check_nats`; a server that does
+        not answer while others do is printed.
+
+        Raises:
+            servers.ServerStartError: no server answers with JetStream (one line: each address and why).
+        """
+        if self.secure:
+            raise servers.ServerStartError(
+                "--secure starts dev up's own nats-server with credentials it generates; to join an existing NATS, give "
+                "dev up that NATS's credentials (nats_nkey_seed, nats_creds or nats_user) without --secure")
+        ok, bad = await check_nats(self.s)
+        if not ok:
+            raise servers.ServerStartError(
+                f"cannot join NATS: {'; '.join(bad)} (dev up starts no nats-server when it joins one: start it, "
+                "or fix --nats-url / FLEETMEND_NATS_URL; without --join-nats a single local URL starts one)")
+        for line in bad:
+            print(f"nats            {line}; joined through {', '.join(ok)}", flush=True)
+        self.joined = (ok, bad)
+
+    async def join_nats(self) -> None:
+        """Create the missing streams and buckets on the NATS `check_joined` found (`ensure_jetstream`); start none.
+
+        Raises:
+            servers.ServerStartError: the streams or buckets cannot be made.
+        """
+        s = self.s
+        ok, bad = self.joined
+        nc = await connect_nats(s, name="fleetmend-devup")
+        try:
+            streams, buckets = await ensure_jetstream(s, nc)
+        except Exception as err:
+            raise servers.ServerStartError(f"NATS at {s.nats_url}: cannot create the streams and buckets: "
+                                           f"{' '.join(str(err).split()) or type(err).__name__}") from err
+        finally:
+            await close_nats(nc)
+        print(f"nats            joined {s.nats_url}  ({len(ok)} of {len(ok) + len(bad)} servers answer; "
+              "dev up started no nats-server)", flush=True)
+        print(f"jetstream       streams {', '.join(streams)}; buckets {', '.join(buckets)}", flush=True)
 
     def start_children(self) -> None:
         """The worker, router, analyzer and (unless `agent=False`) the agent, each with its role's
@@ -411,10 +589,14 @@ class DevUp:
         print("stopped", flush=True)
 
 
-async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False) -> int:
+async def dev_up(s: Settings, *, agent: bool = True, config: Path | None = None, secure: bool = False,
+                 join_nats: bool = False) -> int:
     """Run the local pipeline until SIGINT/SIGTERM. Returns the exit code (0 on a clean stop; 1 when
-    another `dev up` holds the state directory, a server died, or a process kept failing).
+    another `dev up` holds the state directory, the NATS to join does not answer, a server died, or a process
+    kept failing).
 
     `secure`: NATS requires the per-role credentials of `secure_setup`, and each child connects
-    with its own (the agent with its node's, the router and worker with theirs)."""
-    return await DevUp(s, agent=agent, config=config, secure=secure).run()
+    with its own (the agent with its node's, the router and worker with theirs).
+    `join_nats`: use the NATS at `s.nats_url` instead of starting nats-server (also without it for a URL
+    `joins_nats` says no local server could be)."""
+    return await DevUp(s, agent=agent, config=config, secure=secure, join_nats=join_nats).run()

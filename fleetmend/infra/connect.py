@@ -89,6 +89,12 @@ def temporal_tls_config(tls: TlsSettings) -> TLSConfig | bool:
                      domain=tls.server_name)
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a `nats_url` setting (comma-separated for a cluster), in order: what `nats.connect` takes (it
+    reads one string as one server, so `nats://a:4222,nats://b:4222` unsplit is "invalid connect url option")."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
 FIRST_CONNECT_RETRY_S = 0.2
 """Seconds between the two tries of each server on a first connect that does not wait forever."""
 
@@ -141,13 +147,13 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
     reconnects = opts["max_reconnect_attempts"]
     try:
         if wait_forever:
-            return await nats.connect(settings.nats_url, **opts)
+            return await nats.connect(nats_servers(settings.nats_url), **opts)
         # nats-py's first connect honours max_reconnect_attempts per server (-1: forever); 1 = two tries
         # each, then NoServersError. The client's own `options` then lift the cap for later reconnects.
         wait_s = opts["reconnect_time_wait"]
         opts.update(max_reconnect_attempts=1, reconnect_time_wait=FIRST_CONNECT_RETRY_S)
         async with asyncio.timeout(settings.nats_connect_timeout_s * 2 + FIRST_CONNECT_RETRY_S):
-            nc = await nats.connect(settings.nats_url, **opts)
+            nc = await nats.connect(nats_servers(settings.nats_url), **opts)
         nc.options.update(max_reconnect_attempts=reconnects, reconnect_time_wait=wait_s)
         return nc
     except Exception as err:
