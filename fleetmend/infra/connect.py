@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only: the agent imports this module and never loads t
     from temporalio.client import Client
     from temporalio.service import TLSConfig
 from fleetmend.errors import ConfigError, ServiceUnavailableError
+from fleetmend.infra.jetstream import use_replicas
 
 
 def _read(path: Path | None, what: str) -> bytes | None:
@@ -110,7 +111,8 @@ def _why(err: BaseException | None) -> str:
 
 
 async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any) -> NATS:
-    """Connect to `settings.nats_url` (reconnects forever once connected).
+    """Connect to `settings.nats_url` (reconnects forever once connected). The process then creates its
+    streams and KV buckets with `settings.streams.replicas` (`fleetmend.infra.jetstream.use_replicas`).
 
     Args:
         name: client name shown by the server (`fleetmend-router`, ...).
@@ -124,6 +126,7 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
             `timed out`, ...) and the setting to check.
     """
     log = structlog.get_logger("fleetmend.nats")
+    use_replicas(settings.streams.replicas)
     last: dict[str, Any] = {"at": 0.0, "err": None}
 
     async def error_cb(err: Exception) -> None:
@@ -139,15 +142,17 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
     opts.update(nats_auth_options(settings))
     opts.update(kw)
     reconnects = opts["max_reconnect_attempts"]
+    # a cluster's URLs, comma-separated: nats-py takes a list (a string with commas is an "invalid connect url")
+    servers = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
     try:
         if wait_forever:
-            return await nats.connect(settings.nats_url, **opts)
+            return await nats.connect(servers, **opts)
         # nats-py's first connect honours max_reconnect_attempts per server (-1: forever); 1 = two tries
         # each, then NoServersError. The client's own `options` then lift the cap for later reconnects.
         wait_s = opts["reconnect_time_wait"]
         opts.update(max_reconnect_attempts=1, reconnect_time_wait=FIRST_CONNECT_RETRY_S)
         async with asyncio.timeout(settings.nats_connect_timeout_s * 2 + FIRST_CONNECT_RETRY_S):
-            nc = await nats.connect(settings.nats_url, **opts)
+            nc = await nats.connect(servers, **opts)
         nc.options.update(max_reconnect_attempts=reconnects, reconnect_time_wait=wait_s)
         return nc
     except Exception as err:
