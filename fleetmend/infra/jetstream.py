@@ -287,15 +287,24 @@ async def report_bucket_settings(js: JetStreamContext, bucket: str, *, timeout_s
     return have
 
 
-async def report_all_bucket_settings(js: JetStreamContext, *, timeout_s: float = 5.0) -> dict[str, int]:
-    """`report_bucket_settings` for every bucket of fleetmend's (`KV_MAX_BYTES`, the ledger's) that exists.
-    The router calls it at start, so a deployment raised to 3 replicas with buckets left at 1 says so once.
+ROUTER_BUCKETS = (LEASE_KV_BUCKET, PERMIT_KV_BUCKET, DRAIN_KV_BUCKET, LEDGER_KV_BUCKET)
+"""The buckets the router checks at start: those its credentials may read (`fleetmend.infra.security`)."""
+WORKER_BUCKETS = (DRAIN_KV_BUCKET, TICKET_KV_BUCKET, NOTIFY_KV_BUCKET)
+"""The worker's own (besides the router's, which it reads too): checked at its start."""
+
+
+async def report_all_bucket_settings(js: JetStreamContext, buckets: tuple[str, ...] | None = None, *,
+                                     timeout_s: float = 5.0) -> dict[str, int]:
+    """`report_bucket_settings` for each of `buckets` (None: every bucket of fleetmend's, `KV_MAX_BYTES` and the
+    ledger's) that exists. The router and the worker call it at start with the buckets their credentials may
+    read (`ROUTER_BUCKETS`, `WORKER_BUCKETS`: an info request on another is a permissions violation, answered by
+    no one), so a deployment raised to 3 replicas with buckets left at 1 says so once per bucket.
 
     Returns:
         bucket → its replicas on the server, for the buckets that exist.
     """
     out = {}
-    for bucket in [*KV_MAX_BYTES, LEDGER_KV_BUCKET]:
+    for bucket in buckets if buckets is not None else (*KV_MAX_BYTES, LEDGER_KV_BUCKET):
         have = await report_bucket_settings(js, bucket, timeout_s=timeout_s)
         if have is not None:
             out[bucket] = have
