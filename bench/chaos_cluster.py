@@ -245,6 +245,8 @@ class ClusterChaos:
             if what == "nats":
                 hosting = await self.standby_consumer_server(lease_kv)
                 i = self.nats_victim = hosting if hosting is not None else self.nats_victim
+                self.nats_victim_why = ("it held the standby analyzer's perf consumer" if hosting is not None
+                                        else "drawn from the seed (the standby's consumer not found)")
                 self.down.add(f"nats-server-{i}")
                 self._say(f"kill -9 nats-server-{i} (pid {self.nats.servers[i].pid})")
                 self.nats.kill(i)
@@ -515,8 +517,9 @@ class ClusterChaos:
              f"/{len(drained_nodes)}"),
             ("most drained at once (drain records) / budget",
              ", ".join(f"{c} {peaks[c]}/{BUDGET}" for c in CLUSTERS)),
-            ("kills (kill -9 at s, back after s)",
+            ("kills (kill -9 at s; back after s, - left dead)",
              ", ".join(f"{n}@{t:.0f}s({'-' if b is None else f'{b:.1f}'})" for t, n, b in sorted(self.kills))),
+            ("nats-server killed because", getattr(self, "nats_victim_why", "-")),
             ("unexpected exits", sum(self.unexpected_exits.values())),
             ("quiescence after last fault s", "-" if quiesced_s is None else f"{quiesced_s:.1f}"),
         ]

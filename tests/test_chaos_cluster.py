@@ -35,7 +35,7 @@ def test_clustered_chaos_every_fault_once_budget_held_standby_took_over_nats_cau
     assert re.search(r"^nodes drained more than once\s+0$", out, re.M), out
     peaks = re.search(r"^most drained at once \(drain records\) / budget\s+east (\d)/(\d), west (\d)/(\d)$", out, re.M)
     assert peaks and int(peaks[1]) <= int(peaks[2]) and int(peaks[3]) <= int(peaks[4]), out
-    kills = re.search(r"^kills \(kill -9 at s, back after s\)\s+(.*)$", out, re.M)[1]
+    kills = re.search(r"^kills \(kill -9 at s; back after s, - left dead\)\s+(.*)$", out, re.M)[1]
     for victim in (r"worker-\w+-\d@\d+s\(-\)", r"nats-server-\d@\d+s\(\d+\.\d\)", r"router-\w+-\d@\d+s\(-\)",
                    r"analyzer-\d@\d+s\(-\)"):
         assert re.search(victim, kills), kills

@@ -9,7 +9,6 @@ import asyncio
 from pathlib import Path
 
 import nats
-import structlog
 from nats.js.api import StreamConfig
 
 from fleetmend import subjects
@@ -35,22 +34,39 @@ async def test_the_router_consumes_again_after_a_set_up_that_failed(temporal_cli
     router = Router(s, nc, js, temporal_client, load_catalog())
     stop = asyncio.Event()
     task = None
+    setups: list[str] = []  # the router's own calls of `setup` after its start, and how each ended
+    first_setup = router.setup
+
+    async def setup():
+        try:
+            psub = await first_setup()
+        except Exception as err:
+            setups.append(f"failed: {err!r}")
+            raise
+        setups.append("ok")
+        return psub
+
+    async def consumer():
+        try:
+            return await js.consumer_info(subjects.FAULT_STREAM, subjects.ROUTER_DURABLE)
+        except Exception:
+            return None
+
     try:
-        with structlog.testing.capture_logs() as logs:
-            task = asyncio.create_task(router.run(stop))
-            await assert_eventually(lambda: any(x["event"] == "router_started" for x in logs), 20, what="started")
-            await js.delete_stream(subjects.FAULT_STREAM)
-            await js.add_stream(StreamConfig(name="BLOCKER", subjects=[subjects.all_faults_subject()]))
-            await assert_eventually(lambda: any(x["event"] == "router_setup_failed" for x in logs), 40,
-                                    what="a set-up that failed")
-            await js.delete_stream("BLOCKER")
-            await assert_eventually(lambda: any(x["event"] == "router_set_up_again" for x in logs), 20,
-                                    what="set up again once the way is clear")
-            ev = xid_event(s.cluster, "n1", 13)
-            await js.publish(subjects.fault_subject(s.cluster, "n1"), ev.to_json_bytes(),
-                             headers={"Nats-Msg-Id": ev.event_id})
-            await assert_eventually(lambda: router.stats.received >= 1, 30, what="the next fault consumed")
-            assert not task.done()
+        task = asyncio.create_task(router.run(stop))
+        await assert_eventually(consumer, 20, what="the router set up")
+        router.setup = setup  # type: ignore[method-assign]  # what _fetch_loop calls to set up again
+        await js.delete_stream(subjects.FAULT_STREAM)
+        await js.add_stream(StreamConfig(name="BLOCKER", subjects=[subjects.all_faults_subject()]))
+        await assert_eventually(lambda: any(x.startswith("failed") for x in setups), 40, what="a set-up that failed")
+        await js.delete_stream("BLOCKER")
+        await assert_eventually(lambda: "ok" in setups, 20, what=f"set up again once the way is clear ({setups})")
+        assert await consumer() is not None
+        ev = xid_event(s.cluster, "n1", 13)
+        await js.publish(subjects.fault_subject(s.cluster, "n1"), ev.to_json_bytes(),
+                         headers={"Nats-Msg-Id": ev.event_id})
+        await assert_eventually(lambda: router.stats.received >= 1, 30, what="the next fault consumed")
+        assert not task.done()
     finally:
         stop.set()
         if task is not None:
