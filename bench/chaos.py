@@ -805,11 +805,12 @@ def replay_drain_timeline(start: set[str], timeline: list[tuple[str, bool]]) -> 
     return peak, sorted(n for n, c in ons.items() if c > 1)
 
 
-def print_table(rows: list[tuple[str, Any]], failures: list[str], *, seed: int,
-                file: Any = None) -> None:
+def print_table(rows: list[tuple[str, Any]], failures: list[str], *, seed: int, file: Any = None,
+                title: str = "chaos run",
+                verdict: str = "PASS: every fault recorded once; no incident drained or ticketed twice") -> None:
     file = file or sys.stdout
     width = max(len(k) for k, _ in rows)
-    print(f"\nchaos run (seed {seed})", file=file)
+    print(f"\n{title} (seed {seed})", file=file)
     print("-" * (width + 30), file=file)
     for k, v in rows:
         print(f"{k:<{width}}  {v}", file=file)
@@ -819,7 +820,7 @@ def print_table(rows: list[tuple[str, Any]], failures: list[str], *, seed: int,
         for f in failures:
             print(f"  - {f}", file=file)
     else:
-        print("PASS: every fault recorded once; no incident drained or ticketed twice", file=file)
+        print(verdict, file=file)
     file.flush()
 
 

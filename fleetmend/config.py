@@ -408,11 +408,15 @@ class RouterSettings(_Section):
 
 
 class StreamSettings(_Section):
-    """JetStream streams fleetmend creates when they are missing (`fleetmend/infra/jetstream.py`). An
-    existing stream is the operator's: never updated, a difference is one warning at start."""
+    """JetStream streams and KV buckets fleetmend creates when they are missing (`fleetmend/infra/jetstream.py`).
+    An existing stream or bucket is the operator's: never updated, a difference is one warning at start."""
 
     replicas: int = Field(default=1, ge=1, le=5)
-    """Copies of each stream in a NATS cluster (3 in production clusters, deploy/nats; 1 on one server)."""
+    """Copies of each stream and of each KV bucket fleetmend creates (leases, permits, drains, tickets, ledger,
+    analyzer, fingerprints: one setting for all), set before the first start: 3 on a three-node JetStream
+    cluster (deploy/nats; `bench/chaos_cluster.py` runs one), 1 on one server. One already at another count
+    stays so and is reported (`stream_settings_differ`, `bucket_settings_differ`): `nats stream edit NAME
+    --replicas 3` (a bucket's stream is `KV_<bucket>`)."""
     fault_max_bytes: int = Field(default=4 * 1024**3, ge=1024 * 1024)
     """Bound of the fault stream (bytes): 4 GiB ≈ 4 million events of ~1 KiB; the oldest go first."""
     fault_max_age_s: float = Field(default=7 * 24 * 3600.0, gt=0)

@@ -52,7 +52,7 @@ from fleetmend.drift import (
 )
 from fleetmend.events import Component, Device, FaultEvent, Severity, Source
 from fleetmend.fingerprint import Fingerprint
-from fleetmend.infra.jetstream import ensure_fingerprint_stores, kv_keys, open_kv_bucket
+from fleetmend.infra.jetstream import ensure_fingerprint_stores, kv_config, kv_keys, open_kv_bucket
 
 DRIFT_INTERVAL_S = 60.0
 """How often the judge re-reads the bucket: fingerprints change every 15 min at most per node, so a minute keeps
@@ -137,14 +137,13 @@ class RepairWatch:
 
     async def _state(self) -> dict[str, Any]:
         if self.doc is None:
-            from nats.js.api import KeyValueConfig
             from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
             try:
                 self._kv = await self.js.key_value(subjects.ANALYZER_KV_BUCKET)
             except BucketNotFoundError:
-                self._kv = await self.js.create_key_value(KeyValueConfig(bucket=subjects.ANALYZER_KV_BUCKET,
-                                                                         history=1))
+                self._kv = await self.js.create_key_value(kv_config(subjects.ANALYZER_KV_BUCKET,
+                                                                    "fail-slow analyzer: lease and state"))
             try:
                 self.doc = json.loads((await self._kv.get(repair_key(self.cluster))).value or b"{}")
             except (KeyNotFoundError, ValueError):

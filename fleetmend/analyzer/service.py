@@ -224,9 +224,14 @@ class Analyzer:
                              # nats-py sends the value as given; the server wants RFC 3339 with Z
                              opt_start_time=since.isoformat().replace("+00:00", "Z"))  # type: ignore[arg-type]
         sub = await self.js.subscribe(subject, stream=stream, cb=cb, ordered_consumer=True, config=cfg)
-        jsi = getattr(sub, "_jsi", None)
-        if jsi is not None and getattr(jsi, "_ccreq", None) is not None:
-            jsi._ccreq.opt_start_time = None
+        # the ordered-consumer state sits on the core subscription the PushSubscription wraps (nats-py 2.x:
+        # `sub._sub._jsi`); missed, every recreation was refused and the replica read no sample again after its
+        # consumer was lost (a nats-server of the cluster killed: bench/chaos_cluster.py)
+        jsi = getattr(sub, "_jsi", None) or getattr(getattr(sub, "_sub", None), "_jsi", None)
+        if jsi is None or getattr(jsi, "_ccreq", None) is None:
+            raise RuntimeError("nats-py's ordered consumer state not found (sub._sub._jsi): a client version whose "
+                               "recreation by start sequence this analyzer cannot set; pin nats-py or update _ordered")
+        jsi._ccreq.opt_start_time = None
         return sub
 
     async def _on_job_msg(self, msg: Any) -> None:

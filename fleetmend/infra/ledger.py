@@ -28,6 +28,7 @@ from fleetmend import ledger as L
 from fleetmend import subjects
 from fleetmend.config import LedgerSettings
 from fleetmend.infra import metrics
+from fleetmend.infra.jetstream import replicas
 from fleetmend.infra.retry import LostRace, until_won
 from fleetmend.policy import Topology
 
@@ -96,7 +97,7 @@ class LedgerStore:
                     self._kv = await self.js.create_key_value(KeyValueConfig(
                         bucket=subjects.LEDGER_KV_BUCKET, history=1, storage=StorageType.FILE,
                         ttl=self.settings.max_age_days * 86400.0, max_bytes=self.settings.max_bytes,
-                        description="fleetmend incident ledger (fleetmend report)"))
+                        description="fleetmend incident ledger (fleetmend report)", replicas=replicas()))
                 except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
                     self._kv = await self.js.key_value(subjects.LEDGER_KV_BUCKET)
         return self._kv

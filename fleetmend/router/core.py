@@ -345,8 +345,18 @@ class Router:
     async def _fetch_loop(self, psub, stop: asyncio.Event) -> None:  # noqa: ANN001
         """Fetch until `stop`. After `RESETUP_AFTER_FAILURES` failed fetches in a row (the stream or
         the consumer is gone: NATS lost its storage, someone deleted it) the streams and the durable
-        consumer are set up again (`setup`: a missing stream is created, an existing one untouched)."""
+        consumer are set up again (`setup`: a missing stream is created, an existing one untouched), every
+        second until that succeeds (a set-up that failed leaves no subscription: a fetch on the old, unsubscribed
+        one would only time out, which reads as idle, and the router would consume nothing again)."""
         while not stop.is_set():
+            if psub is None:  # set up again: the old subscription is gone, and the last try failed (NATS away)
+                try:
+                    psub = await self.setup()
+                    log.warning("router_set_up_again", after_failures=self._fetch_failures, durable=self.durable)
+                except Exception as again:  # noqa: BLE001 - NATS still away (a cluster electing): next round
+                    log.warning("router_setup_failed", error=repr(again))
+                    await asyncio.sleep(1.0)
+                    continue
             if self._held >= self._max_unacked:
                 self._room.clear()
                 try:
@@ -381,20 +391,16 @@ class Router:
             self._fetch_failures += 1
             failures = self._fetch_failures
             if failures % RESETUP_AFTER_FAILURES == 0:
-                try:
-                    with contextlib.suppress(Exception):
-                        await psub.unsubscribe()
-                    psub = await self.setup()
-                    log.warning("router_set_up_again", after_failures=failures, durable=self.durable)
-                except Exception as again:  # noqa: BLE001 - NATS still away: next round
-                    log.warning("router_setup_failed", error=repr(again))
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+                psub = None  # the routing loop sets up again, every second until it succeeds
 
         await failed(err)
         await asyncio.sleep(FETCH_RETRY_S)  # after the routing loop's failed fetch; tenacity waits after its own
         async for attempt in AsyncRetrying(wait=wait_fixed(FETCH_RETRY_S), reraise=True,
                                            retry=retry_if_exception_type(_FetchFailed)):
             with attempt:
-                if stop.is_set() or self._held >= self._max_unacked:
+                if stop.is_set() or psub is None or self._held >= self._max_unacked:
                     return psub, []
                 try:
                     msgs = await psub.fetch(min(self.s.router.fetch_batch, self._max_unacked - self._held),

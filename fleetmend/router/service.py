@@ -11,6 +11,7 @@ from fleetmend.catalog import load_catalog
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.jetstream import ROUTER_BUCKETS, report_all_bucket_settings
 from fleetmend.infra.lease import Presence
 from fleetmend.router.core import Router
 from fleetmend.router.heartbeats import HeartbeatMonitor
@@ -29,6 +30,8 @@ async def run_router(settings: Settings, stop: asyncio.Event) -> None:
     client = await connect_temporal(settings)
     scheduler = build_scheduler(settings, js=nc.jetstream())
     router = Router(settings, nc, nc.jetstream(), client, catalog, scheduler=scheduler)
+    # buckets left at another replica count than [streams] replicas: one warning each (they stay as they are)
+    await report_all_bucket_settings(nc.jetstream(), ROUTER_BUCKETS)
     # -- metrics (fleetmend/infra/metrics.py): /metrics port and the consumer-lag gauge
     metrics.start_http_server(settings.metrics.router_port, settings.metrics.host)
     # one router replica per durable consumer publishes its lag (fleetmend/infra/fleetgauges.py: a KV lease)

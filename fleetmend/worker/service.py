@@ -16,6 +16,7 @@ from activities.notify import Notifier, channels_from_settings, notify_breaker, 
 from fleetmend.config import Settings
 from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
+from fleetmend.infra.jetstream import WORKER_BUCKETS, report_all_bucket_settings
 from fleetmend.infra.lease import Presence
 from fleetmend.report import FIELDS, ReportParams, build_report
 from fleetmend.worker import analyzer_link
@@ -31,6 +32,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     nc = await connect_nats(settings, name="fleetmend-worker")
     client = await connect_temporal(settings)
     worker = await build_worker(settings, client, nc)
+    # buckets left at another replica count than [streams] replicas: one warning each (they stay as they are)
+    await report_all_bucket_settings(nc.jetstream(), WORKER_BUCKETS)
     log.info("worker_started", cluster=settings.cluster, task_queue=worker.task_queue,
              guard_task_queue=worker.guard.task_queue, scheduler=settings.scheduler.value)
     # which clusters are served: `fleetmend status`, and the router's summary of an incident no worker can take
