@@ -504,6 +504,11 @@ class LedgerSettings(_Section):
     refresh_s: float = Field(default=600.0, gt=0)
     """How often the elected worker replica reads the ledger for the gauges and findings (a read of 100,000
     records takes seconds: bench/RESULTS.md)."""
+    pack_interval_s: float = Field(default=600.0, gt=0)
+    """How often the worker's elected replica (lease `ledger-pack`) rolls the cluster's closed records up into
+    packs of up to 2,000 (`pack.<cluster>.<close day>.<part>`): what keeps a report over 100,000 records within
+    seconds. Open records stay individual; a record closed since the last roll-up is read on its own until the
+    next."""
 
 
 class WorkerSettings(_Section):

@@ -48,11 +48,12 @@ HOW: dict[str, str] = {
                           "the job's GPUs where job step times name the job (the job ran at that node's pace), "
                           "else the node's GPUs",
     "findings": "per fault class and version key: one-sided hypergeometric (Fisher exact) P(≥ k of the n faulty "
-                "nodes hold the value | K of the fleet's N do), a finding when p × tests ≤ p_level and k ≥ min_nodes",
+                "nodes hold the value | K of the fleet's N do; each node once, a faulty one with its value at the "
+                "drain), a finding when p × tests ≤ p_level and k ≥ min_nodes",
 }
 
 
-FIELDS = ("cluster", "node", "incident_id", "fault_class", "rack", "hw_class", "gpu_count", "observed_at", "routed_at",
+FIELDS = ("cluster", "node", "fault_class", "rack", "hw_class", "gpu_count", "observed_at", "routed_at",
           "drained_at", "returned_at", "closed_at", "outcome", "ticket", "ticket_filed_at", "ticket_closed_at", "lemon",
           "repeat_part", "part", "part_serial_drain", "part_not_replaced", "slow", "versions_drain")
 """The record keys the report reads (`fleetmend.ledger`): a reader may keep only these."""
@@ -135,27 +136,50 @@ def finding_id(cluster: str, fault_class: str, key: str, value: str) -> str:
 def version_findings(records: list[dict[str, Any]], fleet: list[dict[str, Any]], p: ReportParams,
                      cluster: str = "") -> list[dict[str, Any]]:
     """Version findings (see module docstring). `fleet`: one `{node, versions}` per node of the fleet now (the
-    fingerprints); a faulty node's value is the one at its drain, else its fingerprint's now."""
+    fingerprints); a faulty node's value is the one at its drain, else its fingerprint's now, and it counts in the
+    fleet with that value (each node once)."""
     now_versions = {f["node"]: f.get("versions") or {} for f in fleet}
     by_class: dict[str, dict[str, dict[str, str]]] = defaultdict(dict)  # fault class → node → versions
+    first_at: dict[tuple[str, str], float] = {}
+    since, now = p.since, p.now
     for r in records:
-        if r.get("drained_at") is None or not _in(r.get("drained_at"), p) or not r.get("fault_class"):
+        at, fc = r.get("drained_at"), r.get("fault_class")
+        if at is None or not fc or not since <= at <= now:
             continue
-        by_class[r["fault_class"]].setdefault(r["node"], r.get("versions_drain") or now_versions.get(r["node"], {}))
+        # a node counts once per class, with its versions at its first drain of the class in the window (not
+        # whichever record the store gave first: the same figures however the ledger is laid out)
+        which = (fc, r["node"])
+        first = first_at.get(which)
+        if first is not None and first <= at:
+            continue
+        first_at[which] = at
+        by_class[fc][r["node"]] = r.get("versions_drain") or now_versions.get(r["node"], {})
     candidates = []
     for key in FINDING_KEYS:
-        fleet_counts = Counter(v[key] for v in now_versions.values() if v.get(key))
-        if len(fleet_counts) < 2:
-            continue  # one value fleet-wide: nothing can concentrate on it
-        total = sum(fleet_counts.values())
+        now_vals = {nd: v[key] for nd, v in now_versions.items() if v.get(key)}
+        now_counts = Counter(now_vals.values())
         for fc, nodes in sorted(by_class.items()):
-            vals = Counter(v[key] for v in nodes.values() if v.get(key))
-            n = sum(vals.values())
+            faulty = {nd: v[key] for nd, v in nodes.items() if v.get(key)}
+            # the fleet as the test sees it: each node once, a faulty node with its value at the drain (which
+            # may not be its value now: a node upgraded since, or not reporting now), every other node with its
+            # value now. So k ≤ K and n ≤ N always, and no node is counted under two values.
+            counts = now_counts.copy()
+            big_n = len(now_vals)
+            for nd, value in faulty.items():
+                was = now_vals.get(nd)
+                if was is None:
+                    big_n += 1
+                else:
+                    counts[was] -= 1
+                counts[value] += 1
+            if sum(1 for c in counts.values() if c > 0) < 2:
+                continue  # one value fleet-wide: nothing can concentrate on it
+            vals = Counter(faulty.values())
+            n = len(faulty)
             for value, k in sorted(vals.items()):
                 if k < p.min_nodes:
                     continue
-                big_k = max(fleet_counts.get(value, 0), k)
-                big_n = max(total, n + big_k - k)
+                big_k = counts[value]
                 candidates.append((fc, key, value, k, n, big_k, big_n, hypergeom_sf(k, big_n, big_k, n)))
     tests = len(candidates)
     out = []
@@ -189,6 +213,7 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
     by: dict[str, dict[str, float]] = {k: defaultdict(float) for k in ("fault_class", "rack", "hw_class", "node")}
     by_fc, by_rack, by_hw, by_node = by["fault_class"], by["rack"], by["hw_class"], by["node"]
     by_version: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_vmap: dict[int, list[Any]] = {}  # id of a versions map → [the map, its hours]
     total = 0.0
     mttr, ttd, ttdrain, turnaround = [], [], [], []
     outcomes: Counter[str] = Counter()
@@ -199,65 +224,79 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
     slow_total = 0.0
     window = []
     since, now, default_gpus = p.since, p.now, p.default_gpus_per_node
-    for r in recs:
+    for r in recs:  # 100,000 records in about a second: plain locals and comparisons (bench/ledger_report.py)
+        get = r.get
         drained = r["drained_at"]
-        end = r.get("returned_at") or r.get("closed_at") or now
+        returned = get("returned_at")
+        end = returned or get("closed_at") or now
         if end < drained:
             end = drained  # a clock step: never negative
         if drained > now or end < since:
             continue  # out of service wholly outside the window
         window.append(r)
-        g = r.get("gpu_count")
+        g = get("gpu_count")
         gpus = g if isinstance(g, int) and g > 0 else default_gpus
-        lo, hi = max(drained, since), min(end, now)
+        lo = drained if drained > since else since
+        hi = end if end < now else now
         h = gpus * (hi - lo) / 3600.0 if hi > lo else 0.0
         total += h
-        fc = r.get("fault_class") or "unknown"
+        fc = get("fault_class") or "unknown"
+        node = r["node"]
         by_fc[fc] += h
-        by_rack[r.get("rack") or "-"] += h
-        by_hw[r.get("hw_class") or "unknown"] += h
-        by_node[r["node"]] += h
-        for key, value in (r.get("versions_drain") or {}).items():
-            by_version[key][value] += h
-        returned = r.get("returned_at")
+        by_rack[get("rack") or "-"] += h
+        by_hw[get("hw_class") or "unknown"] += h
+        by_node[node] += h
+        v = get("versions_drain")
+        if v:  # summed per versions map first: readers share equal maps, so a handful of maps for 100,000 records
+            e = by_vmap.get(id(v))
+            if e is None:
+                by_vmap[id(v)] = [v, h]
+            else:
+                e[1] += h
         if returned is not None and since <= returned <= now:
             mttr.append((returned - drained) / 3600.0)
         drained_in = since <= drained <= now
         if drained_in:
-            obs = r.get("observed_at")
+            obs = get("observed_at")
             if obs is not None:
-                ttdrain.append(max(0.0, drained - obs))
-                if r.get("routed_at") is not None:
-                    ttd.append(max(0.0, r["routed_at"] - obs))
-            per_node_class[(r["node"], fc)] += 1
-            for why in (r.get("lemon"), r.get("repeat_part")):
+                ttdrain.append(drained - obs if drained > obs else 0.0)
+                routed = get("routed_at")
+                if routed is not None:
+                    ttd.append(routed - obs if routed > obs else 0.0)
+            per_node_class[(node, fc)] += 1
+            for why in (get("lemon"), get("repeat_part")):
                 if why:
-                    lemons[r["node"]].append(why)
-        tc = r.get("ticket_closed_at")
-        if tc is not None and since <= tc <= now and r.get("ticket_filed_at") is not None:
-            turnaround.append(max(0.0, tc - r["ticket_filed_at"]) / 3600.0)
-        outcome = r.get("outcome")
+                    lemons[node].append(why)
+        tc = get("ticket_closed_at")
+        if tc is not None and since <= tc <= now:
+            tf = get("ticket_filed_at")
+            if tf is not None:
+                turnaround.append((tc - tf if tc > tf else 0.0) / 3600.0)
+        outcome = get("outcome")
         if outcome is None:
             outcomes["still_out"] += 1
         else:
-            closed = r.get("closed_at")
+            closed = get("closed_at")
             if closed is not None and since <= closed <= now:
                 outcomes[outcome] += 1
                 closed_after_drain += 1
-        if r.get("part_not_replaced"):
-            not_replaced.append({"node": r["node"], "fault_class": r.get("fault_class"), "part": r.get("part"),
-                                 "serial": r.get("part_serial_drain"), "ticket": r.get("ticket"),
-                                 "returned_at": r.get("returned_at")})
-        slow = r.get("slow")
+        if get("part_not_replaced"):
+            not_replaced.append({"node": node, "fault_class": get("fault_class"), "part": get("part"),
+                                 "serial": get("part_serial_drain"), "ticket": get("ticket"),
+                                 "returned_at": returned})
+        slow = get("slow")
         if slow and slow.get("ratio") and drained_in:
             ratio = float(slow["ratio"])
             lost = 1.0 - min(ratio, 1.0 / ratio) if ratio > 0 else 0.0
             sgpus = (int(slow.get("job_gpus") or 0) if slow.get("job") else 0) or gpus
             gh = lost * float(slow.get("slow_s") or 0) / 3600.0 * sgpus
             slow_total += gh
-            slowness.append({"node": r["node"], "metric": slow.get("metric"), "ratio": ratio, "lost_pace": round(lost, 4),
+            slowness.append({"node": node, "metric": slow.get("metric"), "ratio": ratio, "lost_pace": round(lost, 4),
                              "slow_h": round(float(slow.get("slow_s") or 0) / 3600.0, 3), "gpus": sgpus,
                              "job": slow.get("job") or None, "gpu_hours": round(gh, 3)})
+    for v, vh in by_vmap.values():
+        for key, value in v.items():
+            by_version[key][value] += vh
     for (node, fc), n in per_node_class.items():
         if n >= p.lemon_repairs:
             lemons[node].append(f"{n} incidents of {fc} in the window")
@@ -283,9 +322,9 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
         "false_drain_rate": round(nff / closed_after_drain, 4) if closed_after_drain else None,
         "outcomes": dict(sorted(outcomes.items())),
         "lemons": [{"node": n, "why": sorted(set(w))} for n, w in sorted(lemons.items())],
-        "parts_not_replaced": not_replaced,
+        "parts_not_replaced": sorted(not_replaced, key=lambda x: (x["returned_at"] or 0.0, x["node"])),
         "slowness_gpu_hours": round(slow_total, 3),
-        "slowness": sorted(slowness, key=lambda s: -s["gpu_hours"]),
+        "slowness": sorted(slowness, key=lambda s: (-s["gpu_hours"], s["node"])),
         "findings": version_findings(window, fleet, p, cluster) if fleet is not None else [],
         "how": HOW,
     }

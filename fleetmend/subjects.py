@@ -41,7 +41,7 @@ DRIFT_ALLOW_KV_BUCKET = "fleetmend_drift_allow"
 LEDGER_KV_BUCKET = "fleetmend_ledger"
 """The incident ledger (`fleetmend.ledger`, `fleetmend.infra.ledger`): one record per drained incident, kept
 `ledger.max_age_days` (beyond Temporal's retention). Keys: `ledger_open_key`, `ledger_closed_key`,
-`ledger_route_key`, `ledger_part_key`."""
+`ledger_pack_key` (closed records rolled up many per value), `ledger_route_key`, `ledger_part_key`."""
 """KV bucket of the fail-slow analyzer: `lease.<cluster>` (active replica) and `state.<cluster>`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -427,6 +427,19 @@ def ledger_open_key(cluster: str, node: str) -> str:
 def ledger_closed_key(cluster: str, node: str, drained_ms: int) -> str:
     """`inc.<cluster>.<node token>.<drained at, epoch ms>`: a closed incident record in `LEDGER_KV_BUCKET`."""
     return f"inc.{_check('cluster', cluster)}.{node_token(node)}.{int(drained_ms)}"
+
+
+def ledger_pack_key(cluster: str, day: str, part: int) -> str:
+    """`pack.<cluster>.<YYYYMMDD>.<part>`: closed records of `cluster` that closed on that UTC day, many per value
+    (`fleetmend.ledger.encode_pack`), written by the roll-up (`fleetmend.infra.ledger.LedgerStore.roll_up`)."""
+    if len(day) != 8 or not day.isdigit():
+        raise ValueError(f"pack day {day!r}: expected YYYYMMDD")
+    return f"pack.{_check('cluster', cluster)}.{day}.{int(part)}"
+
+
+def ledger_pack_prefix(cluster: str | None) -> str:
+    """The key prefix of `cluster`'s packs (`pack.<cluster>.`; every cluster: `pack.`)."""
+    return f"pack.{_check('cluster', cluster)}." if cluster else "pack."
 
 
 def ledger_route_key(cluster: str, node: str) -> str:

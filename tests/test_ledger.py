@@ -5,9 +5,11 @@ activities write it, and `fleetmend report` (the real CLI) over it.
   ticket, resolution, return, close; each phase retried changes nothing; the record moves to `inc.…`.
 - The repaired part came back unchanged: the ticket's comment and the report say "part not replaced"; the same
   part failing again with the same fault class is a repeat part (RMA like a lemon).
-- A version finding and its vendor bundle from the CLI, over fingerprints the agent's reader takes from
-  synthesised host roots with two driver versions.
+- (A version finding and its vendor bundle from running agents: tests/test_version_finding_agents.py.)
 - A ledger write never fails its caller (NATS gone: logged, counted, None).
+- The ledger's clock: in an activity, the Temporal server's time of the attempt (tests/test_ledger_intervals.py
+  skips time with it); elsewhere this host's.
+(Roll-up into packs: tests/test_ledger_pack.py.)
 """
 
 from __future__ import annotations
@@ -22,14 +24,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from agents.inventory.reader import read_fingerprint
 from fleetmend import subjects
 from fleetmend.fingerprint import Fingerprint, HardwareClass
 from fleetmend.infra import metrics
 from fleetmend.infra.jetstream import ensure_fingerprint_stores
 from fleetmend.infra.ledger import LedgerStore
 from fleetmend.policy import FailureDomain, Topology
-from tests.fixtures.hosts.synth import HostSpec, build_host
 
 GPU = "0000:3b:00.0"
 
@@ -127,32 +127,6 @@ async def test_an_incident_phase_by_phase_then_the_same_part_again(nc, nats_serv
     assert "part not replaced" in text and "GPU-hours" in text
 
 
-async def test_version_finding_and_vendor_bundle_from_the_cli(nc, nats_server, unique, tmp_path):
-    cluster = f"v{unique}"
-    js = nc.jetstream()
-    for i in range(12):  # twelve agents' fingerprints: nine on 550.90.07, three on 535.104.05
-        drv = "535.104.05" if i >= 9 else "550.90.07"
-        fp = read_fingerprint(build_host(tmp_path / f"h{i}", HostSpec(driver=drv, gpus=2, cpus=2)), cluster, f"n{i}")
-        await put_fingerprint(js, fp)
-    store = LedgerStore(js)
-    now = datetime.now(timezone.utc)
-    for i in (9, 10, 11):  # fatal faults only on the rarer driver's nodes
-        await incident(store, cluster, f"n{i}", f"remediate/{cluster}/n{i}/r", now, resolve=False)
-    rep = json.loads((await cli(nats_server.url, "report", "--json", "--cluster", cluster)).stdout)
-    assert [(f["key"], f["value"]) for f in rep["findings"]] == [("nvidia_driver", "535.104.05")]
-    fid = rep["findings"][0]["id"]
-    out = tmp_path / "bundle"
-    r = await cli(nats_server.url, "report", "--cluster", cluster, "--vendor-bundle", fid[:8], str(out))
-    assert r.returncode == 0, r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["diagnostics.json", "finding.json", "incidents.jsonl",
-                                                     "raw_fault_lines.txt", "serials.json", "versions.json"]
-    assert (out / "raw_fault_lines.txt").read_text().count("fallen off the bus") == 3
-    assert len((out / "incidents.jsonl").read_text().splitlines()) == 3
-    assert set(json.loads((out / "versions.json").read_text())) == {"n9", "n10", "n11"}
-    bad = await cli(nats_server.url, "report", "--cluster", cluster, "--vendor-bundle", "nosuch", str(out))
-    assert bad.returncode == 1 and "no single version finding" in bad.stderr
-
-
 async def test_a_ledger_write_never_fails_its_caller(nats_server):
     import nats
 
@@ -243,3 +217,25 @@ async def test_the_ticket_update_says_part_not_replaced(nc, unique, tmp_path):
         comments[node] = doc["history"][-1]["comment"]
     assert "Part not replaced: 0000:3b:00.0 has serial GPU-old" in comments["same"]
     assert "not replaced" not in comments["swapped"]
+
+
+async def test_the_ledger_clock_is_the_activity_s_server_time():
+    """In an activity the ledger writes the Temporal server's time of the attempt's start (the time-skipping
+    test of the intervals relies on it); outside one, and in an ActivityEnvironment without a server, this host's."""
+    import dataclasses
+
+    from temporalio import activity
+    from temporalio.testing import ActivityEnvironment
+
+    from fleetmend.infra.ledger import clock
+
+    @activity.defn
+    async def now() -> float:
+        return clock()
+
+    env = ActivityEnvironment()
+    t = time.time()
+    assert t - 1 <= await env.run(now) <= time.time() + 1, "no server: this host's clock"
+    env.info = dataclasses.replace(env.info, started_time=datetime(2030, 1, 2, tzinfo=timezone.utc))
+    assert await env.run(now) == datetime(2030, 1, 2, tzinfo=timezone.utc).timestamp()
+    assert t - 1 <= clock() <= time.time() + 1

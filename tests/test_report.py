@@ -2,7 +2,9 @@
 
 - GPU-hours never go negative and add up: per node, per fault class and over consecutive windows (hypothesis).
 - Version findings from fingerprints the agent's reader takes from synthesised host roots with two driver versions:
-  the minority driver takes every fault → one finding naming it; the faults spread evenly → none.
+  the minority driver takes every fault → one finding naming it; the faults spread evenly → none (the same from
+  twelve running agents through the router, the worker and the CLI: tests/test_version_finding_agents.py). Each
+  node counts once, a drained one with its driver at the drain.
 - The HTML page opens without a server and shows the figures `--json` prints (read back from Chromium's DOM).
 """
 
@@ -194,3 +196,23 @@ def test_the_fingerprint_names_each_gpu_by_its_uuid(tmp_path):
         f"proc/driver/nvidia/gpus/{gpu}/information": info.replace("1234", "9999")})), "c", "a")
     assert b.serials[gpu] != a.serials[gpu] and b.digest == a.digest
     assert not any("GPU-" in v for v in a.facts().values())
+
+
+def test_version_finding_counts_each_node_once_with_its_value_at_the_drain(tmp_path):
+    """Three nodes drained on 535.104.05 that run 550.90.07 now (upgraded since), while three others run 535 now:
+    six nodes held 535, not three. The faulty three are 3 of 6 holders among 12 (p = C(6,3)/C(12,3) = 0.09): no
+    finding. Taking the fleet's count now (3) as the holders would make the faulty three all of them (p = 1/220)."""
+    fleet = _fleet(tmp_path)  # n9, n10, n11 on 535 now
+    old = {**next(f["versions"] for f in fleet if f["node"] == "n0"), "nvidia_driver": "535.104.05"}
+    p = ReportParams(since=0, now=100 * H)
+    recs = [rec(f"n{i}", "xid79", H * i, H * i + H, versions_drain=old) for i in (0, 3, 6)]
+    assert build_report(recs, p, fleet=fleet, cluster="c")["findings"] == []
+    # the same three drained on 535 and still on it, with nobody else on it: a finding, K = 3 of N = 12
+    fleet3 = [{"node": f["node"], "versions": old if f["node"] in ("n0", "n3", "n6") else
+               {**f["versions"], "nvidia_driver": "550.90.07"}} for f in fleet]
+    (f,) = build_report(recs, p, fleet=fleet3, cluster="c")["findings"]
+    assert (f["fleet_nodes_with_value"], f["fleet_nodes"], f["p_value"]) == (3, 12, pytest.approx(1 / 220))
+    # a faulty node the fleet does not list now (retired) still counts once: N = 13
+    gone = [rec("n99", "xid79", H, 2 * H, versions_drain=old)]
+    (f,) = build_report(recs + gone, p, fleet=fleet3, cluster="c")["findings"]
+    assert (f["nodes_with_fault_and_value"], f["fleet_nodes_with_value"], f["fleet_nodes"]) == (4, 4, 13)

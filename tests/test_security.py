@@ -367,6 +367,11 @@ async def test_router_and_worker_credentials_keep_the_incident_ledger(secured, u
         assert len(heads) == 1 and heads[0]["part_serial_drain"] == "GPU-1" and heads[0]["outcome"] == "aborted"
         assert heads[0]["routed_at"] == pytest.approx(now.timestamp())
         assert [f["node"] for f in await store.fleet(CLUSTER)] == ["n2"]
+        # the worker's elected replica rolls it up: the pack written, the record's own message purged
+        rolled = await store.roll_up(CLUSTER)
+        assert rolled["records"] >= 1 and rolled["purged"] == rolled["records"] and not rolled["left"], rolled
+        heads = [h for h in await store.read_heads(CLUSTER, with_detail=True) if h["incident_id"] == iid]
+        assert len(heads) == 1 and heads[0]["_key"].startswith(f"inc.{CLUSTER}.n2.")
         after = sum(s.value for s in metrics.LEDGER_WRITE_FAILURES.collect()[0].samples if s.name.endswith("_total"))
         assert after == failures, "a ledger write was refused"
     finally:

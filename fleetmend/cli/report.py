@@ -39,7 +39,8 @@ def parse_since(value: str, now: float) -> float:
     return t.timestamp() if t.tzinfo else t.replace(tzinfo=timezone.utc).timestamp()
 
 
-async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False) -> tuple[list[dict], list[dict]]:
+async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False,
+                since: float | None = None) -> tuple[list[dict], list[dict]]:
     from fleetmend.infra.connect import connect_nats  # lazy: nats (see fleetmend.cli.common)
     from fleetmend.infra.ledger import LedgerStore
 
@@ -48,7 +49,8 @@ async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False) 
         store = LedgerStore(nc.jetstream(), s.ledger)
         async with asyncio.timeout(120):
             fields = None if with_detail else FIELDS
-            return await store.read_heads(cluster, with_detail=with_detail, fields=fields), await store.fleet(cluster)
+            heads = await store.read_heads(cluster, with_detail=with_detail, fields=fields, since=since)
+            return heads, await store.fleet(cluster)
     finally:
         await nc.close()
 
@@ -78,7 +80,7 @@ def report(
     except ValueError as e:
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from e
-    heads, fleet = run(_read(s, cluster, with_detail=vendor_bundle is not None))
+    heads, fleet = run(_read(s, cluster, with_detail=vendor_bundle is not None, since=start))
     rep = build_report(heads, ReportParams.from_settings(s, start, now), fleet=fleet, cluster=cluster or "")
     if vendor_bundle is not None:
         finding, directory = vendor_bundle

@@ -28,6 +28,8 @@ Permissions (subjects from `fleetmend.subjects`, so code and config cannot drift
                          and the JetStream API calls of that bucket (stream info/create, direct and
                          message get, consumer create/info/delete for key listings, flow control);
                          the same for the ticket ledger, lease, notifications-sent and permit pool buckets
+                         and the incident ledger, whose stream it may also purge (by subject and
+                         sequence: the ledger's roll-up removes each packed record's own message)
                subscribe _INBOX_worker.> (its own inbox prefix)
     analyzer   publish   the JetStream API calls of its ordered consumers on the perf and job streams
                          (consumer create/delete, flow control) and of its KV bucket (lease, state),
@@ -135,7 +137,9 @@ def role_permissions(role: str) -> dict | None:
                     f"STREAM.INFO.{fp}", f"DIRECT.GET.{fp}", f"DIRECT.GET.{fp}.>", f"STREAM.MSG.GET.{fp}",
                     f"CONSUMER.CREATE.{fp}", f"CONSUMER.CREATE.{fp}.>", f"CONSUMER.INFO.{fp}.>",
                     f"CONSUMER.DELETE.{fp}.>",
-                    f"STREAM.INFO.{akv}", f"STREAM.MSG.GET.{akv}", f"DIRECT.GET.{akv}", f"DIRECT.GET.{akv}.>") + [
+                    f"STREAM.INFO.{akv}", f"STREAM.MSG.GET.{akv}", f"DIRECT.GET.{akv}", f"DIRECT.GET.{akv}.>",
+                    # the ledger's roll-up purges each packed record's own message (fleetmend.infra.ledger.roll_up)
+                    f"STREAM.PURGE.KV_{subjects.LEDGER_KV_BUCKET}") + [
                     f"$JS.FC.{fp}.>",
                     "fleet.*.diag.*", "fleet.*.reconfigure.*",  # diagnostics, sweeps, live fixes (reconfigure_node)
                     subjects.all_faults_subject(),  # fail_slow of `fleetmend sweep --act`

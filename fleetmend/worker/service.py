@@ -18,6 +18,7 @@ from fleetmend.infra import fleetgauges, metrics
 from fleetmend.infra.connect import close_nats, connect_nats, connect_temporal
 from fleetmend.infra.jetstream import WORKER_BUCKETS, report_all_bucket_settings
 from fleetmend.infra.lease import Presence
+from fleetmend.infra.ledger import ROLE_LEDGER_PACK
 from fleetmend.report import FIELDS, ReportParams, build_report
 from fleetmend.worker import analyzer_link
 from fleetmend.worker.build import build_ledger, build_worker
@@ -62,6 +63,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
             report_due[0] = time.monotonic() + settings.ledger.refresh_s
             await report_refresh(settings, ledger, notifier)
 
+    # the ledger's roll-up: closed records packed many per value (fleetmend.infra.ledger), by one replica
+    packer = asyncio.create_task(fleetgauges.run_elected(
+        nc.jetstream(), ROLE_LEDGER_PACK, settings.cluster, lambda: ledger.roll_up(settings.cluster), lambda: None,
+        settings.ledger.pack_interval_s, stop, log), name="ledger-pack")
     poll = asyncio.create_task(fleetgauges.run_elected(
         nc.jetstream(), fleetgauges.ROLE_INCIDENTS, settings.cluster, refresh,
         lambda: forget_all(settings.cluster), settings.metrics.poll_interval_s, stop, log,
@@ -85,6 +90,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         stopping.cancel()
         if poll is not None:
             poll.cancel()
+        packer.cancel()
         for task in links:
             task.cancel()
         present.cancel()  # deletes its key (a clean stop), before the connection goes
@@ -107,7 +113,7 @@ async def report_refresh(settings: Settings, ledger, notifier: Notifier) -> dict
     now = time.time()
     c = settings.cluster
     params = ReportParams.from_settings(settings, now - settings.ledger.findings_window_days * 86400.0, now)
-    heads, fleet = await ledger.read_heads(c, fields=FIELDS), await ledger.fleet(c)
+    heads, fleet = await ledger.read_heads(c, fields=FIELDS, since=params.since), await ledger.fleet(c)
     # the arithmetic in a thread: at 100,000 records it takes seconds, which the worker's event loop (activities,
     # heartbeats) must not wait out
     rep = await asyncio.to_thread(build_report, heads, params, fleet=fleet, cluster=c)
