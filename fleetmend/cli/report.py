@@ -107,8 +107,9 @@ def report(
 
 def _print(rep: dict[str, Any]) -> None:
     how = rep["how"]
+    n = rep["incidents"]
     out.print(f"[bold]compute lost[/bold] {escape(rep.get('cluster') or 'all clusters')}, last {rep['window']['hours']:g} h: "
-              f"{rep['gpu_hours']:,.1f} GPU-hours out of service in {rep['incidents']} incident{'' if rep['incidents'] == 1 else 's'}")
+              f"{rep['gpu_hours']:,.1f} GPU-hours out of service in {n} incident{'' if n == 1 else 's'}")
     out.print(f"  [dim]{escape(how['gpu_hours'])}[/dim]")
     for name, label, unit in (("mttr_h", "MTTR", "h"), ("time_to_detect_s", "time to detect", "s"),
                               ("time_to_drain_s", "time to drain", "s"), ("ticket_turnaround_h", "ticket turnaround", "h")):
