@@ -1,7 +1,7 @@
 """Fail-slow against the outside scenarios of issue 28, from a generator of the bench's own, through NATS.
 
     .venv/bin/python bench/failslow_scenarios.py [--nodes 1000] [--hours 24] [--scenario all|healthy|slow|rack|
-                                                 rack-notopo|version|small|noise] [--seed 1]
+                                                 rack-notopo|version|small|noise|slow-noise] [--seed 1]
                                                  [--injections N] [--direct]
 
 Not `fleetmend.dev.perfsim`: this generator is written apart from it, closer to the evaluation that
@@ -46,6 +46,8 @@ Scenarios (`--scenario all` runs each in turn on a fresh fleet):
                 spends 15 % of the time in HW slowdown. Target: one version finding each, 0 drains.
 - small:        a 5-node class with a PCIe x8 node, and 40 nodes joining mid-run.
 - noise:        the healthy fleet with twice the jitter and ten times the bursts.
+- slow-noise:   `slow` in the `noise` fleet (not in `all`): what heavy healthy noise costs the
+                5 % slowdowns.
 
 Per scenario it prints node findings (true: a node injected faulty; false: any other), domain and
 version findings, misses, and minutes from injection to detection. A node finding is what would
@@ -274,13 +276,14 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
     rng = random.Random(seed)
     now = (time.time() // 300) * 300 + 300
     t0 = now
-    fleet = Fleet(nodes, rng, t0, jitter=0.04 if name == "noise" else 0.02, bursts=10.0 if name == "noise" else 1.0,
+    noisy = name in ("noise", "slow-noise")
+    fleet = Fleet(nodes, rng, t0, jitter=0.04 if noisy else 0.02, bursts=10.0 if noisy else 1.0,
                   reporting=reporting)
     faulty: dict[str, float] = {}
     pats_of: dict[str, str] = {}
     expect_shared: list[str] = []
     topo_file = None
-    if name == "slow":
+    if name in ("slow", "slow-noise"):
         pats = ("clocks", "power_brake", "pcie", "thermal", "ib", "port")
         cand = [n for n in fleet.nodes if n.job is not None]
         rng.shuffle(cand)
@@ -384,7 +387,7 @@ async def run_scenario(name: str, url: str, nodes: int, hours: float, seed: int,
         seen = len(probe.outcome.node_findings)
         await probe.tick()
         for _t, node, _m in probe.outcome.node_findings[seen:]:
-            if name == "slow" and node in faulty and node not in repair_at and t >= faulty[node]:
+            if name in ("slow", "slow-noise") and node in faulty and node not in repair_at and t >= faulty[node]:
                 repair_at[node] = t + REPAIR_AFTER_S
     clock.t += 600
     await probe.tick()

@@ -90,6 +90,42 @@ def test_a_version_shared_by_the_outliers_is_one_version_finding() -> None:
     assert round(shared[0].value / shared[0].peer_median, 2) == 0.95
 
 
+def test_a_version_with_one_node_in_each_job_is_one_version_finding_not_node_findings() -> None:
+    """The same VBIOS (5 % lower clocks under load) on an eighth of a class whose nodes run jobs of 8:
+    one VBIOS node in each job, too few in any one job for a version finding of that job, and each
+    VBIOS node busy from its own window on (jobs start apart: not a domain starting at once). Judged
+    across the class's jobs pooled, the outliers are one version finding, and no node is a finding
+    (each would drain a healthy node); the rule before (job by job only) made 8 node findings
+    (`bench/failslow_scenarios.py --scenario version`: 6 healthy nodes in 3 h of 200 nodes)."""
+    def run(pooled: bool) -> tuple[list[tuple[int, str, str]], list[GroupFinding]]:
+        c = Comparator(AnalyzerSettings())
+        if not pooled:
+            c.explainer._versions_across_jobs = lambda *a: []  # type: ignore[method-assign]
+        found, shared = [], []
+        for w in range(14):
+            for k in range(5):
+                t = T0 + w * W + k * 60 + 1
+                for n in range(64):
+                    vbios = n % 8 == 0
+                    if vbios and w < n // 8:
+                        continue  # not busy yet: no clocks under load
+                    v = 0.985 * (0.95 if vbios else 1.0) + 0.001 * (n % 3)
+                    c.add(f"n{n:02d}", "H", t, {"sm_clock_ratio": (v, "gpu:0")},
+                          fingerprint={"driver": "570", "vbios": "96.00.B" if n % 8 == 0 else "96.00.A"})
+                    c.note_sched(f"n{n:02d}", f"j{n // 8}", t)
+            res = c.close_window(c.window_of(T0 + w * W + 1))
+            found += [(w, f.node, f.metric) for f in res.findings]
+            shared += res.shared_findings
+        return found, shared
+
+    found, shared = run(pooled=True)
+    assert found == []
+    assert [(f.kind, f.key, f.metric, f.group) for f in shared] == [("version", "vbios=96.00.B", "sm_clock_ratio", "H job:*")]
+    assert set(shared[0].nodes) <= {f"n{n:02d}" for n in range(0, 64, 8)} and len(shared[0].nodes) >= 3
+    before, _ = run(pooled=False)
+    assert sorted({n for _, n, _ in before}) == [f"n{n:02d}" for n in range(0, 64, 8)]
+
+
 def test_a_driver_that_splits_the_class_is_named() -> None:
     """Half the class on a new driver (part of the class key: two groups, neither with outliers)
     that spends 20 % of the time in HW slowdown. The driver is named; no node is."""

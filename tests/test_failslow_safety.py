@@ -29,7 +29,7 @@ from fleetmend.analyzer.service import Analyzer, job_comparator
 from fleetmend.config import AnalyzerSettings, load_settings
 from fleetmend.dev.perfsim import HW, MIXED, PerfFleet
 from fleetmend.events import MAX_CLOCK_SKEW_S
-from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample
+from fleetmend.telemetry import GpuPerf, HardwareClass, PerfSample, PortPerf
 
 T0 = 1_800_000_000.0
 
@@ -161,6 +161,84 @@ def test_one_node_speaking_for_many_ranks_moves_the_job_median_as_one_member(wei
             found += c.close_window(x).findings
     honest = sorted({f.node for f in found if not f.node.startswith("liar/")})
     assert honest == ([] if weighted else [f"n{r}/{r}" for r in range(8)])
+
+
+@pytest.mark.parametrize("quota", [True, False])
+def test_one_node_claiming_many_ranks_cannot_crowd_out_the_honest_ranks_offsets(
+        quota: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that claims 1,024 GPUs (the schema's most) reports 1,024 new ranks of each of 2 made-up
+    jobs in a window: with a fleet-wide room for 1,500 offsets (`MAX_BASELINE_MEMBERS` scaled down
+    from 200,000 with the fleet), it may hold at most `MAX_BASELINE_PER_UNIT` of them, so an
+    honest 8-node job that starts next still learns its ranks' offsets and its rank 5, slower from
+    window 6, is found. Without the per-node share (the control) the one node fills the room and
+    no honest rank is ever judged."""
+    monkeypatch.setattr(core, "MAX_BASELINE_MEMBERS", 1500)
+    if not quota:
+        monkeypatch.setattr(core, "MAX_BASELINE_PER_UNIT", 10**9)
+    cfg = AnalyzerSettings(window_s=60, windows=3)
+    c = job_comparator(cfg)
+    found = []
+    for w in range(12):
+        for s in range(3):
+            t = T0 + w * 60 + s * 10 + 1
+            if w < 2:
+                for job in ("x1", "x2"):
+                    for rank in range(1024):
+                        c.add(f"liar/{w}-{rank}", f"job:{job}", t, {"job_step_seconds": (1.0, "r")})
+            if w >= 1:
+                for rank in range(8):
+                    sec = 2.0 + 0.01 * ((s + rank) % 3)
+                    if rank == 5 and w >= 6:
+                        sec *= 1.08
+                    c.add(f"n{rank}/{rank}", "job:j", t, {"job_step_seconds": (sec, f"rank:{rank}")})
+        for x in c.due(T0 + (w + 1) * 60 + cfg.grace_s):
+            found += c.close_window(x).findings
+    assert [f.node for f in found] == (["n5/5"] if quota else [])
+    if quota:
+        assert c.dropped["baselines_unit_full"] > 0 and c._unit_members["liar"] == core.MAX_BASELINE_PER_UNIT
+    else:
+        assert c.dropped["baselines_full"] > 0
+
+
+def _ports_sample(node: str, t: float, storage_wait: int) -> PerfSample:
+    """A busy 8-GPU node with 4 compute rails (2e6 wait ticks each a minute) and a storage HCA."""
+    ports = [PortPerf(name=f"mlx5_{p}/1", role="compute", rate_gbps=400.0, xmit_wait_delta=2_000_000)
+             for p in range(4)]
+    ports.append(PortPerf(name="mlx5_4/1", role="storage", rate_gbps=200.0, xmit_wait_delta=storage_wait))
+    return PerfSample(cluster="c", node=node, at=datetime.fromtimestamp(t, timezone.utc), interval_s=60,
+                      hw=HardwareClass(gpu_model="NVIDIA H200", gpu_count=8, driver="570"),
+                      gpus=[GpuPerf(index=i, util_pct=96, sm_clock_mhz=1950, sm_clock_max_mhz=1980) for i in range(8)],
+                      ports=ports)
+
+
+@pytest.mark.parametrize("by_role", [True, False])
+def test_a_rank_writing_the_checkpoint_is_not_slow_on_ib_wait(by_role: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point 6, NICs by role: the IB wait a job's nodes are compared on is their compute rails'. A
+    16-node job whose node 0 writes the checkpoint (its storage HCA waits 10^8 ticks a minute, 12x
+    its rails' sum) is not an outlier on `ib_xmit_wait_per_min`; summing the storage port in (the
+    control, the derivation before) flagged it."""
+    if not by_role:
+        real = metrics.derive
+
+        def summed(sample: PerfSample, busy_util_pct: float = 50.0) -> tuple[bool, metrics.Derived]:
+            busy, out = real(sample, busy_util_pct)
+            wait = sum(p.xmit_wait_delta or 0 for p in sample.ports) * 60.0 / sample.interval_s
+            return busy, {**out, "ib_xmit_wait_per_min": (float(wait), "port:mlx5_4/1")}
+        monkeypatch.setattr(metrics, "derive", summed)
+    c = Comparator(AnalyzerSettings())
+    found = []
+    for w in range(6):
+        for k in range(5):
+            t = T0 + w * 300 + k * 60 + 1
+            for n in range(16):
+                sample = _ports_sample(f"n{n}", t, 100_000_000 if n == 0 else 1_000 * (n % 3))
+                _busy, derived = metrics.derive(sample)
+                c.add(sample.node, sample.hw.key, t, derived)
+                c.note_sched(sample.node, "j1", t)
+        found += c.close_window(c.window_of(T0 + w * 300 + 1)).findings
+    if by_role:
+        assert metrics.derive(_ports_sample("n0", T0, 10**8))[1]["ib_xmit_wait_per_min"][0] == 4 * 2_000_000
+    assert [(f.node, f.metric) for f in found] == ([] if by_role else [("n0", "ib_xmit_wait_per_min")])
 
 
 def _sample(node: str, t: float, **gpu: Any) -> PerfSample:

@@ -11,8 +11,9 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
 1. A node's value is the median of its samples of that metric in the window (at least
    `min_samples_per_window` of them): one spike cannot move it; of a quantized metric, the
    interpolated median (`window_value`), which resolves finer than one step; of a bursty error
-   counter, the rate a quarter of its samples of the last 2·`windows` windows reach (how often it
-   bursts, not a median of 0; `_pooled_bursts`). Load-dependent metrics exist only on
+   counter, the share of its samples of the last 2·`windows` windows that exceed the group's level
+   by the metric's floor (how often it bursts, not a median of 0; `_judge_bursts`, rule 4b).
+   Load-dependent metrics exist only on
    busy samples, so busy nodes are compared with busy nodes and an idle node is not judged on them.
 2. Like with like. A hardware-own metric is compared across the hardware group (`HardwareClass.key`).
    A work-dependent metric (`MetricSpec.work_dependent`: power cap share, clocks and temperature
@@ -32,6 +33,16 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    outliers without moving either); for a quantized metric (`MetricSpec.quantum`) the median of the
    deviations is interpolated within one-quantum bins (`quantized_mad`). The node is an outlier
    when its gap in the bad direction exceeds max(`mad_k`·s, min_rel·|m|, min_abs).
+4b. A bursty counter (`MetricSpec.bursty`) is judged on shares of samples: the group's level L is
+   the median of its nodes' window medians (0 on healthy links), a sample exceeds when it is above
+   L + max(min_abs, min_rel·L), a node's share is its exceeding samples over its pool's (a young
+   pool counts as full: as many bursts as a full pool would need), and it is an outlier when its
+   share is at least `metrics.BURST_SHARE` and above the peers' median share p by more than
+   `mad_k`·max(s, √(p(1−p)/n)) (s: the shares' scaled MAD interpolated within one sample's step, n:
+   the node's pooled samples): how often it bursts against how often its peers do, so healthy nodes
+   that all burst often (heavy noise) are not flagged for bursting a little more by chance. The same
+   is judged at a second height, `BURST_BIG` times the largest burst a typical peer had in its pool:
+   bursts far bigger than any healthy node's are an outlier even where every node bursts as often.
 5. Own baseline (`MetricSpec.baseline_windows` = b > 0; the step times of a job's ranks). A member's
    ratio to the group median over its first b judged windows in that group is its own offset (rank
    0 of a job may be 10 % slower by design); it is not judged until the offset is known, and from
@@ -71,7 +82,7 @@ from statistics import median
 from typing import Any
 
 from fleetmend import __version__
-from fleetmend.analyzer.metrics import SPECS, Derived, MetricSpec, device_of, specs_for
+from fleetmend.analyzer.metrics import BURST_SHARE, SPECS, Derived, MetricSpec, device_of, judged_floors, specs_for
 from fleetmend.analyzer.shared import Explainer, GroupFinding
 from fleetmend.config import AnalyzerSettings
 from fleetmend.events import MAX_CLOCK_SKEW_S, FaultEvent, Severity, Source
@@ -102,6 +113,9 @@ class Finding:
     """The node's value in each window of the streak, oldest first."""
     baseline: float | None = None
     """Rule 5: the member's own offset against its group (value and peer_median are in its units)."""
+    burst_over: float | None = None
+    """Rule 4b, a bursty counter: the rate a sample had to exceed; value, peer_median, threshold and
+    mad are then shares of samples."""
 
     def evidence(self) -> dict[str, Any]:
         return {"metric": self.metric, "value": round(self.value, 6), "peer_median": round(self.peer_median, 6),
@@ -109,7 +123,8 @@ class Finding:
                 "window_s": self.window_s, "group": self.group, "group_size": self.group_size,
                 "device": self.where, "threshold": round(self.threshold, 6), "mad": round(self.mad, 6),
                 "window_values": ",".join(f"{v:.4g}" for v in self.values),
-                **({} if self.baseline is None else {"baseline_ratio": round(self.baseline, 4)})}
+                **({} if self.baseline is None else {"baseline_ratio": round(self.baseline, 4)}),
+                **({} if self.burst_over is None else {"burst_over": round(self.burst_over, 6)})}
 
 
 @dataclass
@@ -139,6 +154,8 @@ class _Judged:
     threshold: float
     outlier: bool
     baseline: float | None
+    burst_over: float | None = None
+    """A bursty counter (rule 4b): the rate a sample had to exceed; the numbers above are shares."""
 
 
 @dataclass
@@ -179,6 +196,13 @@ a flood of made-up names (a NATS without per-node credentials) cannot grow the m
 MAX_BASELINE_MEMBERS = 200_000
 """Members whose own offset (rule 5) is learnt at once, over all groups; a new member beyond is not
 judged until room is made (`dropped["baselines_full"]`)."""
+MAX_BASELINE_PER_UNIT = 1024
+"""Members one unit (`Comparator.unit_of`: the node that speaks for them) holds offsets for at once; a
+new member beyond is not learnt (`dropped["baselines_unit_full"]`). An honest node holds its GPUs'
+ranks of its recent jobs (8 GPUs: a few dozen); a node that claims 1,024 GPUs and new ranks of 4
+jobs every window would otherwise hold ~49,000 within the hour, a quarter of `MAX_BASELINE_MEMBERS`,
+and a handful of such nodes (or one in a fleet of ~20,000 8-GPU nodes) would leave every honest rank
+unjudged."""
 OWN_HISTORY_WINDOWS = 3
 """Windows a node of a group too small to compare is measured before its own history judges it."""
 STREAK_TTL_S = 3600.0
@@ -243,6 +267,8 @@ class Comparator:
         self.streaks: dict[str, dict[str, list[Any]]] = {}
         """node → metric → [count, [values], where, epoch seconds of its last outlier window]."""
         self._baseline_members = 0
+        self._unit_members: Counter[str] = Counter()
+        """Unit → members it holds offsets for (`MAX_BASELINE_PER_UNIT`)."""
         self.own: dict[str, dict[str, list[Any]]] = {}
         """node → metric → [its own reference or None, [values so far], epoch seconds last judged]
         (rule 3: a group too small to compare)."""
@@ -404,6 +430,7 @@ class Comparator:
         min_n = cfg.min_samples_per_window
         specs = self.specs
         seen_bursty: set[tuple[str, str]] = set()
+        pools: dict[tuple[str, str], deque[tuple[int, list[float]]]] = {}
         for node, nw in nodes.items():
             if nw.sched:  # the scheduler's word first: every node of the job, reporting or not
                 job = f"sched:{next(iter(nw.sched))}" if len(nw.sched) == 1 else None
@@ -422,8 +449,9 @@ class Comparator:
                     key = f"{nw.group} job:{job}"
                 else:
                     key = nw.group
-                if spec.bursty:
-                    value = self._pooled_bursts(node, m, vals, seen_bursty)
+                if spec.bursty:  # rule 4b: pooled now, judged once the group's level is known
+                    pools[(node, m)] = self._pool_bursts(node, m, vals, seen_bursty)
+                    value = median(vals)
                 else:
                     value = window_value(vals, spec.quantum)
                 groups.setdefault((key, m), []).append((node, value, nw.where[m]))
@@ -441,6 +469,9 @@ class Comparator:
             if spec.baseline_windows > 0:
                 items, scale = self._with_baselines(group, items, spec.baseline_windows, end)
             n = len(items)
+            if spec.bursty:
+                judged += self._judge_bursts(group, m, spec, items, pools, res)
+                continue
             if n < cfg.min_group_size:
                 if spec.work_dependent and " job:" in group:
                     res.small_job_groups += 1
@@ -489,7 +520,8 @@ class Comparator:
                         h[0], h[1] = median(h[1]), []
                     continue
                 ref, basis = float(h[0]), "own_history"
-            thr = max(spec.min_rel * abs(ref), spec.min_abs)
+            min_rel, min_abs = judged_floors(spec)
+            thr = max(min_rel * abs(ref), min_abs)
             gap = (ref - v) if low else (v - ref)
             out.append(_Judged(node, m, v, wh, f"{group} ({basis})", len(items), ref, 0.0, thr, gap > thr, None))
         return out
@@ -553,24 +585,80 @@ class Comparator:
         self.reported.setdefault(node, {})[m] = end
         res.findings.append(Finding(
             node=node, metric=m, value=j.value * b, peer_median=j.median * b,
-            ratio=(j.value / j.median) if j.median else None, windows=st[0], group=j.group,
-            group_size=j.size, where=j.where, threshold=j.threshold * b, mad=j.mad * b, window_end=end,
-            window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline))
+            ratio=(j.value / j.median) if j.median and j.burst_over is None else None, windows=st[0],
+            group=j.group, group_size=j.size, where=j.where, threshold=j.threshold * b, mad=j.mad * b,
+            window_end=end, window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline,
+            burst_over=j.burst_over))
 
-    def _pooled_bursts(self, node: str, m: str, vals: list[float], seen: set[tuple[str, str]]) -> float:
-        """A bursty counter's value: `burst_value` over the node's samples of its last
-        `BURST_POOL_WINDOWS`·`windows` windows pooled (bursts in a third of the samples come 1 or 2 to
-        a window of 5; pooled over 6 windows they are 10 of 30, past the quarter, while one burst a
-        window is 6 of 30).
-        Each window keeps its highest `BURST_KEEP` values and its sample count."""
+    def _pool_bursts(self, node: str, m: str, vals: list[float],
+                     seen: set[tuple[str, str]]) -> deque[tuple[int, list[float]]]:
+        """File a bursty counter's window into the node's pool of its last
+        `BURST_POOL_WINDOWS`·`windows` windows (bursts in a third of the samples come 1 or 2 to a window
+        of 5; pooled over 6 windows they are 10 of 30, past the quarter, while one burst a window is
+        6 of 30). Each window keeps its sample count and its highest `BURST_KEEP` values above 0 (the
+        others count as 0)."""
         seen.add((node, m))
         hist = self._bursts.setdefault(node, {}).setdefault(m, deque(maxlen=BURST_POOL_WINDOWS * self.cfg.windows))
-        hist.append((len(vals), [v for v in sorted(vals, reverse=True)[:BURST_KEEP] if v > 0]))  # 0s implied
-        n = sum(c for c, _ in hist)
-        top = sorted((v for _, tops in hist for v in tops), reverse=True)  # the values not kept are 0
-        # until the pool is full, as many bursts as a full pool would need (a young pool is no excuse)
-        k = max(2, math.ceil(BURST_SHARE * n * (hist.maxlen or 1) / len(hist)))
-        return top[k - 1] if k <= len(top) else 0.0
+        hist.append((len(vals), sorted((v for v in vals if v > 0), reverse=True)[:BURST_KEEP]))
+        return hist
+
+    def _judge_bursts(self, group: str, m: str, spec: MetricSpec, items: list[tuple[str, float, str]],
+                      pools: dict[tuple[str, str], deque[tuple[int, list[float]]]],
+                      res: WindowResult) -> list[_Judged]:
+        """Rule 4b: a bursty counter judged by how often each node's samples exceed, against how often
+        its peers' do, at two heights: above the group's level by the metric's floor (any burst), and
+        above `BURST_BIG` times the largest burst a typical peer had in its pool (the median of the
+        nodes' maxima), so bursts of a healthy size that come no more often than the peers' are not
+        an outlier however noisy the group, and bursts far bigger than any healthy node's are, even
+        where every node bursts as often. `items`: (node, its window median, where). A group too
+        small to compare is judged against the class's expectation (no burst: a share of 0) with the
+        `BURST_SHARE` floor, at the first height only."""
+        cfg = self.cfg
+        alone = len(items) < cfg.min_group_size
+        level = max(0.0, spec.expected or 0.0) if alone else max(0.0, median(self._unit_values(items)))
+        over = level + max(spec.min_abs, spec.min_rel * level)
+        n = len(items)
+        pooled = []
+        for node, _v, wh in items:
+            hist = pools[(node, m)]
+            full = sum(c for c, _ in hist) * (hist.maxlen or 1) / len(hist)  # a young pool counts as full
+            vals = [v for _, tops in hist for v in tops]
+            pooled.append((node, wh, full, vals))
+        if alone:
+            res.small_groups.append(SmallGroup(group, m, n, "expected"))
+            out = []
+            for node, wh, full, vals in pooled:
+                c = sum(1 for v in vals if v > over)
+                sh = c / full if full else 0.0
+                out.append(_Judged(node, m, sh, wh, f"{group} (expected)", n, 0.0, 0.0, BURST_SHARE,
+                                   sh >= BURST_SHARE and c >= 2, None, over))
+            return out
+        biggest = median(self._unit_values([(node, max(vals, default=0.0), wh) for node, wh, _f, vals in pooled]))
+        out = self._burst_height(group, m, pooled, over, n)
+        if BURST_BIG * biggest > over:
+            for i, j in enumerate(self._burst_height(group, m, pooled, BURST_BIG * biggest, n)):
+                if j.outlier and not out[i].outlier:
+                    out[i] = j
+        return out
+
+    def _burst_height(self, group: str, m: str, pooled: list[tuple[str, str, float, list[float]]], over: float,
+                      n: int) -> list[_Judged]:
+        """Rule 4b at one height `over`: each node's share of samples above it against the peers'."""
+        cfg = self.cfg
+        shares = []
+        for node, wh, full, vals in pooled:
+            c = sum(1 for v in vals if v > over)
+            shares.append((node, c / full if full else 0.0, wh, full, c))
+        vals_ = self._unit_values([(node, sh, wh) for node, sh, wh, _f, _c in shares])
+        p = median(vals_)
+        step = 1.0 / max(1.0, median(f for *_, f, _c in shares))  # one sample's share: the shares' quantum
+        mad = MAD_SCALE * quantized_mad(vals_, p, step)
+        out = []
+        for node, sh, wh, full, c in shares:
+            thr = cfg.mad_k * max(mad, math.sqrt(max(0.0, p * (1 - p)) / full) if full else 0.0)
+            out.append(_Judged(node, m, sh, wh, group, n, p, mad, max(thr, BURST_SHARE - p),
+                               sh >= BURST_SHARE and sh - p > thr and c >= 2, None, over))
+        return out
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
                         end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
@@ -583,10 +671,15 @@ class Comparator:
         for member, v, wh in items:
             b = base.get(member)
             if b is None:
+                unit = self.unit_of(member) if self.unit_of is not None else member
                 if self._baseline_members >= MAX_BASELINE_MEMBERS:
                     self.dropped["baselines_full"] += 1
                     continue
+                if self._unit_members[unit] >= MAX_BASELINE_PER_UNIT:
+                    self.dropped["baselines_unit_full"] += 1  # one node's share, whatever it claims
+                    continue
                 self._baseline_members += 1
+                self._unit_members[unit] += 1
                 b = base[member] = [None, [], end]
             b[2] = end
             if b[0] is None:
@@ -600,6 +693,11 @@ class Comparator:
                 out.append((member, v / off, wh))
                 scale[member] = off
         return out, scale
+
+    def _count_units(self) -> None:
+        """Recount the members each unit holds offsets for (after forgetting or loading)."""
+        unit_of = self.unit_of or (lambda member: member)
+        self._unit_members = Counter(unit_of(k) for ms in self.baselines.values() for k in ms)
 
     def _unit_values(self, items: list[tuple[str, float, str]]) -> list[float]:
         """One value per unit (`unit_of`): the median of the unit's members' values, so whatever
@@ -623,6 +721,7 @@ class Comparator:
             else:
                 del self.baselines[group]
         self._baseline_members = n
+        self._count_units()
         for node in list(self.own):
             ms = {m: h for m, h in self.own[node].items() if h[2] >= keep}
             if ms:
@@ -652,6 +751,7 @@ class Comparator:
         self.baselines = {g: {k: [None if b[0] is None else float(b[0]), [float(x) for x in b[1]], float(b[2])]
                               for k, b in ms.items()} for g, ms in state.get("baselines", {}).items()}
         self._baseline_members = sum(len(ms) for ms in self.baselines.values())
+        self._count_units()
         self.own = {n: {m: [None if h[0] is None else float(h[0]), [float(x) for x in h[1]], float(h[2])]
                         for m, h in ms.items()} for n, ms in state.get("own", {}).items()}
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
@@ -675,18 +775,20 @@ class Comparator:
                 del self.reported[node]
 
 
-BURST_SHARE = 0.25
-"""A bursty counter's window value is the rate at least this share of the node's samples reach
-(the ⌈share·n⌉-th highest): with 5 samples, 2 must burst, so one burst never counts."""
-
-
 BURST_POOL_WINDOWS = 2
 """A bursty counter is pooled over this many times `windows` windows (30 samples at the defaults):
-bursts in a third of the samples are 10 of 30, past the quarter, while a healthy node whose 8 GPUs
-burst in 4 % of the samples reaches 8 of 30 about once in 60,000 windows (over 15 samples, 4 of
-15, about once in 500: a false finding a day per 1,000 nodes, bench/failslow_scenarios.py)."""
+bursts in a third of the samples are 10 of 30, past the quarter (`metrics.BURST_SHARE`), while a
+healthy node whose 8 GPUs burst in 4 % of the samples reaches 8 of 30 about once in 60,000 windows
+(over 15 samples, 4 of 15, about once in 500: a false finding a day per 1,000 nodes,
+bench/failslow_scenarios.py). Where healthy peers burst often (a share p), a node must also exceed
+p by `mad_k` binomial σ over its samples (rule 4b)."""
 BURST_KEEP = 48
 """Highest values of a bursty counter kept per node and window (a quarter of 3 windows of 64)."""
+BURST_BIG = 2.0
+"""Rule 4b's second height: bursts this many times the largest a typical peer had in its pool (the
+median of the nodes' maxima over their last 6 windows). A healthy node's samples pass the typical
+maximum in ~2 % of the samples (its own maximum is as likely above as below it); twice it, far
+fewer, so 8 of 30 do not happen by chance."""
 
 
 def window_value(values: list[float], quantum: float = 0.0) -> float:
@@ -706,15 +808,6 @@ def window_value(values: list[float], quantum: float = 0.0) -> float:
             return med + (k - 0.5) * quantum + (half - cum) / c * quantum
         cum += c
     return med  # not reached: the bins hold every value
-
-
-def burst_value(values: list[float]) -> float:
-    """A bursty counter's value over some samples: the ⌈`BURST_SHARE`·n⌉-th highest (at least the
-    second highest), so it is judged by how often it bursts rather than by a median that stays 0,
-    and one burst counts as nothing."""
-    s = sorted(values, reverse=True)
-    k = max(2, math.ceil(BURST_SHARE * len(s)))
-    return s[k - 1] if k <= len(s) else 0.0
 
 
 def quantized_mad(values: list[float], med: float, quantum: float) -> float:
@@ -751,7 +844,12 @@ def finding_event(f: Finding, cluster: str, spec: MetricSpec | None = None) -> F
     suffix = hashlib.sha1(f"{cluster}/{f.node}/{f.metric}".encode()).hexdigest()[:8]
     label = spec.label if spec else f.metric
     ratio = f" (ratio {f.ratio:.3f})" if f.ratio is not None else ""
-    msg = (f"fail-slow: {label} {f.value:.4g} vs peer median {f.peer_median:.4g}{ratio} on {f.where}, "
+    if f.burst_over is not None:  # rule 4b: shares of samples above a rate
+        what = (f"{label} above {f.burst_over:.4g} in {f.value:.0%} of recent samples vs peer median "
+                f"{f.peer_median:.0%}")
+    else:
+        what = f"{label} {f.value:.4g} vs peer median {f.peer_median:.4g}{ratio}"
+    msg = (f"fail-slow: {what} on {f.where}, "
            f"outlier in {f.windows} consecutive {f.window_s:g} s windows among {f.group_size} peers of {f.group}")
     return FaultEvent(
         event_id=f"{ns:016x}{suffix}", cluster=cluster, node=f.node,

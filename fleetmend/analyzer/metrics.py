@@ -35,7 +35,7 @@ the hardware class, as before.
 | ib_symbol_errors_per_min | high | any | hw | 1 /min | physical-layer errors / BER well below 1e-12 when healthy |
 | ib_link_recovery_per_min | high | any | hw | 0.2 /min | retrains are no traffic pattern / they stall every job |
 | ib_rcv_errors_per_min | high | any | hw | 1 /min | malformed packets are errors, not load |
-| ib_xmit_wait_per_min | high | busy | work | 2× median, 1e6 /min | follows the job's traffic (comm-bound ~10×) / big gaps |
+| ib_xmit_wait_per_min | high | busy | work | 2× median, 1e6 /min | the job's traffic (comm-bound ~10×) / compute ports only |
 | port_rate_gbps | low | any | hw | 0.2 relative | the trained rate ignores traffic / a port at half rate; compute ports only |
 | storage_port_rate_gbps | low | any | hw | 0.2 relative | the same for storage ports (`PortPerf.role`) |
 | cpu_throttle_per_min | high | any | hw | 1 /min | a healthy, cooled CPU rarely throttles under any load |
@@ -49,10 +49,18 @@ median of its first 3 windows). The analyzer lists such groups with how they wer
 
 An error counter that comes in bursts (`MetricSpec.bursty`: replays, NVLink and IB errors, link
 recoveries, corrected ECC, CPU throttles) is judged by how often it exceeds, not by its window
-median: its value is the rate a quarter of the node's samples of its last 2 × `windows` windows
-reach (`core.BURST_SHARE`, `core.BURST_POOL_WINDOWS`, at least two samples), so symbol-error bursts
-in a third of the samples count while one burst in every window (6 of 30 samples at one sample a
-minute) does not.
+median nor by how high one burst goes. A sample *exceeds* when its rate is above the group's usual
+level (the median of its nodes' window medians, 0 on healthy links) by the metric's floor; a node's
+value is the share of its samples of its last 2 × `windows` windows that exceed
+(`core.BURST_POOL_WINDOWS`), and it is an outlier when that share is at least `BURST_SHARE` (a
+quarter) and above its peers' median share by more than chance allows: `mad_k` times the larger of
+the shares' MAD (interpolated within one sample's step) and the binomial σ of the peers' share over
+the node's samples. So symbol-error bursts in a third of the samples count against clean peers,
+one burst in every window (6 of 30 samples at one sample a minute) does not, and a fleet whose
+healthy nodes all burst a fifth of the time (10× noise: 8 GPUs' replays, 5 ports' symbol errors)
+does not flag the nodes that happen to burst a third of the time. A bursty finding's `value` and
+`peer_median` are shares of samples, `burst_over` the rate a sample had to exceed, and its `ratio`
+is None (an error rate is no pace).
 
 **Clocks without a reason** (`sm_clock_free_ratio`). NVML says why a GPU's clocks are held down
 (`CLOCK_EVENT_REASONS`: SW power cap, SW/HW thermal, HW slowdown, power brake); with none active
@@ -121,8 +129,9 @@ class MetricSpec:
     domain are one domain finding before any node is blamed (`shared`). False: a node's own (PCIe,
     NVLink, ECC)."""
     bursty: bool = False
-    """An error counter that comes in bursts: judged by how often it exceeds, not by a window
-    median (`core.window_value`: the value a quarter of the node's samples reach)."""
+    """An error counter that comes in bursts: judged by how often it exceeds (the share of a node's
+    recent samples above the group's level by `min_abs`) against its peers' share, not by a window
+    median (module docstring)."""
     quantum: float = 0.0
     """The metric's resolution in its own units (0: continuous): SM clocks move in 15 MHz steps, so
     `sm_clock_ratio` moves in steps of 15 MHz / ~2,000 MHz; temperatures in 1 °C. The group's MAD of a
@@ -132,6 +141,17 @@ class MetricSpec:
 
 WORK = True
 HW_OWN = False
+BURST_SHARE = 0.25
+"""A bursty counter's node is an outlier only when at least this share of its pooled samples exceed
+(with 5 samples a window, 8 of 30: one burst a window never counts; `core.Comparator`)."""
+
+
+def judged_floors(spec: MetricSpec) -> tuple[float, float]:
+    """(min_rel, min_abs) in the units a judgement of `spec` is in: a bursty counter is judged on the
+    share of samples that exceed (`BURST_SHARE` absolute), every other metric on its own value."""
+    return (0.0, BURST_SHARE) if spec.bursty else (spec.min_rel, spec.min_abs)
+
+
 SM_CLOCK_STEP_MHZ = 15.0
 """NVIDIA GPUs set SM clocks in 15 MHz steps (NVML `nvmlDeviceGetSupportedGraphicsClocks`)."""
 FREE_CLOCK_UTIL_PCT = 80.0
@@ -279,7 +299,9 @@ def derive(sample: PerfSample, busy_util_pct: float = 50.0) -> tuple[bool, Deriv
                 add("ib_link_recovery", sum(rec) * per_min, w)
             if p.rcv_errors_delta is not None:
                 add("ib_rcv_errors", p.rcv_errors_delta * per_min, w)
-            if busy and p.xmit_wait_delta is not None:
+            if busy and p.xmit_wait_delta is not None and p.role != "storage":
+                # a storage port waits on the node's own I/O (the rank that writes the checkpoint),
+                # not on the job's traffic its peers share: compute ports only (role with role)
                 add("ib_xmit_wait", p.xmit_wait_delta * per_min, w)
             if p.rate_gbps:
                 add("storage_port_rate_gbps" if p.role == "storage" else "port_rate_gbps", p.rate_gbps, w)

@@ -8,7 +8,9 @@ before streaks are counted (`Explainer.explain`):
    that covers at least `VERSION_COVER` of the outliers, at least `VERSION_HOLDERS_OUT` of the
    value's holders are outliers, and some nodes of the group do not hold it, the outliers are one
    version finding ("vbios 96.00.89.00.01: SM clock / max 0.955 vs 0.985 in the group"), not N node
-   incidents. A version that splits the hardware class (the driver is part of `HardwareClass.key`,
+   incidents. A work-dependent metric is judged job by job, so the rule is also applied to a class's
+   jobs pooled (`_versions_across_jobs`): a version on a quarter of a class has one or two nodes in
+   most jobs, too few in any one. A version that splits the hardware class (the driver is part of `HardwareClass.key`,
    so nodes of two drivers are two groups and neither has outliers) is found by comparing the
    groups that differ only in the driver: a group whose median is beyond the metric's floor and
    `mad_k` MADs worse than every other driver's is a version finding.
@@ -28,8 +30,11 @@ before streaks are counted (`Explainer.explain`):
    fault in a hot rack is still found); the others' outlier windows are not counted (neither an
    outlier nor a normal window for their streaks).
 4. A domain or version finding is reported once it has been seen in `windows` windows in a row, and
-   once per episode; when it is no longer seen, it is forgotten at once, and its nodes are judged as
-   usual from the next window (no 24 h mute). Findings drain nothing: they are no node's fault.
+   once per episode: a reported one not seen for fewer than `windows` windows in a row (a job
+   turnover left too few of its nodes busy) is the same episode when seen again, not a second
+   report; one not yet reported is forgotten at once. Its nodes are judged as usual from the first
+   window it is not seen in (no 24 h mute): only the report is remembered, not the explanation.
+   Findings drain nothing: they are no node's fault.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
+
+from fleetmend.analyzer.metrics import judged_floors
 
 VERSION_MIN_NODES = 3
 VERSION_COVER = 0.8
@@ -94,6 +101,8 @@ class _Episode:
     windows: int = 0
     reported: bool = False
     seen: bool = False
+    missed: int = 0
+    """Windows in a row a reported episode has not been seen (it ends at `windows`)."""
     metrics: set[str] = field(default_factory=set)
     """A domain: the metrics its nodes outlied on over the episode."""
 
@@ -134,6 +143,7 @@ class Explainer:
             by_gm.setdefault((j.group, j.metric), []).append(j)
         for (group, m), js in by_gm.items():
             seen += self._versions(group, m, js, fingerprints, explained, end, cfg)
+        seen += self._versions_across_jobs(by_gm, fingerprints, explained, end, cfg)
         seen += self._driver_split(by_gm, specs, cfg, end)
         seen += self._domains(by_gm, specs, cfg, new_streak, explained, end)
         self.explained_nodes |= {n for n, _ in explained}
@@ -165,6 +175,23 @@ class Explainer:
             break
         return found
 
+    def _versions_across_jobs(self, by_gm: dict[tuple[str, str], list[Any]], fps: dict[str, dict[str, str]],
+                              explained: set[tuple[str, str]], end: float, cfg: Any) -> list[GroupFinding]:
+        """Rule 1 over a class's jobs pooled. A work-dependent metric is judged job by job (group
+        `<class> job:<job>`), and a version on a quarter of a class puts one or two of its nodes in
+        most jobs: too few in any one job for `VERSION_MIN_NODES`, so each would be a node finding
+        (a drain). Pooled across the class's jobs (group `<class> job:*`), the outliers no job's
+        own rule explained are judged again by rule 1: sharing a version, they are one version finding."""
+        pooled: dict[tuple[str, str], list[Any]] = {}
+        for (group, m), js in by_gm.items():
+            cls, sep, _job = group.partition(" job:")
+            if sep:
+                pooled.setdefault((cls, m), []).extend(j for j in js if (j.node, m) not in explained)
+        found: list[GroupFinding] = []
+        for (cls, m), js in pooled.items():
+            found += self._versions(f"{cls} job:*", m, js, fps, explained, end, cfg)
+        return found
+
     def _driver_split(self, by_gm: dict[tuple[str, str], list[Any]], specs: dict[str, Any], cfg: Any,
                       end: float) -> list[GroupFinding]:
         """Groups `<model>x<n>|<driver>|<hca>` that differ only in the driver, per metric: one whose
@@ -191,7 +218,8 @@ class Explainer:
                 best = max(others, key=lambda s: s[3]) if low else min(others, key=lambda s: s[3])
                 gap = (best[3] - med) if low else (med - best[3])
                 # medians of whole groups: half the per-node floor, and mad_k standard errors of a median
-                thr = max(0.5 * spec.min_rel * abs(best[3]), 0.5 * spec.min_abs,
+                min_rel, min_abs = judged_floors(spec)
+                thr = max(0.5 * min_rel * abs(best[3]), 0.5 * min_abs,
                           cfg.mad_k * 1.25 * max(_mad, best[4]) / len(js) ** 0.5)
                 if gap > thr:
                     found.append(GroupFinding("version", f"driver={drv}", m, group, [j.node for j in js], med,
@@ -273,7 +301,8 @@ class Explainer:
         vals = [j.value for j in members]
         med = median(vals)
         mad = 1.4826 * median(abs(v - med) for v in vals)
-        thr = max(cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
+        min_rel, min_abs = judged_floors(spec)
+        thr = max(cfg.mad_k * mad, min_rel * abs(med), min_abs)
         low = spec.bad == "low"
         return {j.node for j in members if j.outlier and ((med - j.value) if low else (j.value - med)) > thr}
 
@@ -293,11 +322,15 @@ class Explainer:
             else:
                 now[k] = f
         for k in [k for k in self.episodes if k not in now]:
-            del self.episodes[k]
+            ep = self.episodes[k]
+            ep.missed += 1
+            if not ep.reported or ep.missed >= cfg.windows:  # a reported one outlives a short gap
+                del self.episodes[k]
         report = []
         for k, f in now.items():
             ep = self.episodes.setdefault(k, _Episode())
             ep.windows += 1
+            ep.missed = 0
             f.windows = ep.windows
             if f.kind == "domain":  # the nodes it explains now; the metrics of its whole episode
                 ep.metrics.update(m for m in f.metric.split(",") if m)
