@@ -141,8 +141,18 @@ async def test_the_client_reaches_the_cluster_with_one_server_down(cluster: serv
     nc = await connect_nats(s, name="replicas")
     try:
         assert nc.connected_url is not None and nc.connected_url.port != cluster.ports[0]
-        kv = await lease_bucket(nc.jetstream(timeout=10.0))
-        seq = await kv.put("k", b"v")
+        # the bucket's stream may have had its leader on the killed server: the other two elect one (seconds,
+        # longer on a loaded CI box, CI run 7), and every process retries its set-up meanwhile: so does this
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            try:
+                kv = await lease_bucket(nc.jetstream(timeout=10.0))
+                seq = await kv.put("k", b"v")
+                break
+            except Exception:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
         cluster.start(0)
         for _ in range(100):
             jsz = cluster.monitor(0, "jsz?streams=true")
