@@ -207,3 +207,26 @@ def test_independent_faults_starting_together_at_the_fleet_s_rate_are_no_domain(
 
 
 RACK_R2 = {f"n{n:02d}" for n in range(32, 48)}
+
+
+def test_a_version_outlying_on_two_metrics_is_one_finding() -> None:
+    """A VBIOS that lowers clocks outlies on `sm_clock_ratio` and `sm_clock_free_ratio`: one regression, one
+    version finding naming both metrics (it was one finding per metric: the scenario bench's VBIOS was reported
+    twice); a driver outlying on another metric is its own finding."""
+    from fleetmend.analyzer.shared import Explainer
+
+    cfg = AnalyzerSettings()
+    ex = Explainer()
+
+    def seen(end: float) -> list[GroupFinding]:
+        return [GroupFinding("version", "vbios=96.00.B", "sm_clock_ratio", "H job:*", ["a", "b"], 0.95, 0.99, 0, end, 300),
+                GroupFinding("version", "vbios=96.00.B", "sm_clock_free_ratio", "H", ["a", "b", "c"], 0.94, 0.99, 0,
+                             end, 300),
+                GroupFinding("version", "driver=575", "hw_slowdown_frac", "G", ["x", "y"], 0.15, 0.0, 0, end, 300)]
+
+    reported = [f for w in range(cfg.windows) for f in ex._persist(seen(300.0 * w), cfg)]
+    assert sorted(f.key for f in reported) == ["driver=575", "vbios=96.00.B"]
+    (vbios,) = [f for f in reported if f.key == "vbios=96.00.B"]
+    assert vbios.metrics == ["sm_clock_free_ratio", "sm_clock_ratio"] and vbios.nodes == ["a", "b", "c"]
+    assert vbios.evidence()["metrics"] == "sm_clock_free_ratio,sm_clock_ratio"
+    assert [f.key for f in ex._persist(seen(300.0 * cfg.windows), cfg)] == []  # reported once per episode

@@ -87,13 +87,15 @@ class GroupFinding:
     reported: bool = False
     """Seen `windows` windows in a row, so reported (in this window or an earlier one of its episode)."""
     metrics: list[str] = field(default_factory=list)
-    """A domain: every metric its nodes outlied on in this episode (`metric`: in this window)."""
+    """Every metric its nodes outlied on in this episode (a domain's `metric`: those of this window; a version's:
+    the one `value` and `peer_median` are of)."""
 
     def evidence(self) -> dict[str, Any]:
         return {"kind": self.kind, "key": self.key, "metric": self.metric, "group": self.group,
                 "nodes": len(self.nodes), "node_list": ",".join(sorted(self.nodes)[:50]),
                 "value": round(self.value, 6), "peer_median": round(self.peer_median, 6), "windows": self.windows,
-                "window_end": self.window_end, "window_s": self.window_s}
+                "window_end": self.window_end, "window_s": self.window_s,
+                **({"metrics": ",".join(self.metrics)} if self.kind == "version" and len(self.metrics) > 1 else {})}
 
 
 @dataclass
@@ -104,7 +106,7 @@ class _Episode:
     missed: int = 0
     """Windows in a row a reported episode has not been seen (it ends at `windows`)."""
     metrics: set[str] = field(default_factory=set)
-    """A domain: the metrics its nodes outlied on over the episode."""
+    """The metrics its nodes outlied on over the episode."""
 
 
 @dataclass
@@ -312,13 +314,16 @@ class Explainer:
         """Count each finding's windows in a row; report at `windows`, once per episode; forget
         the ones not seen in this window."""
         now: dict[str, GroupFinding] = {}
-        for f in seen:  # a domain is one finding whatever metrics its nodes show; a version one per metric
-            k = f"domain/{f.key}" if f.kind == "domain" else f"{f.kind}/{f.key}/{f.metric}"
-            if k in now:  # the same version in several groups (jobs): one finding of all their nodes
+        for f in seen:  # a domain or a version is one finding whatever metrics its nodes show (a VBIOS that
+            k = f"{f.kind}/{f.key}"  # lowers clocks outlies on two clock metrics: one regression, one finding)
+            if k in now:  # the same version in several groups (jobs) or metrics: one finding of all their nodes
                 first = now[k]
-                now[k] = GroupFinding(first.kind, first.key, first.metric, "*" if first.group != f.group else f.group,
-                                      sorted({*first.nodes, *f.nodes}), first.value, first.peer_median, 0,
-                                      first.window_end, first.window_s)
+                merged = GroupFinding(first.kind, first.key, first.metric,
+                                      "*" if first.group != f.group else f.group, sorted({*first.nodes, *f.nodes}),
+                                      first.value, first.peer_median, 0, first.window_end, first.window_s)
+                if f.kind == "version":
+                    merged.metrics = sorted({*(first.metrics or [first.metric]), f.metric})
+                now[k] = merged
             else:
                 now[k] = f
         for k in [k for k in self.episodes if k not in now]:
@@ -332,9 +337,10 @@ class Explainer:
             ep.windows += 1
             ep.missed = 0
             f.windows = ep.windows
-            if f.kind == "domain":  # the nodes it explains now; the metrics of its whole episode
-                ep.metrics.update(m for m in f.metric.split(",") if m)
-                f.metrics = sorted(ep.metrics)
+            # the nodes it explains now; the metrics of its whole episode (a version: `metric` is the one whose
+            # value and peer median it gives)
+            ep.metrics.update(m for m in (f.metric.split(",") if f.kind == "domain" else f.metrics or [f.metric]) if m)
+            f.metrics = sorted(ep.metrics)
             if ep.windows >= cfg.windows and not ep.reported:
                 ep.reported = True
                 report.append(f)
