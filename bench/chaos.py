@@ -461,7 +461,14 @@ class Chaos:
         r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "fleetmend.cli.main", "breaker", "release",
                                                      node, "--note", "chaos: checked by hand"],
                                     capture_output=True, text=True, env={**os.environ, **self.env}, timeout=60)
-        state = await pool.read(self.cluster)
+        # the guard's `release_permit` update answers at once and its pool write follows in its next activity:
+        # the slot must be free within seconds, not at the instant the command returns
+        deadline = time.monotonic() + 15
+        while True:
+            state = await pool.read(self.cluster)
+            if state is None or node not in state.holders or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         drained = await kv_drained_now(nc.jetstream(), self.cluster)
         failures = []
         if r.returncode != 0:
