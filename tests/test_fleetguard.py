@@ -310,8 +310,14 @@ async def test_lemon_node_goes_to_rma_instead_of_another_loop(tenv, nc):
 async def test_guard_continues_as_new_and_keeps_its_state(tenv, nc):
     from fleetmend.messages import GuardInput, PermitRelease, PermitRequest
 
-    async with Guarded(tenv, nc, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000)) as g:
-        policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100)
+    # No incidents run for these nodes, so the guard's reconciliation (every permit_reconcile_s, a timer the
+    # time-skipping server may skip to while the test polls) rightly withdraws every queued request: the
+    # "empty queue" of CI runs 7 and 9. A year between reconciliations keeps it out of this test.
+    year = 365 * 86400.0
+    async with Guarded(tenv, nc, GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000,
+                                             permit_reconcile_s=year)) as g:
+        policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100,
+                             permit_reconcile_s=year)
         await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy,
                                                                  max_history_events=40),
                                       id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq,
