@@ -81,6 +81,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         if running.done():
             failed = running.exception() or RuntimeError("the Temporal worker stopped polling on its own")
             log.error("worker_failed", error=repr(failed))
+            # the process stops: every loop bound to `stop` ends by itself. A cancel alone is not enough on
+            # Python 3.11, whose asyncio.wait_for (nats-py's request) swallows a cancel that lands as the reply
+            # arrives (CPython gh-86296): the presence loop then ran on and the worker never exited (CI run 10)
+            stop.set()
         else:
             await worker.shutdown()
             await asyncio.gather(running, return_exceptions=True)
@@ -94,7 +98,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         for task in links:
             task.cancel()
         present.cancel()  # deletes its key (a clean stop), before the connection goes
-        await asyncio.gather(present, return_exceptions=True)
+        await asyncio.wait({present}, timeout=10.0)  # bounded: a stopping process must stop
         await close_nats(nc)
     announced.cancel()
     if failed is not None:
