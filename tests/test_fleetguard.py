@@ -355,6 +355,36 @@ async def test_guard_continues_as_new_and_keeps_its_state(tenv, nc):
         assert st.paused and sorted(q["node"] for q in st.queue) == [f"z{i:02d}" for i in range(1, 30, 2)]
 
 
+async def test_the_inbox_carried_across_continue_as_new_keeps_its_order(tenv, nc):
+    """What a run had not decided when it continued as new is carried in arrival order: a node that asked and
+    then released (its incident aborted) is not queued in the next run, and a carried domain report is read.
+    Carried as two lists, releases first (before 0.2.0), the release came before its request and the node
+    queued again: 26 of 30 nodes queued for 15 in the continue-as-new test above, under CI's load."""
+    from fleetmend.messages import CarriedMessage, DomainFinding, DomainReport, GuardInput, GuardState, \
+        PermitRelease, PermitRequest
+
+    year = 365 * 86400.0
+    policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100, permit_reconcile_s=year)
+    async with Guarded(tenv, nc, policy) as g:
+        def req(node: str) -> CarriedMessage:
+            return CarriedMessage(request=PermitRequest(cluster=g.cluster, node=node, severity="fatal",
+                                                        fault_class="xid79", policy=policy))
+
+        report = DomainReport(cluster=g.cluster, findings=[DomainFinding(key="rack:r09", nodes=["y1", "y2"],
+                                                                         metrics=["step_time"], windows=3)])
+        state = GuardState(cluster=g.cluster, policy=policy, paused=True, paused_by="ops@ci")
+        pending = [req("z0"), req("z1"), CarriedMessage(release=PermitRelease(cluster=g.cluster, node="z0",
+                                                                              outcome="aborted")),
+                   CarriedMessage(report=report)]
+        await g.client.start_workflow(FleetGuard.run, GuardInput(cluster=g.cluster, policy=policy, carried=state,
+                                                                 pending=pending),
+                                      id=subjects.fleetguard_workflow_id(g.cluster), task_queue=g.tq)
+        st = await assert_eventually(lambda: _guard(g, lambda s: s.queue and s.infra_incidents),
+                                     what="the carried messages decided")
+        assert [q["node"] for q in st.queue] == ["z1"]
+        assert [i["domain"] for i in st.infra_incidents] == ["rack:r09"]
+
+
 async def test_no_answer_is_lost_when_the_guard_continues_as_new(tenv, nc):
     """A guard that continues-as-new while grants of its last pool write are still to be signalled sends
     them first: no incident waits for its next re-request (`permit_rerequest_s`, 120 s by default)."""

@@ -88,6 +88,7 @@ with workflow.unsafe.imports_passed_through():
         KEY_CLUSTER,
         KEY_PHASE,
         Activity,
+        CarriedMessage,
         DomainReport,
         GuardApi,
         GuardCommand,
@@ -348,7 +349,8 @@ class FleetGuard:
     # ---------------------------------------------------------------- main
     @workflow.run
     async def run(self, inp: GuardInput) -> None:
-        carried: list[PermitRequest | PermitRelease | DomainReport] = [*inp.pending_releases, *inp.pending_requests]
+        carried: list[PermitRequest | PermitRelease | DomainReport] = [
+            *(m.message for m in inp.pending), *inp.pending_releases, *inp.pending_requests]
         self._inbox = carried + self._inbox
         self._dirty = True
         if inp.carried is None:
@@ -378,8 +380,7 @@ class FleetGuard:
                 s = self._state
                 workflow.continue_as_new(GuardInput(
                     cluster=s.cluster, policy=s.policy, carried=s,
-                    pending_requests=[m for m in self._inbox if isinstance(m, PermitRequest)],
-                    pending_releases=[m for m in self._inbox if isinstance(m, PermitRelease)],
+                    pending=[CarriedMessage.of(m) for m in self._inbox],  # in order: see GuardInput.pending
                     max_history_events=inp.max_history_events))
 
     # ---------------------------------------------------------------- decisions

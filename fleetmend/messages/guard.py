@@ -346,12 +346,41 @@ GUARD_MAX_HISTORY_EVENTS = 2_000
 
 
 @dataclass
+class CarriedMessage:
+    """One message of FleetGuard's inbox carried across continue-as-new (`GuardInput.pending`): exactly one
+    field is set."""
+    request: PermitRequest | None = None
+    release: PermitRelease | None = None
+    report: DomainReport | None = None
+
+    @classmethod
+    def of(cls, msg: PermitRequest | PermitRelease | DomainReport) -> "CarriedMessage":
+        if isinstance(msg, PermitRequest):
+            return cls(request=msg)
+        if isinstance(msg, PermitRelease):
+            return cls(release=msg)
+        return cls(report=msg)
+
+    @property
+    def message(self) -> PermitRequest | PermitRelease | DomainReport:
+        msg = self.request or self.release or self.report
+        if msg is None:
+            raise ValueError("a carried guard message with no field set")
+        return msg
+
+
+@dataclass
 class GuardInput:
     cluster: str
     policy: GuardPolicy = field(default_factory=GuardPolicy)
     carried: GuardState | None = None
+    pending: list[CarriedMessage] = field(default_factory=list)
+    """The inbox not yet decided when the previous run continued as new, in arrival order: a release after
+    its node's request stays after it (were releases carried first, the request would queue again)."""
     pending_requests: list[PermitRequest] = field(default_factory=list)
     pending_releases: list[PermitRelease] = field(default_factory=list)
+    """Before 0.2.0 the inbox was carried as these two lists (releases first), which lost the order and
+    every `DomainReport`; still read, after `pending`, for a run an older worker continued."""
     max_history_events: int = GUARD_MAX_HISTORY_EVENTS
     """Continue-as-new threshold (tests lower it)."""
 
