@@ -2,8 +2,9 @@
 without NVIDIA GPUs it loads neither NVML nor the optional libraries its dependencies would pull in (aiohttp for
 nats-py's websockets, rich for structlog's tracebacks), nor the CLI's (typer), nor a second JSON library, nor
 anything of the control plane, nor prometheus_client while no metrics port is set (with one, /metrics and /readyz
-answer), nor the diagnostics responder's modules until a request comes on its diag subject; and its RSS stays under the 60 MiB of the first target, a coarse guard against a heavy import slipping
-back in (the 30 MiB target is bounded by the stack itself: see bench/RESULTS.md)."""
+answer), nor the diagnostics responder's modules until a request comes on its diag subject; and its RSS stays
+under the 60 MiB of the first target, a coarse guard against a heavy import slipping back in (the 30 MiB target is
+bounded by the stack itself: see bench/RESULTS.md)."""
 
 from __future__ import annotations
 
