@@ -24,26 +24,27 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_never
 
 from agents import metrics
-from agents.bench import GpuTools
-from agents.diag import DiagResponder
 from agents.lastboot import record_clean_stop, record_reboot_ordered
 from agents.probes import Emit, Probe, build_perf_sampler, build_probes
 from agents.publisher import Publisher
-from agents.recovery import RecoveryHandler
 from agents.spool import Spool
 from fleetmend import __version__
 from fleetmend.config import AgentSettings, Settings
 from fleetmend.events import utcnow
 from fleetmend.infra.connect import close_nats, connect_nats
 from fleetmend.infra.jetstream import ensure_fault_stream
-from fleetmend.subjects import heartbeat_subject, inbox_prefix, perf_subject
+from fleetmend.subjects import diag_subject, heartbeat_subject, inbox_prefix, perf_subject
+
+if TYPE_CHECKING:
+    from agents.diag import DiagResponder
 
 SHUTDOWN_TIMEOUT_S = 10.0
 """Flush + drain budget at exit; systemd's default stop timeout is 90 s, Kubernetes' grace 30 s."""
@@ -139,6 +140,37 @@ async def _supervise(probe: Probe, emit: Emit, status: dict[str, str], restart: 
     log.info("probe_finished", probe=probe.name)
 
 
+class DiagGate:
+    """The node's diag subscription, light until a request comes: the first message builds the
+    `DiagResponder` (`build(nc)`: agents.diag, agents.bench, agents.recovery and fleetmend.diagnostics
+    imported then) and every message goes to it. A node never asked keeps them out of its memory."""
+
+    def __init__(self, nc: Any, subject: str, build: Callable[[Any], DiagResponder], log: Any) -> None:
+        self.nc, self.subject, self._build, self._log = nc, subject, build, log
+        self.responder: DiagResponder | None = None
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.subject, cb=self._on_msg)
+        self._log.info("diag_responder_started", subject=self.subject)
+
+    async def _on_msg(self, msg: Any) -> None:
+        if self.responder is None:
+            self.responder = self._build(self.nc)
+        await self.responder._on_msg(msg)
+
+    async def stop(self) -> None:
+        """Unsubscribe, then stop the responder's requests in progress."""
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception as err:  # noqa: BLE001 - closing connection; nothing left to clean
+                self._log.debug("diag_unsubscribe_failed", error=repr(err))
+        if self.responder is not None:
+            await self.responder.stop()
+
+
 class Agent:
     """The node agent of one node (the shape of NPD's `ProblemDetector`): `start()` opens the spool
     and builds the probes, `run()` runs them, the publisher and `online()` in one `TaskGroup` until
@@ -184,7 +216,7 @@ class Agent:
         """probe name → "starting", "ok" or "failed: …", for the heartbeat."""
         self.connected = asyncio.Event()
         self.nc: Any = None
-        self.diag: DiagResponder | None = None
+        self.diag: DiagGate | None = None
         self.signals: list[int] = []
         self.signal_count = 0
         self.nats_error_logged_at = 0.0
@@ -310,7 +342,21 @@ class Agent:
 
     async def _start_diag(self, nc: Any) -> None:
         """Answer diagnostics, recovery requests (they share the diag subject) and `fleetmend sweep`
-        benchmarks (agents/bench.py) on this node's diag subject."""
+        benchmarks (agents/bench.py) on this node's diag subject: subscribed now, the responder built at
+        the first request (`DiagGate`)."""
+        diag = DiagGate(nc, diag_subject(self.settings.cluster, self.settings.node), self._build_diag,
+                        structlog.get_logger("fleetmend.agent.diag").bind(cluster=self.settings.cluster,
+                                                                        node=self.settings.node))
+        await diag.start()
+        self.diag = diag
+
+    def _build_diag(self, nc: Any) -> DiagResponder:
+        # lazy: the responder, its checks, the recovery handler, the sweep's benchmarks and the diagnostics
+        # contract (~0.5 MiB) only on a node that is asked (DiagGate)
+        from agents.bench import GpuTools
+        from agents.diag import DiagResponder
+        from agents.recovery import RecoveryHandler
+
         settings = self.settings
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=self.nvml,
                              expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path)
@@ -323,8 +369,7 @@ class Agent:
                                   nvbandwidth_command=settings.agent.nvbandwidth_command,
                                   dcgm_command=settings.agent.sweep_dcgm_command,
                                   bench_timeout_s=settings.agent.bench_timeout_s)
-        await diag.start()
-        self.diag = diag
+        return diag
 
     def _record_reboot_ordered(self, req: Any) -> None:
         record_reboot_ordered(self.state, req.incident_id)
