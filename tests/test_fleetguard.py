@@ -360,8 +360,15 @@ async def test_the_inbox_carried_across_continue_as_new_keeps_its_order(tenv, nc
     then released (its incident aborted) is not queued in the next run, and a carried domain report is read.
     Carried as two lists, releases first (before 0.2.0), the release came before its request and the node
     queued again: 26 of 30 nodes queued for 15 in the continue-as-new test above, under CI's load."""
-    from fleetmend.messages import CarriedMessage, DomainFinding, DomainReport, GuardInput, GuardState, \
-        PermitRelease, PermitRequest
+    from fleetmend.messages import (
+        CarriedMessage,
+        DomainFinding,
+        DomainReport,
+        GuardInput,
+        GuardState,
+        PermitRelease,
+        PermitRequest,
+    )
 
     year = 365 * 86400.0
     policy = GuardPolicy(max_drained_nodes=2, breaker_distinct_nodes=1000, cluster_nodes=100, permit_reconcile_s=year)
