@@ -154,9 +154,62 @@ async def agents_main(args: argparse.Namespace) -> int:
 @dataclass
 class Sent:
     event_id: str
+    cluster: str
     node: str
     xid: int
     drain: bool
+
+
+def pipeline_env(*, max_drained_nodes: int) -> dict[str, str]:
+    """The environment every chaos run gives its router, worker and agent processes: short acks, naks, calls and
+    diagnostics, no debounce or recovery settle, a 2 s permit reconciliation, and every blast-radius limit but
+    `max_drained_nodes` open (the claims are about drains, tickets and budgets under kills)."""
+    return {
+        "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_SCHEDULER": "standalone",
+        "FLEETMEND_ROUTER__ACK_WAIT_S": "10", "FLEETMEND_ROUTER__NAK_DELAY_S": "0.5",
+        "FLEETMEND_ROUTER__TEMPORAL_CALL_TIMEOUT_S": "5", "FLEETMEND_POLICY__DIAG_TIMEOUT_S": "3",
+        "FLEETMEND_AGENT__NICE": "0", "FLEETMEND_AGENT__HEARTBEAT_INTERVAL_S": "5",
+        "FLEETMEND_AGENT__PUBLISH_TIMEOUT_S": "2",
+        "FLEETMEND_POLICY__MAX_DRAINED_NODES": str(max_drained_nodes), "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
+        "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": "100000", "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": "100000",
+        "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": "100000", "FLEETMEND_POLICY__DEBOUNCE_S": "0",
+        "FLEETMEND_POLICY__RECOVERY_SETTLE_S": "0", "FLEETMEND_POLICY__PERMIT_RECONCILE_S": "2",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+
+
+def write_fault(inject: Path, i: int, cluster: str, node: str, drain: bool, rng: random.Random) -> Sent:
+    """Append the `i`-th chaos fault for `node` to its JSON-lines file under `inject` (read by the agent's
+    `FollowProbe`): a drain-worthy XID (`DRAIN_XIDS`) when `drain`, else an application-side one (`APP_XIDS`),
+    each on its own PCI address so that records never merge. Returns what was sent."""
+    from fleetmend.events import Component, Device, FaultEvent, Severity, Source
+
+    xid = rng.choice(DRAIN_XIDS if drain else APP_XIDS)
+    bus = f"0000:{(i >> 8) & 0xff:02x}:{i & 0xff:02x}.0"
+    ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=xid,
+                    severity=Severity.FATAL if drain else Severity.DEGRADED, source=Source.INJECT,
+                    device=Device(pci_bus_id=bus), message=f"chaos fault {i}",
+                    raw=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, pid='<unknown>', name=<unknown>, chaos {i}")
+    with open(inject / f"{node}.jsonl", "ab") as f:
+        f.write(ev.to_json_bytes() + b"\n")
+    return Sent(ev.event_id, cluster, node, xid, drain)
+
+
+async def wait_quiet(observe: Any, quiet: Any, since: float, timeout_s: float,
+                     settle_s: float) -> tuple[float | None, Any]:
+    """Call `observe()` every second until `quiet(obs)` or `timeout_s` from now; once quiet, wait `settle_s`
+    (anything still to double-apply would show) and observe again. Returns (seconds from `since`, a
+    `time.monotonic()`, until quiet, None if never; the last observation)."""
+    deadline = time.monotonic() + timeout_s
+    obs = await observe()
+    while not quiet(obs):
+        if time.monotonic() >= deadline:
+            return None, obs
+        await asyncio.sleep(1.0)
+        obs = await observe()
+    quiesced = time.monotonic() - since
+    await asyncio.sleep(settle_s)
+    return quiesced, await observe()
 
 
 @dataclass
@@ -188,19 +241,9 @@ class Chaos:
         self.temporal_address = f"127.0.0.1:{self.temporal_port}"
         self.env = {
             "FLEETMEND_NATS_URL": self.nats_url, "FLEETMEND_TEMPORAL_ADDRESS": self.temporal_address,
-            "FLEETMEND_STATE_DIR": str(self.state), "FLEETMEND_CLUSTER": self.cluster,
-            "FLEETMEND_TASK_QUEUE": "chaos", "FLEETMEND_LOG_FORMAT": "json", "FLEETMEND_SCHEDULER": "standalone",
-            "FLEETMEND_ROUTER__ACK_WAIT_S": "10", "FLEETMEND_ROUTER__NAK_DELAY_S": "0.5",
-            "FLEETMEND_ROUTER__TEMPORAL_CALL_TIMEOUT_S": "5", "FLEETMEND_POLICY__DIAG_TIMEOUT_S": "3",
-            "FLEETMEND_AGENT__NICE": "0", "FLEETMEND_AGENT__HEARTBEAT_INTERVAL_S": "5",
-            "FLEETMEND_AGENT__PUBLISH_TIMEOUT_S": "2",
-            # Safety limits wide open: the chaos claims are about drains and tickets under kills, so
-            # every drain-worthy node should get a permit (the blast-radius tests live elsewhere).
-            "FLEETMEND_POLICY__MAX_DRAINED_NODES": "100000", "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
-            "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": "100000", "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": "100000",
-            "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": "100000", "FLEETMEND_POLICY__DEBOUNCE_S": "0",
-            "FLEETMEND_POLICY__RECOVERY_SETTLE_S": "0", "FLEETMEND_POLICY__PERMIT_RECONCILE_S": "2",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "FLEETMEND_STATE_DIR": str(self.state), "FLEETMEND_CLUSTER": self.cluster, "FLEETMEND_TASK_QUEUE": "chaos",
+            # every drain-worthy node should get a permit (the blast-radius tests live elsewhere)
+            **pipeline_env(max_drained_nodes=100000),
         }
 
     # -- processes ----------------------------------------------------------------------------
@@ -268,21 +311,11 @@ class Chaos:
 
     # -- load and faults ------------------------------------------------------------------------
     async def drive_faults(self) -> None:
-        from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-
         interval = self.duration_s / max(self.faults, 1)
         for i in range(self.faults):
             node = self.rng.choice(self.node_names)
-            drain = self.rng.random() < DRAIN_SHARE
-            xid = self.rng.choice(DRAIN_XIDS if drain else APP_XIDS)
-            bus = f"0000:{(i >> 8) & 0xff:02x}:{i & 0xff:02x}.0"
-            ev = FaultEvent(cluster=self.cluster, node=node, component=Component.GPU, kind="xid", code=xid,
-                            severity=Severity.FATAL if drain else Severity.DEGRADED, source=Source.INJECT,
-                            device=Device(pci_bus_id=bus), message=f"chaos fault {i}",
-                            raw=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, pid='<unknown>', name=<unknown>, chaos {i}")
-            with open(self.inject / f"{node}.jsonl", "ab") as f:
-                f.write(ev.to_json_bytes() + b"\n")
-            self.sent.append(Sent(ev.event_id, node, xid, drain))
+            self.sent.append(write_fault(self.inject, i, self.cluster, node, self.rng.random() < DRAIN_SHARE,
+                                         self.rng))
             await asyncio.sleep(interval)
 
     async def kill_loop(self) -> None:
@@ -694,18 +727,8 @@ class Chaos:
             self._say(f"{len(self.sent)} faults sent; waiting for quiescence")
             client = await Client.connect(self.temporal_address, data_converter=data_converter)
             nc = await nats.connect(self.nats_url)
-            quiesced: float | None = None
-            obs: dict[str, Any] = {}
-            deadline = time.monotonic() + QUIESCE_TIMEOUT_S
-            while time.monotonic() < deadline:
-                obs = await self.observe(client, nc)
-                if self.quiet(obs):
-                    quiesced = time.monotonic() - t_last
-                    break
-                await asyncio.sleep(1.0)
-            if quiesced is not None:
-                await asyncio.sleep(3.0)  # anything still to double-apply would show now
-                obs = await self.observe(client, nc)
+            quiesced, obs = await wait_quiet(lambda: self.observe(client, nc), self.quiet, t_last, QUIESCE_TIMEOUT_S,
+                                             3.0)
             stop_sup.set()
             await sup
             await nc.close()

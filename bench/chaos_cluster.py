@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -57,12 +56,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.chaos import (  # noqa: E402
-    APP_XIDS,
-    DRAIN_XIDS,
     STABLE_PHASES,
+    Sent,
     kv_drain_timeline,
+    pipeline_env,
     print_table,
     replay_drain_timeline,
+    wait_quiet,
+    write_fault,
 )
 from fleetmend import subjects  # noqa: E402
 from fleetmend.dev import servers  # noqa: E402
@@ -89,15 +90,6 @@ with the seeded order router, nats, worker, analyzer: quiescence 50 s after the 
 ANALYZER_RESUME_S = 40.0
 """After quiescence, how long the standby may still take to judge two windows of samples as the active one (an
 ordered consumer lost with its server is recreated after two missed 5 s heartbeats, then a retry)."""
-
-
-@dataclass
-class Sent:
-    event_id: str
-    cluster: str
-    node: str
-    xid: int
-    drain: bool
 
 
 @dataclass
@@ -131,23 +123,14 @@ class ClusterChaos:
     def _env(self) -> dict[str, str]:
         return {
             "FLEETMEND_NATS_URL": self.nats.url, "FLEETMEND_TEMPORAL_ADDRESS": self.temporal_address,
-            "FLEETMEND_STATE_DIR": str(self.state), "FLEETMEND_TASK_QUEUE": "chaosc", "FLEETMEND_LOG_FORMAT": "json",
-            "FLEETMEND_SCHEDULER": "standalone", "FLEETMEND_STREAMS__REPLICAS": str(REPLICAS),
-            "FLEETMEND_ROUTER__ACK_WAIT_S": "10", "FLEETMEND_ROUTER__NAK_DELAY_S": "0.5",
-            "FLEETMEND_ROUTER__TEMPORAL_CALL_TIMEOUT_S": "5", "FLEETMEND_POLICY__DIAG_TIMEOUT_S": "3",
-            "FLEETMEND_AGENT__NICE": "0", "FLEETMEND_AGENT__HEARTBEAT_INTERVAL_S": "5",
-            "FLEETMEND_AGENT__PUBLISH_TIMEOUT_S": "2",
-            # the budget is the claim here: BUDGET nodes per cluster, whatever the other limits say
-            "FLEETMEND_POLICY__MAX_DRAINED_NODES": str(BUDGET), "FLEETMEND_POLICY__MAX_DRAINED_PERCENT": "100",
-            "FLEETMEND_POLICY__MAX_DRAINED_PER_RACK": "100000", "FLEETMEND_POLICY__BREAKER_DISTINCT_NODES": "100000",
-            "FLEETMEND_POLICY__DOMAIN_INCIDENT_NODES": "100000", "FLEETMEND_POLICY__DEBOUNCE_S": "0",
-            "FLEETMEND_POLICY__RECOVERY_SETTLE_S": "0", "FLEETMEND_POLICY__PERMIT_RECONCILE_S": "2",
+            "FLEETMEND_STATE_DIR": str(self.state), "FLEETMEND_TASK_QUEUE": "chaosc",
+            "FLEETMEND_STREAMS__REPLICAS": str(REPLICAS),
+            **pipeline_env(max_drained_nodes=BUDGET),  # the budget is the claim here: BUDGET nodes per cluster
             # two-second windows judged half a second after they end; a finding needs 1000 of them (none is
             # raised: the run is about the lease and the windows, not about a fail-slow incident)
             "FLEETMEND_ANALYZER__WINDOW_S": str(ANALYZER_WINDOW_S), "FLEETMEND_ANALYZER__GRACE_S": "0.5",
             "FLEETMEND_ANALYZER__WINDOWS": "1000", "FLEETMEND_ANALYZER__MIN_SAMPLES_PER_WINDOW": "2",
             "FLEETMEND_ANALYZER__LEASE_TTL_S": "3",
-            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         }
 
     def _say(self, text: str) -> None:
@@ -212,22 +195,11 @@ class ClusterChaos:
 
     # -- load, faults and kills ------------------------------------------------------------------
     async def drive_faults(self) -> None:
-        from fleetmend.events import Component, Device, FaultEvent, Severity, Source
-
         interval = self.duration_s / max(self.faults, 1)
         for i in range(self.faults):
             cluster = CLUSTERS[i % len(CLUSTERS)]
             node = self.rng.choice(self.node_names[cluster])
-            drain = self.rng.random() < DRAIN_SHARE
-            xid = self.rng.choice(DRAIN_XIDS if drain else APP_XIDS)
-            bus = f"0000:{(i >> 8) & 0xff:02x}:{i & 0xff:02x}.0"
-            ev = FaultEvent(cluster=cluster, node=node, component=Component.GPU, kind="xid", code=xid,
-                            severity=Severity.FATAL if drain else Severity.DEGRADED, source=Source.INJECT,
-                            device=Device(pci_bus_id=bus), message=f"chaos-cluster fault {i}",
-                            raw=f"NVRM: Xid (PCI:{bus[:-2]}): {xid}, pid='<unknown>', name=<unknown>, chaos {i}")
-            with open(self.inject / f"{node}.jsonl", "ab") as f:
-                f.write(ev.to_json_bytes() + b"\n")
-            self.sent.append(Sent(ev.event_id, cluster, node, xid, drain))
+            self.sent.append(write_fault(self.inject, i, cluster, node, self.rng.random() < DRAIN_SHARE, self.rng))
             await asyncio.sleep(interval)
 
     async def kill_loop(self, lease_kv: Any) -> None:
@@ -615,18 +587,8 @@ class ClusterChaos:
             t_last = time.monotonic()
             self._say(f"{len(self.sent)} faults sent; waiting for quiescence")
             client = await Client.connect(self.temporal_address, data_converter=data_converter)
-            quiesced: float | None = None
-            obs: dict[str, Any] = {}
-            deadline = time.monotonic() + QUIESCE_TIMEOUT_S
-            while time.monotonic() < deadline:
-                obs = await self.observe(client, js)
-                if self.quiet(obs):
-                    quiesced = time.monotonic() - t_last
-                    break
-                await asyncio.sleep(1.0)
-            if quiesced is not None:
-                await asyncio.sleep(2.0)  # anything still to double-apply would show now
-                obs = await self.observe(client, js)
+            quiesced, obs = await wait_quiet(lambda: self.observe(client, js), self.quiet, t_last, QUIESCE_TIMEOUT_S,
+                                             2.0)
             self._say(f"quiescence: {quiesced}")
             runs = await self.runs_per_workflow(client)
             rows, failures = await self.verdict(obs, runs, js, quiesced)
