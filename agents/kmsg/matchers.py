@@ -22,6 +22,17 @@ Attr = str | int | float | bool | None
 _BDF_RAW = r"(?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?"
 
 
+_LOWERED: list[str] = ["", ""]
+"""The text `lowered` last lowered and its lower-case form (the heads of one message share one `str.lower`)."""
+
+
+def lowered(t: str) -> str:
+    """`t.lower()`, kept for the next call on the same string object (held here, so its identity is not reused)."""
+    if _LOWERED[0] is not t:
+        _LOWERED[0], _LOWERED[1] = t, t.lower()
+    return _LOWERED[1]
+
+
 def may_hold(t: str, *words: str) -> bool:
     """Whether `t` may hold one of `words` (lower-case ASCII) in any letter case: the cheap necessary test a builder
     runs before a case-insensitive pattern that cannot match without one of them (such patterns open with `[\\w.-]+`
@@ -30,8 +41,13 @@ def may_hold(t: str, *words: str) -> bool:
     characters always may (re.IGNORECASE folds KELVIN SIGN onto k, long s onto s, dotless i onto i)."""
     if not t.isascii():
         return True
-    low = t.lower()
-    return any(w in low for w in words)
+    if _LOWERED[0] is not t:  # `lowered`, inline: this runs several times on every message a head's guard lets in
+        _LOWERED[0], _LOWERED[1] = t, t.lower()
+    low = _LOWERED[1]
+    for w in words:
+        if w in low:
+            return True
+    return False
 
 
 def normalize_bdf(text: str | None) -> str | None:
@@ -699,7 +715,7 @@ def _aer_kind(sev: str) -> str:
 
 
 def gpu_lost_head(t: str) -> Candidate | None:
-    if "fallen off the bu" not in t.lower():  # both patterns need it, in any case (and re.I reads "ſ" as "s")
+    if "fallen off the bu" not in lowered(t):  # both patterns need it, in any case (and re.I reads "ſ" as "s")
         return None
     m = _FALLEN.search(t)
     if m:
@@ -900,7 +916,7 @@ def panic_head(t: str) -> Candidate | None:
 
 def has_lockup(t: str) -> bool:
     """`lockup` in any case (`BUG: soft lockup`, `hard LOCKUP`): the lockup heads' guard."""
-    return "lockup" in t.lower()
+    return "lockup" in lowered(t)
 
 
 def lockup_head(t: str) -> Candidate | None:
