@@ -22,15 +22,19 @@ Attr = str | int | float | bool | None
 _BDF_RAW = r"(?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?"
 
 
-_LOWERED: list[str] = ["", ""]
-"""The text `lowered` last lowered and its lower-case form (the heads of one message share one `str.lower`)."""
+_LOWERED: list[tuple[str, str]] = [("", "")]
+"""(the text `lowered` last lowered, its lower-case form), replaced as one pair (one store: safe across threads): the
+heads of one message share one `str.lower`. The text is held here, so its identity is not reused while kept."""
 
 
 def lowered(t: str) -> str:
-    """`t.lower()`, kept for the next call on the same string object (held here, so its identity is not reused)."""
-    if _LOWERED[0] is not t:
-        _LOWERED[0], _LOWERED[1] = t, t.lower()
-    return _LOWERED[1]
+    """`t.lower()`, kept for the next call on the same string object."""
+    last = _LOWERED[0]
+    if last[0] is t:
+        return last[1]
+    low = t.lower()
+    _LOWERED[0] = (t, low)
+    return low
 
 
 def may_hold(t: str, *words: str) -> bool:
@@ -41,9 +45,12 @@ def may_hold(t: str, *words: str) -> bool:
     characters always may (re.IGNORECASE folds KELVIN SIGN onto k, long s onto s, dotless i onto i)."""
     if not t.isascii():
         return True
-    if _LOWERED[0] is not t:  # `lowered`, inline: this runs several times on every message a head's guard lets in
-        _LOWERED[0], _LOWERED[1] = t, t.lower()
-    low = _LOWERED[1]
+    last = _LOWERED[0]  # `lowered`, inline: this runs several times on every message a head's guard lets in
+    if last[0] is t:
+        low = last[1]
+    else:
+        low = t.lower()
+        _LOWERED[0] = (t, low)
     for w in words:
         if w in low:
             return True
