@@ -111,9 +111,22 @@ _WORDS = tuple(dict.fromkeys(g for h in HEADS for g in h.guard))
 _FINDER = ahocorasick_rs.AhoCorasick(list(_WORDS))
 """Every guard substring, found in one Aho-Corasick pass per message (C speed; a Python loop over the
 heads' guards costs more than the heads themselves on the lines that start nothing)."""
-_ORDER = tuple((sum(1 << _WORDS.index(g) for g in h.guard), h.also, h.build) for h in HEADS)
-_ALSO_ONLY = tuple((h.also, h.build) for h in HEADS if h.also is not None)
-"""The heads a message holding no guard word can still start, in order."""
+_WORD_HEADS = tuple(sum(1 << n for n, h in enumerate(HEADS) if w in h.guard) for w in _WORDS)
+"""For each guard word (as `_FINDER` numbers them), the heads it lets run (bit n: `HEADS[n]`)."""
+_PLANS: dict[int, tuple[tuple[Callable[[str], bool] | None, Callable[[str], Candidate | None]], ...]] = {}
+"""Heads whose guard words were found (bit n: `HEADS[n]`) -> the (test, build) pairs to try, in `HEADS` order: test None
+for a head a found word lets run, the head's `also` for a head with one whose words were not found; heads neither
+lets run are left out. Built once per set of heads met (a few dozen in a real log; at most `_PLANS_MAX` kept)."""
+_PLANS_MAX = 4096
+
+
+def _plan(heads: int) -> tuple[tuple[Callable[[str], bool] | None, Callable[[str], Candidate | None]], ...]:
+    plan = tuple((None if heads >> n & 1 else h.also, h.build) for n, h in enumerate(HEADS)
+                 if heads >> n & 1 or h.also is not None)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[heads] = plan
+    return plan
 
 
 def match_head(text: str) -> Candidate | None:
@@ -129,18 +142,11 @@ def match_head(text: str) -> Candidate | None:
     t = text.strip()
     if not t:
         return None
-    found = 0
+    heads = 0
     for i, _, _ in _FINDER.find_matches_as_indexes(t, overlapping=True):
-        found |= 1 << i
-    if not found:  # most messages: only the heads with an `also` test can run
-        for test, build in _ALSO_ONLY:
-            if test(t):
-                c = build(t)
-                if c is not None:
-                    return c
-        return None
-    for words, also, build in _ORDER:
-        if words & found or (also is not None and also(t)):
+        heads |= _WORD_HEADS[i]
+    for test, build in _PLANS.get(heads) or _plan(heads):  # no word found (most messages): the heads with `also`
+        if test is None or test(t):
             c = build(t)
             if c is not None:
                 return c

@@ -22,6 +22,41 @@ Attr = str | int | float | bool | None
 _BDF_RAW = r"(?:[0-9a-fA-F]{1,8}:)?[0-9a-fA-F]{1,2}:[0-9a-fA-F]{1,2}(?:\.[0-7])?"
 
 
+_LOWERED: list[tuple[str, str]] = [("", "")]
+"""(the text `lowered` last lowered, its lower-case form), replaced as one pair (one store: safe across threads): the
+heads of one message share one `str.lower`. The text is held here, so its identity is not reused while kept."""
+
+
+def lowered(t: str) -> str:
+    """`t.lower()`, kept for the next call on the same string object."""
+    last = _LOWERED[0]
+    if last[0] is t:
+        return last[1]
+    low = t.lower()
+    _LOWERED[0] = (t, low)
+    return low
+
+
+def may_hold(t: str, *words: str) -> bool:
+    """Whether `t` may hold one of `words` (lower-case ASCII) in any letter case: the cheap necessary test a builder
+    runs before a case-insensitive pattern that cannot match without one of them (such patterns open with `[\\w.-]+`
+    or `.*` and cost tens of microseconds on a long line that holds the head's guard word but no fault, e.g. a kernel
+    command line naming mlx5). Exact for ASCII text, where re.IGNORECASE folds only ASCII letters; text holding other
+    characters always may (re.IGNORECASE folds KELVIN SIGN onto k, long s onto s, dotless i onto i)."""
+    if not t.isascii():
+        return True
+    last = _LOWERED[0]  # `lowered`, inline: this runs several times on every message a head's guard lets in
+    if last[0] is t:
+        low = last[1]
+    else:
+        low = t.lower()
+        _LOWERED[0] = (t, low)
+    for w in words:
+        if w in low:
+            return True
+    return False
+
+
 def normalize_bdf(text: str | None) -> str | None:
     """`PCI:0000:3B:00` / `3b:00.0` / `0019:01:00` -> lower-case `dddd:bb:dd.f` (`0000:3b:00.0`).
 
@@ -687,7 +722,7 @@ def _aer_kind(sev: str) -> str:
 
 
 def gpu_lost_head(t: str) -> Candidate | None:
-    if "fallen off the bu" not in t.lower():  # both patterns need it, in any case (and re.I reads "ſ" as "s")
+    if "fallen off the bu" not in lowered(t):  # both patterns need it, in any case (and re.I reads "ſ" as "s")
         return None
     m = _FALLEN.search(t)
     if m:
@@ -698,14 +733,20 @@ def gpu_lost_head(t: str) -> Candidate | None:
 
 
 def gpu_reset_required_head(t: str) -> Candidate | None:
+    if not may_hold(t, "reset_required", "reset required"):
+        return None
     return Candidate(kind="gpu_reset_required", family="gsp", priority=6) if _RESET_REQ.search(t) else None
 
 
 def gsp_head(t: str) -> Candidate | None:
+    if not may_hold(t, "gsp", "libos heartbeat", "wpr2"):  # every alternative of `_GSP` holds one
+        return None
     return Candidate(kind="gsp_error", family="gsp", priority=1) if _GSP.search(t) else None
 
 
 def nvlink_discovery_head(t: str) -> Candidate | None:
+    if not may_hold(t, "nvlink") or not may_hold(t, "fail"):
+        return None
     return Candidate(kind="nvlink_discovery_failed") if _NVL_DISC.search(t) else None
 
 
@@ -729,13 +770,13 @@ def peermem_head(t: str) -> Candidate | None:
 
 
 def aer_head(t: str) -> Candidate | None:
-    m = _AER_HEAD.search(t)
+    m = _AER_HEAD.search(t) if may_hold(t, "error received", "error message received") else None
     if m:
         return Candidate(
             kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer",
             attrs={"aer_severity": m["sev"], "multiple": bool(m["multi"])},
         )
-    m = _AER_BUS.search(t)
+    m = _AER_BUS.search(t) if may_hold(t, "pcie bus error: severity=") else None
     if m:
         return Candidate(
             kind=_aer_kind(m["sev"]), bdf=normalize_bdf(m["bdf"]), family="aer", detail=True,
@@ -746,7 +787,7 @@ def aer_head(t: str) -> Candidate | None:
         if m:
             return Candidate(kind="aer_fatal", bdf=normalize_bdf(m["bdf"]), family="aer", priority=1,
                              attrs={"dpc_status": m["status"], "dpc_source": m["src"], "aer_severity": "DPC containment"})
-    m = _AER_FAILED.search(t)
+    m = _AER_FAILED.search(t) if may_hold(t, "device recovery failed") else None
     if m:
         return Candidate(
             kind="aer_recovery_failed", bdf=normalize_bdf(m["bdf"]), family="aer", priority=-1,
@@ -794,7 +835,7 @@ def hardware_error_head(t: str) -> Candidate | None:
 
 
 def ib_head(t: str) -> Candidate | None:
-    m = _IB_PORT.search(t)
+    m = _IB_PORT.search(t) if may_hold(t, "port: ") else None
     if m:
         st = m["st"].upper()
         kind = {"DOWN": "ib_port_down", "ACTIVE": "ib_port_active", "ACTIVE_DEFER": "ib_port_active"}.get(st, "ib_port_init")
@@ -802,10 +843,10 @@ def ib_head(t: str) -> Candidate | None:
             kind=kind, bdf=normalize_bdf(m["bdf"]), dev_name=m["dev"], port=int(m["port"]),
             healthy=kind == "ib_port_active", attrs={"port_state": st},
         )
-    m = _IB_POWER.search(t)
+    m = _IB_POWER.search(t) if may_hold(t, "insufficient power on the pcie slot") else None
     if m:
         return Candidate(kind="ib_insufficient_power", bdf=normalize_bdf(m["bdf"]))
-    if _ACCESS_REG.search(t):
+    if may_hold(t, "access_reg(0x") and _ACCESS_REG.search(t):
         return Candidate(kind="ib_access_reg_noise")
     return None
 
@@ -882,7 +923,7 @@ def panic_head(t: str) -> Candidate | None:
 
 def has_lockup(t: str) -> bool:
     """`lockup` in any case (`BUG: soft lockup`, `hard LOCKUP`): the lockup heads' guard."""
-    return "lockup" in t.lower()
+    return "lockup" in lowered(t)
 
 
 def lockup_head(t: str) -> Candidate | None:
