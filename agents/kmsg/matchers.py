@@ -230,7 +230,7 @@ _PCIE_BW = re.compile(
     r"PCIe x(?P<cw>\d+) link\)"
 )
 _EDAC = re.compile(r"EDAC (?:[\w-]+ )?(?P<mc>MC\d+): (?:(?P<n>\d+) )?(?P<t>CE|UE|Corrected|Uncorrected)\b(?P<rest>.*)")
-"""drivers/edac/edac_mc.c: v3.6+ edac_ce_error/edac_ue_error `EDAC MC%d: %d CE %s%son %s (%s%s - %s)` (v5.x+ `... (%s
+"""drivers/edac/edac_mc.c: v3.6+ edac_ce_error/edac_ue_error `EDAC MC%d: %d CE %s%son %s (%s %s - %s)` (v5.x+ `... (%s
 page:0x%lx offset:0x%lx grain:%ld syndrome:0x%lx%s%s)`), ghes_edac `%d CE Single-bit ECC on ...`; v2.6-v3.5
 edac_mc_handle_ce `EDAC MC%d: CE page 0x%lx, offset 0x%lx, grain %d, syndrome 0x%lx, row %d, channel %d, label "%s":
 %s` and `UE page 0x%lx, ...` (no count: one error)."""
