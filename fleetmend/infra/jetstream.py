@@ -27,9 +27,12 @@ import asyncio
 from typing import Any
 
 import structlog
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NoStreamResponseError, NotFoundError
+from tenacity import AsyncRetrying, retry_if_exception, wait_fixed
 
 from fleetmend.config import StreamSettings
 from fleetmend.subjects import (
@@ -108,6 +111,32 @@ def differences(want: StreamConfig, have: StreamConfig) -> dict[str, tuple[Any, 
     return out
 
 
+class _Leaderless(Exception):
+    """A replicated stream whose leader is not elected yet."""
+
+
+async def wait_for_leader(js: JetStreamContext, stream: str) -> Any:
+    """Return `stream`'s info once it has a leader. A stream (or KV bucket) just created at more than one
+    replica answers its creation before its own leader is elected, and a write in between gets "no responders"
+    (seen in CI: the standalone scheduler's first put on a new R3 bucket); nats.go's publish retries that,
+    nats-py's does not. Polls every 0.1 s without a bound of its own: the caller's timeout bounds it.
+
+    Raises:
+        nats.js.errors.APIError: the server refused the info request (other than 503, not available yet).
+    """
+    def not_yet(err: BaseException) -> bool:  # 503: "JetStream system temporarily unavailable" (no leader yet)
+        return isinstance(err, (_Leaderless, NoRespondersError, NatsTimeoutError, NoStreamResponseError)) or (
+            isinstance(err, APIError) and err.code == 503)
+
+    async for attempt in AsyncRetrying(wait=wait_fixed(0.1), reraise=True, retry=retry_if_exception(not_yet)):
+        with attempt:
+            info = await js.stream_info(stream)
+            if info.cluster is not None and not info.cluster.leader:
+                raise _Leaderless(stream)
+            return info
+    raise AssertionError("unreachable: tenacity returns the info or raises")
+
+
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: float = 5.0) -> Any:
     """Create stream `cfg.name` if it is missing; otherwise leave its settings as they are (limits,
     replicas, storage are the operator's), with one warning per process when they differ from `cfg`
@@ -130,6 +159,8 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig, timeout_s: floa
             info = await js.add_stream(cfg)
             log.info("stream_created", stream=cfg.name, replicas=cfg.num_replicas, max_bytes=cfg.max_bytes,
                      max_age_s=cfg.max_age)
+            if (cfg.num_replicas or 1) > 1:
+                info = await wait_for_leader(js, cfg.name)
             return info
     if cfg.subjects and sorted(info.config.subjects or []) != sorted(cfg.subjects):
         old, info.config.subjects = info.config.subjects, list(cfg.subjects)
@@ -386,10 +417,15 @@ async def open_kv_bucket(js: JetStreamContext, bucket: str, description: str, ti
         try:
             kv = await js.key_value(bucket)
         except BucketNotFoundError:
+            cfg = kv_config(bucket, description, direct=direct or None)
             try:
-                return await js.create_key_value(kv_config(bucket, description, direct=direct or None))
+                kv = await js.create_key_value(cfg)
             except Exception:  # noqa: BLE001 - another process created it first; if not, this raises
                 kv = await js.key_value(bucket)
+            else:
+                if (cfg.replicas or 1) > 1:
+                    await wait_for_leader(js, f"KV_{bucket}")
+                return kv
         # an existing bucket keeps its replicas; one that differs from [streams] replicas is reported once
         # (`key_value` read the same stream info, so whoever may open the bucket may read it)
         await report_bucket_settings(js, bucket, timeout_s=timeout_s)
