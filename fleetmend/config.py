@@ -480,7 +480,10 @@ class AnalyzerSettings(_Section):
     job_baseline_windows: int = Field(default=3, ge=1)
     """A rank's own offset against its job's median is learnt over its first this many windows in the
     job and removed from then on: ranks may be uneven by design (rank 0 10 % slower), so a rank is slow
-    only against its own start in the job; one slow from the start is not found from step times."""
+    only against its own start in the job; one slow from the start is not found from step times. The
+    same for a node's role on each work-dependent metric of its job (power cap share, clocks and
+    temperature under load, IB wait, CPU frequency: a prefill stage, a parameter server, a data loader),
+    whose offset is its difference from the job's median (`fleetmend.analyzer.core`, rule 5b)."""
 
 
 class LedgerSettings(_Section):

@@ -64,8 +64,9 @@ def test_every_degraded_pattern_found_and_no_healthy_node() -> None:
 
 
 def test_real_samples_give_the_same_verdicts() -> None:
-    fleet = PerfFleet(40, slow_nodes=2, slowdown=0.05, seed=5)
-    found = run_fleet(fleet, Comparator(AnalyzerSettings()), hours=0.75, via_samples=True)
+    # the slowdowns start in the jobs (a node slower from its job's first window is its role's, rule 5b)
+    fleet = PerfFleet(40, slow_nodes=2, slowdown=0.05, seed=5, slow_from=T0 + 1200)
+    found = run_fleet(fleet, Comparator(AnalyzerSettings()), hours=1.0, via_samples=True)
     assert set(found) == set(fleet.slow)
 
 
@@ -112,9 +113,11 @@ def test_idle_gpus_are_not_judged_on_load_dependent_metrics() -> None:
         for n in range(12):
             samples.append(_sample(f"idle{n}", t, 0, 0.17, temp=32))
     assert feed(c, samples) == []
-    # …but a busy node with low clocks among busy peers of its own job is
+    # …but a busy node whose clocks fall among busy peers of its own job is (once its own offset in the job
+    # is known, rule 5b: from its fourth window)
     c = Comparator(AnalyzerSettings())
-    samples = [_sample(f"busy{n}", T0 + m * 60 + 1, 96, 0.93 if n == 0 else 0.985) for m in range(20) for n in range(12)]
+    samples = [_sample(f"busy{n}", T0 + m * 60 + 1, 96, 0.93 if n == 0 and m >= 15 else 0.985)
+               for m in range(35) for n in range(12)]
     found = feed(c, samples, job="j1")
     assert {(f.node, f.metric) for f in found} == {("busy0", "sm_clock_ratio")}
     # …and without knowing the job, clocks (work-dependent) are not judged at all: rather a miss
@@ -139,26 +142,27 @@ def test_small_group_is_reported_and_judged_alone() -> None:
 
 def test_state_survives_a_restart_and_reports_once() -> None:
     cfg = AnalyzerSettings()
-    samples = lambda w: [_sample(f"n{n}", T0 + w * 300 + m * 60 + 1, 96, 0.9 if n == 0 else 0.985)  # noqa: E731
+    k = AnalyzerSettings().job_baseline_windows  # n0 is like its peers while its own offset in the job is learnt (rule 5b)
+    samples = lambda w: [_sample(f"n{n}", T0 + w * 300 + m * 60 + 1, 96, 0.9 if n == 0 and w >= k else 0.985)  # noqa: E731
                          for m in range(5) for n in range(10)]
     a = Comparator(cfg)
-    assert feed(a, samples(0) + samples(1), job="j") == []
+    assert feed(a, [s for w in range(k + 2) for s in samples(w)], job="j") == []
     state = json.loads(json.dumps(a.to_state()))
     b = Comparator(cfg)  # the restarted (or standby) replica
     b.load_state(state)
     assert b.streaks["n0"]["sm_clock_ratio"][0] == 2
-    found = feed(b, samples(2), job="j")
+    found = feed(b, samples(k + 2), job="j")
     assert [(f.node, f.windows, len(f.values)) for f in found] == [("n0", 3, 3)]
-    assert feed(b, samples(3), job="j") == []  # already reported: not again within reopen_after_s
+    assert feed(b, samples(k + 3), job="j") == []  # already reported: not again within reopen_after_s
     c = Comparator(cfg)
     c.load_state(json.loads(json.dumps(b.to_state())))
-    assert feed(c, samples(4), job="j") == []  # …also not after another restart
+    assert feed(c, samples(k + 4), job="j") == []  # …also not after another restart
 
 
 def test_finding_event_carries_the_evidence() -> None:
     c = Comparator(AnalyzerSettings())
-    found = feed(c, [_sample(f"n{n}", T0 + m * 60 + 1, 96, 0.9 if n == 0 else 0.985)
-                     for m in range(15) for n in range(10)], job="j")
+    found = feed(c, [_sample(f"n{n}", T0 + m * 60 + 1, 96, 0.9 if n == 0 and m >= 15 else 0.985)
+                     for m in range(30) for n in range(10)], job="j")
     ev = finding_event(found[0], "c")
     assert isinstance(ev, FaultEvent)
     assert (ev.kind, ev.severity, ev.source, ev.node, ev.device.index) == ("fail_slow", Severity.DEGRADED,

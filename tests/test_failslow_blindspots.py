@@ -37,6 +37,8 @@ def _clocks_job(seed: int, quantum: bool) -> list[str]:
     15 MHz steps), one sample a minute; n0 has every GPU 5 % slow. Returns the nodes found."""
     rng = random.Random(seed)
     c = Comparator(AnalyzerSettings())
+    c._judge_by_role = lambda *a: {}  # type: ignore[method-assign]  # the quantum alone (rule 5b would learn n0's
+    # 5 % from its first window as its role's: tests/test_failslow_roles.py)
     if not quantum:  # the rule before: median of samples, plain MAD
         c.specs = {k: dataclasses.replace(v, quantum=0.0) for k, v in c.specs.items()}
     found: list[str] = []

@@ -99,8 +99,10 @@ def test_a_version_with_one_node_in_each_job_is_one_version_finding_not_node_fin
     (`bench/failslow_scenarios.py --scenario version`: 6 healthy nodes in 3 h of 200 nodes)."""
     def run(pooled: bool) -> tuple[list[tuple[int, str, str]], list[GroupFinding]]:
         c = Comparator(AnalyzerSettings())
-        if not pooled:
+        if not pooled:  # the rule before: job by job only (and no role offsets, rule 5b, which hide the
+            # VBIOS nodes' lower clocks from their first window in each job as their role's)
             c.explainer._versions_across_jobs = lambda *a: []  # type: ignore[method-assign]
+            c._judge_by_role = lambda *a: {}  # type: ignore[method-assign]
         found, shared = [], []
         for w in range(14):
             for k in range(5):

@@ -49,6 +49,15 @@ Rule, per window, comparison group and metric (`metrics.MetricSpec`):
    then on its value divided by its offset is judged against the others' (rule 4). A member
    consistently slower through the group's whole life is therefore never slow; one that becomes
    slower later is. Offsets are forgotten `baseline_ttl_s` after their member was last seen.
+5b. Roles within a job. A work-dependent metric judged in a job group (rule 2) is judged the same way,
+   with an additive offset: a member's difference from the group median over its first
+   `job_baseline_windows` (3) judged windows in that job is its role's (a prefill or first pipeline stage at
+   the power cap half the time where its peers are at 12 %, a parameter server waiting 4x more on IB, a
+   data-loader rank at a lower CPU turbo, a GPU at the top of the rack running 9 °C warmer: all healthy,
+   and each was flagged against its job's median before), and from then on its value less that offset is
+   judged against the others'. A member that becomes worse in its job is found; one that was worse from
+   the job's start is left to the hardware-own metrics (rule 2: free clocks, link width and rate, error
+   counters, brakes), which compare it across the class, and to its next job.
 6. Outlier windows count up per node and metric; a judged window that is not an outlier resets the
    count; a window without a judgement (idle, no data, no job) leaves it. `windows` in a row → a
    `Finding`, unless the same node and metric was reported less than `reopen_after_s` ago. An
@@ -116,6 +125,9 @@ class Finding:
     burst_over: float | None = None
     """Rule 4b, a bursty counter: the rate a sample had to exceed; value, peer_median, threshold and
     mad are then shares of samples."""
+    offset: float | None = None
+    """Rule 5b: the member's own (role's) offset from its job group's median, in the metric's units
+    (value and peer_median include it)."""
 
     def evidence(self) -> dict[str, Any]:
         return {"metric": self.metric, "value": round(self.value, 6), "peer_median": round(self.peer_median, 6),
@@ -124,6 +136,7 @@ class Finding:
                 "device": self.where, "threshold": round(self.threshold, 6), "mad": round(self.mad, 6),
                 "window_values": ",".join(f"{v:.4g}" for v in self.values),
                 **({} if self.baseline is None else {"baseline_ratio": round(self.baseline, 4)}),
+                **({} if self.offset is None else {"role_offset": round(self.offset, 6)}),
                 **({} if self.burst_over is None else {"burst_over": round(self.burst_over, 6)})}
 
 
@@ -156,6 +169,8 @@ class _Judged:
     baseline: float | None
     burst_over: float | None = None
     """A bursty counter (rule 4b): the rate a sample had to exceed; the numbers above are shares."""
+    offset: float | None = None
+    """Rule 5b: the member's own offset, subtracted from `value` and `median` here."""
 
 
 @dataclass
@@ -463,11 +478,17 @@ class Comparator:
                 del self._bursts[node]
         end = (w + 1) * cfg.window_s
         judged: list[_Judged] = []
+        by_role: dict[tuple[str, str, str], _Judged | None] = {}
+        """Rule 5b: (node, metric, job group) → its judgement with its role's offset removed (None: offset not
+        known yet). The explainer sees the judgements against the job's median (a version or a domain shows
+        there); a node's streak counts the one by its role."""
         for (group, m), items in groups.items():
             spec = specs[m]
             scale: dict[str, float] = {}
             if spec.baseline_windows > 0:
                 items, scale = self._with_baselines(group, items, spec.baseline_windows, end)
+            elif spec.work_dependent and " job:" in group and not spec.bursty:
+                by_role.update(self._judge_by_role(group, m, spec, items, end))
             n = len(items)
             if spec.bursty:
                 judged += self._judge_bursts(group, m, spec, items, pools, res)
@@ -494,9 +515,36 @@ class Comparator:
                 judged.append(_Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, scale.get(node)))
         fps = {node: nw.fp for node, nw in nodes.items() if nw.fp}
         for j in self._explain(res, judged, end, fps):
+            if (j.node, j.metric, j.group) in by_role:  # rule 5b: the node is judged by its role
+                mine = by_role[(j.node, j.metric, j.group)]
+                if mine is not None:
+                    self._count(res, mine, end)
+                continue
             self._count(res, j, end)
         self._forget_baselines(end)
         return res
+
+    def _judge_by_role(self, group: str, m: str, spec: MetricSpec, items: list[tuple[str, float, str]],
+                       end: float) -> dict[tuple[str, str, str], _Judged | None]:
+        """Rule 5b: each member of job group `group` judged on work-dependent metric `m` with its own offset
+        (learnt over its first `job_baseline_windows` windows) removed, against the others whose offset is known;
+        None for a member still being measured, or when fewer than `min_group_size` are known."""
+        adjusted, offsets = self._with_baselines(f"{group}|{m}", items, self.cfg.job_baseline_windows, end,
+                                                 additive=True)
+        out: dict[tuple[str, str, str], _Judged | None] = {(node, m, group): None for node, _, _ in items}
+        n = len(adjusted)
+        if n < self.cfg.min_group_size:
+            return out
+        vals = self._unit_values(adjusted)
+        med = median(vals)
+        mad = MAD_SCALE * quantized_mad(vals, med, spec.quantum)
+        thr = max(self.cfg.mad_k * mad, spec.min_rel * abs(med), spec.min_abs)
+        low = spec.bad == "low"
+        for node, v, wh in adjusted:
+            gap = (med - v) if low else (v - med)
+            out[(node, m, group)] = _Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, None,
+                                            offset=offsets[node])
+        return out
 
     def _judge_alone(self, group: str, m: str, spec: MetricSpec, items: list[tuple[str, float, str]],
                      end: float) -> list[_Judged]:
@@ -569,13 +617,14 @@ class Comparator:
             return
         res.outliers += 1
         b = 1.0 if j.baseline is None else j.baseline
+        o = 0.0 if j.offset is None else j.offset
         if per_node is None:
             per_node = self.streaks[node] = {}
         st = per_node.get(m)
         if st is None:
             st = per_node[m] = [0, [], j.where, end]
         st[0] += 1
-        st[1] = (st[1] + [j.value * b])[-cfg.windows:]
+        st[1] = (st[1] + [j.value * b + o])[-cfg.windows:]
         st[2], st[3] = j.where, end
         if st[0] < cfg.windows:
             return
@@ -584,11 +633,12 @@ class Comparator:
             return
         self.reported.setdefault(node, {})[m] = end
         res.findings.append(Finding(
-            node=node, metric=m, value=j.value * b, peer_median=j.median * b,
-            ratio=(j.value / j.median) if j.median and j.burst_over is None else None, windows=st[0],
+            node=node, metric=m, value=j.value * b + o, peer_median=j.median * b + o,
+            ratio=((j.value * b + o) / (j.median * b + o)) if (j.median * b + o) and j.burst_over is None else None,
+            windows=st[0],
             group=j.group, group_size=j.size, where=j.where, threshold=j.threshold * b, mad=j.mad * b,
             window_end=end, window_s=cfg.window_s, values=list(st[1]), baseline=j.baseline,
-            burst_over=j.burst_over))
+            burst_over=j.burst_over, offset=j.offset))
 
     def _pool_bursts(self, node: str, m: str, vals: list[float],
                      seen: set[tuple[str, str]]) -> deque[tuple[int, list[float]]]:
@@ -661,9 +711,11 @@ class Comparator:
         return out
 
     def _with_baselines(self, group: str, items: list[tuple[str, float, str]], need: int,
-                        end: float) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
+                        end: float, additive: bool = False) -> tuple[list[tuple[str, float, str]], dict[str, float]]:
         """Rule 5: learn each member's offset against the group median over its first `need` windows;
-        return the members whose offset is known, their values divided by it, and the offsets."""
+        return the members whose offset is known, their values divided by it, and the offsets. `additive`
+        (rule 5b, kept under `group` = `<job group>|<metric>`): the offset is the member's difference from
+        the median, and it is subtracted."""
         med = median(self._unit_values(items))
         base = self.baselines.setdefault(group, {})
         out: list[tuple[str, float, str]] = []
@@ -683,13 +735,18 @@ class Comparator:
                 b = base[member] = [None, [], end]
             b[2] = end
             if b[0] is None:
-                if med > 0:
+                if additive:
+                    b[1].append(v - med)
+                elif med > 0:
                     b[1].append(v / med)
                 if len(b[1]) >= need:
                     b[0], b[1] = median(b[1]), []
                 continue
             off = float(b[0])
-            if off > 0:
+            if additive:
+                out.append((member, v - off, wh))
+                scale[member] = off
+            elif off > 0:
                 out.append((member, v / off, wh))
                 scale[member] = off
         return out, scale
