@@ -64,6 +64,29 @@ def test_a_rack_event_is_one_domain_finding_a_real_fault_inside_it_is_still_foun
     assert dict((n, w) for w, n, _ in found) == {"n20": 6, "n21": 11}  # n21: 3 windows after it failed, no mute
 
 
+def test_faults_already_there_when_the_analyzer_starts_are_not_one_inferred_domain() -> None:
+    """Five independent faults present from the analyzer's first window (its first run, or a fleet it has
+    not judged before) did not start together: each is a node finding, and a fault that starts later is found
+    too. Taken for one inferred domain (their streaks "started" in one window), they were explained for as
+    long as half of them lasted, and every fault that started meanwhile joined them (an adversarial run: a GPU
+    20 % slow, never drained)."""
+    faulty = {"n03", "n11", "n27", "n40", "n58"}
+
+    def faults(w: int, n: int) -> dict[str, float]:
+        name = f"n{n:02d}"
+        return {"thermal_frac": 0.5 if name in faulty or (name == "n33" and w >= 6) else 0.0}
+
+    c = Comparator(AnalyzerSettings())
+    found, shared = feed(c, 12, faults)
+    assert shared == []
+    assert {n for _, n, _ in found} == faulty | {"n33"}
+    # the control: every node counted as seen normal before (the rule before), they are one inferred domain
+    d = Comparator(AnalyzerSettings())
+    d.normal_at = {f"n{n:02d}": 0.0 for n in range(64)}
+    before, shared = feed(d, 12, faults)
+    assert [f.kind for f in shared] == ["domain"] and before == []
+
+
 def test_without_a_topology_the_rack_is_inferred_from_co_occurrence() -> None:
     c = Comparator(AnalyzerSettings())
     found, shared = feed(c, 14, rack_event)

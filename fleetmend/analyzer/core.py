@@ -291,6 +291,12 @@ class Comparator:
         """node → bursty metric → (samples, highest values) of its last `windows` windows."""
         self.reported: dict[str, dict[str, float]] = {}
         """node → metric → epoch seconds of the last report."""
+        self.normal_at: dict[str, float] = {}
+        """node → epoch seconds of its last window judged normal on some metric. An outlier streak is a start
+        (for `shared.Explainer`'s inferred domains) only on a node seen normal before: outliers that were
+                already there when the analyzer first ran did not start together, and taken for one inferred domain
+        they hid every independent fault that started later (an adversarial run: a GPU 20 % slow, never
+        drained). Kept in the state, so a restart does not forget who was normal."""
         self.baselines: dict[str, dict[str, list[Any]]] = {}
         """group → member → [offset or None, [ratios so far], epoch seconds last judged] (rule 5)."""
         self.skewed: dict[str, Counter[str]] = {}
@@ -514,7 +520,7 @@ class Comparator:
                 gap = (med - v) if low else (v - med)
                 judged.append(_Judged(node, m, v, wh, group, n, med, mad, thr, gap > thr, scale.get(node)))
         fps = {node: nw.fp for node, nw in nodes.items() if nw.fp}
-        for j in self._explain(res, judged, end, fps):
+        for j in self._explain(res, judged, end, fps, by_role):
             if (j.node, j.metric, j.group) in by_role:  # rule 5b: the node is judged by its role
                 mine = by_role[(j.node, j.metric, j.group)]
                 if mine is not None:
@@ -575,19 +581,30 @@ class Comparator:
         return out
 
     def _explain(self, res: WindowResult, judged: list[_Judged], end: float,
-                 fingerprints: dict[str, dict[str, str]]) -> list[_Judged]:
+                 fingerprints: dict[str, dict[str, str]],
+                 by_role: dict[tuple[str, str, str], _Judged | None] | None = None) -> list[_Judged]:
         """The judgements whose streaks count: outliers explained by a failure domain or a version
         (`shared.Explainer`) are left out (neither an outlier nor a normal window); the domain and
         version findings go to `res.shared_findings` (reported now) and `res.shared_seen`."""
-        def new_streak(node: str, m: str) -> bool:
-            return m not in self.streaks.get(node, {})
+        def new_streak(node: str, m: str) -> bool:  # a start: a node seen normal before, no streak on m yet
+            return node in self.normal_at and m not in self.streaks.get(node, {})
 
         explained: list[_Judged] = []
         if self.explained_units and self.unit_of is not None:  # the nodes a domain or version explains
             unit_of = self.unit_of
             explained = [j for j in judged if j.outlier and unit_of(j.node) in self.explained_units]
             judged = [j for j in judged if not (j.outlier and unit_of(j.node) in self.explained_units)]
-        keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end)
+        domain_judged = None
+        if by_role:  # rule 5b: the domain rules read each node by its role (None: not judged yet)
+            domain_judged = []
+            for j in judged:
+                k = (j.node, j.metric, j.group)
+                if k not in by_role:
+                    domain_judged.append(j)
+                elif (mine := by_role[k]) is not None:
+                    domain_judged.append(mine)
+        keep, report, seen = self.explainer.explain(judged, fingerprints, self.specs, self.cfg, new_streak, end,
+                                                    domain_judged)
         res.shared_findings, res.shared_seen = report, seen
         kept = {id(j) for j in keep}
         explained += [j for j in judged if id(j) not in kept]
@@ -610,6 +627,7 @@ class Comparator:
         res.judged += 1
         per_node = self.streaks.get(node)
         if not j.outlier:
+            self.normal_at[node] = end
             if per_node and m in per_node:
                 del per_node[m]
                 if not per_node:
@@ -786,6 +804,7 @@ class Comparator:
             else:
                 del self.own[node]
         keep = t - STREAK_TTL_S
+        self.normal_at = {n: at for n, at in self.normal_at.items() if at >= keep}
         for node in list(self.streaks):
             ms = {m: st for m, st in self.streaks[node].items() if st[3] >= keep}
             if ms:
@@ -798,7 +817,8 @@ class Comparator:
     def to_state(self) -> dict[str, Any]:
         """JSON-ready state: last judged window, streaks with evidence, report times, baselines."""
         return {"version": 1, "last_closed": self.last_closed, "window_s": self.cfg.window_s,
-                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines, "own": self.own}
+                "streaks": self.streaks, "reported": self.reported, "baselines": self.baselines, "own": self.own,
+                "normal_at": self.normal_at}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Adopt a state written by `to_state` (a restart, or a standby taking over). A state written
@@ -811,6 +831,7 @@ class Comparator:
         self._count_units()
         self.own = {n: {m: [None if h[0] is None else float(h[0]), [float(x) for x in h[1]], float(h[2])]
                         for m, h in ms.items()} for n, ms in state.get("own", {}).items()}
+        self.normal_at = {str(n): float(t) for n, t in state.get("normal_at", {}).items()}
         if float(state.get("window_s", self.cfg.window_s)) != self.cfg.window_s:
             return
         self.last_closed = max(self.last_closed, int(state.get("last_closed", -1)))

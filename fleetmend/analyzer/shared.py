@@ -22,7 +22,8 @@ before streaks are counted (`Explainer.explain`):
    topology (or for nodes it does not list) the domain is inferred from co-occurrence: at least
    `INFER_MIN_NODES` nodes (and at least twice as many as started on their own in any window of the
    last hour: independent faults start together as often as the fleet's fault rate makes them)
-   whose outlier streaks on shared metrics start in the same window are one inferred domain (nodes
+   whose outlier streaks on shared metrics start in the same window (on nodes judged normal before: the
+   comparator's `new_streak`) are one inferred domain (nodes
    starting while it lasts join it), remembered while at least half of its nodes are still outliers. Outliers are counted
    per domain across every group and shared metric (a rack's nodes run different jobs).
 3. Within an explained domain each node is judged again against the domain's own median (with the
@@ -131,10 +132,13 @@ class Explainer:
 
     def explain(self, judged: list[Any], fingerprints: dict[str, dict[str, str]], specs: dict[str, Any],
                 cfg: Any, new_streak: Callable[[str, str], bool], end: float,
+                domain_judged: list[Any] | None = None,
                 ) -> tuple[list[Any], list[GroupFinding], list[GroupFinding]]:
         """(the judgements whose streaks count, findings reported now, all findings seen in this
         window). `judged`: `core._Judged` of one window; `fingerprints`: node → version values;
-        `new_streak(node, metric)`: the node has no outlier streak on the metric yet."""
+        `new_streak(node, metric)`: the node has no outlier streak on the metric yet. `domain_judged`:
+        the judgements the domain rules read, when not `judged` (the comparator's by each node's role in
+        its job: a role is no domain's cause, while a version shows against the job's median)."""
         self.explained_nodes = set()
         if not self.enabled:
             return judged, [], []
@@ -147,7 +151,12 @@ class Explainer:
             seen += self._versions(group, m, js, fingerprints, explained, end, cfg)
         seen += self._versions_across_jobs(by_gm, fingerprints, explained, end, cfg)
         seen += self._driver_split(by_gm, specs, cfg, end)
-        seen += self._domains(by_gm, specs, cfg, new_streak, explained, end)
+        by_gm_dom = by_gm
+        if domain_judged is not None:
+            by_gm_dom = {}
+            for j in domain_judged:
+                by_gm_dom.setdefault((j.group, j.metric), []).append(j)
+        seen += self._domains(by_gm_dom, specs, cfg, new_streak, explained, end)
         self.explained_nodes |= {n for n, _ in explained}
         keep = [j for j in judged if (j.node, j.metric) not in explained]
         return keep, self._persist(seen, cfg), seen
