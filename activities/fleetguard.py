@@ -160,8 +160,10 @@ class FleetGuardActivities:
     @activity.defn(name=Activity.RELEASE_DRAIN_PERMIT)
     async def release_drain_permit(self, rel: PermitRelease) -> None:
         """Give a permit back (or withdraw a queued request): its permit pool slot, then the guard's
-        `release` (lemon history, the queue served). Idempotent."""
-        await self.gate.release(rel.cluster, rel.node)
+        `release` (lemon history, the queue served). `rel.still_drained`: the node stays cordoned, so its
+        slot is kept (the guard lists it as stranded). Idempotent."""
+        if not rel.still_drained:
+            await self.gate.release(rel.cluster, rel.node)
         await self._signal_with_start(rel.cluster, GuardApi.RELEASE, rel)
         if self.ledger is not None:
             wid = activity.info().workflow_id or subjects.workflow_id(rel.cluster, rel.node)

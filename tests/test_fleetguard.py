@@ -78,6 +78,7 @@ class Guarded:
         self.base = base
         self.tq = subjects.cluster_task_queue(base, self.cluster)
         guard = real_guard(self.client, base, policy, nc.jetstream(), topology)
+        self.gate = guard.gate  # the real permit pool
         acts = [a for a in stand_ins(self.calls)
                 if a.__name__ not in GUARD_ACTIVITIES]
         self.worker = Worker(self.client, task_queue=self.tq, workflows=[NodeRemediation, FleetGuard],
@@ -284,6 +285,32 @@ async def test_observe_only_guard_denies_and_abort_withdraws_queued_request(tenv
         await g.node("h1").execute_update(NodeRemediation.mark_repaired, BY)
         await assert_eventually(lambda: _guard(g, lambda s: s.held == []), what="permit returned")
         assert [d.node for d in g.calls.drains] == ["h1"]
+
+
+async def test_an_abort_that_leaves_the_drain_keeps_its_permit_until_released(tenv, nc):
+    """An incident aborted without --undrain leaves fleetmend's cordon in place, so its permit and pool slot
+    stay taken (listed as stranded) until `fleetmend breaker release NODE`: no cordon outlives its count.
+    Before, the abort gave the permit back and the next queued node drained: one more drain beyond the
+    budget per abort (a new user's trial, F18: 5 nodes drained under a budget of 2)."""
+    from fleetmend.messages import PermitReleaseCommand
+
+    async with Guarded(tenv, nc, GuardPolicy(max_drained_nodes=1, cluster_nodes=100)) as g:
+        await start(g.client, g.tq, g.cluster, "a1", [fault(g.cluster, "a1", 79, drain=True)])
+        await assert_eventually(lambda: _all_phase(g, ["a1"], "awaiting_repair"), what="a1 holds the one permit")
+        await start(g.client, g.tq, g.cluster, "a2", [fault(g.cluster, "a2", 79, drain=True)])
+        await assert_eventually(lambda: _requested(g, "a2"), what="a2 queued")
+        msg = await g.node("a1").execute_update(NodeRemediation.abort, AbortCommand(by="bob@ops", note="investigating"))
+        assert "keeps its permit" in msg
+        st = await assert_eventually(lambda: _closed(g, "a1"), what="a1 aborted")
+        assert st.outcome == "aborted" and st.drained
+        gs = await assert_eventually(lambda: _guard(g, lambda s: "a1" in s.stranded), what="a1 listed stranded")
+        assert [h["node"] for h in gs.held] == ["a1"] and [q["node"] for q in gs.queue] == ["a2"]
+        assert (await g.phases(["a2"])) == {"a2": "awaiting_permit"} and [d.node for d in g.calls.drains] == ["a1"]
+        pool = await (await g.gate.pool()).read(g.cluster)
+        assert set(pool.holders) == {"a1"}  # its pool slot kept: the router's fast path sees no room either
+        await g.guard().execute_update(FleetGuard.release_permit, PermitReleaseCommand(by="bob@ops", node="a1"))
+        await assert_eventually(lambda: _all_phase(g, ["a2"], "awaiting_repair"), what="a2 drains once a1 is released")
+        assert [d.node for d in g.calls.drains] == ["a1", "a2"]
 
 
 async def _closed(g: Guarded, node: str):

@@ -238,7 +238,8 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
                           >= set(burst)), timeout_s=90, what="the whole burst known to the guard")
         assert sum([await drained(b) for b in burst]) == 1
         queued = (await guard_status()).queue
-        assert queued and all(q["waiting"].startswith("budget: ") and "/3 permits held" in q["waiting"] for q in queued)
+        assert queued and all(q["waiting"].startswith("budget: ") and "/3 permits held" in q["waiting"] for q in queued), \
+            [(q["node"], q["waiting"]) for q in queued]
         assert _replay(records) <= 3 and len((await pool.read(cluster)).holders) == 3
         assert router.stats.drained_now == 3 and router.stats.drain_now_refused >= 4
         env = env_of(s)

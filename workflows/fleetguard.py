@@ -400,6 +400,16 @@ class FleetGuard:
 
     def _release(self, rel: PermitRelease) -> None:
         s = self._state
+        if rel.still_drained and any(h.node == rel.node for h in s.held):
+            # aborted with fleetmend's drain left in place: still cordoned, so still counted (its pool slot
+            # kept by the activity) until a person returns it to service; no cordon outlives its count
+            s.queue = [q for q in s.queue if q.node != rel.node]
+            s.stranded[rel.node] = (f"its incident closed ({rel.outcome.value}) with fleetmend's drain left in "
+                                    f"place: still counted; `fleetmend breaker release {rel.node}` returns it "
+                                    "to service")
+            self._log(f"{rel.node}: STRANDED: {s.stranded[rel.node]}")
+            self._dirty = True
+            return
         before = len(s.held) + len(s.queue)
         s.held = [h for h in s.held if h.node != rel.node]
         s.queue = [q for q in s.queue if q.node != rel.node]

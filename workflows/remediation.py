@@ -282,7 +282,9 @@ class NodeRemediation:
     async def abort(self, cmd: AbortCommand) -> str:
         self._abort = cmd
         self._note(f"abort requested{': ' + cmd.note if cmd.note else ''}", by=cmd.by)
-        return "incident will close; " + ("node will be undrained" if cmd.undrain else "scheduler state left as is")
+        return "incident will close; " + ("node will be undrained" if cmd.undrain else
+                                          "scheduler state left as is (a drain fleetmend made stays, and keeps "
+                                          "its permit: `fleetmend breaker release NODE` returns it to service)")
 
     @abort.validator
     def _validate_abort(self, cmd: AbortCommand) -> None:
@@ -836,9 +838,13 @@ class NodeRemediation:
         s = self._state
         if s.permit_requested or s.permit_held:
             returned = outcome in (Outcome.RETURNED, Outcome.OPERATOR_OWNED)
+            # aborted without --undrain: fleetmend's cordon stays, and so does its count (F18: each such abort
+            # let one more queued node drain beyond the budget)
+            still = outcome is Outcome.ABORTED and s.permit_held and s.drained and s.drain_owned
             await workflow.execute_activity(
                 Activity.RELEASE_DRAIN_PERMIT, PermitRelease(cluster=s.cluster, node=s.node, outcome=outcome,
-                                                      fault_class=s.fault_class or "", returned=returned),
+                                                      fault_class=s.fault_class or "", returned=returned,
+                                                      still_drained=still),
                 start_to_close_timeout=timedelta(seconds=30), retry_policy=ACTIVITY_RETRY,
                 summary=f"release drain permit of {s.node}")
             s.permit_requested = s.permit_held = False

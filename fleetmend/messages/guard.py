@@ -86,6 +86,10 @@ class PermitRelease:
     fault_class: str = ""
     returned: bool = False
     """True when the node went back to service after a repair (counts toward the lemon rule)."""
+    still_drained: bool = False
+    """The incident closed (aborted without `--undrain`) leaving fleetmend's drain in place: the permit and
+    its pool slot stay taken (the node is still cordoned and counts against the budget), listed as stranded
+    until `fleetmend breaker release NODE` returns it to service; only a queued request is withdrawn."""
 
 
 @dataclass
