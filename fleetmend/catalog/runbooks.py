@@ -8,16 +8,22 @@ return) and what a human checks (the investigatory action, the commands). The sa
 `python -m fleetmend.catalog.runbooks docs/runbooks`, checked up to date by the tests) and is referenced from
 tickets, notifications and `fleetmend show`.
 
-Fault classes: `xid<N>` for every XID the catalog describes (reserved "Unused" ones left out) and
-every non-XID kind that is not a clearing event. Imports only the contract.
+Fault classes: `xid<N>` for every XID of the catalog and every non-XID kind that is not a clearing
+event: every class `Catalog.classify` gives a catalog row, so every pointer `runbook_ref` makes for one
+opens. XIDs NVIDIA's Ampere+ catalog marks "Unused" are included: a driver for an older GPU still
+prints them, and fleetmend classifies them (some drain); their page says what the older documentation
+calls them. Imports only the catalog.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from fleetmend.catalog import Action, Catalog, KindEntry, XidEntry, default_catalog
+from fleetmend.catalog.gen_xid import Reading, load_reading
 
 RUNBOOK_DIR = "docs/runbooks"
 
@@ -57,9 +63,7 @@ def fault_classes(catalog: Catalog | None = None) -> dict[str, XidEntry | KindEn
     cat = catalog or default_catalog()
     out: dict[str, XidEntry | KindEntry] = {}
     for n in sorted(cat.xids):
-        e = cat.xids[n]
-        if e.description.strip().lower() != "unused":
-            out[f"xid{n}"] = e
+        out[f"xid{n}"] = cat.xids[n]
     for name in sorted(cat.kinds):
         k = cat.kinds[name]
         if not k.healthy:
@@ -70,6 +74,28 @@ def fault_classes(catalog: Catalog | None = None) -> dict[str, XidEntry | KindEn
 def runbook_ref(fault_class: str) -> str:
     """How a ticket, a notification or `fleetmend show` points at the runbook (plain text)."""
     return f"fleetmend runbook {fault_class} ({RUNBOOK_DIR}/{fault_class}.md)"
+
+
+def _unused(e: XidEntry) -> bool:
+    """NVIDIA's Ampere+ catalog describes the XID as "Unused" (no current driver documents it)."""
+    return e.description.strip().rstrip(".").lower() == "unused"
+
+
+@lru_cache(maxsize=1)
+def _reading() -> Reading:
+    return load_reading()
+
+
+def _why(e: XidEntry) -> str | None:
+    """The reason of the `xid_reading.toml` severity rule that gave the row its severity and drain, when
+    the row still reads as that rule says (an operator's override may not)."""
+    hardware = e.hw_vs_app.strip().lower().startswith("hardware")
+    for rule in _reading().severity:
+        if rule.fits(e.xid, e.immediate_action.value, hardware, e.component):
+            if rule.decoded or (rule.severity, rule.drain) != (e.severity, e.drain):
+                return None
+            return f"{rule.reason} (`fleetmend/catalog/xid_reading.toml` rule `{rule.name}`)"
+    return None
 
 
 def _action(a: Action | str) -> str:
@@ -86,6 +112,11 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
     cat = catalog or default_catalog()
     classes = fault_classes(cat)
     if fault_class not in classes:
+        m = re.fullmatch(r"xid(\d+)", fault_class)
+        if m and cat.xids:
+            raise KeyError(f"XID {int(m.group(1))} is not in the catalog (it describes XIDs {min(cat.xids)} to "
+                           f"{max(cat.xids)}): fleetmend reads an XID it does not know as degraded, contact "
+                           f"support, no drain; `fleetmend runbook --list` lists the fault classes")
         raise KeyError(f"no fault class {fault_class!r} in the catalog (xid<N> or a kind name; "
                        f"`fleetmend runbook --list` lists them)")
     e = classes[fault_class]
@@ -93,10 +124,17 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
     if isinstance(e, XidEntry):
         sev, drain = e.base_severity, bool(e.drain)
         component = e.component.value
-        lines += [f"# XID {e.xid} — {e.mnemonic} (`{fault_class}`)", "", "## What it means", "",
-                  e.description.rstrip(".") + ".", "",
-                  f"- reading: {e.hw_vs_app}", f"- component: {component}"]
-        if e.legacy_name_r555 and e.legacy_name_r555 != e.description:
+        lines += [f"# XID {e.xid} — {e.mnemonic} (`{fault_class}`)", "", "## What it means", ""]
+        if _unused(e):
+            lines += [f"Unused: NVIDIA's XID catalog for Ampere and later GPUs lists XID {e.xid} as unused, so a "
+                      "current driver on such a GPU is not documented to print it; seen on a node, it most likely "
+                      "comes from an older GPU or driver"
+                      + (f". NVIDIA's r555 documentation calls it: {e.legacy_name_r555.rstrip('.')}."
+                         if e.legacy_name_r555 else " (no older documentation names it).")]
+        else:
+            lines.append(e.description.rstrip(".") + ".")
+        lines += ["", f"- reading: {e.hw_vs_app}", f"- component: {component}"]
+        if e.legacy_name_r555 and e.legacy_name_r555 != e.description and not _unused(e):
             lines.append(f"- older driver documentation (r555): {e.legacy_name_r555}")
         if e.legacy_possible_causes:
             lines.append(f"- possible causes: {e.legacy_possible_causes.replace(',', ', ')}")
@@ -116,6 +154,9 @@ def render(fault_class: str, catalog: Catalog | None = None) -> str:
               f"- severity **{sev.value}**; " + ("**drains the node** (within the cluster's blast-radius budget, "
                                                  "FleetGuard)" if drain else "does **not** drain the node"),
               f"- immediate action {_action(e.immediate_action)}"]
+    why = _why(e) if isinstance(e, XidEntry) else None
+    if why:
+        lines.append(f"- why: {why}")
     if clearable:
         lines.append(f"- cleared by `{clearable}`: waits `policy.debounce_s` first and drains nothing if it clears")
     elif not isinstance(e, XidEntry):
@@ -168,10 +209,18 @@ SCOPE = (
 """The scope paragraph of the runbook index (issue 29 point 4: say plainly what is not read)."""
 
 
+UNLISTED = (
+    "Every XID of NVIDIA's catalog has a page, those the Ampere+ catalog marks unused included (an older GPU's "
+    "driver still prints them; the page gives the older documentation's name). An XID beyond the catalog (a "
+    "newer driver's) is read as degraded, contact support, no drain, with no page: `fleetmend runbook xidN` says so."
+)
+"""The runbook index's paragraph on XIDs (issue F16: every catalog XID has a page)."""
+
+
 def index(catalog: Catalog | None = None) -> str:
     rows = ["# Runbooks", "", "One per fault class, generated from the catalog (`python -m fleetmend.catalog.runbooks "
             f"{RUNBOOK_DIR}`; a test checks they are up to date). `fleetmend runbook CLASS` prints one.", "",
-            SCOPE, "",
+            SCOPE, "", UNLISTED, "",
             "| fault class | severity | drains | immediate action |", "|---|---|---|---|"]
     for fc, e in fault_classes(catalog).items():
         sev, drain = (e.base_severity, bool(e.drain)) if isinstance(e, XidEntry) else (e.severity, e.drain)
