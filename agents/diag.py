@@ -3,7 +3,9 @@
 QUICK checks (seconds), each a `CheckResult`:
 
     nvml_reachable         nvmlInit succeeds (measured: driver version)
-    gpu_count              nvmlDeviceGetCount() vs `expected_gpus` (FAIL when fewer are visible)
+    gpu_count              nvmlDeviceGetCount() vs `expected_gpus`, or when it is not set, vs the most
+                           this node has shown (kept in the agent's state) and the NVIDIA GPUs on its PCI
+                           bus (FAIL when fewer are visible: a GPU lost after an XID 79 is not "repaired")
     remapped_rows_pending  nvmlDeviceGetRemappedRows: a pending remap (or a remap failure) needs a
                            GPU reset before the memory is trustworthy (NVIDIA row-remapping docs)
     pcie_link_width        current vs maximum link width per GPU (a degraded x8/x4 link)
@@ -52,6 +54,9 @@ from fleetmend.diagnostics import (
 from fleetmend.events import utcnow
 from fleetmend.subjects import diag_subject
 
+GPU_COUNT_FILE = "gpus_seen"
+"""In the agent's state directory: the most GPUs NVML has shown on this node (`gpu_count`'s default
+expectation)."""
 QUICK_CHECKS = ("nvml_reachable", "gpu_count", "remapped_rows_pending", "pcie_link_width",
                 "ib_ports_active", "kmsg_readable")
 GPU_CHECKS = frozenset({"nvml_reachable", "gpu_count", "remapped_rows_pending", "pcie_link_width"})
@@ -97,7 +102,9 @@ class DiagResponder:
         cluster, node: subject tokens (`diag_subject(cluster, node)`).
         nvml: the `pynvml` module (default: imported if installed, else every GPU check is
             NOT_APPLICABLE), or a stand-in with the same functions.
-        expected_gpus: `gpu_count` fails below this; None accepts whatever NVML reports.
+        expected_gpus: `gpu_count` fails below this; None: below the most GPUs this node has shown
+            (`state_dir`/`GPU_COUNT_FILE`, kept across restarts and reboots) or on its PCI bus.
+        state_dir: the agent's state directory (None: no memory, the PCI bus only).
         sysfs_root: root under which `sys/class/infiniband` is read (tests pass a tmp tree).
         kmsg_path: the kernel log the kmsg probe reads.
         long_commands: name → argv of the LONG level's site commands.
@@ -107,12 +114,13 @@ class DiagResponder:
     def __init__(self, nc: Any, cluster: str, node: str, *, nvml: Any = "default",
                  expected_gpus: int | None = None, sysfs_root: Path = Path("/"),
                  kmsg_path: Path = Path("/dev/kmsg"), long_commands: dict[str, list[str]] | None = None,
-                 agent_version: str = __version__) -> None:
+                 agent_version: str = __version__, state_dir: Path | None = None) -> None:
         self.nc = nc
         self.cluster, self.node = cluster, node
         self.subject = diag_subject(cluster, node)
         self._nvml = nvml
         self.expected_gpus = expected_gpus
+        self.state_dir = None if state_dir is None else Path(state_dir)
         self.sysfs_root = Path(sysfs_root)
         self.kmsg_path = Path(kmsg_path)
         self.long_commands = DEFAULT_LONG_COMMANDS if long_commands is None else long_commands
@@ -286,12 +294,39 @@ class DiagResponder:
         if (gate := self._gpu_gate("gpu_count", ctx)) is not None:
             return gate
         n = ctx.count()
-        expected = self.expected_gpus
+        expected, why = self.expected_gpus, "agent.expected_gpus"
+        if expected is None:  # the most this node has shown, or what its PCI bus holds
+            seen, on_bus = self._gpus_seen(n), len(self.nvidia_gpus_on_bus())
+            expected, why = (seen, "the most this node has shown") if seen >= on_bus else (on_bus, "on its PCI bus")
+            expected = expected or None
         if expected is not None and n < expected:
             return CheckResult(name="gpu_count", result=DiagResult.FAIL, measured=str(n), expected=str(expected),
-                               detail=f"{expected - n} GPU(s) missing (fallen off the bus or not enumerated)")
+                               detail=f"{expected - n} GPU(s) missing against {expected} ({why}): fallen off the "
+                                      "bus or not enumerated (set agent.expected_gpus if GPUs were removed on "
+                                      "purpose)")
         return CheckResult(name="gpu_count", result=DiagResult.PASS, measured=str(n),
                            expected=None if expected is None else str(expected))
+
+    def _gpus_seen(self, n: int) -> int:
+        """The most GPUs NVML has shown on this node (`state_dir`/`GPU_COUNT_FILE`), `n` included (written
+        when higher). 0 without a state directory. A file that cannot be read or written counts as none."""
+        if self.state_dir is None:
+            return 0
+        path = self.state_dir / GPU_COUNT_FILE
+        try:
+            seen = int(path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            seen = 0
+        if n > seen:
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(f"{n}\n")
+                tmp.replace(path)
+            except OSError:
+                pass
+            seen = n
+        return seen
 
     def _check_remapped_rows_pending(self, ctx: _NvmlSession) -> CheckResult:
         if (gate := self._gpu_gate("remapped_rows_pending", ctx)) is not None:

@@ -359,7 +359,8 @@ class Agent:
 
         settings = self.settings
         diag = DiagResponder(nc, settings.cluster, settings.node, nvml=self.nvml,
-                             expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path)
+                             expected_gpus=settings.agent.expected_gpus, kmsg_path=settings.agent.kmsg.path,
+                             state_dir=self.state)
         on_reboot = self._record_reboot_ordered if self.lastboot else None
         diag.recovery = RecoveryHandler(settings.cluster, settings.node, reboot_command=settings.policy.reboot_command,
                                         gpu_reset_command=settings.policy.gpu_reset_command, on_reboot=on_reboot)

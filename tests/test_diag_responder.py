@@ -168,3 +168,41 @@ async def test_gpu_node_without_a_driver_fails_verification_not_passes(tmp_path)
     cpu_node = DiagResponder(None, "c", "n", nvml=None, sysfs_root=tmp_path / "empty")
     rep = await cpu_node.run(DiagRequest())
     assert {c.name: c for c in rep.checks}["nvml_reachable"].result == DiagResult.NOT_APPLICABLE
+
+
+async def test_a_lost_gpu_fails_gpu_count_without_expected_gpus(nc, unique: str, kmsg_file: Path,
+                                                                  tmp_path: Path) -> None:
+    """With `agent.expected_gpus` unset (the default), `gpu_count` expects the most GPUs the node has shown
+    (kept in the agent's state, across restarts) or the NVIDIA GPUs on its PCI bus: an 8-GPU node that
+    comes back from an XID 79 "repair" with 7 visible fails the verification (it passed before: a new
+    user's trial, F9)."""
+    cluster, node = f"c{unique}", "n1"
+    state = tmp_path / "state"
+
+    async def count(n: int, sysfs: Path) -> object:
+        r = DiagResponder(nc, cluster, node, nvml=_fake_nvml(n), sysfs_root=sysfs, kmsg_path=kmsg_file,
+                          state_dir=state)
+        await r.start()
+        try:
+            rep = await _ask(nc, cluster, node, DiagRequest(checks=["gpu_count"]).model_dump_json().encode())
+        finally:
+            await r.stop()
+        return {c.name: c for c in rep.checks}["gpu_count"]
+
+    empty = tmp_path / "empty"
+    first = await count(8, empty)
+    assert first.result is DiagResult.PASS and first.measured == "8"
+    lost = await count(7, empty)  # a new responder (an agent restart, a reboot): the state remembers 8
+    assert lost.result is DiagResult.FAIL and lost.expected == "8" and "the most this node has shown" in lost.detail
+    # no state at all, but the PCI bus holds 8 NVIDIA GPUs
+    state_gone = tmp_path / "state"
+    for f in state_gone.iterdir():
+        f.unlink()
+    bus = tmp_path / "bus"
+    for i in range(8):
+        dev = bus / "sys/bus/pci/devices" / f"0000:{0x18 + i:02x}:00.0"
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text("0x10de\n")
+        (dev / "class").write_text("0x030200\n")
+    on_bus = await count(7, bus)
+    assert on_bus.result is DiagResult.FAIL and on_bus.expected == "8" and "on its PCI bus" in on_bus.detail
