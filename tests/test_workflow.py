@@ -339,3 +339,21 @@ async def test_the_next_incident_of_a_chain_has_its_own_ticket(temporal_client) 
     first, second = (d.incident_id for d in calls.drains[:2])
     assert second != first and second == f"{first}#2", (first, second)
     assert calls.tickets[-1].incident_id == second, [t.incident_id for t in calls.tickets]
+
+
+async def test_a_retest_in_triage_is_refused_and_an_abort_undrain_is_in_the_timeline(env, unique):
+    """A re-test in triage was answered "re-test scheduled" and then dropped (nothing is drained there, so
+    there is nothing to verify): it is refused with that reason. An abort's undrain is in the timeline like
+    the return's (a new user's trial, F20 and F17)."""
+    client, tq, calls = env
+    h = await start(client, tq, unique, "n7", [fault(unique, "n7", 13, drain=False, severity="degraded")],
+                    close_after_idle_s=600)
+    await assert_eventually(lambda: phase_is(h, "triage"))
+    with pytest.raises(WorkflowUpdateFailedError) as err:
+        await h.execute_update(NodeRemediation.force_retest, RetestCommand(by="tester@ci"))
+    assert "nothing to verify" in str(err.value.cause)
+    h2 = await start(client, tq, unique, "n8", [fault(unique, "n8", 79, drain=True)])
+    await assert_eventually(lambda: phase_is(h2, "awaiting_repair"))
+    await h2.execute_update(NodeRemediation.abort, AbortCommand(by="bob@ops", note="false alarm", undrain=True))
+    st = await assert_eventually(lambda: phase_is(h2, "closed"))
+    assert any(e["text"].startswith("undrain: resumed") and e["by"] == "bob@ops" for e in st.timeline), st.timeline

@@ -274,9 +274,11 @@ class NodeRemediation:
     @force_retest.validator
     def _validate_retest(self, cmd: RetestCommand) -> None:
         self._require_by(cmd)
-        if self._state.phase not in (Phase.AWAITING_REPAIR, Phase.TRIAGE):
-            raise ValueError(f"node {self._state.node} is in phase {self._state.phase}; a re-test can be forced "
-                             "while awaiting_repair (or triage)")
+        if self._state.phase is not Phase.AWAITING_REPAIR:
+            raise ValueError(f"node {self._state.node} is in phase {self._state.phase}; a re-test (the verification "
+                             "diagnostics) can be forced only while awaiting_repair"
+                             + (": in triage nothing is drained, so there is nothing to verify"
+                                if self._state.phase is Phase.TRIAGE else ""))
 
     @workflow.update(name=RemediationApi.ABORT)
     async def abort(self, cmd: AbortCommand) -> str:
@@ -783,6 +785,7 @@ class NodeRemediation:
                 result_type=UndrainResult, start_to_close_timeout=DRAIN_TIMEOUT, heartbeat_timeout=DRAIN_HEARTBEAT,
                 retry_policy=ACTIVITY_RETRY, summary=f"undrain {s.node} (abort)")
             s.drained = not res.resumed and s.drained
+            self._note(f"undrain: {'resumed' if res.resumed else 'not resumed'} ({res.detail})", by=cmd.by)
         if s.ticket:
             await self._update_ticket("aborted", f"Incident aborted by {cmd.by}: {cmd.note}")
         await self._finish(Outcome.ABORTED)
