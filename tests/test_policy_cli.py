@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from fleetmend import subjects
 from fleetmend.cli.app import app
+from fleetmend.infra.lease import Presence
 from fleetmend.messages import GuardPolicy, guard_task_queue
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
@@ -77,6 +78,8 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
                       activities=acts + guard_activities(guard, calls)), \
             Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard, calls)):
+        # as a real worker does: the guard commands refuse a cluster no worker announces (try2 F26)
+        await Presence(nc.jetstream(), "worker", [cluster]).announce()
         none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
         assert none.exit_code == 1 and "no FleetGuard" in none.output
 

@@ -1,0 +1,51 @@
+"""A new user's second try (try2 findings F1, F5, F6, F8, F13, F14, F22, F23, F26, F27): bad input is one line
+(usage and configuration errors exit 2), never a traceback, a hang or a silent drop. Each test failed before
+its fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, tmp_path: Path, timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
+    base.update({"FLEETMEND_STATE_DIR": str(tmp_path / "state"), **env})
+    return subprocess.run([sys.executable, "-m", "fleetmend.cli.main", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env=base)
+
+
+def _one_error_line(p: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------ F26: a cluster no worker serves
+
+@pytest.mark.parametrize("command", [["pause", "--note", "x"], ["resume"], ["breaker", "reset"], ["breaker", "status"]])
+async def test_a_guard_command_for_a_cluster_no_worker_serves_fails_at_once(
+        command: list[str], nats_server, temporal_server, nc, unique, tmp_path: Path) -> None:
+    from fleetmend.infra.lease import Presence
+
+    served = Presence(nc.jetstream(), "worker", [f"real{unique}"], holder=f"h{unique}")
+    await served.announce()
+    try:
+        t0 = time.monotonic()
+        p = _cli(*command, "--cluster", f"lcoal{unique}", tmp_path=tmp_path, timeout=40,
+                 FLEETMEND_NATS_URL=nats_server.url, FLEETMEND_TEMPORAL_ADDRESS=temporal_server.address)
+        assert time.monotonic() - t0 < 20
+    finally:
+        await served.withdraw()
+    assert p.returncode == 1
+    line = _one_error_line(p)
+    assert f"no worker serves cluster lcoal{unique}" in line and f"real{unique}" in line, line
+    assert f"fleetmend worker --cluster lcoal{unique}" in line
