@@ -49,3 +49,29 @@ async def test_a_guard_command_for_a_cluster_no_worker_serves_fails_at_once(
     line = _one_error_line(p)
     assert f"no worker serves cluster lcoal{unique}" in line and f"real{unique}" in line, line
     assert f"fleetmend worker --cluster lcoal{unique}" in line
+
+
+# ------------------------------------------------------------------ F6: FLEETMEND_LOG_FORMAT
+
+@pytest.mark.parametrize("command", [["config", "check"], ["runbook"], ["nodes"]])
+def test_an_unknown_log_format_is_one_configuration_line_exit_2(command: list[str], tmp_path: Path) -> None:
+    p = _cli(*command, tmp_path=tmp_path, FLEETMEND_LOG_FORMAT="xml")
+    assert p.returncode == 2, p.stderr
+    line = _one_error_line(p)
+    assert line.startswith("invalid configuration: FLEETMEND_LOG_FORMAT") and "'xml'" in line and "json" in line
+
+
+# ------------------------------------------------------------------ F8: NATS away
+
+def test_a_command_with_nats_away_prints_only_its_error_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for command in (["nodes", "--no-incidents"], ["inject", "--node", "x", "--xid", "79"]):
+        p = _cli(*command, tmp_path=tmp_path, FLEETMEND_NATS_URL=f"nats://127.0.0.1:{port}",
+                 FLEETMEND_SCHEDULER="standalone")
+        assert p.returncode == 1
+        line = _one_error_line(p)
+        assert line.startswith("error: cannot reach NATS") and "connection refused" in line, line
