@@ -75,3 +75,39 @@ def test_a_command_with_nats_away_prints_only_its_error_line(tmp_path: Path) -> 
         assert p.returncode == 1
         line = _one_error_line(p)
         assert line.startswith("error: cannot reach NATS") and "connection refused" in line, line
+
+
+# ------------------------------------------------------------------ F13, F14, F1: report
+
+@pytest.mark.parametrize("where", ["/nonexistent/dir/r.html", "{tmp}"])
+def test_report_html_to_an_unwritable_path_is_one_usage_line(where: str, tmp_path: Path) -> None:
+    target = where.format(tmp=tmp_path)
+    # NATS is not even asked: the path is checked first
+    p = _cli("report", "--html", target, tmp_path=tmp_path, FLEETMEND_NATS_URL="nats://127.0.0.1:1")
+    assert p.returncode == 2, p.stderr
+    line = _one_error_line(p)
+    assert line.startswith(f"--html {target}:") and ("no such directory" in line or "is a directory" in line), line
+
+
+@pytest.mark.parametrize("since", ["99999d", "1753-01-01", "2999-01-01T00:00:00"])
+def test_report_since_beyond_ten_years_or_in_the_future_is_one_usage_line(since: str, tmp_path: Path) -> None:
+    p = _cli("report", "--since", since, tmp_path=tmp_path, FLEETMEND_NATS_URL="nats://127.0.0.1:1")
+    assert p.returncode == 2, p.stderr
+    line = _one_error_line(p)
+    assert line.startswith(f"--since {since!r}:") and ("at most 3650 days" in line or "future" in line), line
+
+
+def test_report_headline_keeps_a_small_nonzero_gpu_hours(capsys) -> None:
+    from fleetmend.cli import report
+    from fleetmend.report import ReportParams, build_report
+
+    t0 = 1_000_000.0  # one GPU out for 2.3 minutes: 0.038 GPU-hours
+    rec = {"cluster": "c", "node": "n1", "incident_id": "remediate/c/n1/1", "fault_class": "xid79",
+           "drained_at": t0, "returned_at": t0 + 138, "closed_at": t0 + 138, "gpu_count": 1,
+           "outcome": "returned_after_repair"}
+    rep = build_report([rec], ReportParams(since=t0 - 3600, now=t0 + 3600))
+    report._print(rep)
+    text = capsys.readouterr().out
+    assert "0.04 GPU-hours out of service in 1 incident" in text, text
+    assert report.gpu_hours_text(0.0038) == "0.0038" and report.gpu_hours_text(0.0) == "0.00"
+    assert report.gpu_hours_text(1234.5) == "1,234.50"
