@@ -111,3 +111,53 @@ def test_report_headline_keeps_a_small_nonzero_gpu_hours(capsys) -> None:
     assert "0.04 GPU-hours out of service in 1 incident" in text, text
     assert report.gpu_hours_text(0.0038) == "0.0038" and report.gpu_hours_text(0.0) == "0.00"
     assert report.gpu_hours_text(1234.5) == "1,234.50"
+
+
+# ------------------------------------------------------------------ F22: ports
+
+@pytest.mark.parametrize(("var", "value"), [("FLEETMEND_TEMPORAL_UI_PORT", "70000"), ("FLEETMEND_TEMPORAL_UI_PORT", "-1"),
+                                            ("FLEETMEND_TEMPORAL_UI_PORT", "0"),
+                                            ("FLEETMEND_NATS_URL", "nats://127.0.0.1:99999"),
+                                            ("FLEETMEND_NATS_URL", "nats://127.0.0.1:4222,nats://h2:0"),
+                                            ("FLEETMEND_METRICS__WORKER_PORT", "65536")])
+def test_config_check_refuses_a_port_out_of_range_in_one_line(var: str, value: str, tmp_path: Path) -> None:
+    p = _cli("config", "check", tmp_path=tmp_path, **{var: value})
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    line = _one_error_line(p)
+    assert line.startswith("invalid configuration: ") and var[len("FLEETMEND_"):].lower().replace("__", ".") in line
+
+
+def test_dev_up_with_a_ui_port_out_of_range_starts_nothing(tmp_path: Path) -> None:
+    p = _cli("dev", "up", "--ui-port", "99999", "--nats-url", "nats://127.0.0.1:4333", tmp_path=tmp_path, timeout=30)
+    assert p.returncode == 2 and p.stdout == "", p.stdout  # nothing started ("nats-server ..." is stdout)
+    line = _one_error_line(p)
+    assert line.startswith("invalid configuration: temporal_ui_port: ") and "99999" in line and "65535" in line, line
+    p = _cli("dev", "up", "--nats-url", "nats://127.0.0.1:99999", tmp_path=tmp_path, timeout=30)
+    assert p.returncode == 2 and p.stdout == "" and "nats_url" in _one_error_line(p)
+
+
+# ------------------------------------------------------------------ F23: the state directory
+
+def test_a_state_dir_that_is_a_file_is_one_line_before_dev_up_starts_anything(tmp_path: Path) -> None:
+    f = tmp_path / "statefile"
+    f.write_text("")
+    for state in (f, f / "below"):
+        p = _cli("dev", "up", "--nats-url", "nats://127.0.0.1:4334", "--temporal-address", "127.0.0.1:7334",
+                 tmp_path=tmp_path, timeout=30, FLEETMEND_STATE_DIR=str(state))
+        assert p.returncode == 2 and p.stdout == "", p.stdout
+        line = _one_error_line(p)
+        assert line.startswith(f"error: state dir {state}: ") and "not a directory" in line, line
+        c = _cli("config", "check", tmp_path=tmp_path, FLEETMEND_STATE_DIR=str(state))
+        assert c.returncode == 2 and "not a directory" in _one_error_line(c)
+
+
+def test_ensure_state_dir_names_what_the_system_refused(tmp_path: Path, monkeypatch) -> None:
+    from fleetmend.config import ensure_state_dir
+    from fleetmend.errors import ConfigError
+
+    def refuse(*_a, **_k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConfigError, match=r"^state dir .*: not writable \(permission denied\); set FLEETMEND_STATE_DIR"):
+        ensure_state_dir(tmp_path / "new")

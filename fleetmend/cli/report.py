@@ -164,7 +164,8 @@ def _print(rep: dict[str, Any]) -> None:
         out.print(f"{label}: {value}\n  [dim]{escape(how[name])}[/dim]")
     fdr = rep["false_drain_rate"]
     out.print(f"false-drain rate: {'–' if fdr is None else f'{fdr:.1%}'}\n  [dim]{escape(how['false_drain_rate'])}[/dim]")
-    out.print(f"lost to slow nodes: {gpu_hours_text(rep['slowness_gpu_hours'])} GPU-hours\n  [dim]{escape(how['slowness_gpu_hours'])}[/dim]")
+    out.print(f"lost to slow nodes: {gpu_hours_text(rep['slowness_gpu_hours'])} GPU-hours\n"
+              f"  [dim]{escape(how['slowness_gpu_hours'])}[/dim]")
     for by in ("fault_class", "rack", "hw_class"):
         values = rep[f"gpu_hours_by_{by}"]
         if values:
