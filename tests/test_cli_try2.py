@@ -161,3 +161,50 @@ def test_ensure_state_dir_names_what_the_system_refused(tmp_path: Path, monkeypa
     monkeypatch.setattr(Path, "mkdir", refuse)
     with pytest.raises(ConfigError, match=r"^state dir .*: not writable \(permission denied\); set FLEETMEND_STATE_DIR"):
         ensure_state_dir(tmp_path / "new")
+
+
+# ------------------------------------------------------------------ F5: inject --bus-id
+
+@pytest.mark.parametrize("bus_id", ["zz", "0000:3b:00.9", "0000:3b:00.0 ; rm", ""])
+def test_inject_refuses_a_bus_id_that_is_not_a_pci_address(bus_id: str, tmp_path: Path) -> None:
+    # refused before NATS is asked (nothing listens at port 1)
+    p = _cli("inject", "--node", "gpu-020", "--xid", "79", "--bus-id", bus_id, tmp_path=tmp_path,
+             FLEETMEND_NATS_URL="nats://127.0.0.1:1")
+    assert p.returncode == 2, p.stderr
+    line = _one_error_line(p)
+    assert line == (f"error: --bus-id: {bus_id!r} is not a PCI bus id; expected [domain:]bus:device[.function] in hex, "
+                    "e.g. 0000:3b:00.0"), line
+
+
+async def test_inject_normalizes_the_bus_id_as_the_agents_report_it(nats_server, nc, unique, tmp_path: Path) -> None:
+    import json
+
+    from fleetmend import subjects
+    from fleetmend.infra.jetstream import ensure_fault_stream
+
+    await ensure_fault_stream(nc.jetstream())
+    p = _cli("inject", "--node", "gpu-020", "--xid", "79", "--bus-id", "PCI:3B:00", "--cluster", f"c{unique}",
+             "--json", tmp_path=tmp_path, FLEETMEND_NATS_URL=nats_server.url)
+    assert p.returncode == 0, p.stderr
+    msg = await nc.jetstream().get_msg(subjects.FAULT_STREAM, json.loads(p.stdout)["seq"])
+    assert json.loads(msg.data)["device"]["pci_bus_id"] == "0000:3b:00.0"
+
+
+# ------------------------------------------------------------------ F27: notes and ticket ids
+
+@pytest.mark.parametrize(("command", "option", "value", "why"), [
+    (["repaired", "storm-102"], "--ticket", "RMA\n123\x1b[31m", "control character ('\\n' at position 4)"),
+    (["repaired", "storm-102"], "--note", "line1 \x1b[2J", "control character ('\\x1b' at position 7)"),
+    (["abort", "x-2"], "--note", "x" * 120_000, "120000 characters; at most 2000"),
+    (["repaired", "x-2"], "--ticket", "T" * 129, "129 characters; at most 128"),
+    (["pause"], "--note", "a\tb", "control character ('\\t' at position 2)"),
+    (["breaker", "reset"], "--note", "rtl \u202e", "control character ('\\u202e' at position 5)"),
+    (["drift", "allow", "version.nvidia_driver", "550"], "--why", "ok\r", "control character ('\\r' at position 3)"),
+])
+def test_notes_and_ticket_ids_refuse_control_characters_and_length(command: list[str], option: str, value: str,
+                                                                   why: str, tmp_path: Path) -> None:
+    # a usage error (exit 2) before any server is asked (nothing listens at port 1)
+    p = _cli(*command, option, value, tmp_path=tmp_path, FLEETMEND_NATS_URL="nats://127.0.0.1:1",
+             FLEETMEND_TEMPORAL_ADDRESS="127.0.0.1:1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"Invalid value for '{option}': " in p.stderr and why in p.stderr, p.stderr

@@ -24,6 +24,7 @@ from fleetmend.cli.common import (
     ClusterOpt,
     ConfigOpt,
     JsonOpt,
+    free_text,
     node_name,
     out,
     refusal,
@@ -391,7 +392,7 @@ def breaker_status(
 
 @app.command("reset")
 def breaker_reset(
-    note: str = typer.Option("", "--note", help="Why it is safe to resume."),
+    note: str = typer.Option("", "--note", help="Why it is safe to resume.", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -406,7 +407,7 @@ def breaker_reset(
 def breaker_release(
     node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free.",
                                callback=node_name),
-    note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
+    note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log).", callback=free_text()),
     force: bool = typer.Option(False, "--force", help="Release even while NODE's incident still runs."),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
@@ -428,7 +429,7 @@ def breaker_release(
 
 @commands.command()
 def pause(
-    note: str = typer.Option("", "--note", help="Why."),
+    note: str = typer.Option("", "--note", help="Why.", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -441,7 +442,7 @@ def pause(
 
 @commands.command()
 def resume(
-    note: str = typer.Option("", "--note"),
+    note: str = typer.Option("", "--note", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
