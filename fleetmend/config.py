@@ -747,6 +747,19 @@ class Settings(BaseSettings):
             u = urlparse(url.strip())
             if u.scheme not in ("nats", "tls", "ws", "wss") or not u.hostname:
                 raise ValueError(f"{url!r}: expected nats://host:port (or tls://, comma-separated for a cluster)")
+            try:
+                port = u.port
+            except ValueError:  # out of range, or not a number
+                port = -1
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{url!r}: the port must be 1 to 65535")
+        return v
+
+    @field_validator("temporal_ui_port")
+    @classmethod
+    def _ui_port(cls, v: int) -> int:
+        if not 0 < v < 65536:
+            raise ValueError(f"{v}: a TCP port is 1 to 65535")
         return v
 
     @field_validator("temporal_address")
@@ -829,10 +842,10 @@ def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Se
     except ValidationError as err:
         where = f" in {path}" if path else ""
         n = err.error_count()
-        lines = [f"invalid configuration{where} ({n} error{'s' if n != 1 else ''}):"]
-        for e in err.errors():
-            loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-            lines.append(f"  {loc}: {e['msg']}")
+        errors = [f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in err.errors()]
+        if n == 1:  # one error, one line
+            raise ConfigError(f"invalid configuration{where}: {errors[0]}") from err
+        lines = [f"invalid configuration{where} ({n} errors):"] + [f"  {e}" for e in errors]
         raise ConfigError("\n".join(lines)) from err
 
 
@@ -908,3 +921,41 @@ def redacted(settings: Settings) -> dict[str, Any]:
         return url(d) if isinstance(d, str) and "@" in d and "://" in d else d
 
     return walk(settings.model_dump(mode="json"))
+
+
+def state_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be the state directory (`Settings.state_dir`), without creating anything: it, or the
+    nearest of its parents that exists, is not a directory, or that one is not writable; None when it can be."""
+    if path.exists() and not path.is_dir():
+        return f"state dir {path}: not a directory"
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"state dir {path}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"state dir {path}: not writable ({existing}: permission denied)"
+    return None
+
+
+def ensure_state_dir(path: Path) -> None:
+    """Create the state directory `path` (and its parents) and check a file can be written in it.
+
+    Raises:
+        ConfigError: one line saying why it cannot be used (a file, a missing or read-only parent, ...).
+    """
+    import tempfile
+
+    problem = state_dir_problem(path)
+    if problem is not None:
+        raise ConfigError(problem + "; set FLEETMEND_STATE_DIR (or --state-dir) to a writable directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        why = ("not a directory" if isinstance(e, (NotADirectoryError, FileExistsError))
+               else "not writable (permission denied)" if isinstance(e, PermissionError)
+               else (e.strerror or str(e)).lower())
+        raise ConfigError(f"state dir {path}: {why}; set FLEETMEND_STATE_DIR (or --state-dir) to a writable "
+                          "directory") from None

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import nats
 import pytest
+import structlog
 
 from activities.scheduler import build_scheduler
 from activities.standalone import StandaloneScheduler
@@ -35,6 +36,7 @@ from fleetmend.config import load_settings
 from fleetmend.infra import permit_pool
 from fleetmend.infra.connect import connect_nats, connect_temporal
 from fleetmend.infra.jetstream import ensure_fault_stream
+from fleetmend.infra.lease import Presence
 from fleetmend.infra.permit_pool import BY_GUARD, BY_ROUTER, PermitPool, PoolBusyError
 from fleetmend.messages import GuardApi, GuardCommand, GuardStatus
 from fleetmend.router.core import Router
@@ -192,7 +194,11 @@ async def test_router_fast_path_end_to_end(nats_server, temporal_server, tmp_pat
     router = Router(s, nc, js, client, load_catalog(), filter_subject=f"fleet.{cluster}.fault.*",
                     durable=f"router-{unique}", scheduler=build_scheduler(s, js=js))
     worker = await build_worker(s, client, nc)
-    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.run()), asyncio.create_task(watch())]
+    # as `fleetmend worker` does: the guard commands refuse a cluster no worker announces (try2 F26)
+    present = Presence(js, "worker", [cluster])
+    await present.announce()
+    tasks = [asyncio.create_task(router.run(stop)), asyncio.create_task(worker.run()), asyncio.create_task(watch()),
+             asyncio.create_task(present.run(stop, structlog.get_logger()))]
     pool = await PermitPool.open(js)
     guard = client.get_workflow_handle(subjects.fleetguard_workflow_id(cluster))
 

@@ -7,11 +7,13 @@ import asyncio
 import json
 
 import pytest
+import structlog
 from temporalio.worker import Worker
 from typer.testing import CliRunner
 
 from fleetmend import subjects
 from fleetmend.cli.app import app
+from fleetmend.infra.lease import Presence
 from fleetmend.messages import GuardPolicy, guard_task_queue
 from tests.activity_standins import GUARD_ACTIVITIES, Calls, guard_activities, real_guard, stand_ins
 from tests.conftest import assert_eventually
@@ -77,6 +79,11 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
     async with Worker(temporal_client, task_queue=tq, workflows=[NodeRemediation],
                       activities=acts + guard_activities(guard, calls)), \
             Worker(temporal_client, task_queue=gtq, workflows=[FleetGuard], activities=guard_activities(guard, calls)):
+        # as a real worker does: the guard commands refuse a cluster no worker announces (try2 F26)
+        present = Presence(nc.jetstream(), "worker", [cluster], renew_s=5)
+        await present.announce()
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(present.run(stop, structlog.get_logger()))
         none = await asyncio.to_thread(cli, cli_env, "breaker", "status")
         assert none.exit_code == 1 and "no FleetGuard" in none.output
 
@@ -113,6 +120,8 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
         st = json.loads((await asyncio.to_thread(cli, cli_env, "breaker", "status", "--json")).output)
         assert any("breaker reset by" in line and "one-off" in line for line in st["log"])
         assert [d.node for d in calls.drains] == ["x1", "x2"]
+        stop.set()
+        await renewing
 
 
 async def _status(env: dict[str, str], pred):

@@ -100,7 +100,12 @@ def _cli(version: bool = typer.Option(False, "--version", is_eager=True, callbac
                                       help="Print the version and exit.")) -> None:
     # One-shot commands log warnings and errors only, to stderr (stdout is the result); the long-running
     # processes (worker, router, dev up) configure their own level and format at start.
-    configure_logging(os.environ.get("FLEETMEND_LOG_FORMAT", "auto"), level="warning")
+    fmt = os.environ.get("FLEETMEND_LOG_FORMAT", "auto")
+    try:
+        configure_logging(fmt, level="warning")
+    except ValueError as e:  # a bad FLEETMEND_LOG_FORMAT: a configuration error, for every command alike
+        sys.stderr.write(f"invalid configuration: FLEETMEND_LOG_FORMAT: {e}\n")
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

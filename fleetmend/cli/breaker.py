@@ -7,6 +7,7 @@ Every command is a `GuardApi` query or update; the updates carry who sent them f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from fleetmend.cli.common import (
     ClusterOpt,
     ConfigOpt,
     JsonOpt,
+    free_text,
     node_name,
     out,
     refusal,
@@ -141,18 +143,57 @@ async def _guard_handle(settings: Settings, *, start: bool) -> Any:
     return client.get_workflow_handle(wid)
 
 
+GUARD_UPDATE_TIMEOUT_S = 15.0
+"""How long `pause`, `resume` and `breaker reset` wait for the cluster's FleetGuard to take their update (its
+worker answers in milliseconds; an update nobody processes would otherwise wait without end)."""
+
+
+async def require_worker(settings: Settings) -> None:
+    """Refuse at once when no live worker serves `settings.cluster` (the presence keys of
+    `fleetmend.infra.lease.presence`): a FleetGuard update or query for it would wait for nobody (a mistyped
+    cluster name). Unknown (NATS away, no permission, no answer): the command goes on, bounded by its timeout.
+
+    Raises:
+        FleetmendError: no worker serves the cluster, naming the clusters that are served.
+    """
+    from fleetmend.infra.lease import presence, served_clusters
+
+    try:
+        nc = await connect_nats(settings, name="fleetmend-cli")
+    except Exception:  # noqa: BLE001 - NATS away: not known, the bounded wait decides
+        return
+    try:
+        rows = await presence(nc.jetstream(), "worker", timeout_s=3.0)
+    except Exception:  # noqa: BLE001 - no permission or no answer: not known
+        return
+    finally:
+        await close_nats(nc)
+    served = served_clusters(rows)
+    if settings.cluster in served:
+        return
+    others = ", ".join(sorted(served)) or "none"
+    raise FleetmendError(f"no worker serves cluster {settings.cluster} (workers are running for: {others}); start "
+                         f"`fleetmend worker --cluster {settings.cluster}`, or check the name")
+
+
 async def _guard_status(settings: Settings) -> dict[str, Any]:
-    from temporalio.service import RPCError
+    from temporalio.service import RPCError, RPCStatusCode
 
     from fleetmend.messages import GuardApi, GuardStatus
 
+    await require_worker(settings)
     handle = await _guard_handle(settings, start=False)
     try:
-        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus)
+        st = await handle.query(GuardApi.STATUS, result_type=GuardStatus,
+                                rpc_timeout=timedelta(seconds=GUARD_QUERY_TIMEOUT_S))
     except RPCError as e:
         if "not found" in str(e).lower():
             raise FleetmendError(f"no FleetGuard for cluster {settings.cluster} yet: no drain permit has been "
                                  "requested (it starts with the first drain-worthy fault, or `fleetmend pause`)") from e
+        if e.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            raise FleetmendError(f"FleetGuard of cluster {settings.cluster} did not answer within "
+                                 f"{GUARD_QUERY_TIMEOUT_S:g} s; is a worker of cluster {settings.cluster} "
+                                 "running?") from None
         raise FleetmendError(f"could not read FleetGuard of {settings.cluster}: {e}; is `fleetmend worker` running?") \
             from e
     return dict(st.__dict__)
@@ -160,14 +201,22 @@ async def _guard_status(settings: Settings) -> dict[str, Any]:
 
 async def _guard_update(settings: Settings, update: str, by: str, note: str) -> str:
     """Send the `GuardApi` update `update` (RESET_BREAKER, PAUSE, RESUME). Returns the guard's answer."""
-    from temporalio.client import WorkflowUpdateFailedError
+    from temporalio.client import WorkflowUpdateFailedError, WorkflowUpdateRPCTimeoutOrCancelledError
     from temporalio.service import RPCError
 
     from fleetmend.messages import GuardCommand
 
+    await require_worker(settings)  # before the guard is started: a typo'd cluster gets no guard nobody serves
     handle = await _guard_handle(settings, start=True)
     try:
-        return await handle.execute_update(update, GuardCommand(by=by, note=note), result_type=str)
+        return await asyncio.wait_for(
+            handle.execute_update(update, GuardCommand(by=by, note=note), result_type=str,
+                                  rpc_timeout=timedelta(seconds=GUARD_UPDATE_TIMEOUT_S)),
+            timeout=GUARD_UPDATE_TIMEOUT_S + 1)
+    except (TimeoutError, asyncio.TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError):
+        raise FleetmendError(f"FleetGuard of cluster {settings.cluster} did not take the update within "
+                             f"{GUARD_UPDATE_TIMEOUT_S:g} s; is a worker of cluster {settings.cluster} running? "
+                             "(it applies the update when one starts)") from None
     except WorkflowUpdateFailedError as e:
         raise FleetmendError(f"FleetGuard {settings.cluster}: {refusal(e)}") from e
     except RPCError as e:
@@ -343,7 +392,7 @@ def breaker_status(
 
 @app.command("reset")
 def breaker_reset(
-    note: str = typer.Option("", "--note", help="Why it is safe to resume."),
+    note: str = typer.Option("", "--note", help="Why it is safe to resume.", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -358,7 +407,7 @@ def breaker_reset(
 def breaker_release(
     node: str = typer.Argument(..., help="The node whose drain permit (or queued request) to free.",
                                callback=node_name),
-    note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log)."),
+    note: str = typer.Option("", "--note", help="Why (kept in the guard's audit log).", callback=free_text()),
     force: bool = typer.Option(False, "--force", help="Release even while NODE's incident still runs."),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
@@ -380,7 +429,7 @@ def breaker_release(
 
 @commands.command()
 def pause(
-    note: str = typer.Option("", "--note", help="Why."),
+    note: str = typer.Option("", "--note", help="Why.", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -393,7 +442,7 @@ def pause(
 
 @commands.command()
 def resume(
-    note: str = typer.Option("", "--note"),
+    note: str = typer.Option("", "--note", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,

@@ -57,6 +57,43 @@ def node_name(value: Optional[str]) -> Optional[str]:
         raise typer.BadParameter(str(e)) from e
 
 
+MAX_NOTE_CHARS = 2000
+"""The longest `--note` (and `--why`) an operator command takes: it lands in the incident's history."""
+MAX_TICKET_CHARS = 128
+"""The longest `--ticket` id (and `--who`)."""
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def check_free_text(value: str, max_chars: int) -> str:
+    """`value` when it is one line of at most `max_chars` characters without control characters (newlines, tabs,
+    ESC and so terminal escape sequences, C1 controls, bidirectional overrides): what an operator types into a
+    note or a ticket id is shown raw in every other operator's `status`. Raises ValueError saying why."""
+    import unicodedata
+
+    for i, c in enumerate(value):
+        if unicodedata.category(c) == "Cc" or c in _BIDI:
+            raise ValueError(f"holds a control character ({c!r} at position {i + 1}); write it on one line, "
+                             "without tabs or escape sequences")
+    if len(value) > max_chars:
+        raise ValueError(f"{len(value)} characters; at most {max_chars}")
+    return value
+
+
+def free_text(max_chars: int = MAX_NOTE_CHARS) -> Callable[[Optional[str]], Optional[str]]:
+    """Typer callback for a free-text option (`--note`, `--ticket`): `check_free_text`, else a usage error
+    (exit 2) that says why, before any server is asked."""
+
+    def callback(value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return None
+        try:
+            return check_free_text(value, max_chars)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+
+    return callback
+
+
 def settings(config: Optional[Path] = None, **overrides: Any) -> Settings:
     """`load_settings(config, **overrides)`; a configuration error is printed and exits 2."""
     try:

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from fleetmend.catalog import load_catalog
 from fleetmend.cli.common import ConfigOpt, JsonOpt, err, out, settings
-from fleetmend.config import Settings, redacted
+from fleetmend.config import Settings, redacted, state_dir_problem
 from fleetmend.errors import CatalogError, ConfigError
 
 app = typer.Typer(no_args_is_help=True, help="Configuration.")
@@ -47,6 +47,10 @@ def config_check(config: Optional[Path] = ConfigOpt, as_json: bool = JsonOpt) ->
     except ConfigError as e:
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from e
+    problem = state_dir_problem(s.state_dir)
+    if problem is not None:
+        err.print(f"[red]invalid configuration: {escape(problem)}[/red]")
+        raise typer.Exit(2)
     if as_json:
         sys.stdout.write(json.dumps(redacted(s), indent=2) + "\n")
     else:

@@ -16,7 +16,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetmend import subjects
-from fleetmend.cli.common import ClusterOpt, ConfigOpt, JsonOpt, err, out, run, settings, who
+from fleetmend.cli.common import (
+    MAX_TICKET_CHARS,
+    ClusterOpt,
+    ConfigOpt,
+    JsonOpt,
+    err,
+    free_text,
+    out,
+    run,
+    settings,
+    who,
+)
 from fleetmend.config import Settings
 from fleetmend.infra.connect import connect_nats
 
@@ -165,8 +176,10 @@ def drift(ctx: typer.Context, cluster: Optional[str] = ClusterOpt, as_json: bool
 @app.command("allow")
 def allow(key: str = typer.Argument(..., help="Fact key, e.g. version.nvidia_driver."),
           values: list[str] = typer.Argument(..., help="Every value allowed during the rollout."),
-          by: str = typer.Option("", "--who", help="Who allows it (default user@host)."),
-          why: str = typer.Option(..., "--why", help="Why (the rollout, the change ticket)."),
+          by: str = typer.Option("", "--who", help="Who allows it (default user@host).",
+                                      callback=free_text(MAX_TICKET_CHARS)),
+          why: str = typer.Option(..., "--why", help="Why (the rollout, the change ticket).",
+                                       callback=free_text()),
           remove: bool = typer.Option(False, "--remove", help="Drop the allowed set of KEY (VALUE is ignored)."),
           cluster: Optional[str] = ClusterOpt, config: Optional[Path] = ConfigOpt) -> None:
     """Allow a set of values for one key while a rollout runs: the cohort majority and the policy are suspended for

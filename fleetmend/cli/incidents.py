@@ -22,10 +22,12 @@ from rich.table import Table
 from fleetmend import subjects
 from fleetmend.cli.breaker import annotate_waits
 from fleetmend.cli.common import (
+    MAX_TICKET_CHARS,
     ClusterOpt,
     ConfigOpt,
     JsonOpt,
     err,
+    free_text,
     node_name,
     out,
     refusal,
@@ -463,8 +465,9 @@ def _done(res: dict[str, Any], as_json: bool) -> None:
 @app.command()
 def repaired(
     node: str = typer.Argument(..., help="The node.", callback=node_name),
-    ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id."),
-    note: str = typer.Option("", "--note", help="What was done."),
+    ticket: Optional[str] = typer.Option(None, "--ticket", help="The repair ticket id.",
+                                          callback=free_text(MAX_TICKET_CHARS)),
+    note: str = typer.Option("", "--note", help="What was done.", callback=free_text()),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,
     config: Optional[Path] = ConfigOpt,
@@ -491,7 +494,7 @@ def retest(node: str = typer.Argument(..., help="The node.", callback=node_name)
 @app.command()
 def abort(
     node: str = typer.Argument(..., help="The node.", callback=node_name),
-    note: str = typer.Option("", "--note", help="Why."),
+    note: str = typer.Option("", "--note", help="Why.", callback=free_text()),
     undrain: bool = typer.Option(False, "--undrain", help="Also undrain the node if fleetmend drained it."),
     as_json: bool = JsonOpt,
     cluster: Optional[str] = ClusterOpt,

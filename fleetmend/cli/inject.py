@@ -104,6 +104,15 @@ def inject(
     if severity is not None and severity not in ("info", "degraded", "fatal"):
         err.print(f"[red]error:[/red] unknown severity {severity!r}; expected info, degraded, fatal")
         raise typer.Exit(2)
+    if bus_id is not None:  # the kmsg parser's rule (`normalize_bdf`): what the agents report is what inject takes
+        from agents.kmsg.matchers import normalize_bdf
+
+        bdf = normalize_bdf(bus_id)
+        if bdf is None:
+            err.print("[red]error:[/red] " + escape(f"--bus-id: {bus_id!r} is not a PCI bus id; expected "
+                                                   "[domain:]bus:device[.function] in hex, e.g. 0000:3b:00.0"))
+            raise typer.Exit(2)
+        bus_id = bdf
     try:
         event = build_injected_event(s, node, xid=xid, kind=kind, severity=severity, bus_id=bus_id, by=who())
     except FleetmendError as e:

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
-from fleetmend.cli.common import ClusterOpt, ConfigOpt, MetricsPortOpt, run, serve, settings
+from fleetmend.cli.common import ClusterOpt, ConfigOpt, MetricsPortOpt, err, run, serve, settings
+from fleetmend.config import ensure_state_dir
+from fleetmend.errors import ConfigError
 
 app = typer.Typer()
 """The top-level process commands (added to the root app without a group name)."""
@@ -97,4 +100,9 @@ def dev_up(
 
     s = settings(config, state_dir=state_dir, nats_url=nats_url, temporal_address=temporal_address,
                  temporal_ui_port=ui_port, scheduler=scheduler)
+    try:  # before anything starts: a file or a read-only place is one line, not a traceback after nats-server
+        ensure_state_dir(s.state_dir)
+    except ConfigError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from e
     raise typer.Exit(run(run_dev_up(s, agent=not no_agent, config=config, secure=secure, join_nats=join_nats)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -27,16 +29,47 @@ _SPAN = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+MAX_SINCE_DAYS = 3650
+"""The longest window `report --since` takes (ten years; the ledger keeps `ledger.max_age_days`, 400 by default)."""
+
+
 def parse_since(value: str, now: float) -> float:
-    """`7d`, `12h`, `30m`, `2w`, `90s` before `now`, or an ISO-8601 time (UTC when no offset). Raises ValueError."""
+    """`7d`, `12h`, `30m`, `2w`, `90s` before `now`, or an ISO-8601 time (UTC when no offset), at most
+    `MAX_SINCE_DAYS` back and not after `now`. Raises ValueError."""
     m = _SPAN.match(value.strip())
     if m:
-        return now - float(m[1]) * _UNIT_S[m[2]]
-    try:
-        t = datetime.fromisoformat(value.strip())
-    except ValueError as e:
-        raise ValueError(f"--since {value!r}: give a span (7d, 12h, 30m, 2w) or an ISO-8601 time") from e
-    return t.timestamp() if t.tzinfo else t.replace(tzinfo=timezone.utc).timestamp()
+        start = now - float(m[1]) * _UNIT_S[m[2]]
+    else:
+        try:
+            t = datetime.fromisoformat(value.strip())
+        except ValueError as e:
+            raise ValueError(f"--since {value!r}: give a span (7d, 12h, 30m, 2w) or an ISO-8601 time") from e
+        start = t.timestamp() if t.tzinfo else t.replace(tzinfo=timezone.utc).timestamp()
+    if now - start > MAX_SINCE_DAYS * 86400:
+        raise ValueError(f"--since {value!r}: at most {MAX_SINCE_DAYS} days back (10 years)")
+    if start > now:
+        raise ValueError(f"--since {value!r}: in the future; give a time before now")
+    return start
+
+
+def gpu_hours_text(v: float) -> str:
+    """GPU-hours as the report prints them: two decimals (as the tables), and a small nonzero value to two
+    significant digits instead of rounding it to 0.00 (0.0038 → 0.0038)."""
+    if v == 0 or abs(v) >= 0.01:
+        return f"{v:,.2f}"
+    return f"{v:.{min(12, 1 - math.floor(math.log10(abs(v))))}f}"
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """Refuse (ValueError, a usage error) a file `what` cannot be written to: its directory missing or not a
+    directory, the path a directory, or no permission; checked before anything is read."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{what} {path}: not writable (permission denied)")
 
 
 async def _read(s: Settings, cluster: Optional[str], with_detail: bool = False,
@@ -73,6 +106,8 @@ def report(
     now = time.time()
     try:
         start = parse_since(since, now)
+        if html is not None:
+            check_writable_file(html, "--html")
         if cluster is not None:
             from fleetmend.subjects import ledger_cluster_prefixes
 
@@ -89,27 +124,38 @@ def report(
             ids = ", ".join(f["id"] for f in rep["findings"]) or "none in this window"
             err.print(f"[red]no single version finding {escape(finding)!r}[/red]; findings: {escape(ids)}")
             raise typer.Exit(1)
-        written = write_vendor_bundle(found[0], heads, directory)
+        try:
+            written = write_vendor_bundle(found[0], heads, directory)
+        except OSError as e:
+            err.print(f"[red]error:[/red] cannot write the vendor bundle into {escape(str(directory))}: "
+                      f"{escape(e.strerror or str(e))}")
+            raise typer.Exit(1) from e
         out.print(f"vendor bundle for finding {found[0]['id']} ({escape(found[0]['fault_class'])} on "
                   f"{escape(found[0]['key'])}={escape(found[0]['value'])}): {len(written)} files in {escape(str(directory))}")
         return
     if html is not None:
         from fleetmend.report_html import render_html
 
-        html.write_text(render_html(rep), encoding="utf-8")
+        page = render_html(rep)
     if as_json:
         sys.stdout.write(json.dumps(rep, indent=2) + "\n")
-        return
-    _print(rep)
-    if html is not None:
-        out.print(f"HTML: {escape(str(html))}")
+    else:
+        _print(rep)
+    if html is not None:  # after the report itself: a failed write loses nothing printed
+        try:
+            html.write_text(page, encoding="utf-8")
+        except OSError as e:
+            err.print(f"[red]error:[/red] cannot write {escape(str(html))}: {escape(e.strerror or str(e))}")
+            raise typer.Exit(1) from e
+        if not as_json:
+            out.print(f"HTML: {escape(str(html))}")
 
 
 def _print(rep: dict[str, Any]) -> None:
     how = rep["how"]
     n = rep["incidents"]
     out.print(f"[bold]compute lost[/bold] {escape(rep.get('cluster') or 'all clusters')}, last {rep['window']['hours']:g} h: "
-              f"{rep['gpu_hours']:,.1f} GPU-hours out of service in {n} incident{'' if n == 1 else 's'}")
+              f"{gpu_hours_text(rep['gpu_hours'])} GPU-hours out of service in {n} incident{'' if n == 1 else 's'}")
     out.print(f"  [dim]{escape(how['gpu_hours'])}[/dim]")
     for name, label, unit in (("mttr_h", "MTTR", "h"), ("time_to_detect_s", "time to detect", "s"),
                               ("time_to_drain_s", "time to drain", "s"), ("ticket_turnaround_h", "ticket turnaround", "h")):
@@ -118,7 +164,8 @@ def _print(rep: dict[str, Any]) -> None:
         out.print(f"{label}: {value}\n  [dim]{escape(how[name])}[/dim]")
     fdr = rep["false_drain_rate"]
     out.print(f"false-drain rate: {'–' if fdr is None else f'{fdr:.1%}'}\n  [dim]{escape(how['false_drain_rate'])}[/dim]")
-    out.print(f"lost to slow nodes: {rep['slowness_gpu_hours']:,.2f} GPU-hours\n  [dim]{escape(how['slowness_gpu_hours'])}[/dim]")
+    out.print(f"lost to slow nodes: {gpu_hours_text(rep['slowness_gpu_hours'])} GPU-hours\n"
+              f"  [dim]{escape(how['slowness_gpu_hours'])}[/dim]")
     for by in ("fault_class", "rack", "hw_class"):
         values = rep[f"gpu_hours_by_{by}"]
         if values:
@@ -126,7 +173,7 @@ def _print(rep: dict[str, Any]) -> None:
             t.add_column(by)
             t.add_column("GPU-h", justify="right")
             for k, v in values.items():
-                t.add_row(escape(k), f"{v:,.2f}")
+                t.add_row(escape(k), gpu_hours_text(v))
             out.print(t)
     if rep["outcomes"]:
         out.print("outcomes: " + ", ".join(f"{k} {v}" for k, v in rep["outcomes"].items()))

@@ -133,12 +133,14 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
     """
     log = structlog.get_logger("fleetmend.nats")
     use_replicas(settings.streams.replicas)
-    last: dict[str, Any] = {"at": 0.0, "err": None}
+    # "quiet": a bounded first connect logs nothing, its failure is the ServiceUnavailableError raised below
+    # (a command with NATS away prints its one-line error only, not a log record before it)
+    last: dict[str, Any] = {"at": 0.0, "err": None, "quiet": not wait_forever}
 
     async def error_cb(err: Exception) -> None:
         # one line at most every 30 s instead of nats-py's traceback per reconnect attempt
         last["err"] = err
-        if time.monotonic() - last["at"] > 30:
+        if not last["quiet"] and time.monotonic() - last["at"] > 30:
             last["at"] = time.monotonic()
             log.warning("nats_error", url=settings.nats_url, client=name, error=repr(err))
 
@@ -158,6 +160,7 @@ async def connect_nats(settings: Settings, *, name: str, wait_forever: bool = Fa
         async with asyncio.timeout(settings.nats_connect_timeout_s * 2 + FIRST_CONNECT_RETRY_S):
             nc = await nats.connect(nats_servers(settings.nats_url), **opts)
         nc.options.update(max_reconnect_attempts=reconnects, reconnect_time_wait=wait_s)
+        last["quiet"] = False
         return nc
     except Exception as err:
         if "authorization violation" in str(err).lower() or "authorization violation" in str(last["err"]).lower():
