@@ -325,7 +325,8 @@ class AgentSettings(_Section):
     nice: int = 10
     """Raised niceness so the agent never competes with the training job; 0 leaves it."""
     expected_gpus: int | None = None
-    """Quick diagnostics fail when fewer GPUs are visible; None: whatever NVML reports."""
+    """Quick diagnostics fail when fewer GPUs are visible; None: fewer than the most this node has shown
+    (kept in the agent's state directory) or than the NVIDIA GPUs on its PCI bus (`agents.diag`)."""
     host_root: Path = Path("/")
     """The host's `/` as the agent sees it (a container mounting the host at /host sets "/host"): pstore,
     kdump, journal files and /proc are read under it (the lastboot probe, the clean-stop record)."""
