@@ -153,3 +153,41 @@ def test_the_console_script_explains_without_the_server_clients(tmp_path: Path) 
              for cmd in ([*entry[:1], *entry[3:], "--help"],
                          [sys.executable, "-m", "fleetmend.cli.main", "explain", "--help"])]
     assert helps[0] == helps[1].replace("python -m fleetmend.cli.main", "fleetmend") and "Usage: fleetmend explain" in helps[0]
+
+
+def _worst(text: str) -> str:
+    xs = [x for x in ex.explain_text(text) if not x.event.healthy]
+    return max((x.event.severity for x in xs), key=lambda s: s.rank).value if xs else "info"
+
+
+def test_explain_reads_every_corpus_case_at_its_expected_severity() -> None:
+    """The exit status follows the WORST finding of explain's own path (every parser, `parse_any`), so every
+    corpus case (kernel logs and tool outputs alike) is judged that way here. tests/test_kmsg_corpus.py checks
+    that SOME kernel-parser event matches and only that the other kinds do not crash: it passed while explain read
+    m322 (one corrected MCE at boot) as degraded and m323 (ras-mc-ctl output) as fatal (try2 F21)."""
+    from tests.corpus_paths import load_cases
+
+    wrong = [(c["id"], _worst(c["raw"]), c["expected"]["severity"]) for c in load_cases()
+             if _worst(c["raw"]) != c["expected"]["severity"]]
+    assert wrong == []
+
+
+def test_ras_mc_ctl_records_end_where_the_section_ends() -> None:
+    """ras-mc-ctl's records are numbered (`--errors`) or indented (`--summary`); a line after them that is neither
+    (the next pasted command, anything else) is no record: it was a fatal mce_uncorrected (try2 F21)."""
+    summary = "MCE records summary:\n\t1 Corrected error, no action required. errors\n"
+    for after in ("hello world\n", "sudo ras-mc-ctl --errors\n", "$ dmesg | tail\n"):
+        got = [(x.event.kind, x.event.severity.value) for x in ex.explain_text(summary + after)]
+        assert got == [("mce", "info")], after
+    # the records of a section that follows still count
+    text = summary + "sudo ras-mc-ctl --errors\nMCE events:\n1 .. error: Uncorrected error, CPU 2, bank 4\n"
+    assert ("mce_uncorrected", "fatal") in [(x.event.kind, x.event.severity.value) for x in ex.explain_text(text)]
+
+
+def test_a_corrected_overflowed_bank_found_at_boot_is_corrected_not_a_rate() -> None:
+    """The CPU-online scan prints a bank kept across the reset; its OVER bit counts errors of the previous run
+    (corpus m322: info). The same record later (CMCI, poll timer) is errors faster than they are read."""
+    line = "[{t}] mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 17: dc2040000000011b\n"
+    assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t="    0.644337")))] == ["mce"]
+    assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t=" 5310.396113")))] == [
+        "mce_corrected_repeated"]

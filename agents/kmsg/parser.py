@@ -47,6 +47,14 @@ ESCALATE_KEY_ATTR = {"mce": "mce_addr"}
 """Kinds whose repeats count per value of an attribute, not per device: a corrected machine check repeats
 at one physical address (`mce_addr`); one without an address counts nowhere."""
 
+BOOT_POLL_S = 30.0
+"""A corrected machine check printed in the kernel's first 30 s (uptime stamp) is the CPU-online bank scan
+(mce/core.c `__mcheck_cpu_init_generic` -> `machine_check_poll(MCP_UC, ...)`, "log everything at CPU online"):
+the bank kept its error across the reset, so its OVER bit (bit 62) counts errors over an unknown span before
+this boot, not a rate. Such a record is `mce` (corrected; its address still counts toward the escalation),
+not `mce_corrected_repeated`. Later (CMCI, the poll timer) OVER means errors came faster than they were
+read, and stays mce_corrected_repeated."""
+
 CAUSE_FAMILIES = {"ras", "mlx5_fw", "gpu_boot"}
 CAUSE_WINDOW_S = 30.0
 """A crash (panic, Oops, BUG, lockup) within 30 s after an open hardware record of these families
@@ -485,6 +493,9 @@ class KmsgParser:
             attrs["kernel_time"] = rec.stamp
         if rec.wall and rec.wall != rec.stamp:
             attrs["collector_time"] = rec.wall
+        if c.kind == "mce_corrected_repeated" and rec.stamp and _uptime(rec.stamp) < BOOT_POLL_S:
+            c.kind = "mce"  # the CPU-online scan of a bank left from before this boot (BOOT_POLL_S)
+            attrs["boot_scan"] = True
         if c.kind in PER_LINE_KINDS:
             self._escalate_burst(rec, attrs)
         self._escalate(rec, attrs)
@@ -610,3 +621,11 @@ def parse_text(
         out.extend(p.feed(line))
     out.extend(p.flush())
     return out
+
+
+def _uptime(stamp: str) -> float:
+    """A kernel uptime stamp (`0.644337`) as seconds; any other stamp (a wall date) is infinitely late."""
+    try:
+        return float(stamp)
+    except ValueError:
+        return float("inf")

@@ -329,6 +329,12 @@ def _ras_mc_ctl(text: str, ctx: Ctx) -> list[FaultEvent]:
         t = line.strip()
         if not t or not section or t.lower().startswith("no "):
             continue
+        if not line[0].isspace() and not t[0].isdigit():
+            # a section's records are numbered (`--errors`: `1 <time> error: ...`) or indented (`--summary`:
+            # `\t1 Corrected error ... errors`); any other line (the next command, a shell prompt, other
+            # output pasted after it) ends the section and is not a record
+            section = ""
+            continue
         low = t.lower()
         dev: str | None = None
         if section.startswith("memory controller"):
