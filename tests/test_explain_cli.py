@@ -4,6 +4,7 @@ large input (the status and the faults of a file over the whole-read limit)."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import subprocess
@@ -191,3 +192,33 @@ def test_a_corrected_overflowed_bank_found_at_boot_is_corrected_not_a_rate() -> 
     assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t="    0.644337")))] == ["mce"]
     assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t=" 5310.396113")))] == [
         "mce_corrected_repeated"]
+
+
+XID79 = "[ 7123.000001] NVRM: Xid (PCI:0000:a1:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+
+
+def test_nul_runs_left_by_a_crash_are_skipped_and_a_binary_file_still_refused(tmp_path: Path, monkeypatch) -> None:
+    """A kern.log after a hard reset or power loss holds a zero-filled stretch (the unflushed tail): its NUL runs
+    are line breaks, the log is read (it was refused as binary data, exit 3, hiding the XID 79: try2 F15)."""
+    zero_fill = b"\x00" * 4096
+    for data in (zero_fill + XID79.encode(),                                   # a zero-filled head
+                 b"[ 7000.0] partial line cut by the res" + zero_fill + XID79.encode(),  # a run mid-line
+                 XID79.encode() + b"abc\x00def\n"):                            # one NUL
+        f = tmp_path / "kern.log"
+        f.write_bytes(data)
+        p = explain(str(f))
+        assert p.returncode == 2, (data[:60], p.stderr)
+        assert "XID 79" in p.stdout.decode() and "NUL byte(s) skipped" in p.stderr.decode()
+    # streamed (over the whole-read limit): the same
+    monkeypatch.setattr(ex, "WHOLE_MAX_BYTES", 64 * 1024)
+    big = (NOISE.encode() * (1 + 200_000 // len(NOISE)))[:200_000] + zero_fill + XID79.encode()
+    run = ex.ExplainRun()
+    assert [(x.event.kind, x.event.code) for x in ex.explain_stream(io.BytesIO(big), run)] == [("xid", 79)]
+    assert run.mode == "stream" and run.nul_bytes == 4096
+    # binary data is still refused: an executable, random bytes
+    import random
+
+    rnd = random.Random(7).randbytes(100_000)
+    for data in (Path(sys.executable).read_bytes()[:200_000], rnd if b"\x00" in rnd[:65536] else rnd + b"\x00"):
+        with pytest.raises(ex.UnreadableInput, match="binary data"):
+            list(ex.explain_stream(io.BytesIO(data)))

@@ -11,6 +11,7 @@ input with `explain_stream`: up to `WHOLE_MAX_BYTES` it is read whole and every 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,13 @@ WHOLE_MAX_BYTES = 8 * 1024 * 1024
 """Inputs up to 8 MiB are read whole and run through every parser (a paste of tool output and logs);
 a larger input is a kernel log in practice and is streamed through the kernel-log parser only."""
 _BINARY_SNIFF_BYTES = 64 * 1024
+_BINARY_CONTROL_SHARE = 0.05
+"""Text with NUL bytes is binary when, NULs left out, over 5 % of the first 64 KiB are other control bytes
+(not tab, newline, CR, form feed, vertical tab, backspace, ESC): a log has next to none, an executable or random
+data about 10-40 %. NUL runs alone are what a crash or power loss leaves in /var/log/kern.log, syslog, messages (the
+filesystem zero-fills the unflushed tail): they are line breaks there, not a reason to refuse the log."""
+_NUL_RUN = re.compile(rb"\x00+")
+_TEXT_BYTES = bytes(b for b in range(256) if 0x20 <= b != 0x7F or b in b"\t\n\r\x0b\x0c\x08\x1b")
 
 
 class UnreadableInput(Exception):
@@ -69,6 +77,33 @@ def explain_text(text: str, catalog: Catalog | None = None, node: str = "local")
     return [Explained(e, cat.classify(e)) for e in events]
 
 
+def _looks_binary(head: bytes) -> bool:
+    """Compressed data by its magic bytes, or (NULs left out) mostly control bytes (`_BINARY_CONTROL_SHARE`)."""
+    if any(head.startswith(magic) for magic, _, _ in _COMPRESSED):
+        return True
+    rest = head[:_BINARY_SNIFF_BYTES].replace(b"\x00", b"")
+    controls = len(rest.translate(None, _TEXT_BYTES))  # what is left once the text bytes are deleted
+    return controls > _BINARY_CONTROL_SHARE * len(rest)
+
+
+def _nul_runs_as_breaks(data: bytes, run: ExplainRun) -> bytes:
+    """Each run of NUL bytes becomes one line break (the lines either side stay apart); counted in `run`."""
+    if b"\x00" not in data:
+        return data
+    run.nul_bytes += data.count(b"\x00")
+    return _NUL_RUN.sub(b"\n", data)
+
+
+class _NulSkipping:
+    """A binary stream whose NUL runs read as line breaks (`_nul_runs_as_breaks`)."""
+
+    def __init__(self, stream: Any, run: ExplainRun) -> None:
+        self.stream, self.run = stream, run
+
+    def read(self, n: int = -1) -> bytes:
+        return _nul_runs_as_breaks(self.stream.read(n), self.run)
+
+
 class _Prefixed:
     """A binary stream that first returns `head` (already read) and then the rest of `stream`."""
 
@@ -92,6 +127,7 @@ class ExplainRun:
     counts: dict[str, int] = field(default_factory=dict)
     drain: bool = False
     worst: Severity | None = None
+    nul_bytes: int = 0
 
     def note(self, x: Explained) -> None:
         key = "cleared" if x.event.healthy else x.event.severity.value
@@ -118,7 +154,9 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
     counts and the worst severity as events are yielded.
 
     Raises:
-        UnreadableInput: the first 64 KiB hold NUL bytes (compressed or binary data, not a log).
+        UnreadableInput: compressed data, or the first 64 KiB hold NUL bytes and, those left out, mostly
+            control bytes (binary data, not a log: `_looks_binary`). NUL runs in a text are line breaks
+            (counted in `run.nul_bytes`).
         OSError: reading the stream failed.
     """
     from agents.kmsg import KmsgParser  # lazily, as explain_text: only this command needs the agent's parsers
@@ -127,17 +165,18 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
     run = run if run is not None else ExplainRun()
     cat = catalog or default_catalog()
     head = stream.read(WHOLE_MAX_BYTES + 1)
-    if b"\x00" in head[:_BINARY_SNIFF_BYTES]:
+    if b"\x00" in head[:_BINARY_SNIFF_BYTES] and _looks_binary(head):
         raise UnreadableInput(_binary_kind(head))
     if len(head) <= WHOLE_MAX_BYTES:
         run.mode = "whole"
-        for x in explain_text(head.decode("utf-8", "replace"), catalog=cat, node=node):
+        text = _nul_runs_as_breaks(head, run).decode("utf-8", "replace")
+        for x in explain_text(text, catalog=cat, node=node):
             run.note(x)
             yield x
         return
     run.mode = "stream"
     parser = KmsgParser("local", node, "unknown", catalog=cat)
-    for ev in parse_stream(cast(IO[bytes], _Prefixed(head, stream)), parser):
+    for ev in parse_stream(cast(IO[bytes], _NulSkipping(_Prefixed(head, stream), run)), parser):
         x = Explained(ev, cat.classify(ev))
         run.note(x)
         yield x
@@ -339,6 +378,9 @@ def explain(
             out.print("no faults found")
         else:
             render_summary(run, out)
+    if run.nul_bytes:
+        err.print(f"({run.nul_bytes} NUL byte(s) skipped: a zero-filled stretch, as a crash or power loss leaves "
+                  "in a log)")
     if run.mode == "stream":
         err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
     raise typer.Exit(exit_status(run, exit_zero))
