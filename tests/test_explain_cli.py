@@ -222,3 +222,20 @@ def test_nul_runs_left_by_a_crash_are_skipped_and_a_binary_file_still_refused(tm
     for data in (Path(sys.executable).read_bytes()[:200_000], rnd if b"\x00" in rnd[:65536] else rnd + b"\x00"):
         with pytest.raises(ex.UnreadableInput, match="binary data"):
             list(ex.explain_stream(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_a_reader_that_goes_away_is_a_closed_pipe_not_a_degraded_finding(tmp_path: Path, fmt: list[str]) -> None:
+    """`fleetmend explain big.log | head -1`: quiet, status 141 as a command killed by SIGPIPE (it was click's and
+    rich's 1, which for explain means "degraded": try2 F4)."""
+    f = tmp_path / "big.log"
+    f.write_text(XID79.replace("79", "31") * 5 + "".join(
+        f"[ {7200 + i}.0] NVRM: Xid (PCI:0000:{i % 200:02x}:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+        for i in range(3000)))
+    p = subprocess.Popen([sys.executable, "-m", "fleetmend.cli.main", "explain", *fmt, str(f)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.readline()
+    p.stdout.close()
+    assert p.wait(timeout=120) == ex.EXIT_STDOUT_CLOSED == 141
+    assert p.stderr.read().decode().strip() == ""

@@ -29,6 +29,9 @@ from fleetmend.cli.common import err, out
 from fleetmend.events import FaultEvent, Severity, device_label
 
 EXIT_OK, EXIT_DEGRADED, EXIT_FATAL, EXIT_UNREADABLE = 0, 1, 2, 3
+EXIT_STDOUT_CLOSED = 128 + 13
+"""The reader of standard output went away (`fleetmend explain big.log | head`): the status of a command killed
+by SIGPIPE (13), as `cat` gives there, silently; not click's 1, which here reads as "degraded"."""
 """Health-check convention (the Nagios plugin statuses OK, WARNING, CRITICAL, UNKNOWN): 0 nothing to act
 on (no fault, or only info and cleared ones), 1 the worst finding is degraded, 2 a fatal finding,
 3 the input could not be read (no such file, a directory, no permission, binary data) or bad usage."""
@@ -300,6 +303,7 @@ EXPLAIN_EPILOG = """Exit statuses (health-check convention):
   1    the worst finding is degraded
   2    a fatal finding
   3    the input could not be read (no such file, a directory, no permission, binary data) or bad usage
+  141  standard output was closed before the end (e.g. `| head`), as for a command killed by SIGPIPE
 
 Inputs up to 8 MiB are read whole (kernel logs and tool outputs); a larger input is streamed as a
 kernel log in bounded memory. Faults are printed as they are found; the summary comes last."""
@@ -352,6 +356,43 @@ def explain(
         err.print("[red]error:[/red] no input: give a file (`fleetmend explain dmesg.txt`) or pipe one "
                   "(`dmesg | fleetmend explain`)")
         raise typer.Exit(EXIT_UNREADABLE)
+    # rich's console meets a closed pipe with SystemExit(1) (Console.on_broken_pipe): here it raises, to be told apart
+    prior = vars(out).get("on_broken_pipe")
+    out.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
+    try:
+        _explain_to_stdout(file, run, as_json)
+    except BrokenPipeError:
+        _quiet_stdout()
+        raise typer.Exit(EXIT_STDOUT_CLOSED) from None
+    finally:
+        if prior is None:
+            del out.on_broken_pipe
+        else:
+            out.on_broken_pipe = prior  # type: ignore[method-assign]
+    if run.mode == "stream":
+        err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
+    raise typer.Exit(exit_status(run, exit_zero))
+
+
+def _raise_broken_pipe() -> None:
+    raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """Standard output onto /dev/null, so that the interpreter's last flush of what is still buffered for the
+    closed pipe does not fail again (the Python documentation's handling of SIGPIPE, `signal` module notes)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        out.quiet = True
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind stdout (a test's capture): nothing to quiet
+        pass
+
+
+def _explain_to_stdout(file: str, run: ExplainRun, as_json: bool) -> None:
+    """Read FILE (or standard input), print each finding, then the summary, and flush: a closed standard
+    output raises BrokenPipeError here (to `explain`), whichever write meets it."""
     try:
         if file == "-":
             stream: IO[bytes] = sys.stdin.buffer
@@ -366,6 +407,8 @@ def explain(
                     sys.stdout.write(json.dumps(explained_json(x), default=str) + "\n")
                 else:
                     render_entry(x, out)
+    except BrokenPipeError:
+        raise
     except (OSError, UnreadableInput) as e:
         known: dict[type[Exception], str] = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory",
                                              PermissionError: "permission denied"}
@@ -381,6 +424,4 @@ def explain(
     if run.nul_bytes:
         err.print(f"({run.nul_bytes} NUL byte(s) skipped: a zero-filled stretch, as a crash or power loss leaves "
                   "in a log)")
-    if run.mode == "stream":
-        err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
-    raise typer.Exit(exit_status(run, exit_zero))
+    sys.stdout.flush()
