@@ -239,3 +239,25 @@ def test_a_reader_that_goes_away_is_a_closed_pipe_not_a_degraded_finding(tmp_pat
     p.stdout.close()
     assert p.wait(timeout=120) == ex.EXIT_STDOUT_CLOSED == 141
     assert p.stderr.read().decode().strip() == ""
+
+
+def test_a_fault_repeating_past_the_record_cap_is_one_fault_in_parts(tmp_path: Path) -> None:
+    """The parser reports a long run of one fault in parts of MAX_RECORD_LINES (a record must close for the agent
+    to publish it); the parts after the first say they continue it and count as no further fault (1000 repeats of
+    one XID 79 read "3 fault(s): 3 fatal", three identical rows of "400 times": try2 F3)."""
+    from agents.kmsg.parser import MAX_RECORD_LINES
+
+    f = tmp_path / "n.log"
+    f.write_text(XID79 * 1000)
+    run = ex.ExplainRun()
+    with f.open("rb") as fh:
+        xs = list(ex.explain_stream(fh, run))
+    assert [(x.event.attrs["count"], bool(x.event.attrs.get("continued"))) for x in xs] == [
+        (MAX_RECORD_LINES, False), (MAX_RECORD_LINES, True), (1000 - 2 * MAX_RECORD_LINES, True)]
+    assert run.total == 1 and run.counts == {"fatal": 1} and run.continued == 2
+    p = explain(str(f))
+    assert p.returncode == 2 and "1 fault(s): 1 fatal (+2 continuation row(s)" in p.stdout.decode()
+    assert p.stdout.decode().count("more time(s) (the same fault, continued)") == 2
+    # two faults of one kind stay two
+    two = XID79 * 3 + XID79.replace("a1:00", "b1:00")
+    assert ex.exit_status(run) == 2 and len(ex.explain_text(two)) == 2

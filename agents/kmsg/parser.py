@@ -29,7 +29,11 @@ RECORD_WINDOW_S = 2.0
 """Lines within 2 s of a record's last line may join it: a kernel prints one report in one burst
 (c001's GSP tables and stack share one second); a later report of the same fault is a new event."""
 MAX_RECORD_LINES = 400
-"""A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway."""
+"""A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway. The cap also bounds
+how long a flood of one fault goes unreported: the agent publishes a record only when it closes, and one XID line
+every millisecond would keep it open for as long as the flood lasts. So a fault repeating past the cap is reported
+in parts of at most 400 lines, each an event of the same condition (`fault_key`; the workflow coalesces them into
+one fault); every part after the first carries `attrs["continued"] = True` (one fault, not several)."""
 PER_LINE_KINDS = frozenset({"aer_corrected"})
 """Kinds whose catalog escalation (`escalate_to/escalate_count/escalate_window_s`, e.g. 3 corrected AER
 errors on one port within 60 s become `aer_corrected_burst`) counts every line of a record, on its PCI
@@ -304,6 +308,8 @@ class KmsgParser:
             rec.lines.extend(raw)
             rec.ts_last = f.ts if f.ts is not None else rec.ts_last
             return
+        if rec is not None and len(rec.lines) >= MAX_RECORD_LINES and _same_condition(rec.cand, cand):
+            cand.attrs["continued"] = True  # the same fault past the line cap: its next part (MAX_RECORD_LINES)
         self._close(out)
         if cand.message == "":
             cand.message = text.strip()
@@ -629,3 +635,9 @@ def _uptime(stamp: str) -> float:
         return float(stamp)
     except ValueError:
         return float("inf")
+
+
+def _same_condition(a: Candidate, b: Candidate) -> bool:
+    """`b` repeats `a`'s fault (kind, code, device, process, health): what `KmsgParser._merge` counts as a repeat."""
+    return (a.kind == b.kind and a.code == b.code and a.bdf == b.bdf and a.dev_name == b.dev_name
+            and a.port == b.port and a.pid == b.pid and a.healthy == b.healthy)

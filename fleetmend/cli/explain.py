@@ -124,17 +124,23 @@ class _Prefixed:
 class ExplainRun:
     """What `explain_stream` found so far: `mode` ("whole" or "stream"), counts by severity word
     ("fatal", "degraded", "info", "cleared"), whether any finding asks for a drain, and the worst severity
-    of the non-clearing findings (None: none)."""
+    of the non-clearing findings (None: none). A fault repeated past the parser's record cap comes in parts
+    (`agents.kmsg.parser.MAX_RECORD_LINES`): the parts after the first (`attrs["continued"]`) are counted in
+    `continued`, not as more faults."""
 
     mode: str = "whole"
     counts: dict[str, int] = field(default_factory=dict)
     drain: bool = False
     worst: Severity | None = None
     nul_bytes: int = 0
+    continued: int = 0
 
     def note(self, x: Explained) -> None:
         key = "cleared" if x.event.healthy else x.event.severity.value
-        self.counts[key] = self.counts.get(key, 0) + 1
+        if x.event.attrs.get("continued"):
+            self.continued += 1
+        else:
+            self.counts[key] = self.counts.get(key, 0) + 1
         if not x.event.healthy:
             self.drain = self.drain or x.classification.drain
             if self.worst is None or x.event.severity.rank > self.worst.rank:
@@ -250,7 +256,9 @@ def render_table(explained: list[Explained], console: Console) -> None:
 def render_summary(run: ExplainRun, console: Console) -> None:
     """One line: counts by severity and whether the node should be drained."""
     counts = ", ".join(f"{n} {k}" for k, n in sorted(run.counts.items()))
-    console.print(Text.assemble((f"{run.total} fault(s): {counts}. ", "bold"),
+    parts = (f" (+{run.continued} continuation row(s): a fault repeating past {_record_cap()} lines comes in parts)"
+             if run.continued else "")
+    console.print(Text.assemble((f"{run.total} fault(s): {counts}{parts}. ", "bold"),
                                 ("Recommendation: drain the node." if run.drain else "No drain needed.",
                                  "bold red" if run.drain else "green")))
 
@@ -269,10 +277,23 @@ def render_entry(x: Explained, console: Console) -> None:
     line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
                          (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
                          f"  → {action}" + (", drain" if drain_s == "yes" else ""),
-                         (f"  {x.event.attrs['count']} times" if int(x.event.attrs.get("count") or 1) > 1 else "",
-                          "dim"))
+                         (_times(x.event), "dim"))
     console.print(line, overflow="fold")
     console.print(Text("    " + msg), overflow="fold")
+
+
+def _record_cap() -> int:
+    from agents.kmsg.parser import MAX_RECORD_LINES  # lazily, as the parsers
+
+    return MAX_RECORD_LINES
+
+
+def _times(ev: FaultEvent) -> str:
+    """`  400 times`; a part after the first of one fault's long run: `  400 more times (the same fault, continued)`."""
+    n = int(ev.attrs.get("count") or 1)
+    if ev.attrs.get("continued"):
+        return f"  {n} more time(s) (the same fault, continued)"
+    return f"  {n} times" if n > 1 else ""
 
 
 def _plain(cell: str) -> str:
