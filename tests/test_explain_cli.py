@@ -219,7 +219,8 @@ def test_nul_runs_left_by_a_crash_are_skipped_and_a_binary_file_still_refused(tm
     import random
 
     rnd = random.Random(7).randbytes(100_000)
-    for data in (Path(sys.executable).read_bytes()[:200_000], rnd if b"\x00" in rnd[:65536] else rnd + b"\x00"):
+    for data in (Path(sys.executable).read_bytes()[:200_000], rnd if b"\x00" in rnd[:65536] else rnd + b"\x00",
+                 XID79.encode("utf-16-le") * 20):  # UTF-16: NULs one by one, not a zero-filled run
         with pytest.raises(ex.UnreadableInput, match="binary data"):
             list(ex.explain_stream(io.BytesIO(data)))
 

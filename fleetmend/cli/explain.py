@@ -84,7 +84,11 @@ def _looks_binary(head: bytes) -> bool:
     """Compressed data by its magic bytes, or (NULs left out) mostly control bytes (`_BINARY_CONTROL_SHARE`)."""
     if any(head.startswith(magic) for magic, _, _ in _COMPRESSED):
         return True
-    rest = head[:_BINARY_SNIFF_BYTES].replace(b"\x00", b"")
+    sniff = head[:_BINARY_SNIFF_BYTES]
+    nuls = sniff.count(b"\x00")
+    if nuls > len(sniff) // 10 and nuls < 2 * len(_NUL_RUN.findall(sniff)):
+        return True  # NULs scattered one by one through the data (UTF-16 text, records of binary fields): no zero-fill
+    rest = sniff.replace(b"\x00", b"")
     controls = len(rest.translate(None, _TEXT_BYTES))  # what is left once the text bytes are deleted
     return controls > _BINARY_CONTROL_SHARE * len(rest)
 
