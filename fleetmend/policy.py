@@ -190,6 +190,13 @@ class RuleSettings:
     """Two-sided windows: an occurrence counts only between `now - window` and `now + max_future_s`
     (the agents' allowed clock skew, `fleetmend.events.MAX_CLOCK_SKEW_S`): three XID 13 dated years
     ahead are not "recent". None: no upper bound."""
+    repeats_need_a_device: bool = False
+    """True: `app_xid_repeat` counts only the repeats of a named GPU. Events that name no GPU (no bus id, name,
+    UUID or index: `fleetmend inject` without --bus-id, a device-plugin line without `Device=`) share the key
+    device None; three of them may be three GPUs (an application bug across a job), so they are recorded, not
+    read as one GPU's hardware. False (the default, until the workflow passes it behind `workflow.patched`: a
+    history that drained on such repeats must replay as it ran): they count as one GPU, as before, and the
+    reason says the GPU is unknown."""
 
 
 @dataclass
@@ -248,9 +255,14 @@ def decide(faults: list[FaultView], now: datetime, rules: RuleSettings, debounce
             continue
         if f.kind == "xid" and f.history is History.REPEATS and not f.drain:
             recent = _within(f.times, now, rules.app_xid_window_s, rules.max_future_s)
-            if len(recent) >= rules.app_xid_repeats:
+            if len(recent) >= rules.app_xid_repeats and f.device is None and rules.repeats_need_a_device:
+                d.reasons.append(f"XID {f.code} {len(recent)}× within {rules.app_xid_window_s:.0f}s on no named GPU "
+                                 "(the events carry no bus id): not one GPU's repeats (an application fault on "
+                                 "several GPUs reads the same); recorded only")
+            elif len(recent) >= rules.app_xid_repeats:
+                where = f"GPU {f.device}" if f.device else "an unknown GPU (no bus id: every such event counted as one)"
                 candidates.append((f, Urgency.NOW, Recovery.DIAGNOSE,
-                                   f"XID {f.code} {len(recent)}× on GPU {f.device} within "
+                                   f"XID {f.code} {len(recent)}× on {where} within "
                                    f"{rules.app_xid_window_s:.0f}s (≥ {rules.app_xid_repeats}): hardware suspect"))
             continue
         remap = tags.get(History.REMAP_PENDING, set()) | tags.get(History.REMAP_FAILURE, set())

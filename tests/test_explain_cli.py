@@ -4,6 +4,7 @@ large input (the status and the faults of a file over the whole-read limit)."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import subprocess
@@ -153,3 +154,111 @@ def test_the_console_script_explains_without_the_server_clients(tmp_path: Path) 
              for cmd in ([*entry[:1], *entry[3:], "--help"],
                          [sys.executable, "-m", "fleetmend.cli.main", "explain", "--help"])]
     assert helps[0] == helps[1].replace("python -m fleetmend.cli.main", "fleetmend") and "Usage: fleetmend explain" in helps[0]
+
+
+def _worst(text: str) -> str:
+    xs = [x for x in ex.explain_text(text) if not x.event.healthy]
+    return max((x.event.severity for x in xs), key=lambda s: s.rank).value if xs else "info"
+
+
+def test_explain_reads_every_corpus_case_at_its_expected_severity() -> None:
+    """The exit status follows the WORST finding of explain's own path (every parser, `parse_any`), so every
+    corpus case (kernel logs and tool outputs alike) is judged that way here. tests/test_kmsg_corpus.py checks
+    that SOME kernel-parser event matches and only that the other kinds do not crash: it passed while explain read
+    m322 (one corrected MCE at boot) as degraded and m323 (ras-mc-ctl output) as fatal (try2 F21)."""
+    from tests.corpus_paths import load_cases
+
+    wrong = [(c["id"], _worst(c["raw"]), c["expected"]["severity"]) for c in load_cases()
+             if _worst(c["raw"]) != c["expected"]["severity"]]
+    assert wrong == []
+
+
+def test_ras_mc_ctl_records_end_where_the_section_ends() -> None:
+    """ras-mc-ctl's records are numbered (`--errors`) or indented (`--summary`); a line after them that is neither
+    (the next pasted command, anything else) is no record: it was a fatal mce_uncorrected (try2 F21)."""
+    summary = "MCE records summary:\n\t1 Corrected error, no action required. errors\n"
+    for after in ("hello world\n", "sudo ras-mc-ctl --errors\n", "$ dmesg | tail\n"):
+        got = [(x.event.kind, x.event.severity.value) for x in ex.explain_text(summary + after)]
+        assert got == [("mce", "info")], after
+    # the records of a section that follows still count
+    text = summary + "sudo ras-mc-ctl --errors\nMCE events:\n1 .. error: Uncorrected error, CPU 2, bank 4\n"
+    assert ("mce_uncorrected", "fatal") in [(x.event.kind, x.event.severity.value) for x in ex.explain_text(text)]
+
+
+def test_a_corrected_overflowed_bank_found_at_boot_is_corrected_not_a_rate() -> None:
+    """The CPU-online scan prints a bank kept across the reset; its OVER bit counts errors of the previous run
+    (corpus m322: info). The same record later (CMCI, poll timer) is errors faster than they are read."""
+    line = "[{t}] mce: [Hardware Error]: CPU 0: Machine Check: 0 Bank 17: dc2040000000011b\n"
+    assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t="    0.644337")))] == ["mce"]
+    assert [e.kind for e in (x.event for x in ex.explain_text(line.format(t=" 5310.396113")))] == [
+        "mce_corrected_repeated"]
+
+
+XID79 = "[ 7123.000001] NVRM: Xid (PCI:0000:a1:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+
+
+def test_nul_runs_left_by_a_crash_are_skipped_and_a_binary_file_still_refused(tmp_path: Path, monkeypatch) -> None:
+    """A kern.log after a hard reset or power loss holds a zero-filled stretch (the unflushed tail): its NUL runs
+    are line breaks, the log is read (it was refused as binary data, exit 3, hiding the XID 79: try2 F15)."""
+    zero_fill = b"\x00" * 4096
+    for data in (zero_fill + XID79.encode(),                                   # a zero-filled head
+                 b"[ 7000.0] partial line cut by the res" + zero_fill + XID79.encode(),  # a run mid-line
+                 XID79.encode() + b"abc\x00def\n"):                            # one NUL
+        f = tmp_path / "kern.log"
+        f.write_bytes(data)
+        p = explain(str(f))
+        assert p.returncode == 2, (data[:60], p.stderr)
+        assert "XID 79" in p.stdout.decode() and "NUL byte(s) skipped" in p.stderr.decode()
+    # streamed (over the whole-read limit): the same
+    monkeypatch.setattr(ex, "WHOLE_MAX_BYTES", 64 * 1024)
+    big = (NOISE.encode() * (1 + 200_000 // len(NOISE)))[:200_000] + zero_fill + XID79.encode()
+    run = ex.ExplainRun()
+    assert [(x.event.kind, x.event.code) for x in ex.explain_stream(io.BytesIO(big), run)] == [("xid", 79)]
+    assert run.mode == "stream" and run.nul_bytes == 4096
+    # binary data is still refused: an executable, random bytes
+    import random
+
+    rnd = random.Random(7).randbytes(100_000)
+    for data in (Path(sys.executable).read_bytes()[:200_000], rnd if b"\x00" in rnd[:65536] else rnd + b"\x00",
+                 XID79.encode("utf-16-le") * 20):  # UTF-16: NULs one by one, not a zero-filled run
+        with pytest.raises(ex.UnreadableInput, match="binary data"):
+            list(ex.explain_stream(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_a_reader_that_goes_away_is_a_closed_pipe_not_a_degraded_finding(tmp_path: Path, fmt: list[str]) -> None:
+    """`fleetmend explain big.log | head -1`: quiet, status 141 as a command killed by SIGPIPE (it was click's and
+    rich's 1, which for explain means "degraded": try2 F4)."""
+    f = tmp_path / "big.log"
+    f.write_text(XID79.replace("79", "31") * 5 + "".join(
+        f"[ {7200 + i}.0] NVRM: Xid (PCI:0000:{i % 200:02x}:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+        for i in range(3000)))
+    p = subprocess.Popen([sys.executable, "-m", "fleetmend.cli.main", "explain", *fmt, str(f)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.readline()
+    p.stdout.close()
+    assert p.wait(timeout=120) == ex.EXIT_STDOUT_CLOSED == 141
+    assert p.stderr.read().decode().strip() == ""
+
+
+def test_a_fault_repeating_past_the_record_cap_is_one_fault_in_parts(tmp_path: Path) -> None:
+    """The parser reports a long run of one fault in parts of MAX_RECORD_LINES (a record must close for the agent
+    to publish it); the parts after the first say they continue it and count as no further fault (1000 repeats of
+    one XID 79 read "3 fault(s): 3 fatal", three identical rows of "400 times": try2 F3)."""
+    from agents.kmsg.parser import MAX_RECORD_LINES
+
+    f = tmp_path / "n.log"
+    f.write_text(XID79 * 1000)
+    run = ex.ExplainRun()
+    with f.open("rb") as fh:
+        xs = list(ex.explain_stream(fh, run))
+    assert [(x.event.attrs["count"], bool(x.event.attrs.get("continued"))) for x in xs] == [
+        (MAX_RECORD_LINES, False), (MAX_RECORD_LINES, True), (1000 - 2 * MAX_RECORD_LINES, True)]
+    assert run.total == 1 and run.counts == {"fatal": 1} and run.continued == 2
+    p = explain(str(f))
+    assert p.returncode == 2 and "1 fault(s): 1 fatal (+2 continuation row(s)" in p.stdout.decode()
+    assert p.stdout.decode().count("more time(s) (the same fault, continued)") == 2
+    # two faults of one kind stay two
+    two = XID79 * 3 + XID79.replace("a1:00", "b1:00")
+    assert ex.exit_status(run) == 2 and len(ex.explain_text(two)) == 2

@@ -177,3 +177,14 @@ def test_journald_and_syslog_framings_beyond_dmesg() -> None:
         evs = events(prefix + msg)
         assert [(e.kind, e.device.name) for e in evs] == [("nic_link_down", "enp59s0f0np0")], prefix
     assert events("[ 1000.123456] node-a01 myapp[42]: " + msg) == []
+
+
+def test_the_end_kernel_panic_trailer_closes_the_same_panic() -> None:
+    """panic() ends its report with `---[ end Kernel panic - not syncing: <reason> ]---`: one panic, not two (it was
+    a second kernel_panic, try2 F10); the trailer alone (the head lost) is still the panic, its reason without `]---`."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "crash_texts" / "sched_irq_panic.txt").read_text()
+    assert [e.kind for e in parse_text(text, node="n") if e.kind == "kernel_panic"] == ["kernel_panic"]
+    alone = parse_text(text.splitlines()[-1], node="n")
+    assert [(e.kind, e.attrs["panic_reason"]) for e in alone] == [("kernel_panic", "Fatal exception in interrupt")]

@@ -63,6 +63,18 @@ def test_app_xids_on_different_gpus_do_not_add_up():
     assert not decide(faults, NOW, RuleSettings()).drain
 
 
+def test_app_xids_that_name_no_gpu_are_not_one_gpus_repeats():
+    """Three XID 13 without a bus id (key device None) may be three GPUs: with `repeats_need_a_device` they are
+    recorded, not a drain; without it (the workflow's default until it passes the flag behind workflow.patched) they
+    drain as before, but the reason no longer says "GPU None" (try2 F19)."""
+    unnamed = [xid(13, times=3, device=None)]  # type: ignore[arg-type]
+    d = decide(unnamed, NOW, RuleSettings(repeats_need_a_device=True))
+    assert not d.drain and "no named GPU" in d.reasons[0] and "recorded only" in d.reasons[0]
+    assert decide([xid(13, times=3)], NOW, RuleSettings(repeats_need_a_device=True)).drain  # a named GPU: as before
+    old = decide(unnamed, NOW, RuleSettings())
+    assert old.drain and "None" not in old.reasons[0] and "unknown GPU" in old.reasons[0]
+
+
 def test_xid45_is_sympathetic_next_to_another_xid_and_recorded_alone():
     d = decide([xid(45), xid(79, drain=True, action="RESTART_BM", sev="fatal")], NOW, RuleSettings())
     assert d.drain and d.fault_class == "xid79" and any("sympathetic to XID 79" in r for r in d.reasons)

@@ -908,7 +908,12 @@ def panic_head(t: str) -> Candidate | None:
     m = _PANIC.search(t)
     if not m:
         return None
+    # panic() closes its report with `---[ end Kernel panic - not syncing: %s ]---` (kernel/panic.c): the same
+    # panic, a line of its record (detail: it merges without counting); alone (the head lost) it is the panic
+    trailer = m.start() >= 9 and t[m.start() - 9:m.start()] == "---[ end "
     reason = m["reason"].strip()
+    if trailer:
+        reason = reason.removesuffix("]---").rstrip()
     attrs: dict[str, Attr] = {"panic_reason": reason[:256]}
     hw = _HW_PANIC.search(reason)
     if hw:  # the panic names its hardware cause: the event is that cause (merges into its record)
@@ -918,7 +923,7 @@ def panic_head(t: str) -> Candidate | None:
     hm = _HARD.search(reason)
     if hm:
         attrs["cpu"] = int(hm["cpu"])
-    return Candidate(kind="kernel_panic", family="crash", priority=3, attrs=attrs)
+    return Candidate(kind="kernel_panic", family="crash", priority=3, attrs=attrs, detail=trailer)
 
 
 def has_lockup(t: str) -> bool:

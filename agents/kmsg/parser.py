@@ -29,7 +29,11 @@ RECORD_WINDOW_S = 2.0
 """Lines within 2 s of a record's last line may join it: a kernel prints one report in one burst
 (c001's GSP tables and stack share one second); a later report of the same fault is a new event."""
 MAX_RECORD_LINES = 400
-"""A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway."""
+"""A record stops absorbing after 400 lines (a full OOM task table); `raw` is capped anyway. The cap also bounds
+how long a flood of one fault goes unreported: the agent publishes a record only when it closes, and one XID line
+every millisecond would keep it open for as long as the flood lasts. So a fault repeating past the cap is reported
+in parts of at most 400 lines, each an event of the same condition (`fault_key`; the workflow coalesces them into
+one fault); every part after the first carries `attrs["continued"] = True` (one fault, not several)."""
 PER_LINE_KINDS = frozenset({"aer_corrected"})
 """Kinds whose catalog escalation (`escalate_to/escalate_count/escalate_window_s`, e.g. 3 corrected AER
 errors on one port within 60 s become `aer_corrected_burst`) counts every line of a record, on its PCI
@@ -46,6 +50,14 @@ device stays held: one condition, counted."""
 ESCALATE_KEY_ATTR = {"mce": "mce_addr"}
 """Kinds whose repeats count per value of an attribute, not per device: a corrected machine check repeats
 at one physical address (`mce_addr`); one without an address counts nowhere."""
+
+BOOT_POLL_S = 30.0
+"""A corrected machine check printed in the kernel's first 30 s (uptime stamp) is the CPU-online bank scan
+(mce/core.c `__mcheck_cpu_init_generic` -> `machine_check_poll(MCP_UC, ...)`, "log everything at CPU online"):
+the bank kept its error across the reset, so its OVER bit (bit 62) counts errors over an unknown span before
+this boot, not a rate. Such a record is `mce` (corrected; its address still counts toward the escalation),
+not `mce_corrected_repeated`. Later (CMCI, the poll timer) OVER means errors came faster than they were
+read, and stays mce_corrected_repeated."""
 
 CAUSE_FAMILIES = {"ras", "mlx5_fw", "gpu_boot"}
 CAUSE_WINDOW_S = 30.0
@@ -296,6 +308,8 @@ class KmsgParser:
             rec.lines.extend(raw)
             rec.ts_last = f.ts if f.ts is not None else rec.ts_last
             return
+        if rec is not None and len(rec.lines) >= MAX_RECORD_LINES and _same_condition(rec.cand, cand):
+            cand.attrs["continued"] = True  # the same fault past the line cap: its next part (MAX_RECORD_LINES)
         self._close(out)
         if cand.message == "":
             cand.message = text.strip()
@@ -485,6 +499,9 @@ class KmsgParser:
             attrs["kernel_time"] = rec.stamp
         if rec.wall and rec.wall != rec.stamp:
             attrs["collector_time"] = rec.wall
+        if c.kind == "mce_corrected_repeated" and rec.stamp and _uptime(rec.stamp) < BOOT_POLL_S:
+            c.kind = "mce"  # the CPU-online scan of a bank left from before this boot (BOOT_POLL_S)
+            attrs["boot_scan"] = True
         if c.kind in PER_LINE_KINDS:
             self._escalate_burst(rec, attrs)
         self._escalate(rec, attrs)
@@ -610,3 +627,17 @@ def parse_text(
         out.extend(p.feed(line))
     out.extend(p.flush())
     return out
+
+
+def _uptime(stamp: str) -> float:
+    """A kernel uptime stamp (`0.644337`) as seconds; any other stamp (a wall date) is infinitely late."""
+    try:
+        return float(stamp)
+    except ValueError:
+        return float("inf")
+
+
+def _same_condition(a: Candidate, b: Candidate) -> bool:
+    """`b` repeats `a`'s fault (kind, code, device, process, health): what `KmsgParser._merge` counts as a repeat."""
+    return (a.kind == b.kind and a.code == b.code and a.bdf == b.bdf and a.dev_name == b.dev_name
+            and a.port == b.port and a.pid == b.pid and a.healthy == b.healthy)

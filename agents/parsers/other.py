@@ -22,7 +22,9 @@ Formats and rules:
   (...)`, or table rows with a `Critical`/`Caution` column). Informational/OK records publish nothing.
 - rasdaemon `ras-mc-ctl --errors` / `--summary`: memory controller events (Corrected → edac_ce,
   Uncorrected/Fatal → edac_ue), PCIe AER events (aer_corrected/aer_nonfatal/aer_fatal), MCE events
-  (Corrected → mce, otherwise mce_uncorrected), one event per section, kind and device.
+  (Corrected → mce, otherwise mce_uncorrected), one event per section, kind and device. A section's records are
+  numbered (`--errors`: `1 <time> error: ...`) or indented (`--summary`: `\t1 Corrected error ... errors`); the first
+  line that is neither (the next pasted command, other output) ends the section.
 - NCCL `NET/IB : Got async event : local catastrophic error` (v2.19) / `NET/IB : mlx5_0:1 async fatal event:
   local catastrophic error` (v2.30) (IBV_EVENT_DEVICE_FATAL) → ib_device_fatal (fatal: the HCA is dead until reset).
 - NCCL NVLS: a `NCCL WARN` from transport/nvls.cc or naming NVLS (`Failed to bind NVLink SHARP (NVLS) Multicast
@@ -328,6 +330,12 @@ def _ras_mc_ctl(text: str, ctx: Ctx) -> list[FaultEvent]:
             continue
         t = line.strip()
         if not t or not section or t.lower().startswith("no "):
+            continue
+        if not line[0].isspace() and not t[0].isdigit():
+            # a section's records are numbered (`--errors`: `1 <time> error: ...`) or indented (`--summary`:
+            # `\t1 Corrected error ... errors`); any other line (the next command, a shell prompt, other
+            # output pasted after it) ends the section and is not a record
+            section = ""
             continue
         low = t.lower()
         dev: str | None = None

@@ -11,6 +11,7 @@ input with `explain_stream`: up to `WHOLE_MAX_BYTES` it is read whole and every 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from fleetmend.cli.common import err, out
 from fleetmend.events import FaultEvent, Severity, device_label
 
 EXIT_OK, EXIT_DEGRADED, EXIT_FATAL, EXIT_UNREADABLE = 0, 1, 2, 3
+EXIT_STDOUT_CLOSED = 128 + 13
+"""The reader of standard output went away (`fleetmend explain big.log | head`): the status of a command killed
+by SIGPIPE (13), as `cat` gives there, silently; not click's 1, which here reads as "degraded"."""
 """Health-check convention (the Nagios plugin statuses OK, WARNING, CRITICAL, UNKNOWN): 0 nothing to act
 on (no fault, or only info and cleared ones), 1 the worst finding is degraded, 2 a fatal finding,
 3 the input could not be read (no such file, a directory, no permission, binary data) or bad usage."""
@@ -35,6 +39,13 @@ WHOLE_MAX_BYTES = 8 * 1024 * 1024
 """Inputs up to 8 MiB are read whole and run through every parser (a paste of tool output and logs);
 a larger input is a kernel log in practice and is streamed through the kernel-log parser only."""
 _BINARY_SNIFF_BYTES = 64 * 1024
+_BINARY_CONTROL_SHARE = 0.05
+"""Text with NUL bytes is binary when, NULs left out, over 5 % of the first 64 KiB are other control bytes
+(not tab, newline, CR, form feed, vertical tab, backspace, ESC): a log has next to none, an executable or random
+data about 10-40 %. NUL runs alone are what a crash or power loss leaves in /var/log/kern.log, syslog, messages (the
+filesystem zero-fills the unflushed tail): they are line breaks there, not a reason to refuse the log."""
+_NUL_RUN = re.compile(rb"\x00+")
+_TEXT_BYTES = bytes(b for b in range(256) if 0x20 <= b != 0x7F or b in b"\t\n\r\x0b\x0c\x08\x1b")
 
 
 class UnreadableInput(Exception):
@@ -69,6 +80,37 @@ def explain_text(text: str, catalog: Catalog | None = None, node: str = "local")
     return [Explained(e, cat.classify(e)) for e in events]
 
 
+def _looks_binary(head: bytes) -> bool:
+    """Compressed data by its magic bytes, or (NULs left out) mostly control bytes (`_BINARY_CONTROL_SHARE`)."""
+    if any(head.startswith(magic) for magic, _, _ in _COMPRESSED):
+        return True
+    sniff = head[:_BINARY_SNIFF_BYTES]
+    nuls = sniff.count(b"\x00")
+    if nuls > len(sniff) // 10 and nuls < 2 * len(_NUL_RUN.findall(sniff)):
+        return True  # NULs scattered one by one through the data (UTF-16 text, records of binary fields): no zero-fill
+    rest = sniff.replace(b"\x00", b"")
+    controls = len(rest.translate(None, _TEXT_BYTES))  # what is left once the text bytes are deleted
+    return controls > _BINARY_CONTROL_SHARE * len(rest)
+
+
+def _nul_runs_as_breaks(data: bytes, run: ExplainRun) -> bytes:
+    """Each run of NUL bytes becomes one line break (the lines either side stay apart); counted in `run`."""
+    if b"\x00" not in data:
+        return data
+    run.nul_bytes += data.count(b"\x00")
+    return _NUL_RUN.sub(b"\n", data)
+
+
+class _NulSkipping:
+    """A binary stream whose NUL runs read as line breaks (`_nul_runs_as_breaks`)."""
+
+    def __init__(self, stream: Any, run: ExplainRun) -> None:
+        self.stream, self.run = stream, run
+
+    def read(self, n: int = -1) -> bytes:
+        return _nul_runs_as_breaks(self.stream.read(n), self.run)
+
+
 class _Prefixed:
     """A binary stream that first returns `head` (already read) and then the rest of `stream`."""
 
@@ -86,16 +128,23 @@ class _Prefixed:
 class ExplainRun:
     """What `explain_stream` found so far: `mode` ("whole" or "stream"), counts by severity word
     ("fatal", "degraded", "info", "cleared"), whether any finding asks for a drain, and the worst severity
-    of the non-clearing findings (None: none)."""
+    of the non-clearing findings (None: none). A fault repeated past the parser's record cap comes in parts
+    (`agents.kmsg.parser.MAX_RECORD_LINES`): the parts after the first (`attrs["continued"]`) are counted in
+    `continued`, not as more faults."""
 
     mode: str = "whole"
     counts: dict[str, int] = field(default_factory=dict)
     drain: bool = False
     worst: Severity | None = None
+    nul_bytes: int = 0
+    continued: int = 0
 
     def note(self, x: Explained) -> None:
         key = "cleared" if x.event.healthy else x.event.severity.value
-        self.counts[key] = self.counts.get(key, 0) + 1
+        if x.event.attrs.get("continued"):
+            self.continued += 1
+        else:
+            self.counts[key] = self.counts.get(key, 0) + 1
         if not x.event.healthy:
             self.drain = self.drain or x.classification.drain
             if self.worst is None or x.event.severity.rank > self.worst.rank:
@@ -118,7 +167,9 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
     counts and the worst severity as events are yielded.
 
     Raises:
-        UnreadableInput: the first 64 KiB hold NUL bytes (compressed or binary data, not a log).
+        UnreadableInput: compressed data, or the first 64 KiB hold NUL bytes and, those left out, mostly
+            control bytes (binary data, not a log: `_looks_binary`). NUL runs in a text are line breaks
+            (counted in `run.nul_bytes`).
         OSError: reading the stream failed.
     """
     from agents.kmsg import KmsgParser  # lazily, as explain_text: only this command needs the agent's parsers
@@ -127,17 +178,18 @@ def explain_stream(stream: IO[bytes], run: ExplainRun | None = None, catalog: Ca
     run = run if run is not None else ExplainRun()
     cat = catalog or default_catalog()
     head = stream.read(WHOLE_MAX_BYTES + 1)
-    if b"\x00" in head[:_BINARY_SNIFF_BYTES]:
+    if b"\x00" in head[:_BINARY_SNIFF_BYTES] and _looks_binary(head):
         raise UnreadableInput(_binary_kind(head))
     if len(head) <= WHOLE_MAX_BYTES:
         run.mode = "whole"
-        for x in explain_text(head.decode("utf-8", "replace"), catalog=cat, node=node):
+        text = _nul_runs_as_breaks(head, run).decode("utf-8", "replace")
+        for x in explain_text(text, catalog=cat, node=node):
             run.note(x)
             yield x
         return
     run.mode = "stream"
     parser = KmsgParser("local", node, "unknown", catalog=cat)
-    for ev in parse_stream(cast(IO[bytes], _Prefixed(head, stream)), parser):
+    for ev in parse_stream(cast(IO[bytes], _NulSkipping(_Prefixed(head, stream), run)), parser):
         x = Explained(ev, cat.classify(ev))
         run.note(x)
         yield x
@@ -208,7 +260,9 @@ def render_table(explained: list[Explained], console: Console) -> None:
 def render_summary(run: ExplainRun, console: Console) -> None:
     """One line: counts by severity and whether the node should be drained."""
     counts = ", ".join(f"{n} {k}" for k, n in sorted(run.counts.items()))
-    console.print(Text.assemble((f"{run.total} fault(s): {counts}. ", "bold"),
+    parts = (f" (+{run.continued} continuation row(s): a fault repeating past {_record_cap()} lines comes in parts)"
+             if run.continued else "")
+    console.print(Text.assemble((f"{run.total} fault(s): {counts}{parts}. ", "bold"),
                                 ("Recommendation: drain the node." if run.drain else "No drain needed.",
                                  "bold red" if run.drain else "green")))
 
@@ -227,10 +281,23 @@ def render_entry(x: Explained, console: Console) -> None:
     line = Text.assemble((f"{when}  ", "dim"), (f"{kind}  ", "bold"), f"{component} {dev}  ",
                          (_plain(sev), _STYLE[x.event.severity] if not x.event.healthy else "green"),
                          f"  → {action}" + (", drain" if drain_s == "yes" else ""),
-                         (f"  {x.event.attrs['count']} times" if int(x.event.attrs.get("count") or 1) > 1 else "",
-                          "dim"))
+                         (_times(x.event), "dim"))
     console.print(line, overflow="fold")
     console.print(Text("    " + msg), overflow="fold")
+
+
+def _record_cap() -> int:
+    from agents.kmsg.parser import MAX_RECORD_LINES  # lazily, as the parsers
+
+    return MAX_RECORD_LINES
+
+
+def _times(ev: FaultEvent) -> str:
+    """`  400 times`; a part after the first of one fault's long run: `  400 more times (the same fault, continued)`."""
+    n = int(ev.attrs.get("count") or 1)
+    if ev.attrs.get("continued"):
+        return f"  {n} more time(s) (the same fault, continued)"
+    return f"  {n} times" if n > 1 else ""
 
 
 def _plain(cell: str) -> str:
@@ -261,6 +328,7 @@ EXPLAIN_EPILOG = """Exit statuses (health-check convention):
   1    the worst finding is degraded
   2    a fatal finding
   3    the input could not be read (no such file, a directory, no permission, binary data) or bad usage
+  141  standard output was closed before the end (e.g. `| head`), as for a command killed by SIGPIPE
 
 Inputs up to 8 MiB are read whole (kernel logs and tool outputs); a larger input is streamed as a
 kernel log in bounded memory. Faults are printed as they are found; the summary comes last."""
@@ -313,6 +381,43 @@ def explain(
         err.print("[red]error:[/red] no input: give a file (`fleetmend explain dmesg.txt`) or pipe one "
                   "(`dmesg | fleetmend explain`)")
         raise typer.Exit(EXIT_UNREADABLE)
+    # rich's console meets a closed pipe with SystemExit(1) (Console.on_broken_pipe): here it raises, to be told apart
+    prior = vars(out).get("on_broken_pipe")
+    out.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
+    try:
+        _explain_to_stdout(file, run, as_json)
+    except BrokenPipeError:
+        _quiet_stdout()
+        raise typer.Exit(EXIT_STDOUT_CLOSED) from None
+    finally:
+        if prior is None:
+            del out.on_broken_pipe
+        else:
+            out.on_broken_pipe = prior  # type: ignore[method-assign]
+    if run.mode == "stream":
+        err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
+    raise typer.Exit(exit_status(run, exit_zero))
+
+
+def _raise_broken_pipe() -> None:
+    raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """Standard output onto /dev/null, so that the interpreter's last flush of what is still buffered for the
+    closed pipe does not fail again (the Python documentation's handling of SIGPIPE, `signal` module notes)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        out.quiet = True
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind stdout (a test's capture): nothing to quiet
+        pass
+
+
+def _explain_to_stdout(file: str, run: ExplainRun, as_json: bool) -> None:
+    """Read FILE (or standard input), print each finding, then the summary, and flush: a closed standard
+    output raises BrokenPipeError here (to `explain`), whichever write meets it."""
     try:
         if file == "-":
             stream: IO[bytes] = sys.stdin.buffer
@@ -327,6 +432,8 @@ def explain(
                     sys.stdout.write(json.dumps(explained_json(x), default=str) + "\n")
                 else:
                     render_entry(x, out)
+    except BrokenPipeError:
+        raise
     except (OSError, UnreadableInput) as e:
         known: dict[type[Exception], str] = {FileNotFoundError: "no such file", IsADirectoryError: "is a directory",
                                              PermissionError: "permission denied"}
@@ -339,6 +446,7 @@ def explain(
             out.print("no faults found")
         else:
             render_summary(run, out)
-    if run.mode == "stream":
-        err.print(f"(input over {WHOLE_MAX_BYTES // 2**20} MiB: read as a kernel log, streamed)")
-    raise typer.Exit(exit_status(run, exit_zero))
+    if run.nul_bytes:
+        err.print(f"({run.nul_bytes} NUL byte(s) skipped: a zero-filled stretch, as a crash or power loss leaves "
+                  "in a log)")
+    sys.stdout.flush()
