@@ -111,7 +111,8 @@ async def test_new_guard_rebuilds_its_queue_from_running_incidents(temporal_clie
         await f.incident("b", permit_rerequest_s=3600.0)
         await _held_and_queued(f, "a", "b")
         await f.guard().terminate(reason="operator terminated the guard")
-        await a.execute_update(NodeRemediation.abort, AbortCommand(by="tester@ci", note="done with a"))
+        # done with a, its drain ended (an abort that left the drain would keep its permit: stranded)
+        await a.execute_update(NodeRemediation.abort, AbortCommand(by="tester@ci", note="done with a", undrain=True))
         await assert_eventually(lambda: f.drained("b"), timeout_s=30, what="b drained by the rebuilt guard")
         st = await f.status()
         assert any("rebuilt from the running incidents" in line for line in st.log), st.log
