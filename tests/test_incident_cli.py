@@ -60,7 +60,11 @@ async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_
     assert st["runbooks"] == {"xid79": "fleetmend runbook xid79 (docs/runbooks/xid79.md)"}
     shown = await asyncio.to_thread(cli, env, "show", node)
     assert shown.returncode == 0 and "runbook: fleetmend runbook xid79" in shown.stdout, shown.stdout
-    res = await cli_json(env, "repaired", node, "--ticket", "RMA-1", "--json")
+    # a command that acts is not guessed into another cluster (a retried abort closed a second incident)
+    refused = await asyncio.to_thread(cli, env, "repaired", node, "--ticket", "RMA-1")
+    assert refused.returncode == 1 and f"no open incident in cluster elsewhere; it has one in {ca}: add --cluster " \
+        f"{ca}" in refused.stderr.replace("\n", " "), refused.stderr
+    res = await cli_json(env, "repaired", node, "--ticket", "RMA-1", "--cluster", ca, "--json")
     assert res["cluster"] == ca and res["command"] == "mark_repaired" and "repair recorded" in res["result"]
     await assert_eventually(lambda: phase_is(h, "closed"), what="closed")
     await asyncio.sleep(1.0)  # the incident stays drained at least this long (drained_s below)
@@ -109,10 +113,10 @@ async def test_status_and_history_find_a_node_in_every_cluster(worker, temporal_
     from fleetmend.diagnostics import DiagResult
 
     calls.diag_results.append(DiagResult.FAIL)  # the re-test fails: B stays open for the abort below
-    res = await cli_json(env, "retest", node, "--json")
+    res = await cli_json(env, "retest", node, "--cluster", cb, "--json")
     assert res["cluster"] == cb and res["result"] == "re-test scheduled"
     await assert_eventually(lambda: _failed_retest(hb), what="re-test ran and failed")
-    res = await cli_json(env, "abort", node, "--note", "test over", "--json")
+    res = await cli_json(env, "abort", node, "--note", "test over", "--cluster", cb, "--json")
     assert res["cluster"] == cb and res["by"] and "incident will close" in res["result"]
     await assert_eventually(lambda: phase_is(hb, "closed"), what="B aborted")
     refused = await asyncio.to_thread(cli, env, "repaired", node, "--cluster", cb, "--json")

@@ -160,24 +160,26 @@ async def find_incidents(s: Settings, node: str, cluster: str | None) -> list[di
 
 
 async def open_cluster(client: Any, node: str, default: str) -> str:
-    """The cluster of `node`'s open incident, for commands given no `--cluster`: the configured
-    cluster (`default`) when the node has one open there, else the one other cluster where it has.
+    """The cluster a command given no `--cluster` acts in (`repaired`, `retest`, `abort`): the configured
+    cluster (`default`), always. A node with no open incident there but open incidents elsewhere is
+    refused, naming them: falling back to another cluster made a retried command act on a second incident
+    (`abort gpu-7` twice closed gpu-7 in `local`, then undrained a gpu-7 of another cluster).
 
-    Returns `default` when visibility lists no open incident (the command then says there is none).
+    Returns `default` when the node has an open incident there or none anywhere (the command then says so).
     Raises:
-        FleetmendError: open incidents in several other clusters (names them: pick one with --cluster).
+        FleetmendError: no open incident in `default`, open ones elsewhere (names them: add --cluster).
     """
     clusters: set[str] = set()
     async for wf in client.list_workflows(node_query(node, running=True), limit=20):
         cl = _attrs(wf).get("FleetCluster")
         if cl is not None:
             clusters.add(cl)
-    if default in clusters:
+    if default in clusters or not clusters:
         return default
-    if len(clusters) > 1:
-        raise FleetmendError(f"{node} has open incidents in clusters {', '.join(sorted(clusters))}; "
-                             "pick one with --cluster")
-    return clusters.pop() if clusters else default
+    others = sorted(clusters)
+    raise FleetmendError(f"{node} has no open incident in cluster {default}; it has one in "
+                         f"{', '.join(others)}: add --cluster {others[0]}" + (" (or another)" if len(others) > 1
+                                                                              else ""))
 
 
 async def node_history(s: Settings, node: str, cluster: str | None, limit: int) -> list[dict[str, Any]]:
