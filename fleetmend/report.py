@@ -41,7 +41,7 @@ HOW: dict[str, str] = {
                         "ticket and no failing check in the first diagnostics after the drain",
     "outcomes": "incidents closed in the window, by how they ended (fleetmend.ledger.Outcome); still_out: open",
     "lemons": "nodes with ≥ policy.lemon_repairs incidents of one fault class in the window, or an incident that "
-              "went to RMA as a lemon or a repeat part",
+              "went to RMA as a lemon or a repeat part (over several clusters a node is `<cluster>/<node>`)",
     "parts_not_replaced": "incidents repaired through a ticket whose faulty device has the serial it had at the drain",
     "slowness_gpu_hours": "Σ over fail_slow incidents of the lost pace (1 − min(ratio, 1/ratio) against the peer "
                           "median) × the hours the node was slow before the finding (windows × window length) × "
@@ -210,6 +210,9 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
         `stats` = `{n, mean, p50, p90}`.
     """
     recs = [r for r in records if r.get("drained_at") is not None]
+    # a node is its cluster's: over several clusters a node name is `<cluster>/<node>`, so two clusters' nodes of
+    # one name are neither summed nor a lemon together (two false alarms in two clusters made one "lemon")
+    several = len({r.get("cluster") for r in recs}) > 1
     by: dict[str, dict[str, float]] = {k: defaultdict(float) for k in ("fault_class", "rack", "hw_class", "node")}
     by_fc, by_rack, by_hw, by_node = by["fault_class"], by["rack"], by["hw_class"], by["node"]
     by_version: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -241,7 +244,7 @@ def build_report(records: Iterable[dict[str, Any]], p: ReportParams, *, fleet: l
         h = gpus * (hi - lo) / 3600.0 if hi > lo else 0.0
         total += h
         fc = get("fault_class") or "unknown"
-        node = r["node"]
+        node = f"{get('cluster') or '?'}/{r['node']}" if several else r["node"]
         by_fc[fc] += h
         by_rack[get("rack") or "-"] += h
         by_hw[get("hw_class") or "unknown"] += h

@@ -216,3 +216,15 @@ def test_version_finding_counts_each_node_once_with_its_value_at_the_drain(tmp_p
     gone = [rec("n99", "xid79", H, 2 * H, versions_drain=old)]
     (f,) = build_report(recs + gone, p, fleet=fleet3, cluster="c")["findings"]
     assert (f["nodes_with_fault_and_value"], f["fleet_nodes_with_value"], f["fleet_nodes"]) == (4, 4, 13)
+
+
+def test_nodes_of_one_name_in_two_clusters_are_two_nodes():
+    """The all-cluster report summed a gpu-020 of two clusters and called it a lemon (two false alarms, one in
+    each: a new user's trial, F12); over several clusters a node is `<cluster>/<node>`, one cluster's reads
+    as before."""
+    p = ReportParams(since=0.0, now=10 * H, lemon_repairs=2)
+    recs = [rec("gpu-020", "xid79", 1 * H, 2 * H), {**rec("gpu-020", "xid79", 3 * H, 4 * H), "cluster": "nope"}]
+    both = build_report(recs, p)
+    assert both["lemons"] == [] and set(both["gpu_hours_by_node"]) == {"c/gpu-020", "nope/gpu-020"}
+    one = build_report([recs[0], {**recs[1], "cluster": "c"}], p, cluster="c")
+    assert [x["node"] for x in one["lemons"]] == ["gpu-020"] and set(one["gpu_hours_by_node"]) == {"gpu-020"}
