@@ -44,8 +44,14 @@ settings.load_profile("fleetmend")
 def nats_server(tmp_path_factory: pytest.TempPathFactory):
     """A JetStream nats-server on a free port. Yields an object with `.url`, `.proc`, `.restart()`."""
     d = tmp_path_factory.mktemp("nats")
-    port = servers.free_port()
-    proc = servers.start_nats(d / "js", port)
+    for attempt in range(3):  # a free port can be taken by another xdist worker's server before ours binds it
+        port = servers.free_port()
+        try:
+            proc = servers.start_nats(d / "js", port)
+            break
+        except servers.ServerStartError:
+            if attempt == 2:
+                raise
 
     class Handle:
         url = f"nats://127.0.0.1:{port}"
@@ -72,10 +78,18 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory):
 def temporal_server(tmp_path_factory: pytest.TempPathFactory):
     """A Temporal dev server (SQLite file, search attributes registered) on free ports."""
     d = tmp_path_factory.mktemp("temporal")
-    port, ui_port = servers.free_port(), servers.free_port()
-    proc = servers.start_temporal(d / "temporal.db", port, ui_port, ui=False)
-    address = f"127.0.0.1:{port}"
-    asyncio.run(servers.wait_temporal_ready(address))
+    for attempt in range(3):  # a free port can be taken by another xdist worker's server before ours binds it
+        port, ui_port = servers.free_port(), servers.free_port()
+        address = f"127.0.0.1:{port}"
+        try:
+            proc = servers.start_temporal(d / "temporal.db", port, ui_port, ui=False)
+            asyncio.run(servers.wait_temporal_ready(address, proc=proc))
+            break
+        except servers.ServerStartError:
+            if "proc" in locals():
+                proc.stop()
+            if attempt == 2:
+                raise
 
     class Handle:
         pass

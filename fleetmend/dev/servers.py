@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from fleetmend.errors import FleetmendError
 
@@ -242,17 +242,31 @@ def start_temporal(db_file: Path, port: int, ui_port: int, host: str = "127.0.0.
     return p
 
 
-async def wait_temporal_ready(address: str, namespace: str = "default", timeout_s: float = 60.0) -> None:
-    """Wait until the frontend answers and the namespace exists (a TCP accept comes earlier)."""
+async def wait_temporal_ready(address: str, namespace: str = "default", timeout_s: float = 60.0,
+                              proc: ManagedProcess | None = None) -> None:
+    """Wait until the frontend answers and the namespace exists (a TCP accept comes earlier). With `proc`
+    (the server just started), a server that exited fails at once with its log's tail: its port taken
+    between the choice and the bind (another process accepting there made the TCP wait pass) or any other
+    start failure, instead of 60 s of "connection refused".
+
+    Raises:
+        ServerStartError: not ready within `timeout_s`, or `proc` exited."""
     from temporalio.client import Client  # lazy: who starts only nats-server (tests, benches) skips temporalio
 
+    class _Exited(Exception):
+        pass
+
     async def ready() -> None:
+        if proc is not None and not proc.alive():
+            raise _Exited(f"the temporal server exited: {proc.log_tail(3)}")
         client = await Client.connect(address, namespace=namespace)
         await client.count_workflows()
 
     try:  # every 0.2 s until the deadline (tenacity), then reported with the last error
-        await AsyncRetrying(retry=retry_if_exception_type(Exception), wait=wait_fixed(0.2),
+        await AsyncRetrying(retry=retry_if_exception(lambda e: not isinstance(e, _Exited)), wait=wait_fixed(0.2),
                             stop=stop_after_delay(timeout_s), reraise=True)(ready)
+    except _Exited as err:
+        raise ServerStartError(f"Temporal at {address} not ready: {err}") from err
     except Exception as err:  # any failure to answer is "not ready"
         raise ServerStartError(f"Temporal at {address} not ready after {timeout_s:.0f}s: {err}") from err
 
