@@ -23,6 +23,8 @@ from workflows.remediation import NodeRemediation
 
 
 def cli(env: dict[str, str], *args: str):
+    """The app in this process; JSON is read from `.stdout` alone (`.output` interleaves stderr, where a task
+    another test left in this worker may log)."""
     return CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
 
 
@@ -38,7 +40,7 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):
     r = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--xid", "79", "--bus-id",
                                 "0000:3b:00.0", "--json")
     assert r.exit_code == 0, r.output
-    res = json.loads(r.output)
+    res = json.loads(r.stdout)
     assert res["subject"] == subjects.fault_subject(cluster, "gpu-7") and not res["duplicate"]
     js = nc.jetstream()
     msg = await js.get_msg(subjects.FAULT_STREAM, res["seq"])
@@ -49,7 +51,7 @@ async def test_inject_publishes_a_synthetic_event_with_msg_id(cli_env, nc):
 
     r = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--kind", "ib_port_down", "--json")
     assert r.exit_code == 0, r.output
-    body = json.loads((await js.get_msg(subjects.FAULT_STREAM, json.loads(r.output)["seq"])).data)
+    body = json.loads((await js.get_msg(subjects.FAULT_STREAM, json.loads(r.stdout)["seq"])).data)
     assert body["kind"] == "ib_port_down" and body["component"] == "ib"
 
     bad = await asyncio.to_thread(cli, cli_env, "inject", "--node", "gpu-7", "--kind", "ib_prot_down")
@@ -100,7 +102,7 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
         assert r.exit_code == 0 and "already paused by" in r.output and "maintenance window" in r.output, r.output
         r = await asyncio.to_thread(cli, cli_env, "resume", "--json")
         assert r.exit_code == 0, r.output
-        res = json.loads(r.output)  # --json: the result as one object
+        res = json.loads(r.stdout)  # --json: the result as one object
         assert res["command"] == "resume" and res["cluster"] == cluster and res["by"] and res["result"]
         await assert_eventually(lambda: phase_is(h1, "awaiting_repair"), what="drained after resume")
         r = await asyncio.to_thread(cli, cli_env, "resume")
@@ -115,9 +117,9 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
         st = await _status(cli_env, lambda s: True)
         assert "from 2 distinct nodes" in st["breaker_reason"] and "x1, x2" in st["breaker_reason"]
         r = await asyncio.to_thread(cli, cli_env, "breaker", "reset", "--note", "one-off", "--json")
-        assert r.exit_code == 0 and "breaker reset" in json.loads(r.output)["result"], r.output
+        assert r.exit_code == 0 and "breaker reset" in json.loads(r.stdout)["result"], r.output
         await assert_eventually(lambda: phase_is(h2, "awaiting_repair"), what="queued drain after reset")
-        st = json.loads((await asyncio.to_thread(cli, cli_env, "breaker", "status", "--json")).output)
+        st = json.loads((await asyncio.to_thread(cli, cli_env, "breaker", "status", "--json")).stdout)
         assert any("breaker reset by" in line and "one-off" in line for line in st["log"])
         assert [d.node for d in calls.drains] == ["x1", "x2"]
         stop.set()
@@ -126,7 +128,7 @@ async def test_breaker_status_reset_and_pause_resume(cli_env, temporal_client, n
 
 async def _status(env: dict[str, str], pred):
     r = await asyncio.to_thread(cli, env, "breaker", "status", "--json")
-    st = json.loads(r.output) if r.exit_code == 0 else None
+    st = json.loads(r.stdout) if r.exit_code == 0 else None
     return st if st and pred(st) else None
 
 
