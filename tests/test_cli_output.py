@@ -59,6 +59,19 @@ def test_json_logs_go_to_stderr_in_every_process_format() -> None:
     assert [x["event"] for x in lines] == ["probe_logged", "stdlib_logged"]
 
 
+def test_logs_follow_the_current_stderr_after_an_in_process_command_closed_its_own() -> None:
+    """A CLI command run in-process (a test's runner) swaps sys.stderr for a buffer it closes after;
+    before, the handler kept that buffer and every later record failed with "--- Logging error ---
+    ... I/O operation on closed file" (CI run on 86a9da3, an activity's log after a CLI test)."""
+    code = ("import io, logging, sys\nfrom fleetmend.infra.logs import configure_logging\n"
+            "real = sys.stderr\nsys.stderr = io.StringIO()\nconfigure_logging('json')\nsys.stderr.close()\n"
+            "sys.stderr = real\nlogging.getLogger('activity').warning('after_the_runner')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert "Logging error" not in p.stderr, p.stderr
+    assert [json.loads(x)["event"] for x in p.stderr.splitlines()] == ["after_the_runner"], p.stderr
+
+
 def test_creds_generate_json_lists_what_it_wrote(tmp_path: Path) -> None:
     p = _cli("creds", "generate", "--out", str(tmp_path / "c"), "--cluster", "c1", "--nodes", "n1,n2", "--json")
     assert p.returncode == 0, p.stderr

@@ -41,6 +41,25 @@ def _sdk_failure_one_line(lvl: int) -> Any:
     return proc
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A stream handler that writes to whatever `sys.stderr` is when a record is emitted, not the stream
+    it was when logging was configured: a CLI command run in-process (a test's runner, an embedding
+    program) swaps `sys.stderr` for a buffer and closes it after, and a handler bound to that buffer
+    then fails every later record with "I/O operation on closed file" (as the stdlib's last-resort
+    handler does, `logging._StderrHandler`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
     """Configure structlog and the stdlib root logger. Idempotent (safe to call twice).
 
@@ -71,7 +90,7 @@ def configure_logging(fmt: str = "auto", level: str | int = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, _sdk_failure_one_line(lvl)],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
