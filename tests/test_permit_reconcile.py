@@ -180,6 +180,8 @@ async def test_breaker_release_frees_a_permit_by_hand(temporal_client, nc, nats_
         await a.terminate(reason="terminated by hand; its permit leaks (reconciliation is an hour away here)")
         r = await asyncio.to_thread(cli, "breaker", "release", "a", "--note", "leaked")
         assert r.exit_code == 0 and "a: permit released" in r.output, r.output
+        # the guard answers before its pool write; the command waits for the pool's word (it used to end first)
+        assert "the permit pool no longer lists a" in " ".join(r.output.split()), r.output
         await assert_eventually(lambda: f.drained("b"), what="b drained")
         st = await f.status()
         assert any("a: permit released by " in line and ": leaked" in line for line in st.log), st.log

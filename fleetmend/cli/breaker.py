@@ -311,13 +311,38 @@ async def release_permit(settings: Settings, node: str, by: str, note: str, forc
         answer = await handle.execute_update(GuardApi.RELEASE_PERMIT,
                                              PermitReleaseCommand(by=by, node=node, note=f"{note} ({undrained})"
                                                                   if note else undrained), result_type=str)
-        return f"{node}: {undrained}. {answer}"
     except WorkflowUpdateFailedError as e:
         raise FleetmendError(f"FleetGuard {settings.cluster}: {refusal(e)}") from e
     except RPCError as e:
         if "not found" in str(e).lower() or "already completed" in str(e).lower():
             raise FleetmendError(f"no running FleetGuard for cluster {settings.cluster}: no permit is held") from e
         raise FleetmendError(f"FleetGuard {settings.cluster}: {e}; is `fleetmend worker` running?") from e
+    return f"{node}: {undrained}. {answer}{await _slot_freed(settings, node)}"
+
+
+async def _slot_freed(settings: Settings, node: str, timeout_s: float = 10.0) -> str:
+    """What the permit pool says of `node` once FleetGuard's next pool write lands (the guard answers the
+    release before that write), waiting at most `timeout_s`: "; the permit pool no longer lists NODE", or
+    why it was not said."""
+    from fleetmend.infra.permit_pool import PermitPool  # lazy: nats
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        nc = await connect_nats(settings, name="fleetmend-cli")
+    except Exception as e:  # noqa: BLE001 - the release itself is done; only the pool's word is missing
+        return f"; the permit pool was not read ({type(e).__name__}: {e})"
+    try:
+        pool = await PermitPool.open(nc.jetstream())
+        while True:
+            st = await pool.read(settings.cluster)
+            if st is None or node not in st.holders:
+                return f"; the permit pool no longer lists {node}" if st is not None else ""
+            if asyncio.get_running_loop().time() >= deadline:
+                return (f"; the permit pool still lists {node} after {timeout_s:.0f} s: FleetGuard frees it at "
+                        f"its next pool write (`fleetmend breaker status`)")
+            await asyncio.sleep(0.2)
+    finally:
+        await close_nats(nc)
 
 
 # ------------------------------------------------------------------ commands
